@@ -1,0 +1,41 @@
+# The fork's entry points. `make demo` and `make test` build everything they need.
+PYTHON ?= python3
+VENV   ?= .venv
+VPY    := $(VENV)/bin/python
+# Inputs of the fork wheel: rebuilt and reinstalled when any of them changes.
+SOURCES := $(shell git ls-files -co --exclude-standard pyproject.toml upstream.lock patches python build_backend 2>/dev/null)
+
+.PHONY: venv demo test wheel system-deps clean
+
+venv: $(VENV)/.fork-installed
+
+demo: venv
+	$(VPY) -m testing.demo
+
+test: venv
+	$(VPY) -m pytest -ra --timeout=1200 test/srt
+
+wheel:
+	$(PYTHON) -m pip wheel --no-deps --wheel-dir dist .
+
+# mooncake's engine.so links libibverbs.so.1 even when it only speaks TCP.
+system-deps:
+	@if ! ldconfig -p | grep -q 'libibverbs\.so\.1 '; then \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1; \
+	  else echo "mooncake needs libibverbs1: run 'sudo apt-get install libibverbs1'" >&2; exit 1; fi; \
+	fi
+
+$(VENV)/.deps-installed: requirements/cpu.txt requirements/test.txt
+	@$(MAKE) --no-print-directory system-deps
+	$(PYTHON) -m venv $(VENV)
+	$(VPY) -m pip install --quiet --disable-pip-version-check --no-deps \
+	    -r requirements/cpu.txt -r requirements/test.txt
+	touch $@
+
+$(VENV)/.fork-installed: $(VENV)/.deps-installed $(SOURCES)
+	$(VPY) -m pip install --quiet --disable-pip-version-check --no-deps --force-reinstall .
+	touch $@
+
+clean:
+	rm -rf $(VENV) dist .cache

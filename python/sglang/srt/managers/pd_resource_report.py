@@ -1,0 +1,120 @@
+"""What a scheduler holds right now, as `fork_pd_resources` in its internal state.
+
+An AFTER hook on upstream's `SchedulerInternalStateController.get_internal_state`
+(GET /server_info or /get_server_info -> internal_states[i]) adds: KV tokens (free,
+total, cached-evictable, protected, held by requests), request slots, PD
+metadata-buffer slots, PD queue lengths per role, per-room table sizes of the transfer
+kv_manager, and `hooks_applied`. Tests compare it with an idle baseline; read-only.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+# Per-room (or per-peer-of-a-room) tables of upstream's Common/MooncakeKVManager in
+# 0.5.23; a table a given role/backend does not have is simply not reported.
+KV_MANAGER_ROOM_TABLES = (
+    "request_status",
+    "failure_records",
+    "transfer_infos",
+    "req_to_decode_prefix_len",
+    "required_prefill_response_num_table",
+    "prefill_response_tracker",
+    "_staging_outstanding",
+    "_deferred_ack_targets",
+    "_deferred_ack_poisoned_rooms",
+    "_deferred_abort_ack_tracker",
+)
+
+
+def _kv_tokens(scheduler) -> Dict[str, int]:
+    allocator = scheduler.token_to_kv_pool_allocator
+    tree_cache = scheduler.tree_cache
+    total = int(scheduler.max_total_num_tokens)
+    free = int(allocator.available_size())
+    evictable = int(tree_cache.evictable_size())
+    return {
+        "total": total,
+        "free": free,
+        "evictable": evictable,
+        "protected": int(tree_cache.protected_size()),
+        # Neither free nor reclaimable from the prefix cache: owned by live requests.
+        "held": total - free - evictable,
+    }
+
+
+def _slots(allocator) -> Optional[Dict[str, int]]:
+    if allocator is None:
+        return None
+    # The decode req pool has pre_alloc_size extra slots beyond size.
+    total = allocator.size + getattr(allocator, "pre_alloc_size", 0)
+    return {"free": int(allocator.available_size()), "total": int(total)}
+
+
+def _queues(scheduler) -> Dict[str, int]:
+    queues = {
+        "waiting": len(scheduler.waiting_queue),
+        "running": len(scheduler.running_batch.reqs),
+    }
+    bootstrap = scheduler.disagg_prefill_bootstrap_queue
+    if bootstrap is not None:
+        queues["prefill_bootstrap"] = len(bootstrap.queue)
+        queues["prefill_inflight"] = len(scheduler.disagg_prefill_inflight_queue)
+        queues["prefill_pending_chunks"] = len(
+            scheduler.disagg_prefill_pending_chunk_rids
+        )
+    prealloc = scheduler.disagg_decode_prealloc_queue
+    if prealloc is not None:
+        queues["decode_prealloc"] = len(prealloc.queue)
+        queues["decode_prealloc_pending"] = len(prealloc.pending_reqs)
+        queues["decode_retracted"] = len(prealloc.retracted_queue)
+        queues["decode_held_rebootstrap"] = len(prealloc.held_rebootstrap_reqs)
+        queues["decode_transfer"] = len(scheduler.disagg_decode_transfer_queue.queue)
+    return queues
+
+
+def _kv_manager(scheduler):
+    for queue in (
+        scheduler.disagg_prefill_bootstrap_queue,
+        scheduler.disagg_decode_prealloc_queue,
+    ):
+        if queue is not None:
+            return queue.kv_manager
+    return None
+
+
+def _room_tables(kv_manager) -> Dict[str, int]:
+    tables = {}
+    for name in KV_MANAGER_ROOM_TABLES:
+        table = getattr(kv_manager, name, None)
+        if table is not None:
+            tables[name] = len(table)
+    rooms_by_addr = getattr(kv_manager, "addr_to_rooms_tracker", None)
+    if rooms_by_addr is not None:
+        # list() copies the values in one step: transfer threads mutate the dict.
+        tables["addr_to_rooms_tracker"] = sum(len(r) for r in list(rooms_by_addr.values()))
+    return tables
+
+
+def build_report(scheduler) -> Dict[str, Any]:
+    from sglang.srt.managers.fork_plugin import hooks_applied
+
+    mode = scheduler.disaggregation_mode
+    kv_manager = _kv_manager(scheduler)
+    return {
+        "disaggregation_mode": mode.value,
+        "kv_tokens": _kv_tokens(scheduler),
+        "req_slots": _slots(scheduler.req_to_token_pool),
+        "metadata_slots": _slots(
+            getattr(scheduler, "req_to_metadata_buffer_idx_allocator", None)
+        ),
+        "queues": _queues(scheduler),
+        "transfer_rooms": None if kv_manager is None else _room_tables(kv_manager),
+        "hooks_applied": hooks_applied(),
+    }
+
+
+def add_to_internal_state(result, controller, *args, **kwargs):
+    """AFTER hook: result is upstream's GetInternalStateReqOutput."""
+    result.internal_state["fork_pd_resources"] = build_report(controller.scheduler)
+    return result

@@ -1,0 +1,239 @@
+"""A prefill and a decode process joined by real mooncake over TCP on 127.0.0.1.
+
+Each child runs the queue harness (`testing/queue_harness.py`) with the mooncake
+backend: upstream's `MooncakeKVManager` over CPU KV pools, the prefill side with its
+bootstrap server. The parent holds no sglang state; it scripts both children step by
+step over a pipe, so a test reads like a timeline:
+
+    with MooncakePair() as pair:
+        room = pair.submit(prompt_len=12)
+        pair.run_until(lambda: pair.decode.call("transferred", room)
+                       and pair.prefill.call("status", room) == 200, timeout=60)
+        assert pair.decode.call("kv_bytes", room) == pair.prefill.call("kv_sent", room)
+        assert pair.prefill.call("room_entries", room) == []
+
+Commands are the methods of `_Worker`; add one there to expose more of a side.
+
+Only the scheduler is a stand-in; queues, manager, engine and bootstrap are upstream's.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import time
+import traceback
+from multiprocessing.connection import Connection
+from typing import Any, Callable, Dict, Optional
+
+# Mooncake needs none of MOONCAKE_PROTOCOL, MC_FORCE_TCP or SGLANG_HOST_IP: without an
+# RDMA device it serves TCP by itself, and the host IP is detected. (Its engine.so does
+# need libibverbs1 installed.) One thing in stock 0.5.23 needs help on a CPU:
+CHILD_ENV = {
+    # The prefill send path pins memory and records a torch.cuda.Event unless every
+    # CP rank transfers (disaggregation/prefill.py, _send_kv_chunk); with CP=1 this
+    # only selects the plain CPU index path. Redundant once the fork's CPU send-path
+    # patch is in the build; harmless with it.
+    "SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER": "1",
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Worker:
+    """Runs in the child: one side's harness and the commands the parent may send."""
+
+    def __init__(self, role: str, bootstrap_port: int, http_port: int, sizes: Dict[str, Any]):
+        from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import (
+            init_mooncake_transfer_engine,
+        )
+
+        from testing.queue_harness import DecodeHarness, PrefillHarness
+
+        self.role = role
+        self.bootstrap_port = bootstrap_port
+        init_mooncake_transfer_engine(hostname="127.0.0.1", gpu_id=0, ib_device=None)
+        self.bootstrap_server = None
+        if role == "prefill":
+            from sglang.srt.disaggregation.mooncake import MooncakeKVBootstrapServer
+
+            self.bootstrap_server = MooncakeKVBootstrapServer(host="127.0.0.1", port=bootstrap_port)
+        cls = PrefillHarness if role == "prefill" else DecodeHarness
+        self.h = cls(
+            transfer_backend="mooncake",
+            process_wide=True,
+            server_args=dict(
+                host="127.0.0.1", port=http_port, disaggregation_bootstrap_port=bootstrap_port
+            ),
+            **sizes,
+        )
+        self.reqs: Dict[int, Any] = {}
+
+    # -- commands --
+    def add(self, room: int, prompt_len: int) -> str:
+        req = self.h.make_req(
+            rid=f"room-{room}", room=room, prompt_len=prompt_len, bootstrap_host="127.0.0.1"
+        )
+        self.reqs[room] = req
+        self.h.add(req)
+        return req.rid
+
+    def tick(self, n: int = 1) -> None:
+        self.h.tick(n)
+
+    def status(self, room: int) -> Optional[int]:
+        return self.h.outputs.status_code(self.reqs[room].rid)
+
+    def transferred(self, room: int) -> bool:
+        return self.reqs[room] in self.h.waiting
+
+    def output_ids(self, room: int) -> list:
+        return list(self.reqs[room].output_ids)
+
+    def kv_bytes(self, room: int) -> bytes:
+        return self.h.kv_bytes(self.reqs[room])
+
+    def kv_sent(self, room: int) -> bytes:
+        return self.h.kv_sent[room]
+
+    def finish(self, room: int) -> None:
+        self.h.finish(self.reqs[room])
+
+    def room_entries(self, room: int) -> list:
+        return self.h.room_entries(room)
+
+    def snapshot(self) -> dict:
+        return self.h.snapshot().held()
+
+
+def _serve(role: str, conn: Connection, bootstrap_port: int, http_port: int, sizes: Dict[str, Any]) -> None:
+    os.environ.update(CHILD_ENV)
+    try:
+        worker = _Worker(role, bootstrap_port, http_port, sizes)
+        conn.send(("ok", None))
+    except BaseException:
+        conn.send(("err", traceback.format_exc()))
+        return
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            break
+        name, args, kwargs = msg
+        try:
+            conn.send(("ok", getattr(worker, name)(*args, **kwargs)))
+        except BaseException:
+            conn.send(("err", traceback.format_exc()))
+    worker.h.close()
+    if worker.bootstrap_server is not None:
+        worker.bootstrap_server.close()
+    conn.close()
+    # The managers' transfer and heartbeat threads have no stop and would hold the
+    # interpreter's exit for seconds; nothing in this process is left to flush.
+    os._exit(0)
+
+
+def _context() -> mp.context.BaseContext:
+    """A forkserver that imports sglang once and forks both children from it: half the
+    start-up of two concurrent spawns on a small machine. The parent stays import-free."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["testing.queue_harness"])
+    return ctx
+
+
+class Side:
+    """The parent's handle on one child: `call(command, *args)` with a bounded wait."""
+
+    def __init__(self, role: str, bootstrap_port: int, sizes: Dict[str, Any]):
+        self.role = role
+        ctx = _context()
+        self.conn, child_conn = ctx.Pipe()
+        self.proc = ctx.Process(
+            target=_serve,
+            args=(role, child_conn, bootstrap_port, _free_port(), sizes),
+            name=f"mooncake-{role}",
+            daemon=True,
+        )
+        self.proc.start()
+        child_conn.close()
+
+    def _reply(self, timeout: float) -> Any:
+        if not self.conn.poll(timeout):
+            raise TimeoutError(f"{self.role} gave no answer in {timeout}s")
+        try:
+            status, value = self.conn.recv()
+        except EOFError:
+            self.proc.join(5)
+            raise RuntimeError(f"{self.role} process died (exit code {self.proc.exitcode})")
+        if status == "err":
+            raise RuntimeError(f"{self.role} failed:\n{value}")
+        return value
+
+    def ready(self, timeout: float) -> None:
+        self._reply(timeout)
+
+    def call(self, name: str, *args: Any, timeout: float = 30.0, **kwargs: Any) -> Any:
+        self.conn.send((name, args, kwargs))
+        return self._reply(timeout)
+
+    def close(self, timeout: float = 10.0) -> None:
+        if self.proc.is_alive():
+            try:
+                self.conn.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+            self.proc.join(timeout)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(timeout)
+
+
+class MooncakePair:
+    """Both children start at once; `__init__` returns when both are built, so the
+    prefill's bootstrap server is up before any request makes decode handshake."""
+
+    def __init__(self, start_timeout: float = 120.0, **sizes: Any):
+        self.bootstrap_port = _free_port()
+        self._rooms = iter(range(5000, 1 << 30))
+        self.prefill = Side("prefill", self.bootstrap_port, sizes)
+        self.decode = Side("decode", self.bootstrap_port, sizes)
+        try:
+            self.prefill.ready(start_timeout)
+            self.decode.ready(start_timeout)
+        except BaseException:
+            self.close()
+            raise
+
+    def submit(self, prompt_len: int = 12) -> int:
+        """The same request on both sides, as the router would send it."""
+        room = next(self._rooms)
+        self.prefill.call("add", room, prompt_len)
+        self.decode.call("add", room, prompt_len)
+        return room
+
+    def run_until(self, done: Callable[[], bool], timeout: float = 60.0) -> float:
+        """Tick both schedulers in turn until `done()`; bounded by `timeout` seconds."""
+        start = time.monotonic()
+        while not done():
+            if time.monotonic() - start > timeout:
+                raise TimeoutError(
+                    f"not done after {timeout}s: prefill {self.prefill.call('snapshot')}, "
+                    f"decode {self.decode.call('snapshot')}"
+                )
+            self.prefill.call("tick")
+            self.decode.call("tick")
+        return time.monotonic() - start
+
+    def close(self) -> None:
+        self.decode.close()
+        self.prefill.close()
+
+    def __enter__(self) -> "MooncakePair":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

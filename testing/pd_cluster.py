@@ -1,0 +1,629 @@
+"""Bring up sglang servers for tests: 1 prefill + 1 decode + mini load balancer, or one
+plain server, on free 127.0.0.1 ports, and take them apart again.
+
+Every process started here (and its whole tree: launch_server forks a scheduler and a
+detokenizer) is killed on teardown, on exceptions, on Ctrl-C / SIGTERM and at exit,
+and teardown verifies nothing is left. Each server can be frozen (SIGSTOP), resumed,
+killed and restarted on the same ports; its Prometheus metrics and the fork's resource
+report (`fork_pd_resources`, see sglang.srt.managers.pd_resource_report) are readable.
+
+The python that runs the servers is $SGLANG_FORK_PYTHON (default: this interpreter).
+Servers get no workaround flags or env: what they need on CPU is in the fork itself.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence
+
+import psutil
+
+PYTHON_ENV = "SGLANG_FORK_PYTHON"
+HOST = "127.0.0.1"
+DEFAULT_HEALTH_TIMEOUT = 300.0  # 3 servers starting at once on a busy 2-core box: 60-110 s
+POLL_INTERVAL = 0.25
+
+# Deployment configuration, not workarounds: tests talk to loopback only (the
+# transfer engine would otherwise advertise the host's detected address), and the
+# model is local. Mooncake picks TCP by itself when the host has no RDMA device.
+BASE_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "SGLANG_HOST_IP": HOST,
+}
+# Pools for the tiny model (256 B of KV per token), big enough that decode admits 20+
+# requests at once despite reserving num_reserved_decode_tokens (512) for each;
+# --sleep-on-idle because an idle scheduler otherwise spins a whole core, and a test
+# deployment runs 3 schedulers on a 2-core machine.
+BASE_SERVER_ARGS = (
+    "--device", "cpu",
+    "--max-total-tokens", "32768",
+    "--max-running-requests", "32",
+    "--sleep-on-idle",
+    "--enable-metrics",
+)
+
+
+def fork_python() -> str:
+    return os.environ.get(PYTHON_ENV) or sys.executable
+
+
+class ClusterError(RuntimeError):
+    pass
+
+
+# ----------------------------------------------------------------------------- ports
+
+
+def free_ports(n: int) -> List[int]:
+    """n distinct ports that were free on 127.0.0.1 a moment ago."""
+    socks, ports = [], []
+    try:
+        while len(ports) < n:
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind((HOST, 0))
+            socks.append(s)
+            ports.append(s.getsockname()[1])
+    finally:
+        for s in socks:
+            s.close()
+    return ports
+
+
+# ----------------------------------------------------------------------------- HTTP
+
+
+def http_get(url: str, timeout: float = 10.0) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def http_post_json(url: str, payload: Any, timeout: float = 120.0) -> tuple[int, Any]:
+    req = urllib.request.Request(
+        url,
+        data=json.dumps(payload).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            body = r.read()
+            status = r.status
+    except urllib.error.HTTPError as e:
+        body, status = e.read(), e.code
+    try:
+        return status, json.loads(body)
+    except ValueError:
+        return status, body.decode(errors="replace")
+
+
+def parse_prometheus(text: str) -> Dict[str, float]:
+    """Prometheus text format -> {'name{labels}': value} ('name' when unlabelled)."""
+    out: Dict[str, float] = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        if "}" in line:
+            key, _, rest = line.rpartition("}")
+            key += "}"
+        else:
+            key, _, rest = line.partition(" ")
+        value = rest.split()[0]
+        out[key] = float(value)
+    return out
+
+
+def metric_sum(metrics: Mapping[str, float], name: str) -> float:
+    """Sum of every sample of `name` over all label sets."""
+    return sum(
+        v for k, v in metrics.items() if k == name or k.startswith(name + "{")
+    )
+
+
+def wait_until(
+    predicate: Callable[[], Any],
+    timeout: float,
+    what: str,
+    interval: float = POLL_INTERVAL,
+    on_timeout: Optional[Callable[[], str]] = None,
+) -> Any:
+    """Poll predicate until it returns a truthy value or the deadline passes."""
+    deadline = time.monotonic() + timeout
+    last_exc: Optional[BaseException] = None
+    while True:
+        try:
+            value = predicate()
+            if value:
+                return value
+        except ClusterError:
+            raise
+        except Exception as e:  # the thing polled is allowed to be not ready yet
+            last_exc = e
+        if time.monotonic() >= deadline:
+            detail = on_timeout() if on_timeout else ""
+            raise ClusterError(
+                f"timed out after {timeout:.0f}s waiting for {what}"
+                + (f" (last error: {last_exc!r})" if last_exc else "")
+                + (f"\n{detail}" if detail else "")
+            )
+        time.sleep(interval)
+
+
+# ----------------------------------------------------------------------------- process registry
+
+_live: "set[Server]" = set()
+_live_lock = threading.Lock()
+_handlers_installed = False
+
+
+def _kill_all_live() -> None:
+    with _live_lock:
+        servers = list(_live)
+    for server in servers:
+        server.kill()
+
+
+def _on_signal(signum, frame):
+    # Turn SIGTERM/SIGHUP into SystemExit so finally-blocks and atexit run.
+    raise SystemExit(128 + signum)
+
+
+def _install_handlers() -> None:
+    global _handlers_installed
+    if _handlers_installed:
+        return
+    _handlers_installed = True
+    atexit.register(_kill_all_live)
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            if signal.getsignal(sig) in (signal.SIG_DFL, None):
+                signal.signal(sig, _on_signal)
+
+
+def _group_members(pgid: int) -> List[psutil.Process]:
+    out = []
+    for p in psutil.process_iter():
+        try:
+            if os.getpgid(p.pid) == pgid and _proc_alive(p):
+                out.append(p)
+        except (ProcessLookupError, psutil.NoSuchProcess):
+            pass
+    return out
+
+
+def _proc_alive(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+# ----------------------------------------------------------------------------- one server
+
+
+@dataclass(eq=False)
+class Server:
+    """One process we launched (launch_server or the router) and its descendants."""
+
+    role: str
+    argv: List[str]
+    env: Dict[str, str]
+    port: int
+    log_path: Path
+    health_path: str = "/health"
+    popen: Optional[subprocess.Popen] = None
+    # Every process of the tree we have seen, keyed by pid, for teardown.
+    _seen: Dict[int, psutil.Process] = field(default_factory=dict)
+    _log_file: Any = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    # -- lifecycle
+
+    def start(self) -> None:
+        if self.popen is not None and self.popen.poll() is None:
+            raise ClusterError(f"{self.role} already running")
+        _install_handlers()
+        self._log_file = open(self.log_path, "ab")
+        self._log_file.write(f"\n==== start {time.strftime('%H:%M:%S')} {self.argv}\n".encode())
+        self._log_file.flush()
+        self.popen = subprocess.Popen(
+            self.argv,
+            env=self.env,
+            stdout=self._log_file,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,  # own process group: killpg reaches the tree
+        )
+        with _live_lock:
+            _live.add(self)
+        self._remember()
+
+    def wait_healthy(self, timeout: float = DEFAULT_HEALTH_TIMEOUT) -> float:
+        """Poll the health endpoint until 200; returns seconds waited."""
+        t0 = time.monotonic()
+
+        deadline = t0 + timeout
+        while True:
+            if self.popen.poll() is not None:
+                raise ClusterError(
+                    f"{self.role} exited with {self.popen.returncode}\n{self.tail()}"
+                )
+            try:
+                if http_get(self.url + self.health_path, timeout=5)[0] == 200:
+                    break
+            except OSError:  # not listening yet, or busy starting
+                pass
+            if time.monotonic() >= deadline:
+                raise ClusterError(
+                    f"{self.role} not healthy after {timeout:.0f}s\n{self.tail()}"
+                )
+            time.sleep(POLL_INTERVAL)
+        self._remember()
+        return time.monotonic() - t0
+
+    def freeze(self) -> List[int]:
+        """SIGSTOP every process of the tree."""
+        return self._signal_tree(signal.SIGSTOP)
+
+    def resume(self) -> List[int]:
+        return self._signal_tree(signal.SIGCONT)
+
+    def kill(self, timeout: float = 30.0) -> None:
+        """SIGKILL the whole tree (and its process group) and wait until it is gone."""
+        if self.popen is None:
+            return
+        self._remember()
+        procs = [p for p in self._seen.values() if _proc_alive(p)]
+        for p in procs:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        try:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            self.popen.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pass
+        _, alive = psutil.wait_procs(procs, timeout=timeout)
+        alive = [p for p in alive if _proc_alive(p)]
+        # Also anything left in the process group that we never saw (e.g. forked
+        # after the last look and reparented when its parent died).
+        alive += [p for p in _group_members(self.popen.pid) if p.pid not in {a.pid for a in alive}]
+        if alive:
+            raise ClusterError(f"{self.role}: processes survived SIGKILL: {alive}")
+        self._seen.clear()
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+        with _live_lock:
+            _live.discard(self)
+
+    def restart(self, timeout: float = DEFAULT_HEALTH_TIMEOUT) -> float:
+        """Kill, start again with the same argv (same ports), wait healthy."""
+        self.kill()
+        self.start()
+        return self.wait_healthy(timeout)
+
+    # -- introspection
+
+    def pids(self) -> List[int]:
+        """The live process tree: launch process first, then descendants."""
+        self._remember()
+        return [p.pid for p in self._tree()]
+
+    def is_alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def tail(self, n: int = 40) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                lines = deque(f, maxlen=n)
+        except OSError:
+            return f"[{self.role}] no log at {self.log_path}"
+        body = b"".join(lines).decode(errors="replace")
+        return f"---- last {n} lines of {self.log_path} ----\n{body}"
+
+    def metrics(self, timeout: float = 10.0) -> Dict[str, float]:
+        status, body = http_get(self.url + "/metrics", timeout=timeout)
+        if status != 200:
+            raise ClusterError(f"{self.role} /metrics -> {status}")
+        return parse_prometheus(body.decode())
+
+    def server_info(self, timeout: float = 10.0) -> Dict[str, Any]:
+        status, body = http_get(self.url + "/server_info", timeout=timeout)
+        if status != 200:
+            raise ClusterError(f"{self.role} /server_info -> {status}: {body[:200]!r}")
+        return json.loads(body)
+
+    def resources(self, timeout: float = 10.0) -> Dict[str, Any]:
+        """The fork's resource report of the (single, dp=1) scheduler."""
+        states = self.server_info(timeout)["internal_states"]
+        if len(states) != 1 or "fork_pd_resources" not in states[0]:
+            raise ClusterError(
+                f"{self.role}: no fork_pd_resources in {len(states)} internal_states "
+                "(is the fork's sglang.srt.plugins entry point installed?)"
+            )
+        return states[0]["fork_pd_resources"]
+
+    # -- internals
+
+    def _tree(self) -> List[psutil.Process]:
+        if self.popen is None:
+            return []
+        try:
+            root = psutil.Process(self.popen.pid)
+            procs = [root] + root.children(recursive=True)
+        except psutil.NoSuchProcess:
+            procs = []
+        return [p for p in procs if _proc_alive(p)]
+
+    def _remember(self) -> None:
+        for p in self._tree():
+            self._seen.setdefault(p.pid, p)  # psutil.Process guards pid reuse
+
+    def _signal_tree(self, sig: int) -> List[int]:
+        procs = self._tree()
+        if not procs:
+            raise ClusterError(f"{self.role} is not running")
+        for p in procs:
+            p.send_signal(sig)
+        self._remember()
+        return [p.pid for p in procs]
+
+
+# ----------------------------------------------------------------------------- deployments
+
+
+def _role_env(extra: Optional[Mapping[str, str]]) -> Dict[str, str]:
+    return {**os.environ, **BASE_ENV, **(extra or {})}
+
+
+class Deployment:
+    """A set of servers that is torn down together (context manager)."""
+
+    def __init__(self, log_dir: Optional[str] = None):
+        self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="sglang-pd-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.servers: Dict[str, Server] = {}
+        self.startup_seconds: Dict[str, float] = {}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.teardown()
+
+    def __getitem__(self, role: str) -> Server:
+        return self.servers[role]
+
+    def _add(self, role, argv, env, port, health_path="/health") -> Server:
+        server = Server(
+            role=role,
+            argv=[str(a) for a in argv],
+            env=env,
+            port=port,
+            log_path=self.log_dir / f"{role}.log",
+            health_path=health_path,
+        )
+        self.servers[role] = server
+        return server
+
+    def launch(self) -> "Deployment":
+        """Start every process without waiting (see wait_healthy / start_all)."""
+        try:
+            for server in self.servers.values():
+                server.start()
+        except BaseException:
+            self.teardown()
+            raise
+        self._t0 = time.monotonic()
+        return self
+
+    def wait_healthy(self, timeout: float = DEFAULT_HEALTH_TIMEOUT) -> "Deployment":
+        """Wait for each server in start order within one overall deadline."""
+        deadline = self._t0 + timeout
+        try:
+            for role, server in self.servers.items():
+                server.wait_healthy(max(1.0, deadline - time.monotonic()))
+                self.startup_seconds[role] = time.monotonic() - self._t0
+        except BaseException:
+            self.teardown()
+            raise
+        return self
+
+    def start(self, timeout: float = DEFAULT_HEALTH_TIMEOUT) -> "Deployment":
+        return self.launch().wait_healthy(timeout)
+
+    def resources(self, role: str) -> Dict[str, Any]:
+        return self.servers[role].resources()
+
+    def metrics(self, role: str) -> Dict[str, float]:
+        return self.servers[role].metrics()
+
+    def all_pids(self) -> List[int]:
+        return [pid for s in self.servers.values() for pid in s.pids()]
+
+    def teardown(self) -> None:
+        """Kill every tree we started; raise if anything survived."""
+        errors = []
+        for server in reversed(list(self.servers.values())):
+            try:
+                server.kill()
+            except Exception as e:
+                errors.append(e)
+        if errors:
+            raise ClusterError(f"teardown left processes: {errors}")
+
+
+def _launch_server_argv(model: str, port: int, nccl_port: int, args: Iterable[str]) -> List[str]:
+    return [
+        fork_python(), "-m", "sglang.launch_server",
+        "--model-path", str(model),
+        "--host", HOST,
+        "--port", str(port),
+        "--nccl-port", str(nccl_port),
+        *BASE_SERVER_ARGS,
+        *args,
+    ]
+
+
+class PDCluster(Deployment):
+    """1 prefill + 1 decode (mooncake over TCP on loopback) + the mini load balancer."""
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        prefill_env: Optional[Mapping[str, str]] = None,
+        decode_env: Optional[Mapping[str, str]] = None,
+        prefill_args: Sequence[str] = (),
+        decode_args: Sequence[str] = (),
+        lb_env: Optional[Mapping[str, str]] = None,
+        log_dir: Optional[str] = None,
+    ):
+        super().__init__(log_dir)
+        (p_port, p_nccl, bootstrap, d_port, d_nccl, lb_port) = free_ports(6)
+        self.bootstrap_port = bootstrap
+        pd = ["--disaggregation-transfer-backend", "mooncake"]
+        self._add(
+            "prefill",
+            _launch_server_argv(model, p_port, p_nccl, [
+                "--disaggregation-mode", "prefill",
+                "--disaggregation-bootstrap-port", str(bootstrap),
+                *pd, *prefill_args,
+            ]),
+            _role_env(prefill_env),
+            p_port,
+        )
+        self._add(
+            "decode",
+            _launch_server_argv(model, d_port, d_nccl, [
+                "--disaggregation-mode", "decode", *pd, *decode_args,
+            ]),
+            _role_env(decode_env),
+            d_port,
+        )
+        self._add(
+            "lb",
+            [
+                fork_python(), "-m", "sglang_router.launch_router",
+                "--pd-disaggregation", "--mini-lb",
+                "--host", HOST,
+                "--prefill", self.servers["prefill"].url, str(bootstrap),
+                "--decode", self.servers["decode"].url,
+                "--port", str(lb_port),
+            ],
+            _role_env(lb_env),
+            lb_port,
+        )
+
+    @property
+    def url(self) -> str:
+        return self.servers["lb"].url
+
+
+class SingleServer(Deployment):
+    """One non-disaggregated server (role 'single')."""
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        env: Optional[Mapping[str, str]] = None,
+        args: Sequence[str] = (),
+        log_dir: Optional[str] = None,
+    ):
+        super().__init__(log_dir)
+        port, nccl = free_ports(2)
+        self._add("single", _launch_server_argv(model, port, nccl, list(args)), _role_env(env), port)
+
+    @property
+    def url(self) -> str:
+        return self.servers["single"].url
+
+
+def start_all(*deployments: Deployment, timeout: float = DEFAULT_HEALTH_TIMEOUT) -> None:
+    """Launch several deployments at once, then wait for all; tear all down on failure."""
+    try:
+        for d in deployments:
+            d.launch()
+        for d in deployments:
+            d.wait_healthy(timeout)
+    except BaseException:
+        for d in deployments:
+            d.teardown()
+        raise
+
+
+# ----------------------------------------------------------------------------- requests
+
+
+def generate(url: str, text: str, max_new_tokens: int = 32, timeout: float = 120.0, **extra) -> Dict[str, Any]:
+    """One greedy /generate; returns status, latency, output ids and text."""
+    payload = {
+        "text": text,
+        "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens},
+        **extra,
+    }
+    t0 = time.monotonic()
+    try:
+        status, body = http_post_json(url + "/generate", payload, timeout=timeout)
+    except Exception as e:
+        status, body = None, repr(e)
+    latency = time.monotonic() - t0
+    ok = status == 200 and isinstance(body, dict)
+    return {
+        "status": status,
+        "latency": latency,
+        "output_ids": body.get("output_ids") if ok else None,
+        "text": body.get("text") if ok else None,
+        "meta": body.get("meta_info") if ok else None,
+        "error": None if ok else body,
+    }
+
+
+def generate_concurrently(url: str, prompts: Sequence[str], **kw) -> List[Dict[str, Any]]:
+    """All prompts at once, one thread each; results in prompt order."""
+    results: List[Optional[Dict[str, Any]]] = [None] * len(prompts)
+
+    def run(i):
+        results[i] = generate(url, prompts[i], **kw)
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results  # type: ignore[return-value]
+
+
+def prompts(n: int) -> List[str]:
+    """n distinct prompts in the tiny tokenizer's vocabulary."""
+    words = "the quick brown fox jumps over the lazy dog hello world paris london".split()
+    return [
+        f"request {i}: " + " ".join(words[(i + k) % len(words)] for k in range(5 + i % 7))
+        for i in range(n)
+    ]

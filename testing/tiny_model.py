@@ -1,0 +1,145 @@
+"""A tiny random Llama (hidden 64, 2 layers, vocab 512, bf16) for CPU tests.
+
+Generated locally and deterministically (fixed seed, locally trained byte-level
+BPE tokenizer with a chat template); never touches the hub. `ensure_tiny_model`
+is idempotent: a complete directory (marker file written last) is reused.
+
+CLI: python -m testing.tiny_model OUT_DIR
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+# Bump when the generated content changes; a directory with another version is rebuilt.
+VERSION = 1
+MARKER = ".tiny-model-complete"
+VOCAB_SIZE = 512
+SPECIAL_TOKENS = ["<unk>", "<s>", "</s>"]
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"
+    "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+)
+_REQUIRED = (
+    "config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+)
+
+
+def _corpus() -> list[str]:
+    words = (
+        "the quick brown fox jumps over the lazy dog hello world what is the capital "
+        "of france paris london berlin rome madrid tokyo river mountain ocean forest "
+        "one two three four five six seven eight nine ten eleven twelve hundred "
+        "thousand red green blue yellow black white server client request response "
+        "prefill decode cache memory transfer token model layer attention batch "
+        "queue python rust engine kernel router balance health metric latency"
+    ).split()
+    lines = []
+    for i, w in enumerate(words):
+        lines.append(" ".join(words[i:] + words[:i]))
+        lines.append(f"{w} {i} {i * 7 % 101} {w.capitalize()}, {w.upper()}.")
+    return lines * 20
+
+
+def is_complete(out_dir: Path) -> bool:
+    marker = out_dir / MARKER
+    if not marker.is_file():
+        return False
+    try:
+        if json.loads(marker.read_text()).get("version") != VERSION:
+            return False
+    except ValueError:
+        return False
+    return all((out_dir / name).is_file() for name in _REQUIRED)
+
+
+def _generate(tmp: Path) -> None:
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="</s>",
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    if len(fast) != VOCAB_SIZE:
+        raise RuntimeError(f"tokenizer has {len(fast)} tokens, expected {VOCAB_SIZE}")
+    fast.save_pretrained(tmp)
+
+    cfg = LlamaConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+        tie_word_embeddings=False,
+        torch_dtype="bfloat16",
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    model.save_pretrained(tmp, safe_serialization=True)
+    (tmp / MARKER).write_text(json.dumps({"version": VERSION}))
+
+
+def ensure_tiny_model(out_dir: str | os.PathLike) -> Path:
+    """Create the tiny model in out_dir unless a complete one is already there."""
+    out = Path(out_dir).resolve()
+    if is_complete(out):
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tiny-model-", dir=out.parent))
+    tmp.chmod(0o755)
+    try:
+        _generate(tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        try:
+            tmp.rename(out)
+        except OSError:
+            # Another process finished first; keep theirs if it is complete.
+            if not is_complete(out):
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    return out
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print("usage: python -m testing.tiny_model OUT_DIR", file=sys.stderr)
+        return 2
+    print(ensure_tiny_model(argv[0]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
