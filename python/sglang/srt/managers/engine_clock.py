@@ -1,0 +1,38 @@
+"""A monotonic clock that stands still while the engine is paused.
+
+PD deadlines (bootstrap, waiting, transfer) are measured on this clock, so the time
+between pause_generation and continue_generation never counts against a request.
+The scheduler's pause path calls `pause()` and `resume()` (both idempotent); every
+deadline reads `now()`. Each scheduler process has its own `engine_clock`.
+"""
+
+import time
+from typing import Callable, Optional
+
+
+class EngineClock:
+    def __init__(self, monotonic: Callable[[], float] = time.monotonic):
+        self._monotonic = monotonic
+        self._paused_at: Optional[float] = None
+        self._paused_total = 0.0
+
+    @property
+    def paused(self) -> bool:
+        return self._paused_at is not None
+
+    def now(self) -> float:
+        """Monotonic seconds, not counting paused time; constant while paused."""
+        t = self._paused_at if self._paused_at is not None else self._monotonic()
+        return t - self._paused_total
+
+    def pause(self) -> None:
+        if self._paused_at is None:
+            self._paused_at = self._monotonic()
+
+    def resume(self) -> None:
+        if self._paused_at is not None:
+            self._paused_total += self._monotonic() - self._paused_at
+            self._paused_at = None
+
+
+engine_clock = EngineClock()
