@@ -16,7 +16,7 @@ from pathlib import Path
 
 from . import BuildError
 from .lock import Lock, read_lock
-from .patchqueue import apply_series, git, init_repo, overlay, read_series
+from .patchqueue import apply_series, git, init_repo, overlay, overlay_files, read_series
 from .upstream import select_tag, upstream_wheel
 from .wheel import dist_info, version_module, write_wheel
 
@@ -106,18 +106,23 @@ def ensure_upstream_checkout(root: Path) -> tuple[Lock, str, Path]:
     return lock, tag, upstream_wheel(lock, tag)
 
 
-def build_editable(wheel_directory, config_settings=None, metadata_directory=None, root: Path = ROOT):
-    lock, tag, wheel = ensure_upstream_checkout(root)
-    repo = root / ".upstream"
+def link_editable(root: Path, repo: Path, lock: Lock) -> None:
+    """Make `repo` importable as the fork: our files symlinked in (git-excluded) and
+    _version.py generated (skip-worktree), so the patch queue stays clean."""
     overlay(root, repo, link=True)
     version_file = f"python/{lock.name}/_version.py"
     git(repo, "update-index", "--skip-worktree", version_file)
     (repo / version_file).write_bytes(version_module(lock))
-    exclude = repo / ".git" / "info" / "exclude"
-    exclude.write_text("# the fork's own files, symlinked in by build_editable\n" + "".join(
-        f"/python/{p.relative_to(root / 'python').as_posix()}\n"
-        for p in sorted((root / "python").rglob("*")) if p.is_file()
-    ))
+    (repo / ".git" / "info" / "exclude").write_text(
+        "# the fork's own files, symlinked in by build_editable\n"
+        + "".join(f"/python/{p.as_posix()}\n" for p in overlay_files(root))
+    )
+
+
+def build_editable(wheel_directory, config_settings=None, metadata_directory=None, root: Path = ROOT):
+    lock, tag, wheel = ensure_upstream_checkout(root)
+    repo = root / ".upstream"
+    link_editable(root, repo, lock)
     di, meta = _dist_info_entries(lock, wheel)
     pth = (f"__editable__.{lock.name}_fork.pth", f"{(repo / 'python').resolve()}\n".encode(), 0o644)
     name = _wheel_name(lock, tag)

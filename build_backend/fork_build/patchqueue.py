@@ -65,18 +65,22 @@ def read_series(root: Path) -> list[Path]:
     return [pdir / n for n in names]
 
 
-def init_repo(repo: Path, wheel: Path, lock: Lock) -> None:
-    """Unpack the wheel's package files under python/ and commit them as upstream/<version>."""
-    dist_info = f"{lock.name}-{lock.version}.dist-info/"
+def unpack_wheel(wheel: Path, dest: Path, name: str, version: str) -> None:
+    """The wheel's package files under dest/python/ (its dist-info left out)."""
+    dist_info = f"{name}-{version}.dist-info/"
     with zipfile.ZipFile(wheel) as zf:
         for info in zf.infolist():
             if info.is_dir() or info.filename.startswith(dist_info):
                 continue
-            dest = repo / "python" / info.filename
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            dest.write_bytes(zf.read(info))
-            mode = (info.external_attr >> 16) & 0o777
-            os.chmod(dest, 0o755 if mode & 0o100 else 0o644)
+            path = dest / "python" / info.filename
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(zf.read(info))
+            os.chmod(path, 0o755 if (info.external_attr >> 16) & 0o100 else 0o644)
+
+
+def init_repo(repo: Path, wheel: Path, lock: Lock) -> None:
+    """Unpack the wheel's package files under python/ and commit them as upstream/<version>."""
+    unpack_wheel(wheel, repo, lock.name, lock.version)
     git(repo, "init", "-q", "-b", "patch-queue")
     git(repo, "add", "-A", "-f")
     git(repo, "commit", "-q", "--no-verify", "-m", f"upstream {lock.name} {lock.version}")

@@ -5,7 +5,6 @@ import csv
 import hashlib
 import base64
 import io
-import os
 import re
 import shutil
 import subprocess

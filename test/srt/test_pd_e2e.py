@@ -20,6 +20,7 @@ from testing.pd_cluster import (
     generate,
     generate_concurrently,
     http_get,
+    http_post_json,
     metric_sum,
     prompts,
     wait_until,
@@ -174,4 +175,29 @@ def test_report_sees_a_request_parked_while_decode_is_frozen(pd_cluster):
     sender.join(timeout=60)
     assert not sender.is_alive(), "request did not finish within 60 s of resume"
     assert result["status"] == 200, result["error"]
+    assert_idle(pd_cluster, PD_ROLES, baseline=baseline)
+
+
+def test_memory_release_and_resume_on_idle_cpu_servers(pd_cluster, single_server):
+    """Upstream synchronised CUDA on release and killed a CPU scheduler. Each server,
+    idle, releases and resumes its memory, stays alive and then serves what it served
+    before."""
+    baseline = assert_idle(pd_cluster, PD_ROLES)
+    text = prompts(1)[0]
+    before_pd = generate(pd_cluster.url, text, max_new_tokens=MAX_NEW_TOKENS)
+    before_single = generate(single_server.url, text, max_new_tokens=MAX_NEW_TOKENS)
+    assert before_pd["status"] == before_single["status"] == 200
+    assert_idle(pd_cluster, PD_ROLES, baseline=baseline)
+    for deployment, role in ((pd_cluster, "prefill"), (pd_cluster, "decode"), (single_server, "single")):
+        server = deployment[role]
+        pids = server.pids()
+        for call in ("release_memory_occupation", "resume_memory_occupation"):
+            status, body = http_post_json(server.url + "/" + call, {}, timeout=60)
+            assert status == 200, (role, call, body)
+        assert sorted(server.pids()) == sorted(pids) and http_get(server.url + "/health", timeout=10)[0] == 200, role
+    after_pd = generate(pd_cluster.url, text, max_new_tokens=MAX_NEW_TOKENS)
+    after_single = generate(single_server.url, text, max_new_tokens=MAX_NEW_TOKENS)
+    assert after_pd["status"] == after_single["status"] == 200
+    assert after_pd["output_ids"] == before_pd["output_ids"] == before_single["output_ids"]
+    assert after_single["output_ids"] == before_single["output_ids"]
     assert_idle(pd_cluster, PD_ROLES, baseline=baseline)
