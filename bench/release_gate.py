@@ -220,9 +220,25 @@ class Side:
         return wait_until(stable, 30, f"{self.name}: scheduler iteration count to settle", interval=0)
 
 
-def measure(side: Side, texts: Sequence[str], concurrency: int, max_new_tokens: int) -> Dict[str, float]:
+def tree_cpu(cluster: PDCluster) -> float:
+    """CPU seconds so far of every process of a deployment (servers, their children, LB)."""
+    total = 0.0
+    for pid in cluster.all_pids():
+        try:
+            t = psutil.Process(pid).cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += t.user + t.system
+    return total
+
+
+def measure(side: Side, idle: Side, texts: Sequence[str], concurrency: int, max_new_tokens: int) -> Dict[str, float]:
+    """One run on `side`; `idle` is the other deployment, whose CPU use during the run
+    is recorded (it should be near zero: it must not compete with the side measured)."""
     before = side.settled_counters()
+    all_before, idle_before = tree_cpu(side.cluster), tree_cpu(idle.cluster)
     load = run_load(side.cluster.url, texts, concurrency, max_new_tokens)
+    all_after, idle_after = tree_cpu(side.cluster), tree_cpu(idle.cluster)
     after = side.settled_counters()
     if load["failed"]:
         first = load["failed"][0]
@@ -245,6 +261,8 @@ def measure(side: Side, texts: Sequence[str], concurrency: int, max_new_tokens: 
         "decode_us_per_iter": 1e6 * cpu["decode"] / iters["decode"],
         "prefill_iters": iters["prefill"],
         "decode_iters": iters["decode"],
+        "deployment_cpu_ms_per_req": 1e3 * (all_after - all_before) / len(texts),
+        "idle_side_cpu_s": idle_after - idle_before,
     }
     side.runs.append(run)
     return run
@@ -293,8 +311,11 @@ def table(rows: List[Dict[str, object]], fork: Dict[str, float], upstream: Dict[
         ("decode_us_per_iter", "decode scheduler µs/iteration"),
         ("prefill_iters", "prefill iterations per run"),
         ("decode_iters", "decode iterations per run"),
+        ("deployment_cpu_ms_per_req", "CPU ms per request, whole deployment"),
+        ("idle_side_cpu_s", "CPU s used by the idle side during a run"),
     ):
-        lines.append(f"| {label} | {fmt(fork[key])} | {fmt(upstream[key])} | {fork[key] / upstream[key]:.3f} | (info) | |")
+        ratio = f"{fork[key] / upstream[key]:.3f}" if upstream[key] else "-"
+        lines.append(f"| {label} | {fmt(fork[key])} | {fmt(upstream[key])} | {ratio} | (info) | |")
     return "\n".join(lines)
 
 
@@ -367,12 +388,14 @@ def main(argv=None) -> int:
             for rnd in range(args.rounds):
                 order = SIDES if rnd % 2 == 0 else SIDES[::-1]
                 for name in order:
-                    r = measure(sides[name], texts, args.concurrency, args.max_new_tokens)
+                    other = sides[SIDES[1] if name == SIDES[0] else SIDES[0]]
+                    r = measure(sides[name], other, texts, args.concurrency, args.max_new_tokens)
                     print(
                         f"round {rnd + 1}/{args.rounds} {name:8s} {r['throughput']:6.2f} req/s  "
                         f"p50 {r['p50']:.3f}s  p99 {r['p99']:.3f}s  "
                         f"sched {r['sched_us_per_iter']:.0f} µs/iter "
-                        f"({r['prefill_iters']:.0f}+{r['decode_iters']:.0f} iters)  load {loadavg()}",
+                        f"({r['prefill_iters']:.0f}+{r['decode_iters']:.0f} iters)  "
+                        f"idle side {r['idle_side_cpu_s']:.1f} cpu-s  load {loadavg()}",
                         flush=True,
                     )
         finally:
