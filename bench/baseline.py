@@ -176,6 +176,9 @@ def upstream_env(prepared: Dict[str, object]) -> Dict[str, str]:
     return {**SHARED_ENV, "PYTHONPATH": ":".join(paths), "SGLANG_PLUGINS": NO_PLUGIN}
 
 
-def fork_env() -> Dict[str, str]:
-    # PYTHONPATH empty: the fork comes from the interpreter's site-packages.
-    return {**SHARED_ENV, "PYTHONPATH": ""}
+def fork_env(prepared: Dict[str, object], standins: bool) -> Dict[str, str]:
+    """The fork comes from the interpreter's site-packages; with standins, the same
+    import stand-ins as the baseline are on its PYTHONPATH too (the fork does not
+    need them, but then both sides see the same sgl_kernel/torchvision)."""
+    paths: List[str] = list(prepared["pythonpath"])[1:] if standins else []  # type: ignore[arg-type]
+    return {**SHARED_ENV, "PYTHONPATH": ":".join(paths)}

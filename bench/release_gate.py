@@ -319,6 +319,15 @@ def table(rows: List[Dict[str, object]], fork: Dict[str, float], upstream: Dict[
     return "\n".join(lines)
 
 
+def per_round(fork_runs: List[Dict[str, float]], up_runs: List[Dict[str, float]]) -> str:
+    """One line: each round's throughput and scheduler cost, fork / upstream."""
+    parts = [
+        f"{f['throughput']:.2f}/{u['throughput']:.2f} req/s, {f['sched_us_per_iter']:.0f}/{u['sched_us_per_iter']:.0f} µs"
+        for f, u in zip(fork_runs, up_runs)
+    ]
+    return "Per round (fork/upstream): " + "; ".join(parts) + "."
+
+
 def write_readme(block: str) -> None:
     text = README.read_text()
     new = f"{README_BEGIN}\n{block}\n{README_END}"
@@ -344,6 +353,10 @@ def main(argv=None) -> int:
     parser.add_argument("--model-dir", default=str(REPO_ROOT / ".cache" / "tiny-llama"))
     parser.add_argument("--write-readme", action="store_true", help="replace the figures in README.md")
     parser.add_argument("--keep-logs", action="store_true")
+    parser.add_argument(
+        "--standins", choices=("both", "upstream"), default="both",
+        help="which side gets the sgl_kernel/torchvision import stand-ins (default both)",
+    )
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.requests < 1 or args.concurrency < 1:
         parser.error("--rounds, --requests and --concurrency must be >= 1")
@@ -362,15 +375,16 @@ def main(argv=None) -> int:
               f"unpacked in {work}", flush=True)
         fork_version = prepared["fork_version"]
         up_env = baseline.upstream_env(prepared)
-        fk_env = baseline.fork_env()
+        fk_env = baseline.fork_env(prepared, standins=args.standins == "both")
+        lb_env = baseline.fork_env(prepared, standins=False)
         decode_args = (*baseline.SHARED_ARGS, *baseline.DECODE_ARGS)
         sides = {
             "fork": Side("fork", PDCluster(
-                str(model), prefill_env=fk_env, decode_env=fk_env, lb_env=fk_env,
+                str(model), prefill_env=fk_env, decode_env=fk_env, lb_env=lb_env,
                 prefill_args=baseline.SHARED_ARGS, decode_args=decode_args,
                 log_dir=str(work / "logs-fork"))),
             "upstream": Side("upstream", PDCluster(
-                str(model), prefill_env=up_env, decode_env=up_env, lb_env=fk_env,
+                str(model), prefill_env=up_env, decode_env=up_env, lb_env=lb_env,
                 prefill_args=baseline.SHARED_ARGS, decode_args=decode_args,
                 log_dir=str(work / "logs-upstream"))),
         }
@@ -408,12 +422,14 @@ def main(argv=None) -> int:
         block = "\n".join([
             f"Fork `{fork_version}` vs upstream `{prepared['version']}`, 1P1D + mini-lb on CPU, tiny Llama, "
             f"{args.requests} requests at concurrency {args.concurrency}, {args.max_new_tokens} output tokens, "
-            f"median of {args.rounds} interleaved rounds.",
+            f"median of {args.rounds} interleaved rounds; import stand-ins on {args.standins}.",
             f"Machine: {mach['nproc']} CPUs, {mach['cpu']}, {mach['mem_gb']} GB RAM, Linux {mach['kernel']}, "
             f"Python {mach['python']}; load average (1/5/15 min) {load_before} at start, {load_after} at end "
             f"(shared machine). Run at {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.",
             "",
             table(rows, fork_m, up_m),
+            "",
+            per_round(sides["fork"].runs, sides["upstream"].runs),
         ])
         print("\n" + block + "\n")
         failed = [r for r in rows if not r["ok"]]
