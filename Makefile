@@ -5,7 +5,7 @@ VPY    := $(VENV)/bin/python
 # Inputs of the fork wheel: rebuilt and reinstalled when any of them changes.
 SOURCES := $(shell git ls-files -co --exclude-standard pyproject.toml upstream.lock patches python build_backend 2>/dev/null)
 
-.PHONY: venv demo test wheel system-deps clean
+.PHONY: venv demo test bench wheel system-deps clean
 
 venv: $(VENV)/.fork-installed
 
@@ -14,6 +14,11 @@ demo: venv
 
 test: venv
 	$(VPY) -m pytest -ra --timeout=1200 test/srt
+
+# Release gate: the fork vs stock upstream on CPU (~10 min; not part of `make test`).
+# ARGS: --rounds N, --requests N, --write-readme (see bench/README.md).
+bench: venv
+	$(VPY) -m bench.release_gate $(ARGS)
 
 wheel:
 	$(PYTHON) -m pip wheel --no-deps --wheel-dir dist .

@@ -1,0 +1,184 @@
+"""The stock upstream baseline for the release gate: upstream's pinned wheel, unpacked
+into a temporary folder that goes first on PYTHONPATH, plus the two import-only
+stand-ins stock 0.5.23 needs to start on a CPU-only host.
+
+Bench-only. Nothing here is used by the fork itself:
+
+- The wheel is the one `upstream.lock` pins, found and sha256-checked by the
+  build backend (`fork_build.upstream.upstream_wheel`: $SGLANG_FORK_UPSTREAM_WHEEL,
+  the build cache, or pip's configured index). Its `sglang/` package and its
+  dist-info are unpacked, so `import sglang` and `importlib.metadata` both resolve to
+  stock upstream in a baseline server; the fork's dist-info (and its
+  `sglang.srt.plugins` entry point) is shadowed, and SGLANG_PLUGINS names no
+  installed plugin so none is loaded even if it were visible.
+- `sgl_kernel`: the runtime set has no sgl_kernel (PyPI's build is CUDA-only), and
+  stock 0.5.23 imports `..._cpu` kernels from it at module level on CPU. The
+  stand-in resolves any name to a function that raises when called; on a CPU
+  without AMX no sgl_kernel function is called (torch-native paths), so a call
+  would be a visible crash, not a silent change of results.
+- `torchvision`: stock 0.5.23 imports it at module level on the launch path (image
+  preprocessing of two VL models), and transformers then imports it too. The
+  stand-in provides any submodule and any name as a placeholder; using one raises.
+  The tiny text model never preprocesses an image.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+from typing import Dict, List
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+# Same env for both sides where stock upstream needs a knob the fork defaults
+# (see docs in bench/README.md): the values equal the fork's own CPU defaults or
+# select the same code path on both sides.
+SHARED_ENV = {
+    "SGLANG_USE_CPU_ENGINE": "1",  # fork: default on a host without accelerator
+    "SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER": "1",  # CPU-safe send path on both
+    "SGLANG_LOG_FORWARD_ITERS": "1",  # "[forward_ct]" in batch log lines (iteration count)
+}
+SHARED_ARGS = (
+    "--disable-overlap-schedule",  # stock upstream crashes with overlap on CPU
+    "--decode-log-interval", "1",  # a log line per decode iteration (iteration count)
+)
+DECODE_ARGS = ("--disaggregation-decode-retraction-backup", "cpu_tensor")  # fork's CPU default
+NO_PLUGIN = "none-bench-baseline"  # SGLANG_PLUGINS whitelist matching no plugin
+
+_SGL_KERNEL = '''"""Bench-only import stand-in for sgl_kernel (see bench/baseline.py)."""
+__version__ = "0.0.0+bench-standin"
+
+
+def __getattr__(name):
+    if name.startswith("__"):
+        raise AttributeError(name)
+
+    def missing(*args, **kwargs):
+        raise RuntimeError(f"sgl_kernel.{name} called: bench stand-in has no kernels")
+
+    missing.__name__ = name
+    return missing
+'''
+
+_TORCHVISION = '''"""Bench-only import stand-in for torchvision (see bench/baseline.py).
+
+Any submodule imports, any attribute is a placeholder class (also subclassable and
+usable in annotations and defaults); calling or instantiating one raises.
+"""
+import importlib.abc
+import importlib.machinery
+import sys
+import types
+
+__version__ = "0.0.0+bench-standin"
+
+
+class _MissingMeta(type):
+    def __getattr__(cls, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _missing(f"{cls.__qualname__}.{name}")
+
+    def __call__(cls, *args, **kwargs):
+        raise RuntimeError(f"torchvision.{cls.__qualname__} used: bench stand-in")
+
+
+def _missing(name):
+    return _MissingMeta(name, (), {"__qualname__": name})
+
+
+def _module_getattr(module_name):
+    def __getattr__(name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        value = _missing(name)
+        setattr(sys.modules[module_name], name, value)
+        return value
+    return __getattr__
+
+
+class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, fullname, path, target=None):
+        if fullname.startswith(__name__ + "."):
+            return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+        return None
+
+    def create_module(self, spec):
+        module = types.ModuleType(spec.name)
+        module.__path__ = []
+        module.__getattr__ = _module_getattr(spec.name)
+        return module
+
+    def exec_module(self, module):
+        pass
+
+
+sys.meta_path.insert(0, _Finder())
+__getattr__ = _module_getattr(__name__)
+'''
+
+
+def _fork_build():
+    sys.path.insert(0, str(REPO_ROOT / "build_backend"))
+    try:
+        from fork_build.lock import read_lock
+        from fork_build.upstream import select_tag, upstream_wheel
+    finally:
+        sys.path.remove(str(REPO_ROOT / "build_backend"))
+    return read_lock, select_tag, upstream_wheel
+
+
+def write_standins(folder: Path) -> Path:
+    """The import-only sgl_kernel and torchvision stand-ins, as packages in folder."""
+    files = {
+        "sgl_kernel/__init__.py": _SGL_KERNEL,
+        "torchvision/__init__.py": _TORCHVISION,
+    }
+    for rel, text in files.items():
+        path = folder / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return folder
+
+
+def _python_version(python: str) -> tuple:
+    out = subprocess.run(
+        [python, "-c", "import sys; print(*sys.version_info[:2])"],
+        capture_output=True, text=True, check=True,
+    ).stdout.split()
+    return int(out[0]), int(out[1])
+
+
+def prepare(workdir: Path, python: str) -> Dict[str, object]:
+    """Unpack upstream (the wheel for `python`, the servers' interpreter) and write
+    the stand-ins under workdir; returns the wheel, versions and PYTHONPATH entries
+    for the baseline servers."""
+    read_lock, select_tag, upstream_wheel = _fork_build()
+    lock = read_lock(REPO_ROOT)
+    tag = select_tag(lock, python=_python_version(python))
+    wheel = upstream_wheel(lock, tag)  # sha256-checked against upstream.lock
+    site = workdir / "upstream-site"
+    with zipfile.ZipFile(wheel) as zf:
+        zf.extractall(site)
+    standins = write_standins(workdir / "standins")
+    return {
+        "wheel": wheel,
+        "version": lock.version,
+        "fork_version": lock.fork_version,
+        "pythonpath": [str(site), str(standins)],
+    }
+
+
+def upstream_env(prepared: Dict[str, object]) -> Dict[str, str]:
+    paths: List[str] = list(prepared["pythonpath"])  # type: ignore[arg-type]
+    return {**SHARED_ENV, "PYTHONPATH": ":".join(paths), "SGLANG_PLUGINS": NO_PLUGIN}
+
+
+def fork_env(prepared: Dict[str, object], standins: bool) -> Dict[str, str]:
+    """The fork comes from the interpreter's site-packages; with standins, the same
+    import stand-ins as the baseline are on its PYTHONPATH too (the fork does not
+    need them, but then both sides see the same sgl_kernel/torchvision)."""
+    paths: List[str] = list(prepared["pythonpath"])[1:] if standins else []  # type: ignore[arg-type]
+    return {**SHARED_ENV, "PYTHONPATH": ":".join(paths)}
