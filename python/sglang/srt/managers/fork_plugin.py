@@ -39,6 +39,11 @@ HOOKS: list[tuple[str, str, HookType]] = [
         HookType.AROUND,
     ),
     (
+        "sglang.srt.managers.tokenizer_manager.TokenizerManager.abort_request",
+        "sglang.srt.managers.pd_pause:tm_abort_request",
+        HookType.AFTER,
+    ),
+    (
         "sglang.srt.managers.scheduler.Scheduler.pause_generation",
         "sglang.srt.managers.pd_pause:scheduler_pause_generation",
         HookType.AROUND,

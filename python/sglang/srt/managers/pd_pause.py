@@ -18,6 +18,7 @@ Hooks are listed in fork_plugin.HOOKS; two patches call in where no hook reaches
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from http import HTTPStatus
@@ -132,6 +133,51 @@ tm_pause_generation = _guarded("pause_generation", lambda obj: obj.mode)
 tm_continue_generation = _guarded("continue_generation")
 tm_release_memory_occupation = _guarded("release_memory_occupation")
 tm_resume_memory_occupation = _guarded("resume_memory_occupation")
+
+
+class PauseGateAbort(ValueError):
+    """A request aborted while it waited at the pause gate (never reached the
+    scheduler). A ValueError with a status, as upstream's /generate expects."""
+
+    status_code = 499  # client closed request
+
+    def __init__(self, rid: str):
+        super().__init__(f"Aborted by AbortReq while the engine was paused (rid={rid}).")
+
+
+def tm_abort_request(result, tokenizer_manager, rid: str = "", abort_all: bool = False):
+    """AFTER TokenizerManager.abort_request: requests held at the pause gate are
+    answered now, not after continue_generation."""
+    if not tokenizer_manager.is_pause:
+        return result
+    hit = False
+    for state_rid, state in list(tokenizer_manager.rid_to_state.items()):
+        if abort_all or state_rid == rid:
+            state._fork_gate_abort = True
+            hit = True
+    logger.info("pd_pause: abort while paused (rid=%r, all=%s): %s", rid, abort_all,
+                "waking the pause gate" if hit else "no request state")
+    if hit:
+        asyncio.get_running_loop().create_task(_wake_gate(tokenizer_manager))
+    return result
+
+
+async def _wake_gate(tokenizer_manager) -> None:
+    async with tokenizer_manager.is_pause_cond:
+        tokenizer_manager.is_pause_cond.notify_all()
+
+
+def gate_open(tokenizer_manager, request_states: Dict[str, Any]) -> bool:
+    """The pause gate of generate_request: open when not paused, or for an aborted request."""
+    return not tokenizer_manager.is_pause or any(
+        getattr(s, "_fork_gate_abort", False) for s in request_states.values()
+    )
+
+
+def raise_if_gate_aborted(request_states: Dict[str, Any]) -> None:
+    for rid, state in request_states.items():
+        if getattr(state, "_fork_gate_abort", False):
+            raise PauseGateAbort(rid)
 
 
 # ---------------------------------------------------------------- scheduler side
