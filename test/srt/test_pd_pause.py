@@ -178,6 +178,14 @@ def test_out_of_order_calls_get_409_naming_the_state(cluster, control):
 )
 def test_abort_during_long_pause_is_answered_within_1s(cluster, control):
     baseline = assert_idle(cluster, PD_ROLES)
+    try:
+        _abort_during_long_pause(cluster, baseline)
+    finally:  # leave the cluster running for the next test, whatever happened
+        for role in PD_ROLES:
+            call(cluster, role, "continue_generation")
+
+
+def _abort_during_long_pause(cluster, baseline):
     burst = Burst(cluster, "long-pause", max_new_tokens=128)
     wait_until(lambda: in_flight(cluster), 30, "requests in flight")
     both(cluster, "pause_generation", {"mode": "in_place"})

@@ -82,3 +82,29 @@ def test_pause_gate_opens_only_for_aborted_requests():
         pd_pause.raise_if_gate_aborted(waiting)
     assert err.value.status_code == 499 and "rid=b" in str(err.value)
     assert pd_pause.gate_open(SimpleNamespace(is_pause=False), {"a": SimpleNamespace()})
+
+
+def test_upstream_timers_of_live_transfers_skip_the_pause():
+    """shift_upstream_timers moves the start times upstream's bootstrap/waiting timeouts
+    read (CommonKVSender/Receiver attributes) on every request in the real queues."""
+    from testing.queue_harness import DecodeHarness, PrefillHarness
+
+    for cls in (PrefillHarness, DecodeHarness):
+        with cls() as h:
+            with h.active():
+                req = h.add(h.make_req())
+                sched = h.scheduler
+                sched.disagg_prefill_bootstrap_queue = getattr(
+                    sched, "disagg_prefill_bootstrap_queue", None) or (
+                    h.queue if cls is PrefillHarness else None)
+                if cls is DecodeHarness:
+                    sched.disagg_decode_prealloc_queue = h.queue
+                    sched.disagg_decode_transfer_queue = h.transfer_queue
+                endpoints = pd_pause._transfer_endpoints(sched)
+                assert len(endpoints) == 1, cls
+                ep = endpoints[0]
+                ep.init_time, ep._prefill_wait_start = 1000.0, None
+                assert pd_pause.shift_upstream_timers(sched, 42.5) == 1
+                assert (ep.init_time, ep._prefill_wait_start) == (1042.5, None)
+                assert pd_pause.shift_upstream_timers(sched, 0.0) == 0
+                h.abort(req.rid)

@@ -392,7 +392,7 @@ def end_in_flight(scheduler) -> None:
     if _mode(scheduler) is None:
         return
     sp = _sp(scheduler)
-    if not scheduler._engine_paused:
+    if not getattr(scheduler, "_engine_paused", False):
         return  # upstream's idle assertion decides, as before
     mode = sp.mode or "unknown"
     if (
@@ -431,7 +431,8 @@ def weight_updater_release(original, weight_updater, recv_req, *args, **kwargs):
     scheduler = weight_updater.scheduler
     if scheduler is not None:
         end_in_flight(scheduler)
-        if not weight_updater.is_fully_idle(ignore_waiting=scheduler._engine_paused):
+        paused = getattr(scheduler, "_engine_paused", False)
+        if not weight_updater.is_fully_idle(ignore_waiting=paused):
             logger.error("pd_pause: not idle before release: %s", not_idle_reasons(scheduler))
     return original(weight_updater, recv_req, *args, **kwargs)
 
@@ -439,7 +440,7 @@ def weight_updater_release(original, weight_updater, recv_req, *args, **kwargs):
 def after_abort(result, scheduler, recv_req, *args, **kwargs):
     """AFTER Scheduler.abort_request: while paused, answer the abort now."""
     sp = _sp(scheduler)
-    if not scheduler._engine_paused or _mode(scheduler) is None:
+    if not getattr(scheduler, "_engine_paused", False) or _mode(scheduler) is None:
         return result
     if sp.pumping or sp.draining:
         return result
@@ -597,7 +598,7 @@ def registration_report(kv_manager) -> Dict[str, Any]:
 def report(scheduler) -> Dict[str, Any]:
     sp = _sp(scheduler)
     return {
-        "paused": bool(scheduler._engine_paused),
+        "paused": bool(getattr(scheduler, "_engine_paused", False)),
         "mode": sp.mode,
         "clock_paused": engine_clock.paused,
     }
