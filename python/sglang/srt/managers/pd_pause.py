@@ -527,6 +527,9 @@ def refresh_addresses(queue) -> bool:
 def queue_resume(original, queue, *args, **kwargs):
     """AROUND {PrefillBootstrapQueue,DecodePreallocQueue}.resume_memory_occupation."""
     refresh_addresses(queue)
+    # Room state the peer re-created while this side was released (its own teardown
+    # messages, late handshakes of requests it ended) belongs to no live request.
+    forget_orphan_rooms(queue.scheduler, queue.kv_manager)
     result = original(queue, *args, **kwargs)
     _note_registration(queue.kv_manager, registered=True)
     _sp(queue.scheduler).released = False
