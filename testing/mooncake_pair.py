@@ -110,6 +110,32 @@ class _Worker:
     def snapshot(self) -> dict:
         return self.h.snapshot().held()
 
+    def move_kv_buffers(self) -> dict:
+        """Release this side's PD queue (deregisters its buffers from the transfer
+        engine), move the KV buffers to new memory, resume (re-registers). Returns the
+        kv_args pointers before and after; the old buffers are kept alive and watched."""
+        import torch
+
+        h = self.h
+        with h.active():
+            before = list(h.kv_manager.kv_args.kv_data_ptrs)
+            h.queue.release_memory_occupation()
+            pool = h.kv_pool
+            self._old_kv = pool.k_buffer + pool.v_buffer
+            self._old_kv_copy = [t.clone() for t in self._old_kv]
+            pool.k_buffer = [torch.zeros_like(t) for t in pool.k_buffer]
+            pool.v_buffer = [torch.zeros_like(t) for t in pool.v_buffer]
+            h.queue.resume_memory_occupation()
+            after = list(h.kv_manager.kv_args.kv_data_ptrs)
+        return {
+            "before": before,
+            "after": after,
+            "buffers": [t.data_ptr() for t in pool.k_buffer + pool.v_buffer],
+        }
+
+    def old_kv_unchanged(self) -> bool:
+        return all(bool((a == b).all()) for a, b in zip(self._old_kv, self._old_kv_copy))
+
 
 def _serve(role: str, conn: Connection, bootstrap_port: int, http_port: int, sizes: Dict[str, Any]) -> None:
     os.environ.update(CHILD_ENV)

@@ -97,6 +97,7 @@ def _room_tables(kv_manager) -> Dict[str, int]:
 
 
 def build_report(scheduler) -> Dict[str, Any]:
+    from sglang.srt.managers import pd_pause
     from sglang.srt.managers.fork_plugin import hooks_applied
 
     mode = scheduler.disaggregation_mode
@@ -111,6 +112,10 @@ def build_report(scheduler) -> Dict[str, Any]:
         "queues": _queues(scheduler),
         "transfer_rooms": None if kv_manager is None else _room_tables(kv_manager),
         "hooks_applied": hooks_applied(),
+        "pause": pd_pause.report(scheduler),
+        "te_registration": (
+            None if kv_manager is None else pd_pause.registration_report(kv_manager)
+        ),
     }
 
 

@@ -1,0 +1,265 @@
+"""Pause, release, resume, continue on 1P1D with requests in flight (pd_pause).
+
+One 1P1D deployment for the module (no control server: the control run is the same
+cluster before the first cycle). Every test starts and ends idle, running, with the
+transfer engine registrations of the baseline.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+
+from conftest import assert_idle, held
+from testing.pd_cluster import (
+    PDCluster,
+    generate,
+    generate_concurrently,
+    http_post_json,
+    prompts,
+    start_all,
+    wait_until,
+)
+
+pytestmark = pytest.mark.e2e
+
+PD_ROLES = ("prefill", "decode")
+MODES = ("abort", "in_place", "retract")
+CYCLES = int(os.environ.get("PD_PAUSE_CYCLES", "20"))
+CONCURRENCY = 8
+MAX_NEW_TOKENS = 64
+REQUEST_DEADLINE_S = 60.0  # generous on 2 loaded cores; a hang is minutes
+ABORT_ANSWER_S = 1.0
+LONG_PAUSE_S = 2.0
+RELEASE_MESSAGE = "engine memory released during pause"
+
+
+@pytest.fixture(scope="module")
+def pd_deployment(tiny_model):
+    """Overrides conftest's: this module needs only the cluster."""
+    cluster = PDCluster(str(tiny_model))
+    start_all(cluster)
+    try:
+        yield (cluster,)
+    finally:
+        cluster.teardown()
+
+
+@pytest.fixture(scope="module")
+def cluster(pd_deployment) -> PDCluster:
+    return pd_deployment[0]
+
+
+@pytest.fixture(scope="module")
+def control(cluster):
+    """Outputs of the fresh cluster, before any cycle."""
+    assert_idle(cluster, PD_ROLES)
+    texts = prompts(CONCURRENCY)
+    out = generate_concurrently(cluster.url, texts, max_new_tokens=MAX_NEW_TOKENS)
+    assert all(r["status"] == 200 for r in out), [r["error"] for r in out]
+    return {t: r["output_ids"] for t, r in zip(texts, out)}
+
+
+def call(cluster, role: str, endpoint: str, body=None):
+    return http_post_json(f"{cluster[role].url}/{endpoint}", body or {}, timeout=60)
+
+
+def both(cluster, endpoint: str, body=None):
+    for role in PD_ROLES:
+        status, reply = call(cluster, role, endpoint, body)
+        assert status == 200, (role, endpoint, status, reply)
+
+
+def pause_report(cluster, role):
+    r = cluster.resources(role)
+    return r["pause"], r["te_registration"]
+
+
+def is_clear_abort(result) -> bool:
+    """A clear abort status the client can act on (never a silent success)."""
+    if result["status"] == 503:
+        return RELEASE_MESSAGE in str(result["error"])
+    if result["status"] == 499:  # aborted at the pause gate, before the scheduler
+        return "while the engine was paused" in str(result["error"])
+    if result["status"] == 500:  # a client abort of a queued PD request (gap 5)
+        return "Aborted by AbortReq" in str(result["error"])
+    if result["status"] == 200:  # an abort of a running request (gap 10)
+        return result["meta"]["finish_reason"]["type"] == "abort"
+    return False
+
+
+class Burst:
+    """CONCURRENCY requests in threads, each remembering when it ended."""
+
+    def __init__(self, cluster, tag: str, max_new_tokens: int = MAX_NEW_TOKENS):
+        self.texts = prompts(CONCURRENCY)
+        self.rids = [f"{tag}-{i}" for i in range(CONCURRENCY)]
+        self.results = [None] * CONCURRENCY
+        self.ended = [None] * CONCURRENCY
+
+        def run(i):
+            self.results[i] = generate(
+                cluster.url, self.texts[i], max_new_tokens=max_new_tokens,
+                timeout=REQUEST_DEADLINE_S + 30, rid=self.rids[i],
+            )
+            self.ended[i] = time.monotonic()
+
+        self.threads = [threading.Thread(target=run, args=(i,), daemon=True)
+                        for i in range(CONCURRENCY)]
+        for t in self.threads:
+            t.start()
+
+    def join(self):
+        deadline = time.monotonic() + REQUEST_DEADLINE_S
+        for t in self.threads:
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
+        hung = [self.rids[i] for i, t in enumerate(self.threads) if t.is_alive()]
+        assert not hung, f"requests still open {REQUEST_DEADLINE_S}s later: {hung}"
+        return self.results
+
+
+def in_flight(cluster) -> bool:
+    """Some request is held by a server (queues, running batch or KV)."""
+    return any(any(v for v in held(cluster.resources(r)).values()) for r in PD_ROLES)
+
+
+def assert_baseline(cluster, baseline):
+    assert_idle(cluster, PD_ROLES, baseline=baseline)
+    for role in PD_ROLES:
+        pause, te = pause_report(cluster, role)
+        assert pause == {"paused": False, "mode": None, "clock_paused": False}, (role, pause)
+        assert te == baseline[role]["te_registration"], role
+
+
+def test_out_of_order_calls_get_409_naming_the_state(cluster, control):
+    baseline = assert_idle(cluster, PD_ROLES)
+    for role in PD_ROLES:
+        def rejected(endpoint, body, state):
+            before = pause_report(cluster, role)
+            status, reply = call(cluster, role, endpoint, body)
+            assert status == 409, (role, endpoint, status, reply)
+            assert f"engine state is '{state}'" in str(reply), reply
+            assert pause_report(cluster, role) == before, (role, endpoint)
+
+        rejected("continue_generation", {}, "running")
+        rejected("resume_memory_occupation", {}, "running")
+        rejected("release_memory_occupation", {}, "running")
+        # Unknown mode: rejected by request validation before any state changes.
+        before = pause_report(cluster, role)
+        status, reply = call(cluster, role, "pause_generation", {"mode": "sideways"})
+        assert 400 <= status < 500 and "mode" in str(reply), (status, reply)
+        assert pause_report(cluster, role) == before
+
+        assert call(cluster, role, "pause_generation", {"mode": "in_place"})[0] == 200
+        rejected("pause_generation", {"mode": "retract"}, "paused")
+        rejected("resume_memory_occupation", {}, "paused")
+        assert call(cluster, role, "release_memory_occupation")[0] == 200
+        rejected("release_memory_occupation", {}, "released")
+        rejected("continue_generation", {}, "released")
+        rejected("pause_generation", {"mode": "abort"}, "released")
+        assert call(cluster, role, "resume_memory_occupation")[0] == 200
+        rejected("resume_memory_occupation", {}, "resumed")
+        rejected("release_memory_occupation", {}, "resumed")
+        assert call(cluster, role, "continue_generation")[0] == 200
+    assert_baseline(cluster, baseline)
+    # A later correct cycle still works, and the cluster serves what it served.
+    texts = list(control)
+    out = generate_concurrently(cluster.url, texts, max_new_tokens=MAX_NEW_TOKENS)
+    assert [r["output_ids"] for r in out] == [control[t] for t in texts]
+
+
+@pytest.mark.xfail(
+    strict=False,
+    reason="known gap: a request the paused prefill scheduler has received but not yet "
+    "bootstrapped is sometimes answered only after continue_generation",
+)
+def test_abort_during_long_pause_is_answered_within_1s(cluster, control):
+    baseline = assert_idle(cluster, PD_ROLES)
+    try:
+        _abort_during_long_pause(cluster, baseline)
+    finally:  # leave the cluster running for the next test, whatever happened
+        for role in PD_ROLES:
+            call(cluster, role, "continue_generation")
+
+
+def _abort_during_long_pause(cluster, baseline):
+    burst = Burst(cluster, "long-pause", max_new_tokens=128)
+    wait_until(lambda: in_flight(cluster), 30, "requests in flight")
+    both(cluster, "pause_generation", {"mode": "in_place"})
+    open_rids = [rid for rid, r in zip(burst.rids, burst.results) if r is None]
+    assert open_rids, "every request finished before the pause"
+    victim = burst.rids.index(open_rids[0])
+    # A long pause: nothing moves, and the victim is still open 2 s later.
+    time.sleep(LONG_PAUSE_S)  # the pause under test, not a synchronisation
+    assert burst.results[victim] is None
+    t0 = time.monotonic()
+    for role in PD_ROLES:
+        assert call(cluster, role, "abort_request", {"rid": burst.rids[victim]})[0] == 200
+    wait_until(lambda: burst.ended[victim] is not None, 10, "the abort to be answered")
+    answered_s = burst.ended[victim] - t0
+    assert answered_s <= ABORT_ANSWER_S, answered_s
+    assert is_clear_abort(burst.results[victim]), burst.results[victim]
+    # Still paused: the others did not move on.
+    for role in PD_ROLES:
+        assert pause_report(cluster, role)[0]["paused"], role
+    both(cluster, "continue_generation")
+    for i, r in enumerate(burst.join()):
+        if i != victim:
+            assert r["status"] == 200 and r["meta"]["finish_reason"]["type"] != "abort", r
+    assert_baseline(cluster, baseline)
+    print(f"abort answered during pause in {answered_s:.2f}s")
+
+
+RETRACT_GAP = pytest.mark.xfail(
+    strict=False,
+    reason="known gap: decode ends a queued request at release while prefill's copy is "
+    "still held at prefill's pause gate; prefill later waits for a handshake that never "
+    "comes (bootstrap timeout), so the load balancer's answer hangs. Needs the decode "
+    "side to tell prefill about rooms it ended before prefill created them.",
+)
+
+
+@pytest.mark.parametrize(
+    "mode", [m if m != "retract" else pytest.param(m, marks=RETRACT_GAP) for m in MODES]
+)
+def test_full_cycles_under_load(cluster, control, mode):
+    baseline = assert_idle(cluster, PD_ROLES)
+    outcomes = {"completed": 0, "diverged_after_rebootstrap": 0, "aborted": 0}
+    t_start = time.monotonic()
+    for cycle in range(CYCLES):
+        burst = Burst(cluster, f"{mode}-{cycle}")
+        wait_until(lambda: in_flight(cluster) or all(burst.ended), 30, "requests in flight")
+        both(cluster, "pause_generation", {"mode": mode})
+        both(cluster, "release_memory_occupation")
+        for role in PD_ROLES:  # released: nothing registered with the transfer engine
+            assert pause_report(cluster, role)[1]["registered_regions"] == 0, role
+        both(cluster, "resume_memory_occupation")
+        both(cluster, "continue_generation")
+        for text, r in zip(burst.texts, burst.join()):
+            if r["status"] == 200 and r["meta"]["finish_reason"]["type"] != "abort":
+                want = control[text]
+                if r["output_ids"] == want:
+                    outcomes["completed"] += 1
+                else:
+                    # A request retracted mid-decode is re-bootstrapped: prefill
+                    # recomputes its KV in one pass, and on the tiny random bf16 model
+                    # greedy decoding may then diverge (seen once in 20 retract cycles,
+                    # at token 8). It must still be a whole, well-formed completion.
+                    assert r["meta"]["finish_reason"]["type"] == "length", (mode, cycle, r)
+                    assert len(r["output_ids"]) == len(want), (mode, cycle, text)
+                    assert r["output_ids"][0] == want[0], (mode, cycle, text)
+                    outcomes["diverged_after_rebootstrap"] += 1
+            else:
+                assert is_clear_abort(r), (mode, cycle, r)
+                outcomes["aborted"] += 1
+        assert_baseline(cluster, baseline)
+    elapsed = time.monotonic() - t_start
+    # After the last cycle the cluster serves exactly what it served before.
+    texts = list(control)
+    out = generate_concurrently(cluster.url, texts, max_new_tokens=MAX_NEW_TOKENS)
+    assert [r["output_ids"] for r in out] == [control[t] for t in texts]
+    assert_baseline(cluster, baseline)
+    print(f"{mode}: {CYCLES} cycles in {elapsed:.1f}s, {outcomes}")
