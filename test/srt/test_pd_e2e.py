@@ -180,8 +180,8 @@ def test_report_sees_a_request_parked_while_decode_is_frozen(pd_cluster):
 
 def test_memory_release_and_resume_on_idle_cpu_servers(pd_cluster, single_server):
     """Upstream synchronised CUDA on release and killed a CPU scheduler. Each server,
-    idle, releases and resumes its memory, stays alive and then serves what it served
-    before."""
+    idle, goes through pause -> release -> resume -> continue (the fork requires the
+    pause, see pd_pause), stays alive and then serves what it served before."""
     baseline = assert_idle(pd_cluster, PD_ROLES)
     text = prompts(1)[0]
     before_pd = generate(pd_cluster.url, text, max_new_tokens=MAX_NEW_TOKENS)
@@ -191,8 +191,11 @@ def test_memory_release_and_resume_on_idle_cpu_servers(pd_cluster, single_server
     for deployment, role in ((pd_cluster, "prefill"), (pd_cluster, "decode"), (single_server, "single")):
         server = deployment[role]
         pids = server.pids()
-        for call in ("release_memory_occupation", "resume_memory_occupation"):
-            status, body = http_post_json(server.url + "/" + call, {}, timeout=60)
+        for call, payload in (("pause_generation", {"mode": "in_place"}),
+                              ("release_memory_occupation", {}),
+                              ("resume_memory_occupation", {}),
+                              ("continue_generation", {})):
+            status, body = http_post_json(server.url + "/" + call, payload, timeout=60)
             assert status == 200, (role, call, body)
         assert sorted(server.pids()) == sorted(pids) and http_get(server.url + "/health", timeout=10)[0] == 200, role
     after_pd = generate(pd_cluster.url, text, max_new_tokens=MAX_NEW_TOKENS)
