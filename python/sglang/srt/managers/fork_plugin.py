@@ -17,6 +17,34 @@ HOOKS: list[tuple[str, str, HookType]] = [
         "sglang.srt.managers.pd_resource_report:add_to_internal_state",
         HookType.AFTER,
     ),
+    # Transfer deadlines: expire overdue requests before each PD queue polls.
+    (
+        "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue.pop_bootstrapped",
+        "sglang.srt.disaggregation.transfer_deadline:before_pop_bootstrapped",
+        HookType.BEFORE,
+    ),
+    (
+        "sglang.srt.disaggregation.prefill.SchedulerDisaggregationPrefillMixin."
+        "resolve_waiting_queue_bootstrap",
+        "sglang.srt.disaggregation.transfer_deadline:before_resolve_waiting",
+        HookType.BEFORE,
+    ),
+    (
+        "sglang.srt.disaggregation.prefill.SchedulerDisaggregationPrefillMixin."
+        "process_disagg_prefill_inflight_queue",
+        "sglang.srt.disaggregation.transfer_deadline:before_prefill_inflight",
+        HookType.BEFORE,
+    ),
+    (
+        "sglang.srt.disaggregation.decode.DecodePreallocQueue.pop_preallocated",
+        "sglang.srt.disaggregation.transfer_deadline:before_pop_preallocated",
+        HookType.BEFORE,
+    ),
+    (
+        "sglang.srt.disaggregation.decode.DecodeTransferQueue.pop_transferred",
+        "sglang.srt.disaggregation.transfer_deadline:before_pop_transferred",
+        HookType.BEFORE,
+    ),
 ]
 
 
