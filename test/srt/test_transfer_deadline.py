@@ -229,3 +229,22 @@ def test_under_deadline_nothing_expires(decode, clock):
     h.finish(req)
     assert h.outputs.status_code(req.rid) == 200
     h.assert_baseline(h.idle)
+
+
+def test_decode_answers_504_when_prefill_deadline_failed_the_room(decode, clock):
+    """Prefill's deadline reached decode as the room's failure reason (the status
+    message): decode's client gets 504 as well, not a generic 500."""
+    h = decode
+    req = h.add(h.make_req(prompt_len=8))
+    room = req.bootstrap_room
+    h.faults.hold_transfer(room)
+    h.tick()
+    reason = f"{td.TAG}: request p-1 (bootstrap_room={room}) spent 6.0s in stage prefill_inflight"
+    with h.active():  # what apply_prefill_status does with prefill's Failed message
+        h.kv_manager.record_failure(room, reason)
+        h.kv_manager.update_status(room, KVPoll.Failed)
+    h.tick()
+    assert h.outputs.status_code(req.rid) == 504
+    assert "prefill_inflight" in h.outputs.final(req.rid).reason["message"]
+    h.faults.release(room)
+    h.assert_baseline(h.idle)

@@ -76,9 +76,13 @@ def overdue(stage: str, reqs: Iterable[Any], now: float, deadline: float) -> Lis
     return late
 
 
+# Opens every deadline message; it travels to the peer as the room's failure reason.
+TAG = "PD transfer deadline exceeded"
+
+
 def message(stage: str, req: Any, elapsed: float, deadline: float) -> str:
     return (
-        f"PD transfer deadline exceeded: request {req.rid} (bootstrap_room="
+        f"{TAG}: request {req.rid} (bootstrap_room="
         f"{req.bootstrap_room}) spent {elapsed:.1f}s in stage {stage}, over the "
         f"{deadline:g}s deadline. Raise {ENV} or {ARG} if transfers legitimately take longer."
     )
@@ -86,11 +90,14 @@ def message(stage: str, req: Any, elapsed: float, deadline: float) -> str:
 
 def abort_verdict(req: Any, error_message: str, status_code) -> Tuple[str, Any]:
     """What `prepare_abort` reports: 504 and our message for a request this module
-    expired, the caller's message and status otherwise."""
+    expired; 504 and the caller's message when the room failed because the peer's
+    deadline expired it (the peer's reason, carried in the message); else unchanged."""
     expired = getattr(req, _EXPIRED, None)
-    if expired is None:
-        return error_message, status_code
-    return expired, HTTPStatus.GATEWAY_TIMEOUT
+    if expired is not None:
+        return expired, HTTPStatus.GATEWAY_TIMEOUT
+    if error_message and TAG in error_message:
+        return error_message, HTTPStatus.GATEWAY_TIMEOUT
+    return error_message, status_code
 
 
 # ----------------------------------------------------------------------------- side effects
