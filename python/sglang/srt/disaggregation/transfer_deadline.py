@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from http import HTTPStatus
-from typing import Any, Iterable, List, Optional, Tuple
+from typing import Any, List, Sequence, Tuple
 
 from sglang.srt.disaggregation.base import KVPoll
 from sglang.srt.disaggregation.transfer_deadline_knob import ARG, ENV, configured
@@ -61,18 +61,16 @@ def scan_due(stage: str, now: float, deadline: float) -> bool:
     return True
 
 
-def overdue(stage: str, reqs: Iterable[Any], now: float, deadline: float) -> List[Tuple[Any, float]]:
-    """(req, seconds in stage) for each request of `reqs` past `deadline` in `stage`.
+def overdue(stage: str, reqs: Sequence[Any], now: float, deadline: float) -> List[Tuple[int, float]]:
+    """(index, seconds in stage) for each request of `reqs` past `deadline` in `stage`.
     A request seen in `stage` for the first time is stamped with `now`."""
     late = []
-    for req in reqs:
+    for i, req in enumerate(reqs):
         stamp = getattr(req, _STAMP, None)
         if stamp is None or stamp[0] != stage:
             setattr(req, _STAMP, (stage, now))
-            continue
-        elapsed = now - stamp[1]
-        if elapsed > deadline and getattr(req, _EXPIRED, None) is None:
-            late.append((req, elapsed))
+        elif now - stamp[1] > deadline and getattr(req, _EXPIRED, None) is None:
+            late.append((i, now - stamp[1]))
     return late
 
 
@@ -151,17 +149,21 @@ def _fail_room(endpoint, room: int, reason: str, side: str) -> None:
     endpoint.abort()  # fake-transfer endpoints: no peer, no room tables
 
 
-def _expire(scheduler, stage: str, entries, endpoint_of, side: str) -> None:
-    if not entries or not _decides():
+def _expire(scheduler, stage: str, queue: Sequence[Any], side: str, keep=None) -> None:
+    """Expire the overdue entries of `queue` (prefill: Req; decode: DecodeRequest),
+    only those `keep` accepts if given."""
+    if not queue or not _decides():
         return
     deadline = configured()
     now = engine_clock.now()
     if not scan_due(stage, now, deadline):
         return
-    reqs = {id(endpoint_of(e)[0]): e for e in entries}
-    late = overdue(stage, (endpoint_of(e)[0] for e in entries), now, deadline)
-    for req, elapsed in late:
-        _, endpoint = endpoint_of(reqs[id(req)])
+    if keep is not None:
+        queue = [entry for entry in queue if keep(entry)]
+    reqs = queue if side == "prefill" else [entry.req for entry in queue]
+    for i, elapsed in overdue(stage, reqs, now, deadline):
+        req = reqs[i]
+        endpoint = req.disagg_kv_sender if side == "prefill" else queue[i].kv_receiver
         if endpoint is None:
             continue
         text = message(stage, req, elapsed, deadline)
@@ -171,46 +173,38 @@ def _expire(scheduler, stage: str, entries, endpoint_of, side: str) -> None:
         _count(scheduler, stage)
 
 
-def _prefill_entry(req):
-    return req, getattr(req, "disagg_kv_sender", None)
-
-
-def _decode_entry(decode_req):
-    return decode_req.req, decode_req.kv_receiver
-
-
 # ----------------------------------------------------------------------------- hooks
 
 
 def before_pop_bootstrapped(queue, *args, **kwargs):
     """BEFORE PrefillBootstrapQueue.pop_bootstrapped."""
-    _expire(queue.scheduler, PREFILL_BOOTSTRAP, queue.queue, _prefill_entry, "prefill")
+    _expire(queue.scheduler, PREFILL_BOOTSTRAP, queue.queue, "prefill")
 
 
 def before_resolve_waiting(scheduler, *args, **kwargs):
-    """BEFORE SchedulerDisaggregationPrefillMixin.resolve_waiting_queue_bootstrap."""
+    """BEFORE SchedulerDisaggregationPrefillMixin.resolve_waiting_queue_bootstrap:
+    the requests it polls (PD, not aborted)."""
     from sglang.srt.disaggregation.utils import is_aborted
 
-    waiting = [
-        r for r in scheduler.waiting_queue
-        if getattr(r, "disagg_kv_sender", None) is not None and not is_aborted(r)
-    ]
-    _expire(scheduler, PREFILL_WAITING, waiting, _prefill_entry, "prefill")
+    _expire(
+        scheduler, PREFILL_WAITING, scheduler.waiting_queue, "prefill",
+        keep=lambda r: getattr(r, "disagg_kv_sender", None) is not None and not is_aborted(r),
+    )
 
 
 def before_prefill_inflight(scheduler, *args, **kwargs):
     """BEFORE SchedulerDisaggregationPrefillMixin.process_disagg_prefill_inflight_queue."""
-    _expire(scheduler, PREFILL_INFLIGHT, scheduler.disagg_prefill_inflight_queue, _prefill_entry, "prefill")
+    _expire(scheduler, PREFILL_INFLIGHT, scheduler.disagg_prefill_inflight_queue, "prefill")
 
 
 def before_pop_preallocated(queue, *args, **kwargs):
     """BEFORE DecodePreallocQueue.pop_preallocated."""
-    _expire(queue.scheduler, DECODE_PREALLOC, queue.queue, _decode_entry, "decode")
+    _expire(queue.scheduler, DECODE_PREALLOC, queue.queue, "decode")
 
 
 def before_pop_transferred(queue, *args, **kwargs):
     """BEFORE DecodeTransferQueue.pop_transferred."""
-    _expire(queue.scheduler, DECODE_TRANSFER, queue.queue, _decode_entry, "decode")
+    _expire(queue.scheduler, DECODE_TRANSFER, queue.queue, "decode")
 
 
 def reset_scan_schedule() -> None:
