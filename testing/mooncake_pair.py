@@ -110,6 +110,22 @@ class _Worker:
     def snapshot(self) -> dict:
         return self.h.snapshot().held()
 
+    def reason(self, room: int) -> Optional[str]:
+        final = self.h.outputs.final(self.reqs[room].rid)
+        return None if final is None or final.reason is None else final.reason.get("message")
+
+    def break_transfer_engine_once(self) -> None:
+        """The next mooncake batch transfer raises in the transfer worker's thread (as
+        an unexpected error in a send path does), killing upstream's worker loop."""
+        mgr = self.h.kv_manager
+        original = mgr._transfer_data
+
+        def broken(*args, **kwargs):
+            mgr._transfer_data = original
+            raise RuntimeError("injected transfer engine error")
+
+        mgr._transfer_data = broken
+
 
 def _serve(role: str, conn: Connection, bootstrap_port: int, http_port: int, sizes: Dict[str, Any]) -> None:
     os.environ.update(CHILD_ENV)

@@ -45,6 +45,12 @@ HOOKS: list[tuple[str, str, HookType]] = [
         "sglang.srt.disaggregation.transfer_deadline:before_pop_transferred",
         HookType.BEFORE,
     ),
+    # A transfer worker that raises fails its in-flight room and starts again.
+    (
+        "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.transfer_worker",
+        "sglang.srt.disaggregation.transfer_worker_guard:around_transfer_worker",
+        HookType.AROUND,
+    ),
 ]
 
 
