@@ -64,11 +64,14 @@ class _Worker:
 
             self.bootstrap_server = MooncakeKVBootstrapServer(host="127.0.0.1", port=bootstrap_port)
         cls = PrefillHarness if role == "prefill" else DecodeHarness
+        sizes = dict(sizes)
+        extra_args = sizes.pop("server_args", {})
         self.h = cls(
             transfer_backend="mooncake",
             process_wide=True,
             server_args=dict(
-                host="127.0.0.1", port=http_port, disaggregation_bootstrap_port=bootstrap_port
+                host="127.0.0.1", port=http_port, disaggregation_bootstrap_port=bootstrap_port,
+                **extra_args,
             ),
             **sizes,
         )
@@ -224,9 +227,12 @@ class MooncakePair:
             self.close()
             raise
 
+    def new_room(self) -> int:
+        return next(self._rooms)
+
     def submit(self, prompt_len: int = 12) -> int:
         """The same request on both sides, as the router would send it."""
-        room = next(self._rooms)
+        room = self.new_room()
         self.prefill.call("add", room, prompt_len)
         self.decode.call("add", room, prompt_len)
         return room

@@ -17,7 +17,7 @@ through the all-reduce, so every rank drops the same requests in the same pass.
 from __future__ import annotations
 
 import logging
-from collections import Counter
+from collections import Counter, OrderedDict
 from http import HTTPStatus
 from typing import Any, List, Sequence, Tuple
 
@@ -136,7 +136,9 @@ def _fail_room(endpoint, room: int, reason: str, side: str) -> None:
     kv_mgr = endpoint.kv_mgr
     if side == "prefill" and hasattr(kv_mgr, "conclude_failure"):
         # Records the reason, marks Failed, sends Failed to the room's decode
-        # endpoints (known once decode's metadata arrived).
+        # endpoints (known once decode's metadata arrived); a handshake that comes
+        # later is answered by `before_update_status`.
+        _remember_expired(kv_mgr, room, reason)
         kv_mgr.conclude_failure(bootstrap_room=room, failure_reason=reason)
         return
     if side == "decode" and hasattr(kv_mgr, "record_failure"):
@@ -171,6 +173,43 @@ def _expire(scheduler, stage: str, queue: Sequence[Any], side: str, keep=None) -
         logger.warning(text)
         _fail_room(endpoint, req.bootstrap_room, text, side)
         _count(scheduler, stage)
+
+
+# ----------------------------------------------------------------------------- late handshakes
+
+# Prefill rooms this module failed, per kv manager, newest last; bounded.
+MAX_REMEMBERED_ROOMS = 4096
+
+
+def _remember_expired(kv_mgr, room: int, reason: str) -> None:
+    rooms = kv_mgr.__dict__.setdefault("fork_expired_rooms", OrderedDict())
+    rooms[room] = reason
+    rooms.move_to_end(room)
+    while len(rooms) > MAX_REMEMBERED_ROOMS:
+        rooms.popitem(last=False)
+
+
+def around_update_status(original, kv_mgr, bootstrap_room, status, *args, **kwargs):
+    """AROUND CommonKVManager.update_status. Decode's metadata for a room prefill
+    already expired (and cleared) would re-create the room (WaitingForInput) and
+    leak it: instead answer decode Failed with the deadline reason at once and drop
+    what the bootstrap thread stored for it."""
+    expired = kv_mgr.__dict__.get("fork_expired_rooms")
+    if (
+        expired
+        and status == KVPoll.WaitingForInput
+        and bootstrap_room in expired
+        and bootstrap_room not in kv_mgr.request_status
+    ):
+        targets = kv_mgr._room_notify_targets(bootstrap_room)
+        kv_mgr.transfer_infos.pop(bootstrap_room, None)
+        kv_mgr.req_to_decode_prefix_len.pop(bootstrap_room, None)
+        kv_mgr.send_kv_status_message(
+            targets=targets, bootstrap_room=bootstrap_room, status=KVPoll.Failed,
+            failure_reason=expired.pop(bootstrap_room),
+        )
+        return None
+    return original(kv_mgr, bootstrap_room, status, *args, **kwargs)
 
 
 # ----------------------------------------------------------------------------- hooks

@@ -45,6 +45,12 @@ HOOKS: list[tuple[str, str, HookType]] = [
         "sglang.srt.disaggregation.transfer_deadline:before_pop_transferred",
         HookType.BEFORE,
     ),
+    # Decode's late handshake for a room prefill's deadline expired: answer Failed.
+    (
+        "sglang.srt.disaggregation.common.conn.CommonKVManager.update_status",
+        "sglang.srt.disaggregation.transfer_deadline:around_update_status",
+        HookType.AROUND,
+    ),
     # A transfer worker that raises fails its in-flight room and starts again.
     (
         "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.transfer_worker",
