@@ -47,6 +47,7 @@ MAX_SCAN_INTERVAL = 1.0
 # Expired requests by stage in this process (what the Prometheus counter also counts).
 COUNTS: Counter = Counter()
 _next_scan: dict = {}
+_NEVER = float("-inf")
 _prom_counter = None
 
 
@@ -154,12 +155,14 @@ def _fail_room(endpoint, room: int, reason: str, side: str) -> None:
 def _expire(scheduler, stage: str, queue: Sequence[Any], side: str, keep=None) -> None:
     """Expire the overdue entries of `queue` (prefill: Req; decode: DecodeRequest),
     only those `keep` accepts if given."""
-    if not queue or not _decides():
+    if not queue:
+        return
+    now = engine_clock.now()
+    if now < _next_scan.get(stage, _NEVER):  # the common case: one lookup per pass
+        return
+    if not _decides() or not scan_due(stage, now, configured()):
         return
     deadline = configured()
-    now = engine_clock.now()
-    if not scan_due(stage, now, deadline):
-        return
     if keep is not None:
         queue = [entry for entry in queue if keep(entry)]
     reqs = queue if side == "prefill" else [entry.req for entry in queue]
