@@ -5,7 +5,7 @@ VPY    := $(VENV)/bin/python
 # Inputs of the fork wheel: rebuilt and reinstalled when any of them changes.
 SOURCES := $(shell git ls-files -co --exclude-standard pyproject.toml upstream.lock patches python build_backend 2>/dev/null)
 
-.PHONY: venv demo test wheel system-deps clean
+.PHONY: venv demo test wheel system-deps clean bench-deadline
 
 venv: $(VENV)/.fork-installed
 
@@ -14,6 +14,9 @@ demo: venv
 
 test: venv
 	$(VPY) -m pytest -ra --timeout=1200 test/srt
+
+bench-deadline: venv
+	$(VPY) bench/transfer_deadline_bench.py
 
 wheel:
 	$(PYTHON) -m pip wheel --no-deps --wheel-dir dist .
