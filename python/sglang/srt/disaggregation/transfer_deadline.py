@@ -160,9 +160,11 @@ def _expire(scheduler, stage: str, queue: Sequence[Any], side: str, keep=None) -
     now = engine_clock.now()
     if now < _next_scan.get(stage, _NEVER):  # the common case: one lookup per pass
         return
-    if not _decides() or not scan_due(stage, now, configured()):
+    if not _decides():
         return
     deadline = configured()
+    if not scan_due(stage, now, deadline):
+        return
     if keep is not None:
         queue = [entry for entry in queue if keep(entry)]
     reqs = queue if side == "prefill" else [entry.req for entry in queue]
