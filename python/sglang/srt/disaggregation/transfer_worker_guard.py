@@ -6,11 +6,15 @@ exception; decode is told), its in-flight count is dropped (the drain ACK stays
 poisoned, as upstream leaves it, because a write may still be running), and the worker
 loop starts again on the same queue, so later chunks of that shard are served. The
 scheduler's next inflight poll sees Failed and retires the request (upstream's path).
-AROUND hook on `MooncakeKVManager.transfer_worker` (fork_plugin.HOOKS).
+Installed by a BEFORE hook on `PrefillBootstrapQueue._init_kv_manager` (fork_plugin.HOOKS),
+in the scheduler process just before the manager starts its workers: hooking
+`MooncakeKVManager` directly would import mooncake/conn.py (and prometheus_client) in
+the launcher before PROMETHEUS_MULTIPROC_DIR is set, which silences its metrics.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 
 from sglang.srt.disaggregation.base import KVPoll
@@ -57,3 +61,20 @@ def around_transfer_worker(original, kv_mgr, queue, *args, **kwargs):
             if getattr(kv_mgr, "_stopped", False):
                 raise
             fail_stranded_rooms(kv_mgr, queue, exc)
+
+
+def install(*args, **kwargs) -> None:
+    """BEFORE PrefillBootstrapQueue._init_kv_manager: wrap MooncakeKVManager.transfer_worker
+    once (the workers' thread targets are bound when the manager is built)."""
+    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
+
+    original = MooncakeKVManager.transfer_worker
+    if getattr(original, "fork_guarded", False):
+        return
+
+    @functools.wraps(original)
+    def guarded(kv_mgr, queue, *a, **kw):
+        return around_transfer_worker(original, kv_mgr, queue, *a, **kw)
+
+    guarded.fork_guarded = True
+    MooncakeKVManager.transfer_worker = guarded

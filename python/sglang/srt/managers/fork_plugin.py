@@ -51,11 +51,12 @@ HOOKS: list[tuple[str, str, HookType]] = [
         "sglang.srt.disaggregation.transfer_deadline:around_update_status",
         HookType.AROUND,
     ),
-    # A transfer worker that raises fails its in-flight room and starts again.
+    # A transfer worker that raises fails its in-flight room and starts again
+    # (installed on MooncakeKVManager when the prefill queue builds its manager).
     (
-        "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.transfer_worker",
-        "sglang.srt.disaggregation.transfer_worker_guard:around_transfer_worker",
-        HookType.AROUND,
+        "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager",
+        "sglang.srt.disaggregation.transfer_worker_guard:install",
+        HookType.BEFORE,
     ),
 ]
 
