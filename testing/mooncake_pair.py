@@ -64,11 +64,14 @@ class _Worker:
 
             self.bootstrap_server = MooncakeKVBootstrapServer(host="127.0.0.1", port=bootstrap_port)
         cls = PrefillHarness if role == "prefill" else DecodeHarness
+        sizes = dict(sizes)
+        extra_args = sizes.pop("server_args", {})
         self.h = cls(
             transfer_backend="mooncake",
             process_wide=True,
             server_args=dict(
-                host="127.0.0.1", port=http_port, disaggregation_bootstrap_port=bootstrap_port
+                host="127.0.0.1", port=http_port, disaggregation_bootstrap_port=bootstrap_port,
+                **extra_args,
             ),
             **sizes,
         )
@@ -135,6 +138,22 @@ class _Worker:
 
     def old_kv_unchanged(self) -> bool:
         return all(bool((a == b).all()) for a, b in zip(self._old_kv, self._old_kv_copy))
+
+    def reason(self, room: int) -> Optional[str]:
+        final = self.h.outputs.final(self.reqs[room].rid)
+        return None if final is None or final.reason is None else final.reason.get("message")
+
+    def break_transfer_engine_once(self) -> None:
+        """The next mooncake batch transfer raises in the transfer worker's thread (as
+        an unexpected error in a send path does), killing upstream's worker loop."""
+        mgr = self.h.kv_manager
+        original = mgr._transfer_data
+
+        def broken(*args, **kwargs):
+            mgr._transfer_data = original
+            raise RuntimeError("injected transfer engine error")
+
+        mgr._transfer_data = broken
 
 
 def _serve(role: str, conn: Connection, bootstrap_port: int, http_port: int, sizes: Dict[str, Any]) -> None:
@@ -234,9 +253,12 @@ class MooncakePair:
             self.close()
             raise
 
+    def new_room(self) -> int:
+        return next(self._rooms)
+
     def submit(self, prompt_len: int = 12) -> int:
         """The same request on both sides, as the router would send it."""
-        room = next(self._rooms)
+        room = self.new_room()
         self.prefill.call("add", room, prompt_len)
         self.decode.call("add", room, prompt_len)
         return room

@@ -20,7 +20,7 @@ the client saw (`outputs`), what was counted (`counters`) and what is still held
     h.assert_baseline(idle)
 
 Also: `h.abort(rid)` (the real `Scheduler.abort_request`), `h.chunk_size` (chunked
-prefill), `h.run_until(pred)`, `h.room_state(room)`, `h.faults.notices_for(room)`,
+prefill), `h.hold_admission` (requests wait in the waiting queue), `h.run_until(pred)`, `h.room_state(room)`, `h.faults.notices_for(room)`,
 `DecodeHarness.finish(req)`, `kv_bytes(req)`.
 """
 
@@ -857,6 +857,9 @@ class PrefillHarness(_Harness):
     """
 
     chunk_size: Optional[int] = None
+    # True: `admit()` admits nothing, so bootstrapped requests stay in the waiting
+    # queue (a prefill whose compute is saturated).
+    hold_admission: bool = False
 
     mode = DisaggregationMode.PREFILL
     next_token = 7
@@ -925,6 +928,8 @@ class PrefillHarness(_Harness):
         first, then waiting requests in order; one that does not fit is cut and
         becomes `chunked_req`, and admission stops."""
         s = self.scheduler
+        if self.hold_admission:
+            return []
         budget = self.chunk_size or float("inf")
         reqs = []
         if s.chunked_req is not None:

@@ -93,6 +93,47 @@ HOOKS: list[tuple[str, str, HookType]] = [
         "sglang.srt.managers.pd_pause:pause_abort_status",
         HookType.AROUND,
     ),
+    # Transfer deadlines: expire overdue requests before each PD queue polls.
+    (
+        "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue.pop_bootstrapped",
+        "sglang.srt.disaggregation.transfer_deadline:before_pop_bootstrapped",
+        HookType.BEFORE,
+    ),
+    (
+        "sglang.srt.disaggregation.prefill.SchedulerDisaggregationPrefillMixin."
+        "resolve_waiting_queue_bootstrap",
+        "sglang.srt.disaggregation.transfer_deadline:before_resolve_waiting",
+        HookType.BEFORE,
+    ),
+    (
+        "sglang.srt.disaggregation.prefill.SchedulerDisaggregationPrefillMixin."
+        "process_disagg_prefill_inflight_queue",
+        "sglang.srt.disaggregation.transfer_deadline:before_prefill_inflight",
+        HookType.BEFORE,
+    ),
+    (
+        "sglang.srt.disaggregation.decode.DecodePreallocQueue.pop_preallocated",
+        "sglang.srt.disaggregation.transfer_deadline:before_pop_preallocated",
+        HookType.BEFORE,
+    ),
+    (
+        "sglang.srt.disaggregation.decode.DecodeTransferQueue.pop_transferred",
+        "sglang.srt.disaggregation.transfer_deadline:before_pop_transferred",
+        HookType.BEFORE,
+    ),
+    # Decode's late handshake for a room prefill's deadline expired: answer Failed.
+    (
+        "sglang.srt.disaggregation.common.conn.CommonKVManager.update_status",
+        "sglang.srt.disaggregation.transfer_deadline:around_update_status",
+        HookType.AROUND,
+    ),
+    # A transfer worker that raises fails its in-flight room and starts again
+    # (installed on MooncakeKVManager when the prefill queue builds its manager).
+    (
+        "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager",
+        "sglang.srt.disaggregation.transfer_worker_guard:install",
+        HookType.BEFORE,
+    ),
 ]
 
 

@@ -1,0 +1,256 @@
+"""Transfer deadlines: no PD request stays in one transfer stage longer than the deadline.
+
+Invariant: before each PD queue polls its rooms, every request that has been in that
+stage (prefill bootstrap / waiting / inflight, decode prealloc / transfer) longer than
+the deadline (`transfer_deadline_knob.configured()`, measured on `engine_clock`, so
+paused time does not count) has its room moved to `KVPoll.Failed` with the deadline as
+the recorded reason, and the peer is told at once. The poll's all-reduce then shows
+`Failed` on every rank, and upstream's Failed path of that queue releases what the
+request held (KV pages, metadata slot, radix lock, room state) and streams the abort,
+which `prepare_abort` (patched) turns into HTTP 504 with our message.
+
+Called by BEFORE hooks on each queue's poll (see fork_plugin.HOOKS). Only the rank
+that answers the client (attention TP/CP rank 0, PP rank 0) decides; the others follow
+through the all-reduce, so every rank drops the same requests in the same pass.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter, OrderedDict
+from http import HTTPStatus
+from typing import Any, List, Sequence, Tuple
+
+from sglang.srt.disaggregation.base import KVPoll
+from sglang.srt.disaggregation.transfer_deadline_knob import ARG, ENV, configured
+from sglang.srt.managers.engine_clock import engine_clock
+
+logger = logging.getLogger(__name__)
+
+PREFILL_BOOTSTRAP = "prefill_bootstrap"
+PREFILL_WAITING = "prefill_waiting"
+PREFILL_INFLIGHT = "prefill_inflight"
+DECODE_PREALLOC = "decode_prealloc"
+DECODE_TRANSFER = "decode_transfer"
+STAGES = (PREFILL_BOOTSTRAP, PREFILL_WAITING, PREFILL_INFLIGHT, DECODE_PREALLOC, DECODE_TRANSFER)
+
+# Per request: (stage, entered_at on engine_clock) and, once expired, the message.
+_STAMP = "fork_transfer_stage"
+_EXPIRED = "fork_transfer_deadline_message"
+
+# A queue is scanned at most every deadline/SCAN_DIVISOR seconds (capped at
+# MAX_SCAN_INTERVAL): a request is seen entering a stage at most one interval late and
+# expires at most two intervals late, and a 10k-request queue is not walked each pass.
+SCAN_DIVISOR = 50
+MAX_SCAN_INTERVAL = 1.0
+
+# Expired requests by stage in this process (what the Prometheus counter also counts).
+COUNTS: Counter = Counter()
+_next_scan: dict = {}
+_NEVER = float("-inf")
+_prom_counter = None
+
+
+# ----------------------------------------------------------------------------- pure
+
+
+def scan_due(stage: str, now: float, deadline: float) -> bool:
+    """Whether `stage`'s queue is due for a scan at `now` (and book the next one)."""
+    if now < _next_scan.get(stage, float("-inf")):
+        return False
+    _next_scan[stage] = now + min(deadline / SCAN_DIVISOR, MAX_SCAN_INTERVAL)
+    return True
+
+
+def overdue(stage: str, reqs: Sequence[Any], now: float, deadline: float) -> List[Tuple[int, float]]:
+    """(index, seconds in stage) for each request of `reqs` past `deadline` in `stage`.
+    A request seen in `stage` for the first time is stamped with `now`."""
+    late = []
+    for i, req in enumerate(reqs):
+        stamp = getattr(req, _STAMP, None)
+        if stamp is None or stamp[0] != stage:
+            setattr(req, _STAMP, (stage, now))
+        elif now - stamp[1] > deadline and getattr(req, _EXPIRED, None) is None:
+            late.append((i, now - stamp[1]))
+    return late
+
+
+# Opens every deadline message; it travels to the peer as the room's failure reason.
+TAG = "PD transfer deadline exceeded"
+
+
+def message(stage: str, req: Any, elapsed: float, deadline: float) -> str:
+    return (
+        f"{TAG}: request {req.rid} (bootstrap_room="
+        f"{req.bootstrap_room}) spent {elapsed:.1f}s in stage {stage}, over the "
+        f"{deadline:g}s deadline. Raise {ENV} or {ARG} if transfers legitimately take longer."
+    )
+
+
+def abort_verdict(req: Any, error_message: str, status_code) -> Tuple[str, Any]:
+    """What `prepare_abort` reports: 504 and our message for a request this module
+    expired; 504 and the caller's message when the room failed because the peer's
+    deadline expired it (the peer's reason, carried in the message); else unchanged."""
+    expired = getattr(req, _EXPIRED, None)
+    if expired is not None:
+        return expired, HTTPStatus.GATEWAY_TIMEOUT
+    if error_message and TAG in error_message:
+        return error_message, HTTPStatus.GATEWAY_TIMEOUT
+    return error_message, status_code
+
+
+# ----------------------------------------------------------------------------- side effects
+
+
+def _decides() -> bool:
+    from sglang.srt.runtime_context import get_parallel
+
+    parallel = get_parallel()
+    return (
+        getattr(parallel, "attn_tp_rank", 0) == 0
+        and getattr(parallel, "attn_cp_rank", 0) == 0
+        and getattr(parallel, "pp_rank", 0) == 0
+    )
+
+
+def _count(scheduler, stage: str) -> None:
+    COUNTS[stage] += 1
+    reporter = getattr(scheduler, "metrics_reporter", None)
+    if reporter is None or not getattr(reporter, "enable_metrics", False):
+        return
+    global _prom_counter
+    labels = getattr(scheduler.metrics_collector, "labels", None)
+    labels = dict(labels) if isinstance(labels, dict) else {}
+    if _prom_counter is None:
+        from prometheus_client import Counter as PromCounter
+
+        _prom_counter = PromCounter(
+            name="sglang:num_transfer_timeout_reqs_total",
+            documentation="PD requests aborted (HTTP 504) by the transfer deadline, by stage.",
+            labelnames=list(labels) + ["stage"],
+        )
+    _prom_counter.labels(**labels, stage=stage).inc(1)
+
+
+def _fail_room(endpoint, room: int, reason: str, side: str) -> None:
+    """Move the room to Failed with `reason` and tell the peer (best effort)."""
+    kv_mgr = endpoint.kv_mgr
+    if side == "prefill" and hasattr(kv_mgr, "conclude_failure"):
+        # Records the reason, marks Failed, sends Failed to the room's decode
+        # endpoints (known once decode's metadata arrived); a handshake that comes
+        # later is answered by `before_update_status`.
+        _remember_expired(kv_mgr, room, reason)
+        kv_mgr.conclude_failure(bootstrap_room=room, failure_reason=reason)
+        return
+    if side == "decode" and hasattr(kv_mgr, "record_failure"):
+        kv_mgr.record_failure(room, reason)
+        kv_mgr.update_status(room, KVPoll.Failed)
+        # The receiver's abort notification to its prefill ranks (arms the drain
+        # ACK when prefill may already be writing into the preallocated pages).
+        endpoint.ensure_abort_notified()
+        return
+    endpoint.abort()  # fake-transfer endpoints: no peer, no room tables
+
+
+def _expire(scheduler, stage: str, queue: Sequence[Any], side: str, keep=None) -> None:
+    """Expire the overdue entries of `queue` (prefill: Req; decode: DecodeRequest),
+    only those `keep` accepts if given."""
+    if not queue:
+        return
+    now = engine_clock.now()
+    if now < _next_scan.get(stage, _NEVER):  # the common case: one lookup per pass
+        return
+    if not _decides():
+        return
+    deadline = configured()
+    if not scan_due(stage, now, deadline):
+        return
+    if keep is not None:
+        queue = [entry for entry in queue if keep(entry)]
+    reqs = queue if side == "prefill" else [entry.req for entry in queue]
+    for i, elapsed in overdue(stage, reqs, now, deadline):
+        req = reqs[i]
+        endpoint = req.disagg_kv_sender if side == "prefill" else queue[i].kv_receiver
+        if endpoint is None:
+            continue
+        text = message(stage, req, elapsed, deadline)
+        setattr(req, _EXPIRED, text)
+        logger.warning(text)
+        _fail_room(endpoint, req.bootstrap_room, text, side)
+        _count(scheduler, stage)
+
+
+# ----------------------------------------------------------------------------- late handshakes
+
+# Prefill rooms this module failed, per kv manager, newest last; bounded.
+MAX_REMEMBERED_ROOMS = 4096
+
+
+def _remember_expired(kv_mgr, room: int, reason: str) -> None:
+    rooms = kv_mgr.__dict__.setdefault("fork_expired_rooms", OrderedDict())
+    rooms[room] = reason
+    rooms.move_to_end(room)
+    while len(rooms) > MAX_REMEMBERED_ROOMS:
+        rooms.popitem(last=False)
+
+
+def around_update_status(original, kv_mgr, bootstrap_room, status, *args, **kwargs):
+    """AROUND CommonKVManager.update_status. Decode's metadata for a room prefill
+    already expired (and cleared) would re-create the room (WaitingForInput) and
+    leak it: instead answer decode Failed with the deadline reason at once and drop
+    what the bootstrap thread stored for it."""
+    expired = kv_mgr.__dict__.get("fork_expired_rooms")
+    if (
+        expired
+        and status == KVPoll.WaitingForInput
+        and bootstrap_room in expired
+        and bootstrap_room not in kv_mgr.request_status
+    ):
+        targets = kv_mgr._room_notify_targets(bootstrap_room)
+        kv_mgr.transfer_infos.pop(bootstrap_room, None)
+        kv_mgr.req_to_decode_prefix_len.pop(bootstrap_room, None)
+        kv_mgr.send_kv_status_message(
+            targets=targets, bootstrap_room=bootstrap_room, status=KVPoll.Failed,
+            failure_reason=expired.pop(bootstrap_room),
+        )
+        return None
+    return original(kv_mgr, bootstrap_room, status, *args, **kwargs)
+
+
+# ----------------------------------------------------------------------------- hooks
+
+
+def before_pop_bootstrapped(queue, *args, **kwargs):
+    """BEFORE PrefillBootstrapQueue.pop_bootstrapped."""
+    _expire(queue.scheduler, PREFILL_BOOTSTRAP, queue.queue, "prefill")
+
+
+def before_resolve_waiting(scheduler, *args, **kwargs):
+    """BEFORE SchedulerDisaggregationPrefillMixin.resolve_waiting_queue_bootstrap:
+    the requests it polls (PD, not aborted)."""
+    from sglang.srt.disaggregation.utils import is_aborted
+
+    _expire(
+        scheduler, PREFILL_WAITING, scheduler.waiting_queue, "prefill",
+        keep=lambda r: getattr(r, "disagg_kv_sender", None) is not None and not is_aborted(r),
+    )
+
+
+def before_prefill_inflight(scheduler, *args, **kwargs):
+    """BEFORE SchedulerDisaggregationPrefillMixin.process_disagg_prefill_inflight_queue."""
+    _expire(scheduler, PREFILL_INFLIGHT, scheduler.disagg_prefill_inflight_queue, "prefill")
+
+
+def before_pop_preallocated(queue, *args, **kwargs):
+    """BEFORE DecodePreallocQueue.pop_preallocated."""
+    _expire(queue.scheduler, DECODE_PREALLOC, queue.queue, "decode")
+
+
+def before_pop_transferred(queue, *args, **kwargs):
+    """BEFORE DecodeTransferQueue.pop_transferred."""
+    _expire(queue.scheduler, DECODE_TRANSFER, queue.queue, "decode")
+
+
+def reset_scan_schedule() -> None:
+    """Forget when each stage was last scanned (tests that move the clock around)."""
+    _next_scan.clear()

@@ -1,0 +1,74 @@
+"""The transfer deadline knob: one value, checked before anything starts.
+
+`--disaggregation-transfer-timeout` (server argument) wins over
+`SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT` (declared in upstream's `environ.Envs`,
+default 600 s). Both are validated at start-up (`validate`, called from
+`handle_pd_disaggregation` while ServerArgs resolve, before any process is spawned):
+a value that is not a finite number of seconds > 0 stops the server with a message
+naming the knob and the accepted range. Light on purpose: imported by the arg parser.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from typing import Optional
+
+ENV = "SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT"
+ARG = "--disaggregation-transfer-timeout"
+DEFAULT = 600.0
+ACCEPTED = "a finite number of seconds > 0 (e.g. 600)"
+HELP = (
+    "PD transfer deadline in seconds (float > 0). Bounds a request's time in each "
+    "PD queue: prefill bootstrap, waiting (after bootstrap) and inflight; decode "
+    "prealloc and transfer. An overdue request is aborted with HTTP 504 and the "
+    f"peer is told. Overrides ${ENV} (default {DEFAULT:g})."
+)
+
+
+class TransferTimeoutError(ValueError):
+    pass
+
+
+def parse(value, source: str) -> float:
+    """`value` as a deadline in seconds, or TransferTimeoutError naming `source`."""
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise TransferTimeoutError(
+            f"{source}={value!r} is not a valid PD transfer deadline: "
+            f"expected {ACCEPTED}."
+        )
+    return seconds
+
+
+def parse_arg(text: str) -> float:
+    """argparse type for ARG: the message names the flag and the accepted range."""
+    try:
+        return parse(text, ARG)
+    except TransferTimeoutError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def validate(arg_value: Optional[float]) -> float:
+    """Check the server argument and the environment variable (both, whichever is
+    set); returns the deadline in effect."""
+    env_value = os.environ.get(ENV)
+    env_seconds = None if env_value is None else parse(env_value, ENV)
+    if arg_value is not None:
+        return parse(arg_value, ARG)
+    return DEFAULT if env_seconds is None else env_seconds
+
+
+def configured() -> float:
+    """The deadline in effect in this process (server argument, else env, else 600)."""
+    from sglang.srt.environ import envs
+    from sglang.srt.runtime_context import get_disagg
+
+    arg_value = getattr(get_disagg(), "disaggregation_transfer_timeout", None)
+    if arg_value is not None:
+        return float(arg_value)
+    return float(envs.SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT.get())

@@ -1,0 +1,80 @@
+"""A prefill transfer worker that dies does not strand its rooms.
+
+Invariant: when a mooncake transfer worker thread raises, the room whose chunk it was
+sending is moved to `KVPoll.Failed` through `conclude_failure` (the reason names the
+exception; decode is told), its in-flight count is dropped (the drain ACK stays
+poisoned, as upstream leaves it, because a write may still be running), and the worker
+loop starts again on the same queue, so later chunks of that shard are served. The
+scheduler's next inflight poll sees Failed and retires the request (upstream's path).
+Installed by a BEFORE hook on `PrefillBootstrapQueue._init_kv_manager` (fork_plugin.HOOKS),
+in the scheduler process just before the manager starts its workers: hooking
+`MooncakeKVManager` directly would import mooncake/conn.py (and prometheus_client) in
+the launcher before PROMETHEUS_MULTIPROC_DIR is set, which silences its metrics.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+from sglang.srt.disaggregation.base import KVPoll
+
+logger = logging.getLogger(__name__)
+
+
+def _shard_of(kv_mgr, room: int):
+    infos = kv_mgr.transfer_infos.get(room)
+    if not infos:
+        return None
+    # As MooncakeKVManager.add_transfer_request routes a room's chunks.
+    return sum(int(s.rsplit(":", 1)[1]) for s in list(infos)) % len(kv_mgr.transfer_queues)
+
+
+def rooms_in_flight(kv_mgr, queue) -> list:
+    """Rooms with a chunk dequeued but not finished by the worker of `queue`."""
+    shard = next(i for i, q in enumerate(kv_mgr.transfer_queues) if q is queue)
+    return [
+        room
+        for room, count in list(kv_mgr._staging_outstanding.items())
+        if count > 0 and _shard_of(kv_mgr, room) == shard
+    ]
+
+
+def fail_stranded_rooms(kv_mgr, queue, exc: BaseException) -> list:
+    rooms = rooms_in_flight(kv_mgr, queue)
+    for room in rooms:
+        reason = f"KV transfer worker raised while sending room {room}: {exc!r}; restarted"
+        logger.error(reason)
+        if kv_mgr.request_status.get(room) not in (None, KVPoll.Success):
+            kv_mgr.conclude_failure(bootstrap_room=room, failure_reason=reason)
+        kv_mgr._staging_outstanding.pop(room, None)
+    return rooms
+
+
+def around_transfer_worker(original, kv_mgr, queue, *args, **kwargs):
+    """Run upstream's worker loop; if it raises, fail its stranded rooms and run it
+    again on the same queue (it consumed the failing chunk, so this cannot spin)."""
+    while True:
+        try:
+            return original(kv_mgr, queue, *args, **kwargs)
+        except Exception as exc:
+            if getattr(kv_mgr, "_stopped", False):
+                raise
+            fail_stranded_rooms(kv_mgr, queue, exc)
+
+
+def install(*args, **kwargs) -> None:
+    """BEFORE PrefillBootstrapQueue._init_kv_manager: wrap MooncakeKVManager.transfer_worker
+    once (the workers' thread targets are bound when the manager is built)."""
+    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
+
+    original = MooncakeKVManager.transfer_worker
+    if getattr(original, "fork_guarded", False):
+        return
+
+    @functools.wraps(original)
+    def guarded(kv_mgr, queue, *a, **kw):
+        return around_transfer_worker(original, kv_mgr, queue, *a, **kw)
+
+    guarded.fork_guarded = True
+    MooncakeKVManager.transfer_worker = guarded

@@ -1,0 +1,229 @@
+"""Transfer deadline end to end: real 1P1D servers (mooncake over TCP), deadline 3 s.
+
+The test plays the load balancer for the stuck request (same bootstrap room to both
+legs), so it can freeze decode after decode's handshake and before the KV arrives,
+and see each leg's answer. One deployment for the module; each test starts idle.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import threading
+import time
+import urllib.request
+
+import psutil
+import pytest
+
+from conftest import assert_idle, held
+from testing.pd_cluster import (
+    HOST,
+    PDCluster,
+    fork_python,
+    free_ports,
+    generate,
+    http_post_json,
+    metric_sum,
+    prompts,
+    wait_until,
+)
+
+pytestmark = pytest.mark.e2e
+
+DEADLINE = 3.0
+ENV = {"SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT": str(DEADLINE)}
+# "3 s + 2 scheduler ticks", generously: an idle CPU scheduler sleeps up to ~1 s per tick
+# with --sleep-on-idle, and the deadline scan runs every deadline/50.
+MARGIN = 2.5
+PD_ROLES = ("prefill", "decode")
+COUNTER = "sglang:num_transfer_timeout_reqs_total"
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model):
+    c = PDCluster(str(tiny_model), prefill_env=ENV, decode_env=ENV)
+    c.start()
+    try:
+        yield c
+    finally:
+        c["decode"].resume()  # in case a test failed while decode was frozen
+        c.teardown()
+
+
+def _leg(cluster, room: int, path: str = "/generate", **body) -> dict:
+    payload = {
+        "bootstrap_host": HOST,
+        "bootstrap_port": cluster.bootstrap_port,
+        "bootstrap_room": room,
+        **body,
+    }
+    return payload
+
+
+def _post(url: str, payload: dict, out: dict, timeout: float = 120.0) -> None:
+    t0 = time.monotonic()
+    status, body = http_post_json(url, payload, timeout=timeout)
+    out.update(status=status, body=body, seconds=time.monotonic() - t0)
+
+
+def _stage_count(metrics: dict, stage: str) -> float:
+    return sum(v for k, v in metrics.items() if k.startswith(COUNTER + "{") and f'stage="{stage}"' in k)
+
+
+def _generate_body(text: str) -> dict:
+    return {"text": text, "sampling_params": {"temperature": 0.0, "max_new_tokens": 8}}
+
+
+def test_frozen_decode_gets_504_releases_and_recovers(cluster):
+    baseline = assert_idle(cluster, PD_ROLES)
+    prefill, decode = cluster["prefill"], cluster["decode"]
+    before = _stage_count(prefill.metrics(), "prefill_inflight")
+    room = random.randint(1, 2**62)
+    body = _generate_body("the quick brown fox " * 40)
+
+    # decode leg first: it hands prefill its destination pages and waits for the KV
+    decode_out: dict = {}
+    decode_leg = threading.Thread(
+        target=_post, args=(decode.url + "/generate", _leg(cluster, room, **body), decode_out), daemon=True
+    )
+    decode_leg.start()
+    wait_until(lambda: decode.resources()["queues"]["decode_transfer"] == 1, 60, "decode handshake")
+    decode.freeze()
+    try:
+        prefill_out: dict = {}
+        _post(prefill.url + "/generate", _leg(cluster, room, **body), prefill_out)
+
+        # the client of the stuck request: 504 naming stage, rid, room and the knob
+        assert prefill_out["status"] == 504, prefill_out
+        detail = json.dumps(prefill_out["body"])
+        for part in ("prefill_inflight", f"bootstrap_room={room}", "SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT"):
+            assert part in detail, (part, detail)
+        assert prefill_out["seconds"] <= DEADLINE + MARGIN, prefill_out["seconds"]
+        # prefill gave back its KV pages and metadata slot while decode is still frozen
+        base = held(baseline["prefill"])
+
+        def prefill_released():
+            now = held(prefill.resources())
+            return all(now[k] == base[k] for k in ("kv_held", "kv_protected", "req_slots_in_use", "metadata_slots_in_use"))
+
+        wait_until(prefill_released, 10, "prefill to release KV and metadata slots")
+        assert _stage_count(prefill.metrics(), "prefill_inflight") == before + 1
+    finally:
+        decode.resume()
+    t_resume = time.monotonic()
+
+    # decode heard of it: its leg ends with 504 too, and it frees the room at once
+    decode_leg.join(30)
+    assert not decode_leg.is_alive()
+    assert decode_out["status"] == 504, decode_out
+    assert_idle(cluster, PD_ROLES, baseline, timeout=30)
+    freed_after = time.monotonic() - t_resume
+    assert freed_after < 10, freed_after
+
+    # one after another: a 20-request burst on 2 CPU cores can itself outlast 3 s
+    results = [generate(cluster.url, p, max_new_tokens=8) for p in prompts(20)]
+    assert [r["status"] for r in results] == [200] * 20, [r["error"] for r in results if r["status"] != 200]
+    assert_idle(cluster, PD_ROLES, baseline)
+
+
+def _stream(url: str, payload: dict, timeout: float = 60.0):
+    req = urllib.request.Request(
+        url, data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"}, method="POST"
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def test_504_reaches_every_client_kind(cluster):
+    """Prefill legs whose decode never comes: the bootstrap stage expires. /generate
+    and /v1/chat/completions answer 504; streams end with an error event carrying 504."""
+    baseline = assert_idle(cluster, PD_ROLES)
+    prefill = cluster["prefill"]
+    before = _stage_count(prefill.metrics(), "prefill_bootstrap")
+    chat = {"model": "default", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8}
+    cases = {
+        "generate": ("/generate", _generate_body("hello world"), False),
+        "generate_stream": ("/generate", {**_generate_body("hello world"), "stream": True}, True),
+        "chat": ("/v1/chat/completions", chat, False),
+        "chat_stream": ("/v1/chat/completions", {**chat, "stream": True}, True),
+    }
+    out = {}
+
+    def run(name, path, body, stream):
+        payload = _leg(cluster, random.randint(1, 2**62), **body)
+        t0 = time.monotonic()
+        out[name] = (*_stream(prefill.url + path, payload), time.monotonic() - t0)
+
+    threads = [threading.Thread(target=run, args=(n, *c)) for n, c in cases.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+
+    for name, (status, text, seconds) in out.items():
+        stream = cases[name][2]
+        assert seconds <= DEADLINE + MARGIN, (name, seconds)
+        assert "prefill_bootstrap" in text, (name, text)
+        if stream:
+            assert status == 200, (name, status, text)  # headers went out before the error
+            events = [l[len("data: "):] for l in text.splitlines() if l.startswith("data: ")]
+            assert events[-1] == "[DONE]", (name, text)
+            last = json.loads(events[-2])
+            if name == "chat_stream":  # OpenAI: an error event
+                assert last["error"]["code"] == 504, (name, last)
+            else:  # native: the final event's finish_reason is the abort, with its status
+                reason = last["meta_info"]["finish_reason"]
+                assert (reason["type"], reason["status_code"]) == ("abort", 504), (name, last)
+        else:
+            assert status == 504, (name, status, text)
+    assert len(out) == 4
+    assert _stage_count(prefill.metrics(), "prefill_bootstrap") == before + 4
+    assert_idle(cluster, PD_ROLES, baseline)
+
+
+@pytest.mark.parametrize(
+    "env,args,named",
+    [
+        ({"SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT": "soon"}, [], "SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT"),
+        ({"SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT": "-5"}, [], "SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT"),
+        ({}, ["--disaggregation-transfer-timeout", "0"], "--disaggregation-transfer-timeout"),
+    ],
+    ids=["env-non-numeric", "env-negative", "arg-zero"],
+)
+def test_bad_deadline_stops_the_server_at_startup(tiny_model, env, args, named):
+    port, nccl, bootstrap = free_ports(3)
+    argv = [
+        fork_python(), "-m", "sglang.launch_server", "--model-path", str(tiny_model),
+        "--host", HOST, "--port", str(port), "--nccl-port", str(nccl), "--device", "cpu",
+        "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(bootstrap),
+        *args,
+    ]
+    full_env = {**os.environ, "HF_HUB_OFFLINE": "1", **env}
+    t0 = time.monotonic()
+    proc = subprocess.Popen(argv, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+    text = output.decode(errors="replace")
+    assert proc.returncode != 0, text[-2000:]
+    assert named in text and "seconds > 0" in text, text[-2000:]
+    # nothing half-started: no process of its session survives, no port was opened
+    assert not [p for p in psutil.process_iter(["pid"]) if _sid(p) == proc.pid]
+    assert "Uvicorn running" not in text
+    print(f"exited in {time.monotonic() - t0:.1f}s")
+
+
+def _sid(p) -> int:
+    try:
+        return os.getsid(p.pid)
+    except (ProcessLookupError, PermissionError):
+        return -1
