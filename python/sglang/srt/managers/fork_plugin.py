@@ -17,6 +17,22 @@ HOOKS: list[tuple[str, str, HookType]] = [
         "sglang.srt.managers.pd_resource_report:add_to_internal_state",
         HookType.AFTER,
     ),
+    # chunk_failures: failed chunk writes fail only their room, on both sides
+    (
+        "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.__init__",
+        "sglang.srt.disaggregation.chunk_failures:on_manager_init",
+        HookType.AFTER,
+    ),
+    (
+        "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue.add",
+        "sglang.srt.disaggregation.chunk_failures:on_prefill_add",
+        HookType.AFTER,
+    ),
+    (
+        "sglang.srt.disaggregation.decode.DecodeTransferQueue._record_transfer_failure",
+        "sglang.srt.disaggregation.chunk_failures:on_decode_transfer_failure",
+        HookType.AFTER,
+    ),
 ]
 
 
