@@ -49,6 +49,8 @@ class _Worker:
     """Runs in the child: one side's harness and the commands the parent may send."""
 
     def __init__(self, role: str, bootstrap_port: int, http_port: int, sizes: Dict[str, Any]):
+        sizes = dict(sizes)
+        state_component = sizes.pop("state_component", False)
         from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import (
             init_mooncake_transfer_engine,
         )
@@ -73,6 +75,30 @@ class _Worker:
             **sizes,
         )
         self.reqs: Dict[int, Any] = {}
+        if state_component:
+            self._add_state_component()
+
+    def _add_state_component(self) -> None:
+        """Give both managers an extra-state component, so the last chunk of every
+        request also goes through the transfer worker's state path
+        (`maybe_send_extra` -> `_send_kvcache_generic`), as a hybrid model's does.
+        The component is page-indexed (BLOCK_SCALE, whose payload is the request's
+        KV pages on both sides) and aliases the K pool: its rows are already
+        registered with the engine and the write lands the bytes the KV write did,
+        so any misplaced state write shows up in `kv_bytes`. Added before the first
+        request: decode publishes it in its registration, prefill reads it per send."""
+        from sglang.srt.disaggregation.base.conn import StateType
+        from sglang.srt.disaggregation.utils import append_state_component
+
+        pool = self.h.kv_pool
+        layers = range(pool.layer_num)
+        append_state_component(
+            self.h.kv_manager.kv_args,
+            StateType.BLOCK_SCALE,
+            [pool.k_buffer[i].data_ptr() for i in layers],
+            [pool.k_buffer[i].nbytes for i in layers],
+            [pool.k_buffer[i][0].nbytes for i in layers],
+        )
 
     # -- commands --
     def add(self, room: int, prompt_len: int, rid: Optional[str] = None) -> str:

@@ -1,11 +1,12 @@
-"""A failed KV or aux chunk write of one room among 16, over real mooncake TCP between two
-processes: that room ends 500 on both sides naming the failed write, the other 15 land
-byte-identical, both sides give everything back, the failures are counted by kind, and
-the decode session stays in service (one failed write does not blacklist it).
+"""A failed KV, aux or extra-state chunk write of one room among 16, over real mooncake
+TCP between two processes: that room ends 500 on both sides naming the failed write, the
+other 15 land byte-identical, both sides give everything back, the failures are counted
+by kind, and the decode session stays in service (one failed write does not blacklist it).
 
 The fault switch is SGLANG_TEST_DISAGG_FAIL_CHUNKS (sglang.srt.disaggregation.chunk_failures)
-selecting rooms by rid prefix. Extra-state writes: this harness has no state pools, so
-the state path is covered by test_chunk_failures_state.py (see its docstring).
+selecting rooms by rid prefix. Extra state: both sides get a page-indexed state
+component (`state_component=True`, see testing/mooncake_pair.py), so every request's
+last chunk also takes the transfer worker's state path, as a hybrid model's does.
 """
 
 import socket
@@ -17,9 +18,19 @@ from testing.mooncake_pair import MooncakePair
 
 N = 16
 FAILING = 3  # index of the failing request among the N
-FAULTS = "kv:rid=fail-kv-,aux:rid=fail-aux-"
-SIZES = dict(kv_tokens=2048, req_slots=N + 2, metadata_slots=N + 2, max_context_len=64)
-REASON = {"kv": "Failed to send kv chunk", "aux": "Failed to send aux data"}
+FAULTS = "kv:rid=fail-kv-,aux:rid=fail-aux-,state:rid=fail-state-,state+failed:rid=fail-state+failed-"
+SIZES = dict(
+    kv_tokens=2048, req_slots=N + 2, metadata_slots=N + 2, max_context_len=64, state_component=True
+)
+# What each side's 500 says. "state+failed": the room was already Failed locally (as a
+# concurrent local abort leaves it) when its state write failed; upstream then broke out
+# without telling decode. Decode hears the first root cause.
+REASON = {
+    "kv": "Failed to send kv chunk",
+    "aux": "Failed to send aux data",
+    "state": "Failed to send state components",
+    "state+failed": "failed locally during its state write",
+}
 # After a failed write decode cannot know the write has stopped (mooncake may return -1
 # with the batch still running), so it holds the pages until prefill acks a drain or
 # this deadline passes (upstream's deferred release; 30 s by default).
@@ -74,9 +85,10 @@ def _settled_blacklist(pair, timeout=30.0):
     raise TimeoutError("session liveness probe did not settle")
 
 
-@pytest.mark.parametrize("kind", ["kv", "aux"])
+@pytest.mark.parametrize("kind", ["kv", "aux", "state", "state+failed"])
 def test_one_failed_chunk_fails_only_its_room(pair, kind):
     _assert_idle(pair)
+    counted = kind.split("+")[0]
     p_before = pair.prefill.call("chunk_failures")
     d_before = pair.decode.call("chunk_failures")
     p_failed = pair.prefill.call("counter", "increment_transfer_failed_reqs")
@@ -117,8 +129,10 @@ def test_one_failed_chunk_fails_only_its_room(pair, kind):
     # counted once per side, by kind; the per-request counter too
     p_after = pair.prefill.call("chunk_failures")
     d_after = pair.decode.call("chunk_failures")
-    assert p_after.get((kind, "prefill"), 0) - p_before.get((kind, "prefill"), 0) == 1
-    assert d_after.get((kind, "decode"), 0) - d_before.get((kind, "decode"), 0) == 1
+    assert p_after.get((counted, "prefill"), 0) - p_before.get((counted, "prefill"), 0) == 1
+    # decode counts by the reason it was told; "+failed" tells the earlier root cause
+    d_expected = 0 if kind == "state+failed" else 1
+    assert d_after.get((counted, "decode"), 0) - d_before.get((counted, "decode"), 0) == d_expected
     assert pair.prefill.call("counter", "increment_transfer_failed_reqs") - p_failed == 1
     assert pair.decode.call("counter", "increment_transfer_failed_reqs") - d_failed == 1
 
