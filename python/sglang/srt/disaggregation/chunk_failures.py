@@ -8,7 +8,8 @@ session is taken out only once a probe shows it dead (`SessionBlacklist`), and t
 upstream probe loop brings it back when it answers again.
 
 Who calls: the mooncake transfer worker passes every write's return code through
-`checked()` (one patch line per chunk kind); `fork_plugin` hooks `on_manager_init`,
+`checked()` and concludes a failed write through `conclude_failure` /
+`conclude_transfer` here (one patch line each); `fork_plugin` hooks `on_manager_init`,
 `on_prefill_add` and `on_decode_transfer_failure`. `checked()` is also where the
 test-only fault switch `SGLANG_TEST_DISAGG_FAIL_CHUNKS` acts; unset, it costs one
 attribute read per write.
@@ -157,6 +158,46 @@ def checked(mgr: Any, room: int, kind: str, rc: int) -> int:
         logger.warning("The %s chunk write of room %s failed (rc=%s); failing the room", kind, room, rc)
         _expire_poison_later(mgr, room)
     return rc
+
+
+def conclude_failure(mgr: Any, req: Any, *, bootstrap_room: int, failure_reason: str) -> None:
+    """The worker's `conclude_failure` after a failed KV or state write of `req`."""
+    conclude_transfer(
+        mgr,
+        bootstrap_room=bootstrap_room,
+        status=KVPoll.Failed,
+        targets=None,
+        failure_reason=failure_reason,
+        fallback_targets=[(req.endpoint, req.dst_port)],
+    )
+
+
+def conclude_transfer(
+    mgr: Any,
+    *,
+    bootstrap_room: int,
+    status: int,
+    targets: Optional[List[Tuple[str, int]]] = None,
+    failure_reason: Optional[str] = None,
+    fallback_targets: Optional[List[Tuple[str, int]]] = None,
+) -> Optional[int]:
+    """Upstream's `conclude_transfer`, which says nothing when the room is already gone
+    from `request_status`: the scheduler cleared it after it went Failed locally (a
+    local abort) while this write was failing. Decode still waits for that room, so a
+    failure is then sent to the write's own targets."""
+    emitted = mgr.conclude_transfer(
+        bootstrap_room=bootstrap_room, status=status, targets=targets, failure_reason=failure_reason
+    )
+    if emitted is None and status == KVPoll.Failed:
+        to = targets or fallback_targets or []
+        logger.warning("Room %s was already concluded on prefill; telling decode %s of its failed write", bootstrap_room, to)
+        mgr.send_kv_status_message(
+            targets=to,
+            bootstrap_room=bootstrap_room,
+            status=KVPoll.Failed,
+            failure_reason=f"{failure_reason} (room already failed on prefill)",
+        )
+    return emitted
 
 
 def _expire_poison_later(mgr: Any, room: int) -> None:
