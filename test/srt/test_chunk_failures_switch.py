@@ -46,3 +46,23 @@ def test_decode_classifies_upstream_reasons():
     assert chunk_kind("Failed to send state components of 5 to h:1") == "state"
     assert chunk_kind("Aborted by AbortReq.") is None
     assert chunk_kind(None) is None
+
+
+def test_plugin_load_leaves_prometheus_unimported():
+    """Plugins load before the server sets PROMETHEUS_MULTIPROC_DIR; importing
+    prometheus_client then (e.g. through mooncake/conn.py) silently zeroes every
+    metric of the HTTP process."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from sglang.srt.managers import fork_plugin\n"
+        "from sglang.srt.plugins.hook_registry import HookRegistry\n"
+        "fork_plugin.register(); HookRegistry.apply_hooks()\n"
+        "assert all(fork_plugin.hooks_applied().values())\n"
+        "print('prometheus_client' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "False"

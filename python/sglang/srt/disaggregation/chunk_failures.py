@@ -9,7 +9,7 @@ upstream probe loop brings it back when it answers again.
 
 Who calls: the mooncake transfer worker passes every write's return code through
 `checked()` and concludes a failed write through `conclude_failure` /
-`conclude_transfer` here (one patch line each); `fork_plugin` hooks `on_manager_init`,
+`conclude_transfer` here (one patch line each); `fork_plugin` hooks `on_prefill_manager_init`,
 `on_prefill_add` and `on_decode_transfer_failure`. `checked()` is also where the
 test-only fault switch `SGLANG_TEST_DISAGG_FAIL_CHUNKS` acts; unset, it costs one
 attribute read per write.
@@ -22,8 +22,6 @@ import logging
 import threading
 from typing import Any, Dict, List, Optional, Set, Tuple
 
-from prometheus_client import Counter
-
 from sglang.srt.disaggregation.base import KVPoll
 from sglang.srt.disaggregation.utils import DisaggregationMode
 from sglang.srt.environ import envs
@@ -32,14 +30,25 @@ logger = logging.getLogger(__name__)
 
 KINDS = ("kv", "aux", "state")
 
-# Next to upstream's per-request `sglang:num_transfer_failed_reqs_total`: this one counts
-# failed chunk writes by kind, on prefill (where the write failed) and on decode (where a
-# room failed because of it).
-CHUNK_FAILURES = Counter(
-    "sglang:num_transfer_chunk_failures_total",
-    "Failed KV/aux/extra-state chunk writes of a PD transfer, by chunk kind and role.",
-    ["kind", "role"],
-)
+_counter = None
+
+
+def _chunk_failures_counter():
+    """Next to upstream's per-request `sglang:num_transfer_failed_reqs_total`: failed
+    chunk writes by kind, on prefill (where the write failed) and on decode (where a
+    room failed because of it). Created on first use, in a scheduler: importing
+    prometheus_client before the server has set PROMETHEUS_MULTIPROC_DIR (plugins load
+    first) would take every metric of that process out of multiprocess mode."""
+    global _counter
+    if _counter is None:
+        from prometheus_client import Counter
+
+        _counter = Counter(
+            "sglang:num_transfer_chunk_failures_total",
+            "Failed KV/aux/extra-state chunk writes of a PD transfer, by chunk kind and role.",
+            ["kind", "role"],
+        )
+    return _counter
 
 # How upstream's transfer worker words each failure (mooncake/conn.py): decode receives
 # the reason with the Failed status and classifies by it.
@@ -61,7 +70,7 @@ def chunk_kind(failure_reason: Optional[str]) -> Optional[str]:
 def chunk_failure_counts() -> Dict[Tuple[str, str], float]:
     """(kind, role) -> count, for tests and the resource report."""
     out: Dict[Tuple[str, str], float] = {}
-    for metric in CHUNK_FAILURES.collect():
+    for metric in _chunk_failures_counter().collect():
         for sample in metric.samples:
             if sample.name.endswith("_total"):
                 out[(sample.labels["kind"], sample.labels["role"])] = sample.value
@@ -154,7 +163,7 @@ def checked(mgr: Any, room: int, kind: str, rc: int) -> int:
             logger.warning("Injected %s chunk write failure for room %s", kind, room)
             rc = -1
     if rc != 0:
-        CHUNK_FAILURES.labels(kind=kind, role="prefill").inc()
+        _chunk_failures_counter().labels(kind=kind, role="prefill").inc()
         logger.warning("The %s chunk write of room %s failed (rc=%s); failing the room", kind, room, rc)
         _expire_poison_later(mgr, room)
     return rc
@@ -262,11 +271,13 @@ class SessionBlacklist(set):
 # ---------------------------------------------------------------------------
 
 
-def on_manager_init(result: Any, mgr: Any, *args: Any, **kwargs: Any) -> None:
-    """AFTER `MooncakeKVManager.__init__`: validate and attach the fault switch, and
-    swap in the probing blacklist (prefill; no request has been sent yet)."""
+def on_prefill_manager_init(mgr: Any, queue: Any, *args: Any, **kwargs: Any) -> None:
+    """AFTER `PrefillBootstrapQueue._init_kv_manager` (result: the manager): validate
+    and attach the fault switch, and give a mooncake manager the probing blacklist (no
+    request has been sent yet). Hooked here rather than on `MooncakeKVManager`, whose
+    module must not be imported when plugins load (it creates prometheus metrics)."""
     mgr.fork_chunk_faults = FaultPlan.parse(envs.SGLANG_TEST_DISAGG_FAIL_CHUNKS.get() or "")
-    if mgr.disaggregation_mode == DisaggregationMode.PREFILL:
+    if mgr.disaggregation_mode == DisaggregationMode.PREFILL and hasattr(mgr, "failed_sessions"):
         with mgr.session_lock:
             assert not mgr.failed_sessions, "session blacklist swapped after first use"
             mgr.failed_sessions = SessionBlacklist(mgr)
@@ -285,5 +296,20 @@ def on_decode_transfer_failure(result: Any, queue: Any, failure_reason: str, *ar
     """AFTER `DecodeTransferQueue._record_transfer_failure`: count by chunk kind."""
     kind = chunk_kind(failure_reason)
     if kind is not None:
-        CHUNK_FAILURES.labels(kind=kind, role="decode").inc()
+        _chunk_failures_counter().labels(kind=kind, role="decode").inc()
+    return None
+
+
+def on_sender_clear(result: Any, sender: Any, *args: Any, **kwargs: Any) -> None:
+    """AFTER `CommonKVSender.clear`: drop the room's zero in-flight count. After a
+    failed write of a non-last KV chunk the worker keeps the room's
+    `_staging_outstanding` entry for the chunks still to come, but none comes:
+    `add_transfer_request` drops chunks of a Failed room, so the entry (0) stayed
+    forever. Zero and cleared means nothing of this room is in flight; a chunk still
+    queued re-creates the entry at dequeue and the worker's skip path removes it."""
+    mgr = sender.kv_mgr
+    room = sender.bootstrap_room
+    outstanding = getattr(mgr, "_staging_outstanding", None)
+    if outstanding is not None and room not in mgr.request_status and outstanding.get(room) == 0:
+        outstanding.pop(room, None)
     return None

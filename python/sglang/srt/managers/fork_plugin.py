@@ -19,13 +19,18 @@ HOOKS: list[tuple[str, str, HookType]] = [
     ),
     # chunk_failures: failed chunk writes fail only their room, on both sides
     (
-        "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.__init__",
-        "sglang.srt.disaggregation.chunk_failures:on_manager_init",
+        "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager",
+        "sglang.srt.disaggregation.chunk_failures:on_prefill_manager_init",
         HookType.AFTER,
     ),
     (
         "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue.add",
         "sglang.srt.disaggregation.chunk_failures:on_prefill_add",
+        HookType.AFTER,
+    ),
+    (
+        "sglang.srt.disaggregation.common.conn.CommonKVSender.clear",
+        "sglang.srt.disaggregation.chunk_failures:on_sender_clear",
         HookType.AFTER,
     ),
     (
