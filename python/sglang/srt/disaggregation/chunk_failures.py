@@ -23,7 +23,6 @@ import threading
 from typing import Any, Dict, List, Optional, Set, Tuple
 
 from sglang.srt.disaggregation.base import KVPoll
-from sglang.srt.disaggregation.utils import DisaggregationMode
 from sglang.srt.environ import envs
 
 logger = logging.getLogger(__name__)
@@ -277,7 +276,7 @@ def on_prefill_manager_init(mgr: Any, queue: Any, *args: Any, **kwargs: Any) -> 
     request has been sent yet). Hooked here rather than on `MooncakeKVManager`, whose
     module must not be imported when plugins load (it creates prometheus metrics)."""
     mgr.fork_chunk_faults = FaultPlan.parse(envs.SGLANG_TEST_DISAGG_FAIL_CHUNKS.get() or "")
-    if mgr.disaggregation_mode == DisaggregationMode.PREFILL and hasattr(mgr, "failed_sessions"):
+    if isinstance(getattr(mgr, "failed_sessions", None), set):  # mooncake (prefill)
         with mgr.session_lock:
             assert not mgr.failed_sessions, "session blacklist swapped after first use"
             mgr.failed_sessions = SessionBlacklist(mgr)
