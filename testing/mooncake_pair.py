@@ -49,6 +49,8 @@ class _Worker:
     """Runs in the child: one side's harness and the commands the parent may send."""
 
     def __init__(self, role: str, bootstrap_port: int, http_port: int, sizes: Dict[str, Any]):
+        sizes = dict(sizes)
+        state_component = sizes.pop("state_component", False)
         from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import (
             init_mooncake_transfer_engine,
         )
@@ -76,11 +78,35 @@ class _Worker:
             **sizes,
         )
         self.reqs: Dict[int, Any] = {}
+        if state_component:
+            self._add_state_component()
+
+    def _add_state_component(self) -> None:
+        """Give both managers an extra-state component, so the last chunk of every
+        request also goes through the transfer worker's state path
+        (`maybe_send_extra` -> `_send_kvcache_generic`), as a hybrid model's does.
+        The component is page-indexed (BLOCK_SCALE, whose payload is the request's
+        KV pages on both sides) and aliases the K pool: its rows are already
+        registered with the engine and the write lands the bytes the KV write did,
+        so any misplaced state write shows up in `kv_bytes`. Added before the first
+        request: decode publishes it in its registration, prefill reads it per send."""
+        from sglang.srt.disaggregation.base.conn import StateType
+        from sglang.srt.disaggregation.utils import append_state_component
+
+        pool = self.h.kv_pool
+        layers = range(pool.layer_num)
+        append_state_component(
+            self.h.kv_manager.kv_args,
+            StateType.BLOCK_SCALE,
+            [pool.k_buffer[i].data_ptr() for i in layers],
+            [pool.k_buffer[i].nbytes for i in layers],
+            [pool.k_buffer[i][0].nbytes for i in layers],
+        )
 
     # -- commands --
-    def add(self, room: int, prompt_len: int) -> str:
+    def add(self, room: int, prompt_len: int, rid: Optional[str] = None) -> str:
         req = self.h.make_req(
-            rid=f"room-{room}", room=room, prompt_len=prompt_len, bootstrap_host="127.0.0.1"
+            rid=rid or f"room-{room}", room=room, prompt_len=prompt_len, bootstrap_host="127.0.0.1"
         )
         self.reqs[room] = req
         self.h.add(req)
@@ -91,6 +117,37 @@ class _Worker:
 
     def status(self, room: int) -> Optional[int]:
         return self.h.outputs.status_code(self.reqs[room].rid)
+
+    def final_reason(self, room: int) -> Optional[dict]:
+        """The finished_reason the client got (None while unfinished)."""
+        final = self.h.outputs.final(self.reqs[room].rid)
+        return None if final is None else final.reason
+
+    def counter(self, name: str) -> int:
+        """A scheduler metrics call count (`Counters`), e.g. increment_transfer_failed_reqs."""
+        return self.h.counters.counts[name]
+
+    def chunk_failures(self) -> dict:
+        from sglang.srt.disaggregation.chunk_failures import chunk_failure_counts
+
+        return chunk_failure_counts()
+
+    def session_id(self) -> str:
+        return self.h.kv_manager.get_session_id()
+
+    def failed_sessions(self) -> Optional[list]:
+        """Prefill's blacklisted sessions; None while a liveness probe is in flight."""
+        blacklist = self.h.kv_manager.failed_sessions
+        if hasattr(blacklist, "settled") and not blacklist.settled():
+            return None
+        return sorted(blacklist)
+
+    def nominate_failed_session(self, session_id: str) -> None:
+        """What the transfer worker does with a session after a failed write."""
+        mgr = self.h.kv_manager
+        with mgr.session_lock:
+            mgr.session_failures[session_id] += 1
+            mgr.failed_sessions.add(session_id)
 
     def transferred(self, room: int) -> bool:
         return self.reqs[room] in self.h.waiting
@@ -156,8 +213,16 @@ class _Worker:
         mgr._transfer_data = broken
 
 
-def _serve(role: str, conn: Connection, bootstrap_port: int, http_port: int, sizes: Dict[str, Any]) -> None:
+def _serve(
+    role: str,
+    conn: Connection,
+    bootstrap_port: int,
+    http_port: int,
+    sizes: Dict[str, Any],
+    env: Dict[str, str],
+) -> None:
     os.environ.update(CHILD_ENV)
+    os.environ.update(env)
     try:
         worker = _Worker(role, bootstrap_port, http_port, sizes)
         conn.send(("ok", None))
@@ -193,13 +258,15 @@ def _context() -> mp.context.BaseContext:
 class Side:
     """The parent's handle on one child: `call(command, *args)` with a bounded wait."""
 
-    def __init__(self, role: str, bootstrap_port: int, sizes: Dict[str, Any]):
+    def __init__(
+        self, role: str, bootstrap_port: int, sizes: Dict[str, Any], env: Optional[Dict[str, str]] = None
+    ):
         self.role = role
         ctx = _context()
         self.conn, child_conn = ctx.Pipe()
         self.proc = ctx.Process(
             target=_serve,
-            args=(role, child_conn, bootstrap_port, _free_port(), sizes),
+            args=(role, child_conn, bootstrap_port, _free_port(), sizes, dict(env or {})),
             name=f"mooncake-{role}",
             daemon=True,
         )
@@ -239,13 +306,20 @@ class Side:
 
 class MooncakePair:
     """Both children start at once; `__init__` returns when both are built, so the
-    prefill's bootstrap server is up before any request makes decode handshake."""
+    prefill's bootstrap server is up before any request makes decode handshake.
+    `prefill_env` / `decode_env` are set in that child before anything is built."""
 
-    def __init__(self, start_timeout: float = 120.0, **sizes: Any):
+    def __init__(
+        self,
+        start_timeout: float = 120.0,
+        prefill_env: Optional[Dict[str, str]] = None,
+        decode_env: Optional[Dict[str, str]] = None,
+        **sizes: Any,
+    ):
         self.bootstrap_port = _free_port()
         self._rooms = iter(range(5000, 1 << 30))
-        self.prefill = Side("prefill", self.bootstrap_port, sizes)
-        self.decode = Side("decode", self.bootstrap_port, sizes)
+        self.prefill = Side("prefill", self.bootstrap_port, sizes, prefill_env)
+        self.decode = Side("decode", self.bootstrap_port, sizes, decode_env)
         try:
             self.prefill.ready(start_timeout)
             self.decode.ready(start_timeout)
@@ -256,11 +330,11 @@ class MooncakePair:
     def new_room(self) -> int:
         return next(self._rooms)
 
-    def submit(self, prompt_len: int = 12) -> int:
+    def submit(self, prompt_len: int = 12, rid: Optional[str] = None) -> int:
         """The same request on both sides, as the router would send it."""
         room = self.new_room()
-        self.prefill.call("add", room, prompt_len)
-        self.decode.call("add", room, prompt_len)
+        self.prefill.call("add", room, prompt_len, rid)
+        self.decode.call("add", room, prompt_len, rid)
         return room
 
     def run_until(self, done: Callable[[], bool], timeout: float = 60.0) -> float:

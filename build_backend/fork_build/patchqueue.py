@@ -37,7 +37,7 @@ def git(repo: Path, *args: str, check: bool = True) -> subprocess.CompletedProce
 
 def read_series(root: Path) -> list[Path]:
     """Patches in series order; every patches/*.patch listed exactly once, each with its headers."""
-    pdir = root / "patches"
+    pdir = root.resolve() / "patches"
     series = pdir / "series"
     if not series.is_file():
         raise BuildError("patches/series: file missing")

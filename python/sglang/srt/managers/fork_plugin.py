@@ -134,6 +134,27 @@ HOOKS: list[tuple[str, str, HookType]] = [
         "sglang.srt.disaggregation.transfer_worker_guard:install",
         HookType.BEFORE,
     ),
+    # chunk_failures: failed chunk writes fail only their room, on both sides
+    (
+        "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager",
+        "sglang.srt.disaggregation.chunk_failures:on_prefill_manager_init",
+        HookType.AFTER,
+    ),
+    (
+        "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue.add",
+        "sglang.srt.disaggregation.chunk_failures:on_prefill_add",
+        HookType.AFTER,
+    ),
+    (
+        "sglang.srt.disaggregation.common.conn.CommonKVSender.clear",
+        "sglang.srt.disaggregation.chunk_failures:on_sender_clear",
+        HookType.AFTER,
+    ),
+    (
+        "sglang.srt.disaggregation.decode.DecodeTransferQueue._record_transfer_failure",
+        "sglang.srt.disaggregation.chunk_failures:on_decode_transfer_failure",
+        HookType.AFTER,
+    ),
 ]
 
 

@@ -1,0 +1,120 @@
+"""Real CPU servers (1P1D through the mini load balancer, mooncake over TCP): a failed KV or
+aux chunk write of one request among 16 concurrent ends that request 500 on both sides,
+naming the failed write; the other 15 answer token-identical to a plain server; both
+servers give everything back and keep serving; the failures are counted by kind.
+
+The fault switch (SGLANG_TEST_DISAGG_FAIL_CHUNKS on prefill) picks the request by rid
+prefix: the mini load balancer draws bootstrap rooms itself, rids pass through.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from conftest import assert_idle
+from testing.pd_cluster import (
+    PDCluster,
+    SingleServer,
+    generate,
+    generate_concurrently,
+    metric_sum,
+    prompts,
+    start_all,
+)
+
+pytestmark = pytest.mark.e2e
+
+N = 16
+FAILING = 5
+MAX_NEW_TOKENS = 16
+PD_ROLES = ("prefill", "decode")
+# Decode holds a failed room's pages until prefill acks a drain or this deadline passes
+# (upstream's deferred release, 30 s by default); prefill forgets the room's poison mark
+# after the same time (chunk_failures._expire_poison_later).
+RELEASE_ENV = {"SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT": "3"}
+FAULTS = "kv:rid=e2e-fail-kv-,aux:rid=e2e-fail-aux-"
+REASON = {"kv": "Failed to send kv chunk", "aux": "Failed to send aux data"}
+BURST_DEADLINE_S = 90.0
+FAILED_REQS = "sglang:num_transfer_failed_reqs_total"
+CHUNK_FAILURES = "sglang:num_transfer_chunk_failures_total"
+
+
+@pytest.fixture(scope="module")
+def deployment(tiny_model):
+    cluster = PDCluster(
+        str(tiny_model),
+        prefill_env={"SGLANG_TEST_DISAGG_FAIL_CHUNKS": FAULTS, **RELEASE_ENV},
+        decode_env=RELEASE_ENV,
+    )
+    single = SingleServer(str(tiny_model), log_dir=str(cluster.log_dir))
+    start_all(cluster, single)
+    try:
+        yield cluster, single
+    finally:
+        cluster.teardown()
+        single.teardown()
+
+
+def _chunk_failures(cluster, role, kind):
+    metrics = cluster.metrics(role)
+    return sum(
+        v for k, v in metrics.items()
+        if k.startswith(CHUNK_FAILURES + "{") and f'kind="{kind}"' in k and f'role="{role}"' in k
+    )
+
+
+def _counters(cluster, kind):
+    return {
+        role: (metric_sum(cluster.metrics(role), FAILED_REQS), _chunk_failures(cluster, role, kind))
+        for role in PD_ROLES
+    }
+
+
+@pytest.mark.parametrize("kind", ["kv", "aux"])
+def test_one_failed_chunk_among_16_fails_only_that_request(deployment, kind):
+    cluster, single = deployment
+    baseline = assert_idle(cluster, PD_ROLES)
+    before = _counters(cluster, kind)
+    texts = prompts(N)
+    reference = generate_concurrently(single.url, texts, max_new_tokens=MAX_NEW_TOKENS)
+    assert all(r["status"] == 200 for r in reference)
+
+    results = [None] * N
+
+    def run(i):
+        rid = f"e2e-fail-{kind}-{i}" if i == FAILING else f"e2e-ok-{kind}-{i}"
+        results[i] = generate(cluster.url, texts[i], max_new_tokens=MAX_NEW_TOKENS, rid=rid)
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(N)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(BURST_DEADLINE_S + 30)
+
+    bad = results[FAILING]
+    assert bad["status"] == 500, bad
+    assert REASON[kind] in str(bad["error"]), bad
+    assert bad["latency"] < BURST_DEADLINE_S
+    for i, (pd, ref) in enumerate(zip(results, reference)):
+        if i == FAILING:
+            continue
+        assert pd["status"] == 200, (i, pd)
+        assert pd["output_ids"] == ref["output_ids"], (i, pd["output_ids"], ref["output_ids"])
+        assert pd["latency"] < BURST_DEADLINE_S
+
+    # both servers give everything back (decode the failed room's pages after its
+    # release deadline; prefill its poison mark after the same time)
+    assert_idle(cluster, PD_ROLES, baseline=baseline, timeout=60)
+
+    after = _counters(cluster, kind)
+    for role in PD_ROLES:
+        assert after[role][0] - before[role][0] == 1, (role, before, after)
+        assert after[role][1] - before[role][1] == 1, (role, before, after)
+
+    # still serving, and the decode session was not taken out
+    again = generate(cluster.url, texts[FAILING], max_new_tokens=MAX_NEW_TOKENS, rid=f"e2e-again-{kind}")
+    assert again["status"] == 200, again
+    assert again["output_ids"] == reference[FAILING]["output_ids"]
+    assert_idle(cluster, PD_ROLES, baseline=baseline, timeout=60)
