@@ -40,9 +40,15 @@ POLL_INTERVAL = 0.25
 # Deployment configuration, not workarounds: tests talk to loopback only (the
 # transfer engine would otherwise advertise the host's detected address), and the
 # model is local. Mooncake picks TCP by itself when the host has no RDMA device.
+# One intra-op thread per server process: a deployment runs several schedulers on a
+# 2-core machine, and torch's default (a thread per core, spin-waiting after each
+# parallel region) made every forward pass wait for the other processes' spinning
+# threads -- measured: 200 requests took 6-8x longer and 10x more scheduler CPU per
+# iteration (bench/README.md, "Threads").
 BASE_ENV = {
     "HF_HUB_OFFLINE": "1",
     "SGLANG_HOST_IP": HOST,
+    "OMP_NUM_THREADS": "1",
 }
 # Pools for the tiny model (256 B of KV per token), big enough that decode admits 20+
 # requests at once despite reserving num_reserved_decode_tokens (512) for each;

@@ -54,6 +54,22 @@ def test_medians_over_rounds():
     assert gate.medians(runs) == _metrics(2, 3, 2, 2)
 
 
+def test_gate_judges_the_median_of_per_round_ratios():
+    # The machine's speed changes between rounds (load from elsewhere) and the fork
+    # is 5% slower than upstream in 2 of 3 rounds. Per-side medians (fork 9.5, upstream
+    # 5.0) would pass it at 1.9x; the per-round ratios (0.95, 0.95, 1.9) fail it.
+    up = [_metrics(10.0, 1.0, 2.0, 1000.0), _metrics(5.0, 2.0, 4.0, 2000.0), _metrics(5.0, 2.0, 4.0, 2000.0)]
+    fork = [_metrics(9.5, 1.05, 2.1, 1050.0), _metrics(4.75, 2.1, 4.2, 2100.0), _metrics(9.5, 1.0, 2.0, 1000.0)]
+    assert all(r["ok"] for r in gate.evaluate(gate.medians(fork), gate.medians(up)))
+    rows = {r["bound"].metric: r for r in gate.evaluate_rounds(fork, up)}
+    assert {m: r["ok"] for m, r in rows.items()} == dict.fromkeys(rows, False)
+    assert rows["throughput"]["ratio"] == pytest.approx(0.95)
+    assert rows["throughput"]["spread"] == (pytest.approx(0.95), pytest.approx(1.9))
+    assert (rows["throughput"]["fork"], rows["throughput"]["upstream"]) == (9.5, 5.0)
+    # The fork as fast as upstream in every round passes, whatever the load did.
+    assert all(r["ok"] for r in gate.evaluate_rounds([dict(u) for u in up], up))
+
+
 def test_forward_iterations_from_upstream_log_lines():
     log = (
         b"[2026-11-29 22:57:53] Prefill batch [6], #new-seq: 1, #new-token: 11, #cached-token: 2\n"
