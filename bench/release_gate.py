@@ -13,7 +13,8 @@ output length. Reported per side as the median over rounds:
   iterations that ran a forward pass (forward_ct, from upstream's own
   `SGLANG_LOG_FORWARD_ITERS` batch log lines), in microseconds per iteration.
 
-Gate (exit 1 when a bound is missed, exit 2 when the bench itself failed), on the
+Gate (exit 0 pass, 1 when a bound is missed, 2 when the bench itself failed, 3 when
+the rounds disagree too much to judge a 3% bound: INCONCLUSIVE), on the
 median over rounds of each round's fork/upstream ratio (the two runs of a round are
 back to back, so load that drifts over minutes cancels within a round):
 fork/upstream throughput >= 0.97, upstream/fork p50 and p99 latency >= 0.97 (the fork
@@ -136,6 +137,32 @@ def evaluate_rounds(fork_runs: Sequence[Dict[str, float]], up_runs: Sequence[Dic
             "ratio": r, "spread": (min(per_round), max(per_round)), "ok": b.ok(r),
         })
     return rows
+
+
+EXIT = {"PASS": 0, "FAIL": 1, "INCONCLUSIVE": 3}
+
+
+def verdict(rows: List[Dict[str, object]], max_spread: float):
+    """PASS or FAIL only when the rounds agree closely enough to resolve a 3% bound:
+    if any gated metric's per-round ratios span more than max_spread (max - min), the
+    machine's noise is larger than what the gate must detect, and the verdict is
+    INCONCLUSIVE whatever the medians say. Returns (outcome, lines to print)."""
+    lines = []
+    noisy = [r for r in rows if r["spread"][1] - r["spread"][0] > max_spread]  # type: ignore[index]
+    for r in noisy:
+        b: Bound = r["bound"]  # type: ignore[assignment]
+        lo, hi = r["spread"]  # type: ignore[misc]
+        lines.append(f"TOO NOISY: {b.label}: per-round {b.ratio_name} {lo:.3f}..{hi:.3f} spans more than {max_spread}")
+    failed = [r for r in rows if not r["ok"]]
+    for r in failed:
+        b = r["bound"]  # type: ignore[assignment]
+        lines.append(f"GATE FAILED: {b.label}: {b.ratio_name} = {r['ratio']:.3f}, bound {b.bound_text()}")
+    if noisy:
+        lines.append("Verdict: INCONCLUSIVE (rerun on a quieter machine or with more rounds).")
+        return "INCONCLUSIVE", lines
+    outcome = "FAIL" if failed else "PASS"
+    lines.append(f"Verdict: {outcome}.")
+    return outcome, lines
 
 
 def max_forward_iter(log_bytes: bytes) -> int:
@@ -375,6 +402,10 @@ def main(argv=None) -> int:
     parser.add_argument("--write-readme", action="store_true", help="replace the figures in README.md")
     parser.add_argument("--keep-logs", action="store_true")
     parser.add_argument(
+        "--max-spread", type=float, default=0.10,
+        help="largest max-min of a gated metric's per-round ratios for a PASS/FAIL verdict (default 0.10)",
+    )
+    parser.add_argument(
         "--standins", choices=("both", "upstream"), default="both",
         help="which side gets the sgl_kernel/torchvision import stand-ins (default both)",
     )
@@ -452,17 +483,15 @@ def main(argv=None) -> int:
             "",
             per_round(sides["fork"].runs, sides["upstream"].runs),
         ])
+        outcome, lines = verdict(rows, args.max_spread)
+        block += "\n\n" + "\n".join(lines)
         print("\n" + block + "\n")
-        failed = [r for r in rows if not r["ok"]]
-        for r in failed:
-            b: Bound = r["bound"]  # type: ignore[assignment]
-            print(f"GATE FAILED: {b.label}: {b.ratio_name} = {r['ratio']:.3f}, bound {b.bound_text()}")
         if args.write_readme:
             write_readme(block)
             print(f"wrote the figures to {README}")
-        print(f"{'PASS' if not failed else 'FAIL'} ({time.monotonic() - t_start:.0f}s)")
+        print(f"{outcome} ({time.monotonic() - t_start:.0f}s)")
         ok = True
-        return 1 if failed else 0
+        return EXIT[outcome]
     finally:
         if args.keep_logs or not ok:
             print(f"logs kept in {work}", file=sys.stderr)

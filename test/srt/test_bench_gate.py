@@ -70,6 +70,22 @@ def test_gate_judges_the_median_of_per_round_ratios():
     assert all(r["ok"] for r in gate.evaluate_rounds([dict(u) for u in up], up))
 
 
+def test_verdict_is_inconclusive_when_rounds_disagree_more_than_the_bound_resolves():
+    up = [_metrics(10.0, 1.0, 2.0, 1000.0)] * 3
+    steady_slow = [_metrics(9.0, 1.0, 2.0, 1000.0)] * 3
+    outcome, lines = gate.verdict(gate.evaluate_rounds(steady_slow, up), max_spread=0.10)
+    assert outcome == "FAIL" and any(l.startswith("GATE FAILED: throughput") for l in lines)
+    assert gate.verdict(gate.evaluate_rounds(up, up), max_spread=0.10)[0] == "PASS"
+    # Per-round throughput ratios 0.9, 1.0, 1.2: median passes, but the spread (0.3)
+    # is ten times the bound's margin: no verdict either way.
+    swinging = [_metrics(9.0, 1.0, 2.0, 1000.0), _metrics(10.0, 1.0, 2.0, 1000.0), _metrics(12.0, 1.0, 2.0, 1000.0)]
+    outcome, lines = gate.verdict(gate.evaluate_rounds(swinging, up), max_spread=0.10)
+    assert outcome == "INCONCLUSIVE" and gate.EXIT[outcome] == 3
+    assert [l for l in lines if l.startswith("TOO NOISY")] == [
+        "TOO NOISY: throughput (req/s): per-round fork/upstream 0.900..1.200 spans more than 0.1"
+    ]
+
+
 def test_forward_iterations_from_upstream_log_lines():
     log = (
         b"[2026-11-29 22:57:53] Prefill batch [6], #new-seq: 1, #new-token: 11, #cached-token: 2\n"
