@@ -24,6 +24,8 @@ KV_MANAGER_ROOM_TABLES = (
     "_deferred_ack_targets",
     "_deferred_ack_poisoned_rooms",
     "_deferred_abort_ack_tracker",
+    # the fork's: rooms tagged with why they failed (request_end_cause), until counted
+    "fork_end_causes",
 )
 
 
