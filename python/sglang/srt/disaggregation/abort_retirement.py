@@ -251,6 +251,20 @@ def after_release_aborted_waiting(result, scheduler, req, *args, **kwargs):
     return result
 
 
+def around_pending_chunked_abort(original, scheduler, *args, **kwargs):
+    """AROUND Scheduler.process_pending_chunked_abort: upstream retires an aborted
+    chunked prefill request (sender aborted, KV and slot released) but never clears
+    its room; clear it here."""
+    req = getattr(scheduler, "_pending_chunked_abort_req", None)
+    retiring = req is not None and scheduler.chunked_req is req
+    result = original(scheduler, *args, **kwargs)
+    if retiring and scheduler.chunked_req is not req and _role(scheduler) == "prefill":
+        kv_mgr = _kv_mgr(req)
+        _clear_prefill_room(req)
+        end_cause.record_end(scheduler, req, "prefill", PREFILL_RUNNING, kv_mgr)
+    return result
+
+
 # ----------------------------------------------------------------------------- decode's ABORT
 
 

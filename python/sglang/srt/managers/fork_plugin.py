@@ -179,6 +179,11 @@ HOOKS: list[tuple[str, str, HookType]] = [
         HookType.AFTER,
     ),
     (
+        "sglang.srt.managers.scheduler.Scheduler.process_pending_chunked_abort",
+        "sglang.srt.disaggregation.abort_retirement:around_pending_chunked_abort",
+        HookType.AROUND,
+    ),
+    (
         "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager",
         "sglang.srt.disaggregation.abort_retirement:on_prefill_manager_init",
         HookType.AFTER,
