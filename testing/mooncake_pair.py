@@ -196,6 +196,20 @@ class _Worker:
     def old_kv_unchanged(self) -> bool:
         return all(bool((a == b).all()) for a, b in zip(self._old_kv, self._old_kv_copy))
 
+    def abort(self, room: int) -> None:
+        """The real `Scheduler.abort_request` for the room's request (a client abort)."""
+        self.h.abort(self.reqs[room].rid)
+
+    def finals(self, room: int) -> int:
+        """How many final answers the room's request got (exactly one when it ended)."""
+        return sum(1 for s in self.h.outputs.of(self.reqs[room].rid) if s.finished)
+
+    def end_causes(self) -> dict:
+        """`request_end_cause.COUNTS` of this process, keys joined by '/'."""
+        from sglang.srt.disaggregation.request_end_cause import COUNTS
+
+        return {"/".join(k): v for k, v in COUNTS.items()}
+
     def reason(self, room: int) -> Optional[str]:
         final = self.h.outputs.final(self.reqs[room].rid)
         return None if final is None or final.reason is None else final.reason.get("message")
