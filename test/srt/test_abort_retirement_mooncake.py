@@ -150,3 +150,27 @@ def test_abort_on_both_sides_ends_once(pair, before):
     assert pair.decode.call("kv_bytes", ok) == pair.prefill.call("kv_sent", ok)
     pair.decode.call("finish", ok)
     pair.run_until(lambda: _idle(pair), timeout=30)
+
+
+def test_prefill_leg_after_decode_abort_ends_at_once(pair, before):
+    """Decode aborts before prefill's leg arrives: the leg, when it comes, ends as an
+    abort without sending KV into pages decode already gave back."""
+    room = pair.new_room()
+    pair.decode.call("add", room, 12)
+    t0 = time.monotonic()
+    while pair.decode.call("snapshot")["queues"]["transfer"] != 1:
+        assert time.monotonic() - t0 < 30
+        pair.decode.call("tick")
+    pair.decode.call("abort", room)
+    pair.run_until(lambda: pair.decode.call("final_reason", room) is not None, timeout=30)
+    assert _client_abort(pair.decode, room)
+    pair.run_until(lambda: pair.decode.call("snapshot") == pair.idle[1], timeout=30)
+
+    pair.prefill.call("add", room, 12)  # the late leg
+    took = pair.run_until(lambda: pair.prefill.call("final_reason", room) is not None, timeout=30)
+    assert took < TOLD_AT_ONCE_S, took
+    assert _client_abort(pair.prefill, room), pair.prefill.call("final_reason", room)
+    assert pair.prefill.call("sends", room) == 0
+    _assert_no_failure_counted(pair, before)
+    _wait_idle_and_clean(pair, room)
+    assert pair.prefill.call("room_entries", room) == []
