@@ -329,7 +329,8 @@ def test_soak_random_aborts_leave_nothing_behind(cluster):
             elif out.get("status") == 200 and out["body"]["output_ids"] == expected[text]:
                 outcomes["completed"] += 1  # finished before the abort landed: a real completion
             else:
-                bad.append(out)
+                bad.append({"rid": rid, "abort_to": [s.role for s in targets], "delay": round(delay, 3),
+                            "answered": not t.is_alive(), **out})
 
     t0 = time.monotonic()
     with ThreadPoolExecutor(SOAK_CONCURRENCY) as ex:

@@ -11,6 +11,9 @@ import pytest
 from testing.mooncake_pair import MooncakePair
 
 FAILURE_COUNTERS = ("increment_bootstrap_failed_reqs", "increment_transfer_failed_reqs")
+# Bounded memories of ended rooms (not transfer state): prefill's rooms it ended
+# (answers a late handshake) and rooms decode aborted (ends a late prefill leg).
+TOMBSTONES = {"fork_expired_rooms", "fork_decode_aborted_rooms"}
 # Well under upstream's own timers (bootstrap / waiting: 300 s) that otherwise free it.
 TOLD_AT_ONCE_S = 10.0
 
@@ -54,7 +57,7 @@ def _assert_no_failure_counted(pair, before):
 
 def _wait_idle_and_clean(pair, room):
     pair.run_until(lambda: _idle(pair), timeout=30)
-    assert set(pair.prefill.call("room_entries", room)) <= {"fork_expired_rooms"}
+    assert set(pair.prefill.call("room_entries", room)) <= TOMBSTONES
     assert pair.decode.call("room_entries", room) == []
 
 
@@ -123,7 +126,7 @@ def test_late_handshake_after_prefill_abort_is_refused(pair, before):
     _assert_no_failure_counted(pair, before)
     # upstream: request_status/transfer_infos re-created on prefill and never cleared
     pair.run_until(lambda: _idle(pair), timeout=30)
-    assert pair.prefill.call("room_entries", room) == []
+    assert set(pair.prefill.call("room_entries", room)) <= TOMBSTONES
     assert pair.decode.call("room_entries", room) == []
 
 
@@ -173,4 +176,25 @@ def test_prefill_leg_after_decode_abort_ends_at_once(pair, before):
     assert pair.prefill.call("sends", room) == 0
     _assert_no_failure_counted(pair, before)
     _wait_idle_and_clean(pair, room)
-    assert pair.prefill.call("room_entries", room) == []
+    assert set(pair.prefill.call("room_entries", room)) <= TOMBSTONES
+
+
+def test_decode_abort_before_prefill_leg_registered(pair, before):
+    """Decode aborts before prefill's leg exists at all (prefill's tokenizer is slower
+    than decode's): prefill remembers the ABORT and ends the leg at once when it
+    arrives, instead of waiting for a handshake that will never come."""
+    room = pair.new_room()
+    pair.decode.call("add", room, 12)
+    pair.decode.call("abort", room)  # before decode even handshook
+    pair.run_until(lambda: pair.decode.call("final_reason", room) is not None, timeout=30)
+    assert _client_abort(pair.decode, room)
+    pair.run_until(lambda: pair.decode.call("snapshot") == pair.idle[1], timeout=30)
+    time.sleep(0.5)  # no event to poll: decode's ABORT travels to prefill's bootstrap thread
+    pair.prefill.call("add", room, 12)
+    took = pair.run_until(lambda: pair.prefill.call("final_reason", room) is not None, timeout=30)
+    assert took < TOLD_AT_ONCE_S, took
+    assert _client_abort(pair.prefill, room), pair.prefill.call("final_reason", room)
+    assert pair.prefill.call("sends", room) == 0
+    _assert_no_failure_counted(pair, before)
+    _wait_idle_and_clean(pair, room)
+    assert set(pair.prefill.call("room_entries", room)) <= TOMBSTONES

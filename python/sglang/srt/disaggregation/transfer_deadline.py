@@ -198,10 +198,25 @@ def _remember_expired(kv_mgr, room: int, reason: str) -> None:
 
 def around_update_status(original, kv_mgr, bootstrap_room, status, *args, **kwargs):
     """AROUND CommonKVManager.update_status. Decode's metadata for a room prefill
-    already expired (and cleared) would re-create the room (WaitingForInput) and
-    leak it: instead answer decode Failed with the deadline reason at once and drop
-    what the bootstrap thread stored for it."""
+    already expired or aborted (and cleared) would re-create the room
+    (WaitingForInput) and leak it: instead answer decode Failed with the recorded
+    reason at once and drop what the bootstrap thread stored for it. If the room is
+    Failed but not cleared yet, decode is answered Failed the same way."""
     expired = kv_mgr.__dict__.get("fork_expired_rooms")
+    if (
+        expired
+        and status == KVPoll.WaitingForInput
+        and bootstrap_room in expired
+        and kv_mgr.request_status.get(bootstrap_room) == KVPoll.Failed
+    ):
+        # Failed here but not cleared yet: the handshake lands (clear() drops it),
+        # and decode, which the failure could not reach before, is told now.
+        result = original(kv_mgr, bootstrap_room, status, *args, **kwargs)
+        kv_mgr.send_kv_status_message(
+            targets=kv_mgr._room_notify_targets(bootstrap_room), bootstrap_room=bootstrap_room,
+            status=KVPoll.Failed, failure_reason=expired[bootstrap_room],
+        )
+        return result
     if (
         expired
         and status == KVPoll.WaitingForInput

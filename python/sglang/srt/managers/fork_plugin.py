@@ -188,6 +188,11 @@ HOOKS: list[tuple[str, str, HookType]] = [
         "sglang.srt.disaggregation.abort_retirement:on_prefill_manager_init",
         HookType.AFTER,
     ),
+    (
+        "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue.add",
+        "sglang.srt.disaggregation.abort_retirement:after_prefill_add",
+        HookType.AFTER,
+    ),
 ]
 
 
