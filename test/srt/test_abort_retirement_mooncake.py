@@ -15,7 +15,7 @@ FAILURE_COUNTERS = ("increment_bootstrap_failed_reqs", "increment_transfer_faile
 # (answers a late handshake) and rooms decode aborted (ends a late prefill leg).
 TOMBSTONES = {"fork_expired_rooms", "fork_decode_aborted_rooms"}
 # Well under upstream's own timers (bootstrap / waiting: 300 s) that otherwise free it.
-TOLD_AT_ONCE_S = 10.0
+TOLD_AT_ONCE_S = 20.0
 
 
 @pytest.fixture(scope="module")
