@@ -276,3 +276,34 @@ def test_decode_ends_a_room_prefill_aborted_as_an_abort(decode, stage):
     assert h.room_entries(room) == []
     h.assert_baseline(h.idle)
     h.faults.release(room)
+
+
+# ----------------------------------------------------------------------------- other causes
+
+
+def test_deadline_expiry_counts_as_timeout(monkeypatch):
+    """The transfer deadline tags its rooms "timeout": counted once under that cause
+    (and as upstream's failure), and the tag does not outlive the request."""
+    from sglang.srt.disaggregation import transfer_deadline as td
+    from sglang.srt.managers.engine_clock import engine_clock
+
+    now = [1000.0]
+    monkeypatch.setattr(engine_clock, "_monotonic", lambda: now[0])
+    td.reset_scan_schedule()
+    with PrefillHarness(server_args={"disaggregation_transfer_timeout": 5.0}) as h:
+        idle = h.snapshot()
+        causes = dict(ec.COUNTS)
+        req = h.add(h.make_req())
+        h.faults.hold_transfer(req.bootstrap_room)
+        h.tick()
+        now[0] += 6.0
+        td.reset_scan_schedule()
+        h.tick()
+        assert h.outputs.status_code(req.rid) == 504
+        new = {k: v - causes.get(k, 0) for k, v in ec.COUNTS.items() if v != causes.get(k, 0)}
+        assert new == {("prefill", ec.TIMEOUT, ar.PREFILL_INFLIGHT): 1}, new
+        assert h.counters.counts["increment_transfer_failed_reqs"] == 1
+        assert ec.tagged_rooms(h.kv_manager) == 0
+        h.faults.release(req.bootstrap_room)
+        h.assert_baseline(idle)
+    td.reset_scan_schedule()
