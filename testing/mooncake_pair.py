@@ -78,8 +78,22 @@ class _Worker:
             **sizes,
         )
         self.reqs: Dict[int, Any] = {}
+        self.sent_chunks: Dict[int, int] = {}
+        if role == "prefill":
+            self._count_sends()
         if state_component:
             self._add_state_component()
+
+    def _count_sends(self) -> None:
+        """Count the chunks the sender hands to the manager, per room (`sends`)."""
+        mgr = self.h.kv_manager
+        original = mgr.add_transfer_request
+
+        def counted(bootstrap_room, *args, **kwargs):
+            self.sent_chunks[bootstrap_room] = self.sent_chunks.get(bootstrap_room, 0) + 1
+            return original(bootstrap_room, *args, **kwargs)
+
+        mgr.add_transfer_request = counted
 
     def _add_state_component(self) -> None:
         """Give both managers an extra-state component, so the last chunk of every
@@ -195,6 +209,24 @@ class _Worker:
 
     def old_kv_unchanged(self) -> bool:
         return all(bool((a == b).all()) for a, b in zip(self._old_kv, self._old_kv_copy))
+
+    def abort(self, room: int) -> None:
+        """The real `Scheduler.abort_request` for the room's request (a client abort)."""
+        self.h.abort(self.reqs[room].rid)
+
+    def sends(self, room: int) -> int:
+        """How many KV chunks prefill handed to the transfer engine for the room."""
+        return self.sent_chunks.get(room, 0)
+
+    def finals(self, room: int) -> int:
+        """How many final answers the room's request got (exactly one when it ended)."""
+        return sum(1 for s in self.h.outputs.of(self.reqs[room].rid) if s.finished)
+
+    def end_causes(self) -> dict:
+        """`request_end_cause.COUNTS` of this process, keys joined by '/'."""
+        from sglang.srt.disaggregation.request_end_cause import COUNTS
+
+        return {"/".join(k): v for k, v in COUNTS.items()}
 
     def reason(self, room: int) -> Optional[str]:
         final = self.h.outputs.final(self.reqs[room].rid)

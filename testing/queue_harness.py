@@ -20,7 +20,8 @@ the client saw (`outputs`), what was counted (`counters`) and what is still held
     h.assert_baseline(idle)
 
 Also: `h.abort(rid)` (the real `Scheduler.abort_request`), `h.chunk_size` (chunked
-prefill), `h.hold_admission` (requests wait in the waiting queue), `h.run_until(pred)`, `h.room_state(room)`, `h.faults.notices_for(room)`,
+prefill), `h.hold_admission` (requests wait in the waiting queue), `h.during_forward`
+(act while a prefill batch runs), `h.run_until(pred)`, `h.room_state(room)`, `h.faults.notices_for(room)`,
 `DecodeHarness.finish(req)`, `kv_bytes(req)`.
 """
 
@@ -518,6 +519,7 @@ class SchedulerStandIn(SchedulerDisaggregationPrefillMixin, SchedulerDisaggregat
     collect_inflight_reqs = _borrowed("collect_inflight_reqs")
     _collect_inflight_batches = _borrowed("_collect_inflight_batches")
     send_abort_output = _borrowed("send_abort_output")
+    process_pending_chunked_abort = _borrowed("process_pending_chunked_abort")
 
     # features that are off
     enable_overlap = False
@@ -531,6 +533,7 @@ class SchedulerStandIn(SchedulerDisaggregationPrefillMixin, SchedulerDisaggregat
     rust_server = None
     pp_group = None
     chunked_req = None
+    _pending_chunked_abort_req = None
     last_batch = None
     kv_checksum_computer = None
     sliding_window_size = None
@@ -851,7 +854,8 @@ class PrefillHarness(_Harness):
     """Real `PrefillBootstrapQueue` + the prefill mixin's waiting/inflight processing.
 
     One `tick()` is `event_loop_normal_disagg_prefill` with the model replaced:
-    pop_bootstrapped -> resolve_waiting_queue_bootstrap -> process_prefill_chunk ->
+    pop_bootstrapped -> process_pending_chunked_abort -> resolve_waiting_queue_bootstrap ->
+    process_prefill_chunk ->
     `forward()` -> process_disagg_prefill_inflight_queue. Set `chunk_size` for
     chunked prefill (non-last chunks are sent one tick after they are computed).
     """
@@ -860,6 +864,9 @@ class PrefillHarness(_Harness):
     # True: `admit()` admits nothing, so bootstrapped requests stay in the waiting
     # queue (a prefill whose compute is saturated).
     hold_admission: bool = False
+    # Called with the batch's requests after the model ran and before the result is
+    # processed: what lands while a prefill batch is running (e.g. `h.abort(rid)`).
+    during_forward: Optional[Callable[[List[Req]], None]] = None
 
     mode = DisaggregationMode.PREFILL
     next_token = 7
@@ -983,12 +990,19 @@ class PrefillHarness(_Harness):
         result = GenerationBatchResult(
             next_token_ids=torch.full((len(reqs),), self.next_token, dtype=torch.int64)
         )
+        if self.during_forward is not None:
+            # As in overlap mode: the next iteration's intake (e.g. an AbortReq) runs
+            # while this batch is `last_batch` and its result is not processed yet.
+            previous, s.last_batch = s.last_batch, batch
+            self.during_forward(list(reqs))
+            s.last_batch = previous
         s.process_batch_result_disagg_prefill(batch, result)
         return batch
 
     def _tick(self) -> None:
         s = self.scheduler
         s.waiting_queue.extend(self.queue.pop_bootstrapped())
+        s.process_pending_chunked_abort()  # as get_next_disagg_prefill_batch_to_run
         s.resolve_waiting_queue_bootstrap()
         # sends the previous batch's chunk of a chunked request (non-overlap mode)
         s.process_prefill_chunk(last_batch=s.last_batch, running_batch=s.running_batch)

@@ -21,6 +21,7 @@ from collections import Counter, OrderedDict
 from http import HTTPStatus
 from typing import Any, List, Sequence, Tuple
 
+from sglang.srt.disaggregation import request_end_cause
 from sglang.srt.disaggregation.base import KVPoll
 from sglang.srt.disaggregation.transfer_deadline_knob import ARG, ENV, configured
 from sglang.srt.managers.engine_clock import engine_clock
@@ -135,6 +136,7 @@ def _count(scheduler, stage: str) -> None:
 def _fail_room(endpoint, room: int, reason: str, side: str) -> None:
     """Move the room to Failed with `reason` and tell the peer (best effort)."""
     kv_mgr = endpoint.kv_mgr
+    request_end_cause.tag(kv_mgr, room, request_end_cause.TIMEOUT)
     if side == "prefill" and hasattr(kv_mgr, "conclude_failure"):
         # Records the reason, marks Failed, sends Failed to the room's decode
         # endpoints (known once decode's metadata arrived); a handshake that comes
@@ -196,10 +198,25 @@ def _remember_expired(kv_mgr, room: int, reason: str) -> None:
 
 def around_update_status(original, kv_mgr, bootstrap_room, status, *args, **kwargs):
     """AROUND CommonKVManager.update_status. Decode's metadata for a room prefill
-    already expired (and cleared) would re-create the room (WaitingForInput) and
-    leak it: instead answer decode Failed with the deadline reason at once and drop
-    what the bootstrap thread stored for it."""
+    already expired or aborted (and cleared) would re-create the room
+    (WaitingForInput) and leak it: instead answer decode Failed with the recorded
+    reason at once and drop what the bootstrap thread stored for it. If the room is
+    Failed but not cleared yet, decode is answered Failed the same way."""
     expired = kv_mgr.__dict__.get("fork_expired_rooms")
+    if (
+        expired
+        and status == KVPoll.WaitingForInput
+        and bootstrap_room in expired
+        and kv_mgr.request_status.get(bootstrap_room) == KVPoll.Failed
+    ):
+        # Failed here but not cleared yet: the handshake lands (clear() drops it),
+        # and decode, which the failure could not reach before, is told now.
+        result = original(kv_mgr, bootstrap_room, status, *args, **kwargs)
+        kv_mgr.send_kv_status_message(
+            targets=kv_mgr._room_notify_targets(bootstrap_room), bootstrap_room=bootstrap_room,
+            status=KVPoll.Failed, failure_reason=expired[bootstrap_room],
+        )
+        return result
     if (
         expired
         and status == KVPoll.WaitingForInput

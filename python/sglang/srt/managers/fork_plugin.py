@@ -155,6 +155,44 @@ HOOKS: list[tuple[str, str, HookType]] = [
         "sglang.srt.disaggregation.chunk_failures:on_decode_transfer_failure",
         HookType.AFTER,
     ),
+    # abort_retirement: aborts end as aborts, never successes, and leave nothing behind.
+    (
+        "sglang.srt.managers.scheduler.Scheduler.abort_request",
+        "sglang.srt.disaggregation.abort_retirement:before_abort_request",
+        HookType.BEFORE,
+    ),
+    (
+        "sglang.srt.disaggregation.utils.prepare_abort",
+        "sglang.srt.disaggregation.abort_retirement:abort_status",
+        HookType.AROUND,
+    ),
+    (
+        "sglang.srt.disaggregation.prefill.SchedulerDisaggregationPrefillMixin."
+        "_retire_aborted_prefill_result",
+        "sglang.srt.disaggregation.abort_retirement:after_retire_aborted",
+        HookType.AFTER,
+    ),
+    (
+        "sglang.srt.disaggregation.prefill.SchedulerDisaggregationPrefillMixin."
+        "release_aborted_prefill_waiting_req",
+        "sglang.srt.disaggregation.abort_retirement:after_release_aborted_waiting",
+        HookType.AFTER,
+    ),
+    (
+        "sglang.srt.managers.scheduler.Scheduler.process_pending_chunked_abort",
+        "sglang.srt.disaggregation.abort_retirement:around_pending_chunked_abort",
+        HookType.AROUND,
+    ),
+    (
+        "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager",
+        "sglang.srt.disaggregation.abort_retirement:on_prefill_manager_init",
+        HookType.AFTER,
+    ),
+    (
+        "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue.add",
+        "sglang.srt.disaggregation.abort_retirement:after_prefill_add",
+        HookType.AFTER,
+    ),
 ]
 
 

@@ -89,6 +89,10 @@ def _room_tables(kv_manager) -> Dict[str, int]:
         table = getattr(kv_manager, name, None)
         if table is not None:
             tables[name] = len(table)
+    # the fork's: rooms tagged with why they failed, until their end is counted
+    from sglang.srt.disaggregation.request_end_cause import tagged_rooms
+
+    tables["fork_end_causes"] = tagged_rooms(kv_manager)
     rooms_by_addr = getattr(kv_manager, "addr_to_rooms_tracker", None)
     if rooms_by_addr is not None:
         # list() copies the values in one step: transfer threads mutate the dict.

@@ -1,0 +1,351 @@
+"""Aborts end to end: real 1P1D servers (mooncake over TCP) + the mini load balancer.
+
+Stages reached deterministically: the test plays the load balancer (same rid and
+bootstrap room to both legs) to order the legs, and freezes decode to hold a request
+inflight on prefill. Each case asserts what each leg's client got (upstream's client
+abort: HTTP 200 with finish_reason "abort", no status; never 500, never a completion),
+how long it took, that both servers are back to baseline (KV, slots, metadata slots,
+per-room transfer state), the counters (client aborts counted by cause and stage, the
+failure counters untouched), and that the deployment keeps serving. Then the soak:
+2,000 requests aborted at random points at concurrency 16. One deployment for the
+module; each test starts idle.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import random
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from conftest import assert_idle, held
+from testing.pd_cluster import HOST, PDCluster, generate, http_post_json, metric_sum, prompts, wait_until
+
+pytestmark = pytest.mark.e2e
+
+PD_ROLES = ("prefill", "decode")
+CAUSES = "sglang:num_pd_request_end_causes_total"
+FAILURE_COUNTERS = ("sglang:num_bootstrap_failed_reqs_total", "sglang:num_transfer_failed_reqs_total")
+# An abort is answered within a couple of scheduler ticks; an idle CPU scheduler sleeps
+# up to ~1 s per tick (--sleep-on-idle) and the machine is shared: generous.
+ANSWER_S = 10.0
+SOAK_N = int(os.environ.get("SGLANG_FORK_ABORT_SOAK_N", "2000"))
+SOAK_CONCURRENCY = 16
+SOAK_MAX_NEW_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model):
+    c = PDCluster(str(tiny_model), prefill_args=["--chunked-prefill-size", "64"])
+    c.start()
+    try:
+        yield c
+    finally:
+        c["decode"].resume()  # in case a test failed while decode was frozen
+        c.teardown()
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _counts(cluster) -> dict:
+    out = {}
+    for role in PD_ROLES:
+        m = cluster.metrics(role)
+        for name in FAILURE_COUNTERS:
+            out[(role, name)] = metric_sum(m, name)
+        for key, value in m.items():
+            if key.startswith(CAUSES + "{"):
+                labels = dict(p.split("=", 1) for p in key[len(CAUSES) + 1 : -1].split(","))
+                labels = {k: v.strip('"') for k, v in labels.items()}
+                out[(role, labels["cause"], labels["stage"])] = value
+    return out
+
+
+def _delta(before: dict, after: dict) -> dict:
+    return {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
+
+
+def _body(cluster, rid: str, room: int, text: str, max_new_tokens: int = 8, **extra) -> dict:
+    return {
+        "rid": rid, "text": text, "bootstrap_host": HOST, "bootstrap_room": room,
+        "bootstrap_port": cluster.bootstrap_port,
+        "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens, **extra},
+    }
+
+
+class Leg(threading.Thread):
+    """One leg's /generate in a thread, remembering status, body and when it ended."""
+
+    def __init__(self, url: str, body: dict):
+        super().__init__(daemon=True)
+        self.url, self.body, self.out = url, body, {}
+
+    def run(self):
+        t0 = time.monotonic()
+        status, body = http_post_json(self.url + "/generate", self.body, timeout=120)
+        self.out.update(status=status, body=body, seconds=time.monotonic() - t0, ended=time.monotonic())
+
+    def done(self):
+        return "status" in self.out
+
+
+def _abort(server, rid: str) -> tuple:
+    return http_post_json(server.url + "/abort_request", {"rid": rid}, timeout=30)
+
+
+def _is_client_abort(out: dict) -> bool:
+    reason = (out.get("body") or {}).get("meta_info", {}).get("finish_reason") if isinstance(out.get("body"), dict) else None
+    return out.get("status") == 200 and reason is not None and reason["type"] == "abort" and reason.get("status_code") is None
+
+
+def _assert_aborted(leg: Leg, since: float, what: str) -> None:
+    wait_until(leg.done, ANSWER_S + 20, f"{what} to be answered")
+    assert _is_client_abort(leg.out), (what, leg.out)
+    assert "failed" not in json.dumps(leg.out["body"]), (what, leg.out)  # not a transfer failure
+    assert leg.out["ended"] - since <= ANSWER_S, (what, leg.out["ended"] - since)
+
+
+def _assert_serving(cluster, baseline) -> None:
+    results = [generate(cluster.url, p, max_new_tokens=8) for p in prompts(3)]
+    assert [r["status"] for r in results] == [200] * 3, results
+    assert all(r["meta"]["finish_reason"]["type"] != "abort" for r in results), results
+    assert_idle(cluster, PD_ROLES, baseline)
+
+
+def _room() -> int:
+    return random.randint(1, 2**62)
+
+
+# ----------------------------------------------------------------------------- the matrix
+
+
+def test_abort_in_prefill_bootstrap_then_late_decode_leg(cluster):
+    baseline = assert_idle(cluster, PD_ROLES)
+    prefill, decode = cluster["prefill"], cluster["decode"]
+    before = _counts(cluster)
+    rid, room = f"ab-boot-{uuid.uuid4().hex}", _room()
+    body = _body(cluster, rid, room, "the quick brown fox")
+    p_leg = Leg(prefill.url, body)
+    p_leg.start()
+    wait_until(lambda: prefill.resources()["queues"]["prefill_bootstrap"] == 1, 30, "prefill leg queued")
+    t0 = time.monotonic()
+    assert _abort(prefill, rid)[0] == 200
+    _assert_aborted(p_leg, t0, "prefill leg")
+
+    # decode's leg arrives after prefill ended the room: answered at once, not after
+    # decode's own 300 s bootstrap timer; prefill does not re-create the room
+    d_leg = Leg(decode.url, body)
+    t1 = time.monotonic()
+    d_leg.start()
+    _assert_aborted(d_leg, t1, "late decode leg")
+    assert d_leg.out["body"]["output_ids"] == []
+    assert_idle(cluster, PD_ROLES, baseline)
+    delta = _delta(before, _counts(cluster))
+    assert delta.pop(("prefill", "client_abort", "prefill_bootstrap")) == 1, delta
+    assert sum(v for k, v in delta.items() if k[0] == "decode" and k[1] == "client_abort") == 1, delta
+    assert not [k for k in delta if k[1] in FAILURE_COUNTERS], delta
+    _assert_serving(cluster, baseline)
+
+
+def test_abort_in_decode_transfer_then_late_prefill_leg(cluster):
+    baseline = assert_idle(cluster, PD_ROLES)
+    prefill, decode = cluster["prefill"], cluster["decode"]
+    before = _counts(cluster)
+    rid, room = f"ab-dtr-{uuid.uuid4().hex}", _room()
+    body = _body(cluster, rid, room, "hello world paris london")
+    d_leg = Leg(decode.url, body)
+    d_leg.start()
+    wait_until(lambda: decode.resources()["queues"]["decode_transfer"] == 1, 30, "decode handshake")
+    assert held(decode.resources())["kv_held"] > 0
+    t0 = time.monotonic()
+    assert _abort(decode, rid)[0] == 200
+    _assert_aborted(d_leg, t0, "decode leg")
+    assert d_leg.out["body"]["output_ids"] == []
+
+    p_leg = Leg(prefill.url, body)  # prefill's leg comes late: ends at once, sends nothing
+    t1 = time.monotonic()
+    p_leg.start()
+    _assert_aborted(p_leg, t1, "late prefill leg")
+    assert_idle(cluster, PD_ROLES, baseline)
+    delta = _delta(before, _counts(cluster))
+    assert delta.pop(("decode", "client_abort", "decode_transfer")) == 1, delta
+    assert sum(v for k, v in delta.items() if k[0] == "prefill" and k[1] == "client_abort") == 1, delta
+    assert not [k for k in delta if k[1] in FAILURE_COUNTERS], delta
+    _assert_serving(cluster, baseline)
+
+
+def test_abort_inflight_on_prefill_while_decode_frozen(cluster):
+    """Decode handshakes, then freezes: prefill's transfer cannot finish. The abort
+    on prefill answers and releases prefill now; decode, once resumed, ends the
+    request as an abort without generating a token (prefill told it)."""
+    baseline = assert_idle(cluster, PD_ROLES)
+    prefill, decode = cluster["prefill"], cluster["decode"]
+    before = _counts(cluster)
+    rid, room = f"ab-infl-{uuid.uuid4().hex}", _room()
+    body = _body(cluster, rid, room, "the lazy dog " * 60)  # several 64-token chunks
+    d_leg = Leg(decode.url, body)
+    d_leg.start()
+    wait_until(lambda: decode.resources()["queues"]["decode_transfer"] == 1, 30, "decode handshake")
+    decode.freeze()
+    try:
+        p_leg = Leg(prefill.url, body)
+        p_leg.start()
+        wait_until(lambda: prefill.resources()["queues"]["prefill_inflight"] == 1, 60, "prefill inflight")
+        t0 = time.monotonic()
+        assert _abort(prefill, rid)[0] == 200
+        _assert_aborted(p_leg, t0, "prefill leg")
+        # KV, slots, metadata slot and room tables come back while decode is frozen;
+        # only the transfer engine's count of the chunk still on the wire to the
+        # frozen peer (`_staging_outstanding`) waits for the write to end.
+        base = held(baseline["prefill"])
+        base.pop("rooms._staging_outstanding", None)
+
+        def released():
+            now = held(prefill.resources())
+            now.pop("rooms._staging_outstanding", None)
+            return now == base
+
+        wait_until(released, 20, "prefill to give everything back",
+                   on_timeout=lambda: str({k: (v, base.get(k)) for k, v in held(prefill.resources()).items() if v != base.get(k)}))
+    finally:
+        decode.resume()
+    t1 = time.monotonic()
+    _assert_aborted(d_leg, t1, "decode leg")
+    assert d_leg.out["body"]["output_ids"] == []
+    assert_idle(cluster, PD_ROLES, baseline)
+    delta = _delta(before, _counts(cluster))
+    assert delta.pop(("prefill", "client_abort", "prefill_inflight")) == 1, delta
+    assert sum(v for k, v in delta.items() if k[0] == "decode" and k[1] == "client_abort") == 1, delta
+    assert not [k for k in delta if k[1] in FAILURE_COUNTERS], delta
+    _assert_serving(cluster, baseline)
+
+
+def test_abort_running_decode_through_the_lb_and_bad_aborts(cluster):
+    baseline = assert_idle(cluster, PD_ROLES)
+    prefill, decode = cluster["prefill"], cluster["decode"]
+    before = _counts(cluster)
+    rid = f"ab-run-{uuid.uuid4().hex}"
+    lb_out = {}
+
+    def run():
+        status, body = http_post_json(cluster.url + "/generate", {
+            "rid": rid, "text": "hello",
+            "sampling_params": {"temperature": 0.0, "max_new_tokens": 900, "ignore_eos": True},
+        }, timeout=120)
+        lb_out.update(status=status, body=body, ended=time.monotonic())
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    wait_until(lambda: decode.resources()["queues"]["running"] == 1, 60, "decode running")
+    t0 = time.monotonic()
+    # both servers at once: ends exactly once
+    with ThreadPoolExecutor(2) as ex:
+        answers = list(ex.map(lambda s: _abort(s, rid), (prefill, decode)))
+    assert [a[0] for a in answers] == [200, 200], answers
+    t.join(ANSWER_S + 20)
+    assert not t.is_alive()
+    assert _is_client_abort(lb_out), lb_out
+    assert lb_out["ended"] - t0 <= ANSWER_S
+    assert len(lb_out["body"]["output_ids"]) < 900
+
+    # bad input: unknown, finished and already-aborted rids are harmless no-ops
+    done = generate(cluster.url, "paris london", max_new_tokens=4)
+    assert done["status"] == 200
+    for bad in ("no-such-rid", rid, done["meta"]["id"]):
+        for server in (prefill, decode):
+            assert _abort(server, bad)[0] == 200
+    assert_idle(cluster, PD_ROLES, baseline)
+    delta = _delta(before, _counts(cluster))
+    assert not [k for k in delta if k[1] in FAILURE_COUNTERS], delta
+    _assert_serving(cluster, baseline)
+
+
+# ----------------------------------------------------------------------------- soak
+
+
+def _stream_and_disconnect(lb_url: str, body: dict, after_s: float) -> None:
+    """A streaming request whose client goes away after `after_s` seconds."""
+    host, port = lb_url.split("//")[1].split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    try:
+        conn.request("POST", "/generate", json.dumps({**body, "stream": True}),
+                     {"Content-Type": "application/json"})
+        conn.sock.settimeout(after_s + 0.01)
+        deadline = time.monotonic() + after_s
+        resp = conn.getresponse()
+        while time.monotonic() < deadline:
+            if not resp.read1(4096):
+                break
+    except (TimeoutError, OSError, http.client.HTTPException):
+        pass  # the client leaving is the point
+    finally:
+        conn.close()
+
+
+def test_soak_random_aborts_leave_nothing_behind(cluster):
+    rng = random.Random(5)
+    baseline = assert_idle(cluster, PD_ROLES)
+    prefill, decode = cluster["prefill"], cluster["decode"]
+    texts = prompts(20)
+    control = [generate(cluster.url, p, max_new_tokens=SOAK_MAX_NEW_TOKENS) for p in texts]
+    assert [r["status"] for r in control] == [200] * 20
+    expected = {p: r["output_ids"] for p, r in zip(texts, control)}
+    before = _counts(cluster)
+
+    outcomes = {"aborted": 0, "completed": 0, "disconnected": 0}
+    bad = []
+    lock = threading.Lock()
+
+    def one(i: int) -> None:
+        text = texts[i % len(texts)]
+        rid = f"soak-{i}-{uuid.uuid4().hex[:8]}"
+        delay = rng.uniform(0.0, 0.8)
+        body = {"rid": rid, "text": text,
+                "sampling_params": {"temperature": 0.0, "max_new_tokens": SOAK_MAX_NEW_TOKENS}}
+        if i % 4 == 0:
+            _stream_and_disconnect(cluster.url, body, delay)
+            with lock:
+                outcomes["disconnected"] += 1
+            return
+        out = {}
+        t = threading.Thread(target=lambda: out.update(zip(
+            ("status", "body"), http_post_json(cluster.url + "/generate", body, timeout=120))), daemon=True)
+        t.start()
+        t.join(delay)
+        targets = [(prefill,), (decode,), (prefill, decode)][i % 3]
+        for server in targets:
+            _abort(server, rid)
+        t.join(120)
+        with lock:
+            if _is_client_abort(out):
+                outcomes["aborted"] += 1
+            elif out.get("status") == 200 and out["body"]["output_ids"] == expected[text]:
+                outcomes["completed"] += 1  # finished before the abort landed: a real completion
+            else:
+                bad.append({"rid": rid, "abort_to": [s.role for s in targets], "delay": round(delay, 3),
+                            "answered": not t.is_alive(), **out})
+
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(SOAK_CONCURRENCY) as ex:
+        list(ex.map(one, range(SOAK_N)))
+    took = time.monotonic() - t0
+    print(f"soak: {SOAK_N} requests in {took:.0f}s: {outcomes}")
+    assert not bad, bad[:5]
+    assert outcomes["aborted"] > SOAK_N // 10, outcomes  # the aborts really landed mid-flight
+
+    assert_idle(cluster, PD_ROLES, baseline, timeout=120)
+    delta = _delta(before, _counts(cluster))
+    assert not [k for k in delta if k[1] in FAILURE_COUNTERS], delta
+    assert not [k for k in delta if len(k) == 3 and k[1] != "client_abort"], delta
+
+    fresh = [generate(cluster.url, p, max_new_tokens=SOAK_MAX_NEW_TOKENS) for p in texts]
+    assert [r["status"] for r in fresh] == [200] * 20
+    assert [r["output_ids"] for r in fresh] == [r["output_ids"] for r in control]
+    assert_idle(cluster, PD_ROLES, baseline)

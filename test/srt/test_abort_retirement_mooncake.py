@@ -1,0 +1,200 @@
+"""Aborts over real mooncake (TCP, two processes, queue harness on each side): each
+side tells the other at once, a late handshake does not resurrect an aborted room,
+an abort on both sides ends the request exactly once, nothing is counted as a
+failure, and both sides give everything back.
+"""
+
+import time
+
+import pytest
+
+from testing.mooncake_pair import MooncakePair
+
+FAILURE_COUNTERS = ("increment_bootstrap_failed_reqs", "increment_transfer_failed_reqs")
+# Bounded memories of ended rooms (not transfer state): prefill's rooms it ended
+# (answers a late handshake) and rooms decode aborted (ends a late prefill leg).
+TOMBSTONES = {"fork_expired_rooms", "fork_decode_aborted_rooms"}
+# Well under upstream's own timers (bootstrap / waiting: 300 s) that otherwise free it.
+TOLD_AT_ONCE_S = 20.0
+
+
+@pytest.fixture(scope="module")
+def pair():
+    with MooncakePair() as p:
+        p.idle = (p.prefill.call("snapshot"), p.decode.call("snapshot"))
+        yield p
+
+
+@pytest.fixture
+def before(pair):
+    assert _idle(pair)
+    return {
+        side: ({n: getattr(pair, side).call("counter", n) for n in FAILURE_COUNTERS},
+               getattr(pair, side).call("end_causes"))
+        for side in ("prefill", "decode")
+    }
+
+
+def _idle(pair):
+    return (pair.prefill.call("snapshot"), pair.decode.call("snapshot")) == pair.idle
+
+
+def _client_abort(side, room):
+    reason = side.call("final_reason", room)
+    return reason is not None and reason["type"] == "abort" and reason.get("status_code") is None
+
+
+def _new_causes(side, before):
+    old = before[1]
+    return {k: v - old.get(k, 0) for k, v in side.call("end_causes").items() if v != old.get(k, 0)}
+
+
+def _assert_no_failure_counted(pair, before):
+    for name in ("prefill", "decode"):
+        side = getattr(pair, name)
+        assert {n: side.call("counter", n) for n in FAILURE_COUNTERS} == before[name][0], name
+
+
+def _wait_idle_and_clean(pair, room):
+    pair.run_until(lambda: _idle(pair), timeout=30)
+    assert set(pair.prefill.call("room_entries", room)) <= TOMBSTONES
+    assert pair.decode.call("room_entries", room) == []
+
+
+def test_prefill_abort_frees_decode_preallocation_at_once(pair, before):
+    room = pair.new_room()
+    pair.prefill.call("add", room, 12)
+    pair.decode.call("add", room, 12)
+    # decode preallocates and sends its metadata; prefill has not run the request yet
+    t0 = time.monotonic()
+    while pair.decode.call("snapshot")["queues"]["transfer"] != 1:
+        assert time.monotonic() - t0 < 30
+        pair.decode.call("tick")
+    assert pair.decode.call("snapshot")["kv_held"] > 0
+    pair.prefill.call("abort", room)
+    took = pair.run_until(lambda: pair.decode.call("status", room) is not None
+                          or pair.decode.call("final_reason", room) is not None, timeout=30)
+    assert took < TOLD_AT_ONCE_S, took
+    assert _client_abort(pair.prefill, room), pair.prefill.call("final_reason", room)
+    assert _client_abort(pair.decode, room), pair.decode.call("final_reason", room)
+    assert pair.decode.call("output_ids", room) == []  # no token generated
+    assert pair.prefill.call("finals", room) == pair.decode.call("finals", room) == 1
+    _assert_no_failure_counted(pair, before)
+    assert _new_causes(pair.prefill, before["prefill"]) == {"prefill/client_abort/prefill_bootstrap": 1}
+    assert _new_causes(pair.decode, before["decode"]) == {"decode/client_abort/decode_transfer": 1}
+    _wait_idle_and_clean(pair, room)
+
+
+def test_decode_abort_frees_prefill_at_once(pair, before):
+    room = pair.new_room()
+    pair.prefill.call("add", room, 12)
+    pair.decode.call("add", room, 12)
+    t0 = time.monotonic()
+    while pair.decode.call("snapshot")["queues"]["transfer"] != 1:
+        assert time.monotonic() - t0 < 30
+        pair.decode.call("tick")
+    pair.decode.call("abort", room)
+    took = pair.run_until(lambda: pair.prefill.call("final_reason", room) is not None
+                          and pair.decode.call("final_reason", room) is not None, timeout=30)
+    assert took < TOLD_AT_ONCE_S, took
+    assert _client_abort(pair.decode, room), pair.decode.call("final_reason", room)
+    # prefill hears decode's ABORT: an abort there, not "failed for an unknown reason"
+    assert _client_abort(pair.prefill, room), pair.prefill.call("final_reason", room)
+    assert pair.prefill.call("finals", room) == pair.decode.call("finals", room) == 1
+    _assert_no_failure_counted(pair, before)
+    assert _new_causes(pair.prefill, before["prefill"]) == {"prefill/client_abort/prefill_bootstrap": 1}
+    assert _new_causes(pair.decode, before["decode"]) == {"decode/client_abort/decode_transfer": 1}
+    _wait_idle_and_clean(pair, room)
+
+
+def test_late_handshake_after_prefill_abort_is_refused(pair, before):
+    room = pair.new_room()
+    pair.prefill.call("add", room, 12)  # decode's leg is late
+    pair.prefill.call("tick")
+    pair.prefill.call("abort", room)
+    t0 = time.monotonic()
+    while pair.prefill.call("final_reason", room) is None:
+        assert time.monotonic() - t0 < 10
+        pair.prefill.call("tick")
+    assert _client_abort(pair.prefill, room)
+    assert pair.prefill.call("room_entries", room) == ["fork_expired_rooms"]
+
+    pair.decode.call("add", room, 12)  # now decode hands prefill its pages
+    took = pair.run_until(lambda: pair.decode.call("final_reason", room) is not None, timeout=30)
+    assert took < TOLD_AT_ONCE_S, took
+    assert _client_abort(pair.decode, room), pair.decode.call("final_reason", room)
+    _assert_no_failure_counted(pair, before)
+    # upstream: request_status/transfer_infos re-created on prefill and never cleared
+    pair.run_until(lambda: _idle(pair), timeout=30)
+    assert set(pair.prefill.call("room_entries", room)) <= TOMBSTONES
+    assert pair.decode.call("room_entries", room) == []
+
+
+def test_abort_on_both_sides_ends_once(pair, before):
+    room = pair.submit(prompt_len=12)
+    pair.decode.call("tick")
+    pair.prefill.call("abort", room)
+    pair.decode.call("abort", room)
+    pair.run_until(lambda: pair.prefill.call("final_reason", room) is not None
+                   and pair.decode.call("final_reason", room) is not None, timeout=30)
+    pair.run_until(lambda: _idle(pair), timeout=30)
+    pair.prefill.call("tick", 3)
+    pair.decode.call("tick", 3)
+    assert pair.prefill.call("finals", room) == pair.decode.call("finals", room) == 1
+    assert _client_abort(pair.prefill, room) and _client_abort(pair.decode, room)
+    assert sum(_new_causes(pair.prefill, before["prefill"]).values()) == 1
+    assert sum(_new_causes(pair.decode, before["decode"]).values()) == 1
+    _assert_no_failure_counted(pair, before)
+    _wait_idle_and_clean(pair, room)
+
+    # and the pair keeps serving
+    ok = pair.submit(prompt_len=12)
+    pair.run_until(lambda: pair.decode.call("transferred", ok), timeout=30)
+    assert pair.decode.call("kv_bytes", ok) == pair.prefill.call("kv_sent", ok)
+    pair.decode.call("finish", ok)
+    pair.run_until(lambda: _idle(pair), timeout=30)
+
+
+def test_prefill_leg_after_decode_abort_ends_at_once(pair, before):
+    """Decode aborts before prefill's leg arrives: the leg, when it comes, ends as an
+    abort without sending KV into pages decode already gave back."""
+    room = pair.new_room()
+    pair.decode.call("add", room, 12)
+    t0 = time.monotonic()
+    while pair.decode.call("snapshot")["queues"]["transfer"] != 1:
+        assert time.monotonic() - t0 < 30
+        pair.decode.call("tick")
+    pair.decode.call("abort", room)
+    pair.run_until(lambda: pair.decode.call("final_reason", room) is not None, timeout=30)
+    assert _client_abort(pair.decode, room)
+    pair.run_until(lambda: pair.decode.call("snapshot") == pair.idle[1], timeout=30)
+
+    pair.prefill.call("add", room, 12)  # the late leg
+    took = pair.run_until(lambda: pair.prefill.call("final_reason", room) is not None, timeout=30)
+    assert took < TOLD_AT_ONCE_S, took
+    assert _client_abort(pair.prefill, room), pair.prefill.call("final_reason", room)
+    assert pair.prefill.call("sends", room) == 0
+    _assert_no_failure_counted(pair, before)
+    _wait_idle_and_clean(pair, room)
+    assert set(pair.prefill.call("room_entries", room)) <= TOMBSTONES
+
+
+def test_decode_abort_before_prefill_leg_registered(pair, before):
+    """Decode aborts before prefill's leg exists at all (prefill's tokenizer is slower
+    than decode's): prefill remembers the ABORT and ends the leg at once when it
+    arrives, instead of waiting for a handshake that will never come."""
+    room = pair.new_room()
+    pair.decode.call("add", room, 12)
+    pair.decode.call("abort", room)  # before decode even handshook
+    pair.run_until(lambda: pair.decode.call("final_reason", room) is not None, timeout=30)
+    assert _client_abort(pair.decode, room)
+    pair.run_until(lambda: pair.decode.call("snapshot") == pair.idle[1], timeout=30)
+    time.sleep(0.5)  # no event to poll: decode's ABORT travels to prefill's bootstrap thread
+    pair.prefill.call("add", room, 12)
+    took = pair.run_until(lambda: pair.prefill.call("final_reason", room) is not None, timeout=30)
+    assert took < TOLD_AT_ONCE_S, took
+    assert _client_abort(pair.prefill, room), pair.prefill.call("final_reason", room)
+    assert pair.prefill.call("sends", room) == 0
+    _assert_no_failure_counted(pair, before)
+    _wait_idle_and_clean(pair, room)
+    assert set(pair.prefill.call("room_entries", room)) <= TOMBSTONES
