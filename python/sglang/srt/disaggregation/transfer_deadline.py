@@ -21,6 +21,7 @@ from collections import Counter, OrderedDict
 from http import HTTPStatus
 from typing import Any, List, Sequence, Tuple
 
+from sglang.srt.disaggregation import request_end_cause
 from sglang.srt.disaggregation.base import KVPoll
 from sglang.srt.disaggregation.transfer_deadline_knob import ARG, ENV, configured
 from sglang.srt.managers.engine_clock import engine_clock
@@ -135,6 +136,7 @@ def _count(scheduler, stage: str) -> None:
 def _fail_room(endpoint, room: int, reason: str, side: str) -> None:
     """Move the room to Failed with `reason` and tell the peer (best effort)."""
     kv_mgr = endpoint.kv_mgr
+    request_end_cause.tag(kv_mgr, room, request_end_cause.TIMEOUT)
     if side == "prefill" and hasattr(kv_mgr, "conclude_failure"):
         # Records the reason, marks Failed, sends Failed to the room's decode
         # endpoints (known once decode's metadata arrived); a handshake that comes
