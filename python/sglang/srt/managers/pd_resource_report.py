@@ -98,6 +98,7 @@ def _room_tables(kv_manager) -> Dict[str, int]:
 
 def build_report(scheduler) -> Dict[str, Any]:
     from sglang.srt.managers import pd_pause
+    from sglang.srt.disaggregation.peer_liveness import peer_tables
     from sglang.srt.managers.fork_plugin import hooks_applied
 
     mode = scheduler.disaggregation_mode
@@ -113,6 +114,7 @@ def build_report(scheduler) -> Dict[str, Any]:
         "transfer_rooms": None if kv_manager is None else _room_tables(kv_manager),
         "hooks_applied": hooks_applied(),
         "pause": pd_pause.report(scheduler),
+        "peers": None if kv_manager is None else peer_tables(kv_manager),
         "te_registration": (
             None if kv_manager is None else pd_pause.registration_report(kv_manager)
         ),

@@ -1,0 +1,374 @@
+"""A crashed PD peer is noticed at once, its requests end, and its restart is served.
+
+Invariant: each side watches the peers it has state for -- prefill the decode sessions
+that registered with it (`decode_kv_args_table`), decode the prefill bootstrap servers
+it fetched (`prefill_info_table`) -- with one TCP connect per peer per heartbeat
+interval. A refused connection (nobody listens: the process is gone), a session the
+transfer worker blacklisted after a failed write and a failed probe, or
+`SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE` unanswered connects in a row declare the
+peer lost: every room bound to it is tagged `peer_failure` and moved to
+`KVPoll.Failed` with a reason naming the peer (HTTP 502 to the client), and everything
+cached about that incarnation (registration, session blacklist entries, sockets,
+connection info) is dropped, so a restarted peer -- new session, new buffers -- is
+taken as new. Upstream's Failed paths of the queues release what the rooms held.
+One log line and one count per loss and per recovery (`sglang:num_pd_peer_losses_total`,
+`sglang:num_pd_peer_recoveries_total`, labels role and peer).
+
+Who calls: `fork_plugin` hooks start a `PeerMonitor` after each PD queue builds its kv
+manager (mooncake only), wrap decode's `_handle_node_failure` (upstream's heartbeat
+and ours end up there) and `try_ensure_parallel_info` (a prefill seen again), and map
+the reason to 502 in `prepare_abort`. What cannot be observed (a room whose peer never
+handshook) is left to the transfer deadline.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from collections import Counter
+from http import HTTPStatus
+from typing import Any, Dict, List, Optional, Tuple
+
+from sglang.srt.disaggregation.base import KVPoll
+from sglang.srt.disaggregation.request_end_cause import PEER_FAILURE, tag
+from sglang.srt.environ import envs
+
+logger = logging.getLogger(__name__)
+
+# Opens every failure reason this module records; `prepare_abort` maps it to 502.
+TAG = "PD peer lost"
+# How upstream's decode heartbeat words the loss of a prefill (common/conn.py).
+UPSTREAM_PREFILL_LOST = "Lost connection with prefill instance"
+
+LOSSES = "sglang:num_pd_peer_losses_total"
+RECOVERIES = "sglang:num_pd_peer_recoveries_total"
+
+ALIVE, REFUSED, SILENT = "alive", "refused", "silent"
+CONNECT_TIMEOUT = 1.0
+
+# (kind "loss"/"recovery", role, peer) -> count in this process (also in Prometheus).
+COUNTS: Counter = Counter()
+_prom: Dict[str, Any] = {}
+_MONITOR = "fork_peer_monitor"
+
+
+# ----------------------------------------------------------------------------- pure
+
+
+def probe(host: str, port: int, timeout: float = CONNECT_TIMEOUT) -> str:
+    """ALIVE if something accepts a TCP connection at host:port, REFUSED if the host
+    answers that nothing listens there, SILENT if it does not answer in time."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return ALIVE
+    except ConnectionRefusedError:
+        return REFUSED
+    except OSError:
+        return SILENT
+
+
+def loss_message(role_lost: str, peer: str, why: str) -> str:
+    return f"{TAG}: {role_lost} peer {peer} lost ({why})"
+
+
+def abort_status(error_message: str, status_code):
+    """502 for a request that ended because its peer was lost; else unchanged."""
+    if error_message and (TAG in error_message or UPSTREAM_PREFILL_LOST in error_message):
+        return HTTPStatus.BAD_GATEWAY
+    return status_code
+
+
+def heartbeat_settings() -> Tuple[float, int]:
+    """Upstream's decode heartbeat knobs, with upstream's floors (2 s, 1 miss); prefill
+    uses the same ones, so both directions detect on the same schedule."""
+    interval = envs.SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL.get()
+    max_failures = envs.SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE.get()
+    if not interval > 0 or max_failures < 1:
+        raise ValueError(
+            "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL must be > 0 and "
+            "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE >= 1 "
+            f"(got {interval!r}, {max_failures!r})"
+        )
+    return max(interval, 2.0), max(max_failures, 1)
+
+
+# ----------------------------------------------------------------------------- counting
+
+
+def _count(monitor: "PeerMonitor", kind: str, peer: str) -> None:
+    COUNTS[(kind, monitor.role, peer)] += 1
+    if not monitor.metrics:
+        return
+    name = LOSSES if kind == "loss" else RECOVERIES
+    if name not in _prom:
+        # Created on first use, in the scheduler process: importing prometheus_client
+        # at plugin load would take the process's metrics out of multiprocess mode.
+        from prometheus_client import Counter as PromCounter
+
+        _prom[name] = PromCounter(
+            name=name,
+            documentation=(
+                "PD peers declared lost (their requests failed, their state dropped)"
+                if kind == "loss"
+                else "PD peers seen again after a loss (a restarted incarnation accepted)"
+            ),
+            labelnames=list(monitor.labels) + ["role", "peer"],
+        )
+    _prom[name].labels(**monitor.labels, role=monitor.role, peer=peer).inc(1)
+
+
+# ----------------------------------------------------------------------------- the monitor
+
+
+class PeerMonitor:
+    """Watches one kv manager's peers from a daemon thread (one per scheduler)."""
+
+    def __init__(self, mgr: Any, role: str, labels: Dict[str, str], metrics: bool):
+        self.mgr = mgr
+        self.role = role
+        self.labels = labels
+        self.metrics = metrics
+        self.interval, self.max_failures = heartbeat_settings()
+        self.lock = threading.Lock()
+        self.misses: Dict[str, int] = {}
+        # prefill: session -> (host, port) of each decode registration seen
+        self.known: Dict[str, Tuple[str, int]] = {}
+        # prefill: host -> peers lost there and not seen again; decode: bootstrap addrs
+        self.lost: Dict[str, List[str]] = {}
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name=f"ForkPeerMonitor-{role}", daemon=True)
+
+    def start(self) -> "PeerMonitor":
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            if getattr(self.mgr, "_stopped", False):
+                return
+            self.tick()
+
+    def tick(self) -> None:
+        if self.role == "prefill":
+            self._tick_prefill()
+        else:
+            self._tick_decode()
+
+    # -- prefill: decode sessions
+
+    def _tick_prefill(self) -> None:
+        mgr = self.mgr
+        with mgr.session_lock:
+            sessions = {s: (info.endpoint, int(info.dst_port)) for s, info in mgr.decode_kv_args_table.items()}
+            blacklisted = {s for s in sessions if s in mgr.failed_sessions}
+        for session in [s for s in self.known if s not in sessions]:
+            self.known.pop(session, None)  # dropped by someone else (re-registration)
+            self.misses.pop(session, None)
+        for session, (host, port) in sessions.items():
+            if session not in self.known:
+                self.known[session] = (host, port)
+                self._seen_decode(session, host, port)
+            if session in blacklisted:
+                self.lose_decode(session, "a KV write failed and its transfer session does not answer a probe")
+                continue
+            verdict = probe(host, port)
+            if verdict == ALIVE:
+                self.misses[session] = 0
+            elif verdict == REFUSED:
+                self.lose_decode(session, "connection refused")
+            else:
+                self.misses[session] = self.misses.get(session, 0) + 1
+                if self.misses[session] >= self.max_failures:
+                    self.lose_decode(session, f"no answer to {self.misses[session]} heartbeats")
+
+    def _seen_decode(self, session: str, host: str, port: int) -> None:
+        with self.lock:
+            waiting = self.lost.get(host)
+            old = waiting.pop(0) if waiting else None
+            if waiting is not None and not waiting:
+                self.lost.pop(host, None)
+        if old is not None:
+            logger.warning(
+                "PD peer recovered: decode peer %s:%s registered (session %s), replacing lost %s",
+                host, port, session, old,
+            )
+            _count(self, "recovery", host)
+
+    def lose_decode(self, session: str, why: str) -> List[int]:
+        """Fail every room bound to the decode `session`, drop what is cached about it."""
+        mgr = self.mgr
+        host, port = self.known.pop(session, (None, None))
+        self.misses.pop(session, None)
+        if host is None:
+            return []
+        peer = f"{host}:{port}"
+        reason = loss_message("decode", peer, f"{why}; mooncake session {session}")
+        # 1. drop the incarnation first: no new chunk is sent to it from here on
+        with mgr.session_lock:
+            mgr.decode_kv_args_table.pop(session, None)
+            set.discard(mgr.failed_sessions, session)
+            mgr.session_failures.pop(session, None)
+            getattr(mgr, "failed_session_probes", {}).pop(session, None)
+            getattr(mgr, "state_layout_rejections", {}).pop(session, None)
+            getattr(mgr, "state_strides_validated", set()).discard(session)
+        _drop_socket(mgr, f"tcp://{peer}")
+        # 2. fail its rooms (tag first: the tag must be there when the room is seen Failed)
+        rooms = [room for room, infos in list(mgr.transfer_infos.items()) if session in infos]
+        failed = []
+        for room in rooms:
+            if mgr.request_status.get(room) in (None, KVPoll.Success):
+                continue
+            others = [t for t in mgr._room_notify_targets(room) if t != (host, port)]
+            tag(mgr, room, PEER_FAILURE, peer)
+            mgr.record_failure(room, reason)
+            mgr.update_status(room, KVPoll.Failed)
+            failed.append(room)
+            if others:  # other decode ranks of the room wait for it too
+                mgr.send_kv_status_message(
+                    targets=others, bootstrap_room=room, status=KVPoll.Failed, failure_reason=reason
+                )
+        with self.lock:
+            self.lost.setdefault(host, []).append(peer)
+        logger.error("%s: %d requests failed, its session state dropped", reason, len(failed))
+        _count(self, "loss", host)
+        return failed
+
+    # -- decode: prefill bootstrap servers
+
+    def _tick_decode(self) -> None:
+        mgr = self.mgr
+        with mgr.connection_lock:
+            addrs = list(mgr.prefill_info_table)
+        for addr in addrs:
+            host, _, port = addr.rpartition(":")
+            if probe(host.strip("[]"), int(port)) == REFUSED:
+                # Upstream's heartbeat needs max_failures misses; a refusal is final.
+                mgr._handle_node_failure(addr)
+                with mgr.session_pool_lock:
+                    mgr.session_pool.pop(addr, None)
+            # a silent server is upstream's heartbeat's to count
+
+    def report(self) -> Dict[str, Any]:
+        with self.lock:
+            lost = sum(len(v) for v in self.lost.values())
+        return {"watched": len(self.known) if self.role == "prefill" else None, "lost_unrecovered": lost}
+
+
+def _drop_socket(mgr: Any, endpoint: str) -> None:
+    """Close the cached push socket to a lost endpoint (a new incarnation listens on a
+    new port; the old one would only queue messages for nobody)."""
+    lock = getattr(mgr, "_socket_lock", None)
+    if lock is None:
+        return
+    with lock:
+        sock = mgr._socket_cache.pop(endpoint, None)
+        monitor = getattr(mgr, "_monitor_cache", {}).pop(endpoint, None)
+    if sock is not None:
+        sock.close(linger=0)
+    if monitor is not None:
+        monitor.close()
+
+
+def monitor_of(mgr: Any) -> Optional[PeerMonitor]:
+    return getattr(mgr, "__dict__", {}).get(_MONITOR)
+
+
+def peer_tables(mgr: Any) -> Dict[str, int]:
+    """Sizes of the per-peer tables of a kv manager (the resource report shows them:
+    they must not grow with each restart of a peer)."""
+    out = {}
+    for name in (
+        "decode_kv_args_table", "failed_sessions", "session_failures", "failed_session_probes",
+        "state_layout_rejections", "state_strides_validated", "prefill_info_table",
+        "connection_pool", "heartbeat_failures", "session_pool", "_socket_cache",
+    ):
+        table = getattr(mgr, name, None)
+        if table is not None:
+            out[name] = len(table)
+    rooms_by_addr = getattr(mgr, "addr_to_rooms_tracker", None)
+    if rooms_by_addr is not None:
+        out["addr_to_rooms_tracker_addrs"] = len(rooms_by_addr)
+    monitor = monitor_of(mgr)
+    if monitor is not None:
+        out.update({f"monitor_{k}": v for k, v in monitor.report().items() if v is not None})
+    return out
+
+
+# ----------------------------------------------------------------------------- hooks
+
+
+def _start(queue: Any, mgr: Any, role: str) -> None:
+    needed = ("decode_kv_args_table", "session_lock") if role == "prefill" else ("prefill_info_table", "connection_lock")
+    if mgr is None or not all(hasattr(mgr, a) for a in needed) or monitor_of(mgr) is not None:
+        return  # fake transfer backend, or not mooncake
+    scheduler = getattr(queue, "scheduler", None)
+    labels = getattr(getattr(scheduler, "metrics_collector", None), "labels", None)
+    reporter = getattr(scheduler, "metrics_reporter", None)
+    metrics = bool(getattr(reporter, "enable_metrics", False))
+    monitor = PeerMonitor(mgr, role, dict(labels) if isinstance(labels, dict) else {}, metrics)
+    mgr.__dict__[_MONITOR] = monitor
+    monitor.start()
+
+
+def on_prefill_manager_init(mgr: Any, queue: Any, *args: Any, **kwargs: Any) -> None:
+    """AFTER PrefillBootstrapQueue._init_kv_manager (result: the manager)."""
+    _start(queue, mgr, "prefill")
+    return None
+
+
+def on_decode_manager_init(mgr: Any, queue: Any, *args: Any, **kwargs: Any) -> None:
+    """AFTER DecodePreallocQueue._init_kv_manager (result: the manager)."""
+    _start(queue, mgr, "decode")
+    return None
+
+
+def around_handle_node_failure(original, mgr, failed_bootstrap_addr, *args, **kwargs):
+    """AROUND CommonKVManager._handle_node_failure (decode; upstream's heartbeat and our
+    monitor both call it). Tags the rooms before upstream fails them, words their
+    reason as ours (naming the peer), and logs and counts the loss once."""
+    monitor = monitor_of(mgr)
+    lock = monitor.lock if monitor is not None else threading.Lock()
+    with lock:
+        known = failed_bootstrap_addr in mgr.prefill_info_table
+        rooms = list(mgr.addr_to_rooms_tracker.get(failed_bootstrap_addr, ()))
+        peer = failed_bootstrap_addr
+        for room in rooms:
+            if room in mgr.request_status and mgr.check_status(room) != KVPoll.Success:
+                tag(mgr, room, PEER_FAILURE, peer)
+        result = original(mgr, failed_bootstrap_addr, *args, **kwargs)
+        reason = loss_message("prefill", peer, "its bootstrap server does not answer")
+        failed = 0
+        for room in rooms:
+            if mgr.request_status.get(room) == KVPoll.Failed:
+                with mgr.failure_lock:
+                    if room in mgr.failure_records:
+                        mgr.failure_records[room] = reason
+                failed += 1
+        if known and monitor is not None:
+            monitor.lost[failed_bootstrap_addr] = [peer]
+    if known and monitor is not None:
+        logger.error("%s: %d requests failed, its connection info dropped", reason, failed)
+        _count(monitor, "loss", peer)
+    return result
+
+
+def after_try_ensure_parallel_info(result, mgr, bootstrap_addr, *args, **kwargs):
+    """AFTER CommonKVManager.try_ensure_parallel_info: a prefill lost before whose info
+    was fetched again is back (log and count the recovery once)."""
+    monitor = monitor_of(mgr)
+    if result and monitor is not None and bootstrap_addr in monitor.lost:
+        with monitor.lock:
+            back = monitor.lost.pop(bootstrap_addr, None) is not None
+        if back:
+            logger.warning("PD peer recovered: prefill peer %s answers again; its new info fetched", bootstrap_addr)
+            _count(monitor, "recovery", bootstrap_addr)
+    return result
+
+
+def around_prepare_abort(original, req, error_message, status_code=None, *args, **kwargs):
+    """AROUND disaggregation.utils.prepare_abort: 502 for a lost peer."""
+    return original(req, error_message, abort_status(error_message, status_code), *args, **kwargs)
