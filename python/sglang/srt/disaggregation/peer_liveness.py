@@ -40,6 +40,9 @@ logger = logging.getLogger(__name__)
 TAG = "PD peer lost"
 # How upstream's decode heartbeat words the loss of a prefill (common/conn.py).
 UPSTREAM_PREFILL_LOST = "Lost connection with prefill instance"
+# How upstream's transfer worker fails a room whose decode session is blacklisted
+# (mooncake/conn.py); reworded by `around_conclude_transfer`.
+UPSTREAM_SESSION_DEAD = "Decode instance could be dead, remote mooncake session"
 
 LOSSES = "sglang:num_pd_peer_losses_total"
 RECOVERIES = "sglang:num_pd_peer_recoveries_total"
@@ -136,6 +139,9 @@ class PeerMonitor:
         self.known: Dict[str, Tuple[str, int]] = {}
         # prefill: host -> peers lost there and not seen again; decode: bootstrap addrs
         self.lost: Dict[str, List[str]] = {}
+        # prefill: session -> rooms whose failed write left a poison mark (see
+        # chunk_failures._expire_poison_later); dropped when that session is lost
+        self.poisoned: Dict[str, set] = {}
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name=f"ForkPeerMonitor-{role}", daemon=True)
 
@@ -160,18 +166,31 @@ class PeerMonitor:
 
     # -- prefill: decode sessions
 
+    def note_poisoned(self, room: int, sessions: List[str]) -> None:
+        with self.lock:
+            for session in sessions:
+                self.poisoned.setdefault(session, set()).add(room)
+
+    def _prune_poisoned(self) -> None:
+        marks = self.mgr._deferred_ack_poisoned_rooms
+        with self.lock:
+            for session in list(self.poisoned):
+                self.poisoned[session] = {r for r in self.poisoned[session] if r in marks}
+                if not self.poisoned[session]:
+                    del self.poisoned[session]
+
     def _tick_prefill(self) -> None:
         mgr = self.mgr
+        self._prune_poisoned()
         with mgr.session_lock:
             sessions = {s: (info.endpoint, int(info.dst_port)) for s, info in mgr.decode_kv_args_table.items()}
             blacklisted = {s for s in sessions if s in mgr.failed_sessions}
-        for session in [s for s in self.known if s not in sessions]:
-            self.known.pop(session, None)  # dropped by someone else (re-registration)
-            self.misses.pop(session, None)
+        with self.lock:
+            for session in [s for s in self.known if s not in sessions]:
+                self.known.pop(session, None)  # dropped by someone else
+                self.misses.pop(session, None)
         for session, (host, port) in sessions.items():
-            if session not in self.known:
-                self.known[session] = (host, port)
-                self._seen_decode(session, host, port)
+            self.registered(session, host, port)
             if session in blacklisted:
                 self.lose_decode(session, "a KV write failed and its transfer session does not answer a probe")
                 continue
@@ -185,8 +204,14 @@ class PeerMonitor:
                 if self.misses[session] >= self.max_failures:
                     self.lose_decode(session, f"no answer to {self.misses[session]} heartbeats")
 
-    def _seen_decode(self, session: str, host: str, port: int) -> None:
+    def registered(self, session: str, host: str, port: int) -> None:
+        """A decode session registered (bootstrap thread, at once) or is seen in the
+        registration table (monitor pass): start watching it; if a decode was lost on
+        that host, this is its new incarnation."""
         with self.lock:
+            if session in self.known:
+                return
+            self.known[session] = (host, port)
             waiting = self.lost.get(host)
             old = waiting.pop(0) if waiting else None
             if waiting is not None and not waiting:
@@ -201,7 +226,8 @@ class PeerMonitor:
     def lose_decode(self, session: str, why: str) -> List[int]:
         """Fail every room bound to the decode `session`, drop what is cached about it."""
         mgr = self.mgr
-        host, port = self.known.pop(session, (None, None))
+        with self.lock:
+            host, port = self.known.pop(session, (None, None))
         self.misses.pop(session, None)
         if host is None:
             return []
@@ -216,6 +242,12 @@ class PeerMonitor:
             getattr(mgr, "state_layout_rejections", {}).pop(session, None)
             getattr(mgr, "state_strides_validated", set()).discard(session)
         _drop_socket(mgr, f"tcp://{peer}")
+        # a poison mark keeps a drain ack from a peer whose pages a write may still
+        # reach; nobody is left to ack or to be written to
+        with self.lock:
+            poisoned = self.poisoned.pop(session, set())
+        for room in poisoned:
+            mgr._deferred_ack_poisoned_rooms.discard(room)
         # 2. fail its rooms (tag first: the tag must be there when the room is seen Failed)
         rooms = [room for room, infos in list(mgr.transfer_infos.items()) if session in infos]
         failed = []
@@ -311,6 +343,17 @@ def _start(queue: Any, mgr: Any, role: str) -> None:
     metrics = bool(getattr(reporter, "enable_metrics", False))
     monitor = PeerMonitor(mgr, role, dict(labels) if isinstance(labels, dict) else {}, metrics)
     mgr.__dict__[_MONITOR] = monitor
+    if role == "prefill" and hasattr(mgr, "_publish_peer_registration"):
+        # mooncake's bootstrap thread looks the method up per message: a registration
+        # is seen at once (a restarted decode is recognised before its first request)
+        publish = mgr._publish_peer_registration
+
+        def publish_and_watch(session_id, decode_kv_args, *a, **kw):
+            result = publish(session_id, decode_kv_args, *a, **kw)
+            monitor.registered(session_id, decode_kv_args.endpoint, int(decode_kv_args.dst_port))
+            return result
+
+        mgr._publish_peer_registration = publish_and_watch
     monitor.start()
 
 
@@ -366,6 +409,51 @@ def after_try_ensure_parallel_info(result, mgr, bootstrap_addr, *args, **kwargs)
         if back:
             logger.warning("PD peer recovered: prefill peer %s answers again; its new info fetched", bootstrap_addr)
             _count(monitor, "recovery", bootstrap_addr)
+    return result
+
+
+def around_conclude_transfer(original, mgr, *args, bootstrap_room=None, status=None, failure_reason=None, **kwargs):
+    """AROUND CommonKVManager.conclude_transfer (prefill; `conclude_failure` and the
+    transfer worker's failed writes end here). Remembers which decode session a
+    poisoned room was bound to (the mark is dropped when that peer is lost), and
+    rewords upstream's failure of a room bound to a blacklisted (dead) decode session,
+    which names only the session: it names the decode peer as the loss does."""
+    if status == KVPoll.Failed:
+        infos = mgr.transfer_infos.get(bootstrap_room) or {}
+        monitor = monitor_of(mgr)
+        if monitor is not None and bootstrap_room in getattr(mgr, "_deferred_ack_poisoned_rooms", ()):
+            monitor.note_poisoned(bootstrap_room, list(infos))
+        if failure_reason and failure_reason.startswith(UPSTREAM_SESSION_DEAD):
+            dead = [(s, i) for s, i in list(infos.items()) if s in getattr(mgr, "failed_sessions", ())]
+            if dead:
+                session, info = dead[0]
+                peer = f"{info.endpoint}:{info.dst_port}"
+                tag(mgr, bootstrap_room, PEER_FAILURE, peer)
+                failure_reason = loss_message(
+                    "decode", peer, f"a KV write failed and its transfer session {session} does not answer a probe"
+                )
+    return original(
+        mgr, *args, bootstrap_room=bootstrap_room, status=status, failure_reason=failure_reason, **kwargs
+    )
+
+
+def after_ensure_abort_notified(result, receiver, *args, **kwargs):
+    """AFTER CommonKVReceiver.ensure_abort_notified (decode). A failed room arms the
+    deferred release and waits for prefill's drain ack (up to
+    SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT, 30 s) before its pages
+    are freed. A lost prefill will never ack, and no write of it can still come: ack
+    on its behalf, so the pages are freed as promptly as prefill frees its own."""
+    mgr = receiver.kv_mgr
+    monitor = monitor_of(mgr)
+    if monitor is None or monitor.role != "decode":
+        return result
+    addr = getattr(receiver, "bootstrap_addr", None)
+    generation = getattr(receiver, "_abort_generation", None)
+    room = receiver.bootstrap_room
+    if addr in monitor.lost and generation is not None and room in mgr._deferred_abort_ack_tracker:
+        for i, _ in enumerate(receiver.bootstrap_infos or ()):
+            mgr.note_abort_ack(room, -1 - i, generation)  # ranks no live prefill uses
+        logger.debug("Room %s: prefill peer %s is lost; its drain acked on its behalf", room, addr)
     return result
 
 

@@ -178,6 +178,16 @@ HOOKS: list[tuple[str, str, HookType]] = [
         HookType.AFTER,
     ),
     (
+        "sglang.srt.disaggregation.common.conn.CommonKVManager.conclude_transfer",
+        "sglang.srt.disaggregation.peer_liveness:around_conclude_transfer",
+        HookType.AROUND,
+    ),
+    (
+        "sglang.srt.disaggregation.common.conn.CommonKVReceiver.ensure_abort_notified",
+        "sglang.srt.disaggregation.peer_liveness:after_ensure_abort_notified",
+        HookType.AFTER,
+    ),
+    (
         "sglang.srt.disaggregation.utils.prepare_abort",
         "sglang.srt.disaggregation.peer_liveness:around_prepare_abort",
         HookType.AROUND,
