@@ -130,7 +130,10 @@ def _recover(cluster, control, survivor: str, baseline: dict, peers_before: dict
     assert [r["status"] for r in results] == [200] * N_AFTER, [r["error"] for r in results if r["status"] != 200]
     assert [r["output_ids"] for r in results] == control
     assert_idle(cluster, PD_ROLES, baseline)
-    assert _peers(cluster[survivor]) == peers_before
+    # per-peer tables as before the crash (upstream's heartbeat refills its entries
+    # for a prefill within one interval)
+    wait_until(lambda: _peers(cluster[survivor]) == peers_before, HEARTBEAT + 10, "per-peer tables as before",
+               on_timeout=lambda: f"{_peers(cluster[survivor])} != {peers_before}")
 
 
 def test_decode_killed_in_flight_then_restarted(cluster, control):
@@ -164,9 +167,11 @@ def test_decode_killed_in_flight_then_restarted(cluster, control):
     _assert_named_5xx(prefill_legs, "decode", t_kill)
     # prefill gave everything back and forgot the dead incarnation, decode still down
     assert_idle(cluster, ("prefill",), baseline, timeout=10)
-    after_loss = _peers(prefill)
-    assert after_loss["decode_kv_args_table"] == 0 and after_loss["failed_sessions"] == 0, after_loss
-    assert after_loss["session_failures"] == 0, after_loss
+    def forgotten():
+        p = _peers(prefill)
+        return p["decode_kv_args_table"] == 0 and p["failed_sessions"] == 0 and p["session_failures"] == 0
+
+    wait_until(forgotten, DETECT_BOUND, "prefill to forget the dead decode session", on_timeout=lambda: str(_peers(prefill)))
     assert _count(prefill, LOSSES) == losses + 1
     assert "decode peer 127.0.0.1:" in prefill.tail(400) and "PD peer lost" in prefill.tail(400)
 
@@ -280,7 +285,6 @@ def test_decode_killed_and_restarted_repeatedly_under_traffic(cluster, control):
     assert len(ok) >= 2 * KILLS
     # nothing accumulated on the survivor: rooms, KV, sessions, sockets
     assert_idle(cluster, PD_ROLES, baseline, timeout=DEADLINE + 30)
-    assert _peers(prefill) == peers_before
     assert _count(prefill, LOSSES) == losses + KILLS
     assert _count(prefill, RECOVERIES) == recoveries + KILLS
     _recover(cluster, control, "prefill", baseline, peers_before)

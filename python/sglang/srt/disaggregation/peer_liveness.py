@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
-from collections import Counter
+from collections import Counter, OrderedDict
 from http import HTTPStatus
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -49,6 +49,7 @@ RECOVERIES = "sglang:num_pd_peer_recoveries_total"
 
 ALIVE, REFUSED, SILENT = "alive", "refused", "silent"
 CONNECT_TIMEOUT = 1.0
+MAX_GONE = 256
 
 # (kind "loss"/"recovery", role, peer) -> count in this process (also in Prometheus).
 COUNTS: Counter = Counter()
@@ -139,6 +140,9 @@ class PeerMonitor:
         self.known: Dict[str, Tuple[str, int]] = {}
         # prefill: host -> peers lost there and not seen again; decode: bootstrap addrs
         self.lost: Dict[str, List[str]] = {}
+        # prefill: sessions and host:port of decode incarnations declared lost, newest
+        # last (bounded): a late failed write to one of them leaves nothing behind
+        self.gone: "OrderedDict[str, None]" = OrderedDict()
         # prefill: session -> rooms whose failed write left a poison mark (see
         # chunk_failures._expire_poison_later); dropped when that session is lost
         self.poisoned: Dict[str, set] = {}
@@ -166,6 +170,14 @@ class PeerMonitor:
 
     # -- prefill: decode sessions
 
+    def is_gone(self, names: List[str], text: Optional[str] = None) -> bool:
+        """Whether any of `names` (sessions, host:port) -- or a peer named in `text` --
+        was declared lost."""
+        with self.lock:
+            if any(n in self.gone for n in names):
+                return True
+            return bool(text) and any(f" {peer}" in text for peer in self.gone if ":" in peer)
+
     def note_poisoned(self, room: int, sessions: List[str]) -> None:
         with self.lock:
             for session in sessions:
@@ -185,6 +197,10 @@ class PeerMonitor:
         with mgr.session_lock:
             sessions = {s: (info.endpoint, int(info.dst_port)) for s, info in mgr.decode_kv_args_table.items()}
             blacklisted = {s for s in sessions if s in mgr.failed_sessions}
+            # a write that was still running when its peer was declared lost fails
+            # later and blacklists the dead session again: drop that entry too
+            for session in [s for s in mgr.failed_sessions if s not in sessions and self.is_gone([s])]:
+                _forget_session(mgr, session)
         with self.lock:
             for session in [s for s in self.known if s not in sessions]:
                 self.known.pop(session, None)  # dropped by someone else
@@ -236,11 +252,7 @@ class PeerMonitor:
         # 1. drop the incarnation first: no new chunk is sent to it from here on
         with mgr.session_lock:
             mgr.decode_kv_args_table.pop(session, None)
-            set.discard(mgr.failed_sessions, session)
-            mgr.session_failures.pop(session, None)
-            getattr(mgr, "failed_session_probes", {}).pop(session, None)
-            getattr(mgr, "state_layout_rejections", {}).pop(session, None)
-            getattr(mgr, "state_strides_validated", set()).discard(session)
+            _forget_session(mgr, session)
         _drop_socket(mgr, f"tcp://{peer}")
         # a poison mark keeps a drain ack from a peer whose pages a write may still
         # reach; nobody is left to ack or to be written to
@@ -265,6 +277,11 @@ class PeerMonitor:
                 )
         with self.lock:
             self.lost.setdefault(host, []).append(peer)
+            for name in (session, peer):
+                self.gone[name] = None
+                self.gone.move_to_end(name)
+            while len(self.gone) > MAX_GONE:
+                self.gone.popitem(last=False)
         logger.error("%s: %d requests failed, its session state dropped", reason, len(failed))
         _count(self, "loss", host)
         return failed
@@ -288,6 +305,15 @@ class PeerMonitor:
         with self.lock:
             lost = sum(len(v) for v in self.lost.values())
         return {"watched": len(self.known) if self.role == "prefill" else None, "lost_unrecovered": lost}
+
+
+def _forget_session(mgr: Any, session: str) -> None:
+    """Drop a decode session's blacklist and layout entries (caller holds session_lock)."""
+    set.discard(mgr.failed_sessions, session)
+    mgr.session_failures.pop(session, None)
+    getattr(mgr, "failed_session_probes", {}).pop(session, None)
+    getattr(mgr, "state_layout_rejections", {}).pop(session, None)
+    getattr(mgr, "state_strides_validated", set()).discard(session)
 
 
 def _drop_socket(mgr: Any, endpoint: str) -> None:
@@ -422,7 +448,13 @@ def around_conclude_transfer(original, mgr, *args, bootstrap_room=None, status=N
         infos = mgr.transfer_infos.get(bootstrap_room) or {}
         monitor = monitor_of(mgr)
         if monitor is not None and bootstrap_room in getattr(mgr, "_deferred_ack_poisoned_rooms", ()):
-            monitor.note_poisoned(bootstrap_room, list(infos))
+            peers = [f"{i.endpoint}:{i.dst_port}" for i in list(infos.values())]
+            peers += [f"{host}:{port}" for host, port in (kwargs.get("targets") or ())]
+            if monitor.is_gone(list(infos) + peers, failure_reason):
+                # a write to a peer already declared lost: nobody to ack or protect
+                mgr._deferred_ack_poisoned_rooms.discard(bootstrap_room)
+            else:
+                monitor.note_poisoned(bootstrap_room, list(infos))
         if failure_reason and failure_reason.startswith(UPSTREAM_SESSION_DEAD):
             dead = [(s, i) for s, i in list(infos.items()) if s in getattr(mgr, "failed_sessions", ())]
             if dead:
