@@ -397,32 +397,37 @@ def on_decode_manager_init(mgr: Any, queue: Any, *args: Any, **kwargs: Any) -> N
 
 def around_handle_node_failure(original, mgr, failed_bootstrap_addr, *args, **kwargs):
     """AROUND CommonKVManager._handle_node_failure (decode; upstream's heartbeat and our
-    monitor both call it). Tags the rooms before upstream fails them, words their
-    reason as ours (naming the peer), and logs and counts the loss once."""
+    monitor both call it). Records our reason (naming the peer; `around_record_failure`
+    keeps it over upstream's) and the tag before upstream fails the rooms, and logs and
+    counts the loss once."""
     monitor = monitor_of(mgr)
     lock = monitor.lock if monitor is not None else threading.Lock()
+    peer = failed_bootstrap_addr
+    reason = loss_message("prefill", peer, "its bootstrap server does not answer")
     with lock:
         known = failed_bootstrap_addr in mgr.prefill_info_table
         rooms = list(mgr.addr_to_rooms_tracker.get(failed_bootstrap_addr, ()))
-        peer = failed_bootstrap_addr
         for room in rooms:
             if room in mgr.request_status and mgr.check_status(room) != KVPoll.Success:
                 tag(mgr, room, PEER_FAILURE, peer)
+                mgr.record_failure(room, reason)
         result = original(mgr, failed_bootstrap_addr, *args, **kwargs)
-        reason = loss_message("prefill", peer, "its bootstrap server does not answer")
-        failed = 0
-        for room in rooms:
-            if mgr.request_status.get(room) == KVPoll.Failed:
-                with mgr.failure_lock:
-                    if room in mgr.failure_records:
-                        mgr.failure_records[room] = reason
-                failed += 1
+        failed = sum(1 for room in rooms if mgr.request_status.get(room) == KVPoll.Failed)
         if known and monitor is not None:
             monitor.lost[failed_bootstrap_addr] = [peer]
     if known and monitor is not None:
         logger.error("%s: %d requests failed, its connection info dropped", reason, failed)
         _count(monitor, "loss", peer)
     return result
+
+
+def around_record_failure(original, mgr, bootstrap_room, failure_reason, *args, **kwargs):
+    """AROUND CommonKVManager.record_failure: a room failed because its peer was lost
+    keeps that reason (the root cause) over a later, vaguer one."""
+    current = mgr.failure_records.get(bootstrap_room)
+    if current and current.startswith(TAG) and not (failure_reason or "").startswith(TAG):
+        return None
+    return original(mgr, bootstrap_room, failure_reason, *args, **kwargs)
 
 
 def after_try_ensure_parallel_info(result, mgr, bootstrap_addr, *args, **kwargs):

@@ -173,6 +173,11 @@ HOOKS: list[tuple[str, str, HookType]] = [
         HookType.AROUND,
     ),
     (
+        "sglang.srt.disaggregation.common.conn.CommonKVManager.record_failure",
+        "sglang.srt.disaggregation.peer_liveness:around_record_failure",
+        HookType.AROUND,
+    ),
+    (
         "sglang.srt.disaggregation.common.conn.CommonKVManager.try_ensure_parallel_info",
         "sglang.srt.disaggregation.peer_liveness:after_try_ensure_parallel_info",
         HookType.AFTER,
