@@ -13,6 +13,8 @@ step over a pipe, so a test reads like a timeline:
         assert pair.prefill.call("room_entries", room) == []
 
 Commands are the methods of `_Worker`; add one there to expose more of a side.
+`pair.decode.kill()` crashes a side (SIGKILL); `pair.restart(role)` starts a new process
+for it (prefill on the same bootstrap port).
 
 Only the scheduler is a stand-in; queues, manager, engine and bootstrap are upstream's.
 """

@@ -4,7 +4,7 @@ An AFTER hook on upstream's `SchedulerInternalStateController.get_internal_state
 (GET /server_info or /get_server_info -> internal_states[i]) adds: KV tokens (free,
 total, cached-evictable, protected, held by requests), request slots, PD
 metadata-buffer slots, PD queue lengths per role, per-room table sizes of the transfer
-kv_manager, and `hooks_applied`. Tests compare it with an idle baseline; read-only.
+kv_manager, its per-peer table sizes (`peers`, see peer_liveness), and `hooks_applied`. Tests compare it with an idle baseline; read-only.
 """
 
 from __future__ import annotations
