@@ -23,6 +23,7 @@ handshook) is left to the transfer deadline.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import threading
@@ -201,6 +202,11 @@ class PeerMonitor:
             # later and blacklists the dead session again: drop that entry too
             for session in [s for s in mgr.failed_sessions if s not in sessions and self.is_gone([s])]:
                 _forget_session(mgr, session)
+        # a status message for a room of a lost decode, sent after the loss (a write
+        # that was still running), re-opens a socket to it: close it again
+        for endpoint in list(getattr(mgr, "_socket_cache", {})):
+            if endpoint.startswith("tcp://") and self.is_gone([endpoint[len("tcp://"):]]):
+                _drop_socket(mgr, endpoint)
         with self.lock:
             for session in [s for s in self.known if s not in sessions]:
                 self.known.pop(session, None)  # dropped by someone else
@@ -228,6 +234,7 @@ class PeerMonitor:
             if session in self.known:
                 return
             self.known[session] = (host, port)
+            self.gone.pop(f"{host}:{port}", None)  # a new incarnation listens there now
             waiting = self.lost.get(host)
             old = waiting.pop(0) if waiting else None
             if waiting is not None and not waiting:
@@ -325,8 +332,10 @@ def _drop_socket(mgr: Any, endpoint: str) -> None:
     with lock:
         sock = mgr._socket_cache.pop(endpoint, None)
         monitor = getattr(mgr, "_monitor_cache", {}).pop(endpoint, None)
-    if sock is not None:
-        sock.close(linger=0)
+    send_lock = getattr(mgr, "_socket_send_locks", {}).get(endpoint)
+    with send_lock if send_lock is not None else contextlib.nullcontext():
+        if sock is not None:  # not while a sender still uses it
+            sock.close(linger=0)
     if monitor is not None:
         monitor.close()
 
