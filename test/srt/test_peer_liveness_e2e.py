@@ -238,7 +238,7 @@ class Traffic(threading.Thread):
         super().__init__(daemon=True)
         self.url = url
         self.results: list = []
-        self._stop = threading.Event()
+        self._halt = threading.Event()
 
     def run(self):
         texts = prompts(8)
@@ -246,22 +246,26 @@ class Traffic(threading.Thread):
 
         def worker(k):
             i = k
-            while not self._stop.is_set():
+            while not self._halt.is_set():
                 r = generate(self.url, texts[i % len(texts)], max_new_tokens=8, timeout=DEADLINE + 60)
                 with lock:
                     self.results.append(r)
                 i += 2
+                if r["status"] != 200:
+                    # pacing, not synchronisation: while decode is down the balancer
+                    # fails at once, and each failure leaves a prefill leg waiting
+                    self._halt.wait(0.5)
 
         workers = [threading.Thread(target=worker, args=(k,), daemon=True) for k in range(2)]
         for w in workers:
             w.start()
-        self._stop.wait()
+        self._halt.wait()
         for w in workers:
             w.join(DEADLINE + 90)
         self.hung = [w for w in workers if w.is_alive()]
 
     def stop(self):
-        self._stop.set()
+        self._halt.set()
         self.join(DEADLINE + 120)
 
 

@@ -416,12 +416,13 @@ def around_handle_node_failure(original, mgr, failed_bootstrap_addr, *args, **kw
     with lock:
         known = failed_bootstrap_addr in mgr.prefill_info_table
         rooms = list(mgr.addr_to_rooms_tracker.get(failed_bootstrap_addr, ()))
+        failed = 0
         for room in rooms:
             if room in mgr.request_status and mgr.check_status(room) != KVPoll.Success:
                 tag(mgr, room, PEER_FAILURE, peer)
                 mgr.record_failure(room, reason)
+                failed += 1
         result = original(mgr, failed_bootstrap_addr, *args, **kwargs)
-        failed = sum(1 for room in rooms if mgr.request_status.get(room) == KVPoll.Failed)
         if known and monitor is not None:
             monitor.lost[failed_bootstrap_addr] = [peer]
     if known and monitor is not None:
