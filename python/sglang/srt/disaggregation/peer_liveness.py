@@ -44,6 +44,8 @@ UPSTREAM_PREFILL_LOST = "Lost connection with prefill instance"
 # How upstream's transfer worker fails a room whose decode session is blacklisted
 # (mooncake/conn.py); reworded by `around_conclude_transfer`.
 UPSTREAM_SESSION_DEAD = "Decode instance could be dead, remote mooncake session"
+# Opens the transfer worker's reasons for a failed write (and the one above).
+WRITE_FAILED = ("Failed to send", UPSTREAM_SESSION_DEAD)
 
 LOSSES = "sglang:num_pd_peer_losses_total"
 RECOVERIES = "sglang:num_pd_peer_recoveries_total"
@@ -179,6 +181,14 @@ class PeerMonitor:
                 return True
             return bool(text) and any(f" {peer}" in text for peer in self.gone if ":" in peer)
 
+    def mark_gone(self, names: List[str]) -> None:
+        with self.lock:
+            for name in names:
+                self.gone[name] = None
+                self.gone.move_to_end(name)
+            while len(self.gone) > MAX_GONE:
+                self.gone.popitem(last=False)
+
     def note_poisoned(self, room: int, sessions: List[str]) -> None:
         with self.lock:
             for session in sessions:
@@ -284,11 +294,7 @@ class PeerMonitor:
                 )
         with self.lock:
             self.lost.setdefault(host, []).append(peer)
-            for name in (session, peer):
-                self.gone[name] = None
-                self.gone.move_to_end(name)
-            while len(self.gone) > MAX_GONE:
-                self.gone.popitem(last=False)
+        self.mark_gone([session, peer])
         logger.error("%s: %d requests failed, its session state dropped", reason, len(failed))
         _count(self, "loss", host)
         return failed
@@ -462,6 +468,13 @@ def around_conclude_transfer(original, mgr, *args, bootstrap_room=None, status=N
     if status == KVPoll.Failed:
         infos = mgr.transfer_infos.get(bootstrap_room) or {}
         monitor = monitor_of(mgr)
+        if monitor is not None and failure_reason and failure_reason.startswith(WRITE_FAILED):
+            # a failed write: if nothing listens at the peer any more, it is gone --
+            # known before the status below is pushed at it (which would block)
+            for session, info in list(infos.items()):
+                peer = f"{info.endpoint}:{info.dst_port}"
+                if not monitor.is_gone([peer]) and probe(info.endpoint, int(info.dst_port), 0.5) == REFUSED:
+                    monitor.mark_gone([session, peer])
         if monitor is not None and bootstrap_room in getattr(mgr, "_deferred_ack_poisoned_rooms", ()):
             peers = [f"{i.endpoint}:{i.dst_port}" for i in list(infos.values())]
             peers += [f"{host}:{port}" for host, port in (kwargs.get("targets") or ())]
@@ -502,6 +515,26 @@ def after_ensure_abort_notified(result, receiver, *args, **kwargs):
             mgr.note_abort_ack(room, -1 - i, generation)  # ranks no live prefill uses
         logger.debug("Room %s: prefill peer %s is lost; its drain acked on its behalf", room, addr)
     return result
+
+
+def around_send_multipart_locked(original, mgr, endpoint, parts, *args, **kwargs):
+    """AROUND CommonKVManager._send_multipart_locked (prefill's pushes to decode). A
+    push to a lost decode blocks for the socket's send timeout (30 s: with reconnects
+    off, a refused connection leaves the socket no pipe), and some senders hold
+    `session_lock` meanwhile (upstream's failed-session path), which stalls the
+    bootstrap thread -- the one that would register the restarted decode. Nobody
+    listens there: drop the message."""
+    monitor = monitor_of(mgr)
+    if (
+        monitor is not None
+        and monitor.role == "prefill"
+        and isinstance(endpoint, str)
+        and endpoint.startswith("tcp://")
+        and monitor.is_gone([endpoint[len("tcp://"):]])
+    ):
+        logger.debug("Not sending to %s: that decode peer was lost", endpoint)
+        return None
+    return original(mgr, endpoint, parts, *args, **kwargs)
 
 
 def around_prepare_abort(original, req, error_message, status_code=None, *args, **kwargs):

@@ -178,6 +178,11 @@ HOOKS: list[tuple[str, str, HookType]] = [
         HookType.AROUND,
     ),
     (
+        "sglang.srt.disaggregation.common.conn.CommonKVManager._send_multipart_locked",
+        "sglang.srt.disaggregation.peer_liveness:around_send_multipart_locked",
+        HookType.AROUND,
+    ),
+    (
         "sglang.srt.disaggregation.common.conn.CommonKVManager.try_ensure_parallel_info",
         "sglang.srt.disaggregation.peer_liveness:after_try_ensure_parallel_info",
         HookType.AFTER,
