@@ -16,7 +16,10 @@ One log line and one count per loss and per recovery (`sglang:num_pd_peer_losses
 
 Who calls: `fork_plugin` hooks start a `PeerMonitor` after each PD queue builds its kv
 manager (mooncake only), wrap decode's `_handle_node_failure` (upstream's heartbeat
-and ours end up there) and `try_ensure_parallel_info` (a prefill seen again), and map
+and ours end up there), `try_ensure_parallel_info` (a prefill seen again),
+`record_failure` (a peer-loss reason is kept), `conclude_transfer` (failed writes to a
+dead decode), `_send_multipart_locked` (no push to a lost decode: it would block 30 s)
+and the receiver's `ensure_abort_notified` (a lost prefill's drain is acked), and map
 the reason to 502 in `prepare_abort`. What cannot be observed (a room whose peer never
 handshook) is left to the transfer deadline.
 """
