@@ -13,6 +13,8 @@ step over a pipe, so a test reads like a timeline:
         assert pair.prefill.call("room_entries", room) == []
 
 Commands are the methods of `_Worker`; add one there to expose more of a side.
+`pair.decode.kill()` crashes a side (SIGKILL); `pair.restart(role)` starts a new process
+for it (prefill on the same bootstrap port).
 
 Only the scheduler is a stand-in; queues, manager, engine and bootstrap are upstream's.
 """
@@ -232,6 +234,18 @@ class _Worker:
         final = self.h.outputs.final(self.reqs[room].rid)
         return None if final is None or final.reason is None else final.reason.get("message")
 
+    def peers(self) -> dict:
+        """Sizes of the kv manager's per-peer tables (see peer_liveness.peer_tables)."""
+        from sglang.srt.disaggregation.peer_liveness import peer_tables
+
+        return peer_tables(self.h.kv_manager)
+
+    def peer_counts(self) -> dict:
+        """(kind, role, peer) -> peer losses/recoveries counted in this process."""
+        from sglang.srt.disaggregation.peer_liveness import COUNTS
+
+        return {"/".join(k): v for k, v in COUNTS.items()}
+
     def break_transfer_engine_once(self) -> None:
         """The next mooncake batch transfer raises in the transfer worker's thread (as
         an unexpected error in a send path does), killing upstream's worker loop."""
@@ -324,6 +338,12 @@ class Side:
         self.conn.send((name, args, kwargs))
         return self._reply(timeout)
 
+    def kill(self, timeout: float = 10.0) -> None:
+        """SIGKILL the child (a crash: no teardown, sockets closed by the kernel)."""
+        self.proc.kill()
+        self.proc.join(timeout)
+        self.conn.close()
+
     def close(self, timeout: float = 10.0) -> None:
         if self.proc.is_alive():
             try:
@@ -350,6 +370,7 @@ class MooncakePair:
     ):
         self.bootstrap_port = _free_port()
         self._rooms = iter(range(5000, 1 << 30))
+        self._sizes, self._env = sizes, {"prefill": prefill_env, "decode": decode_env}
         self.prefill = Side("prefill", self.bootstrap_port, sizes, prefill_env)
         self.decode = Side("decode", self.bootstrap_port, sizes, decode_env)
         try:
@@ -358,6 +379,15 @@ class MooncakePair:
         except BaseException:
             self.close()
             raise
+
+    def restart(self, role: str, timeout: float = 120.0) -> Side:
+        """SIGKILL one side and start a new process for it (the prefill on the same
+        bootstrap port): a crashed peer coming back with new buffers and session."""
+        getattr(self, role).kill()
+        side = Side(role, self.bootstrap_port, self._sizes, self._env[role])
+        setattr(self, role, side)
+        side.ready(timeout)
+        return side
 
     def new_room(self) -> int:
         return next(self._rooms)

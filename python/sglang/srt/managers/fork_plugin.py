@@ -193,6 +193,53 @@ HOOKS: list[tuple[str, str, HookType]] = [
         "sglang.srt.disaggregation.abort_retirement:after_prefill_add",
         HookType.AFTER,
     ),
+    # peer_liveness: a crashed peer is noticed at once, its requests end (502), and a
+    # restarted peer is accepted without restarting this side.
+    (
+        "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager",
+        "sglang.srt.disaggregation.peer_liveness:on_prefill_manager_init",
+        HookType.AFTER,
+    ),
+    (
+        "sglang.srt.disaggregation.decode.DecodePreallocQueue._init_kv_manager",
+        "sglang.srt.disaggregation.peer_liveness:on_decode_manager_init",
+        HookType.AFTER,
+    ),
+    (
+        "sglang.srt.disaggregation.common.conn.CommonKVManager._handle_node_failure",
+        "sglang.srt.disaggregation.peer_liveness:around_handle_node_failure",
+        HookType.AROUND,
+    ),
+    (
+        "sglang.srt.disaggregation.common.conn.CommonKVManager.record_failure",
+        "sglang.srt.disaggregation.peer_liveness:around_record_failure",
+        HookType.AROUND,
+    ),
+    (
+        "sglang.srt.disaggregation.common.conn.CommonKVManager._send_multipart_locked",
+        "sglang.srt.disaggregation.peer_liveness:around_send_multipart_locked",
+        HookType.AROUND,
+    ),
+    (
+        "sglang.srt.disaggregation.common.conn.CommonKVManager.try_ensure_parallel_info",
+        "sglang.srt.disaggregation.peer_liveness:after_try_ensure_parallel_info",
+        HookType.AFTER,
+    ),
+    (
+        "sglang.srt.disaggregation.common.conn.CommonKVManager.conclude_transfer",
+        "sglang.srt.disaggregation.peer_liveness:around_conclude_transfer",
+        HookType.AROUND,
+    ),
+    (
+        "sglang.srt.disaggregation.common.conn.CommonKVReceiver.ensure_abort_notified",
+        "sglang.srt.disaggregation.peer_liveness:after_ensure_abort_notified",
+        HookType.AFTER,
+    ),
+    (
+        "sglang.srt.disaggregation.utils.prepare_abort",
+        "sglang.srt.disaggregation.peer_liveness:around_prepare_abort",
+        HookType.AROUND,
+    ),
 ]
 
 

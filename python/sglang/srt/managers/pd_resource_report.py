@@ -4,7 +4,7 @@ An AFTER hook on upstream's `SchedulerInternalStateController.get_internal_state
 (GET /server_info or /get_server_info -> internal_states[i]) adds: KV tokens (free,
 total, cached-evictable, protected, held by requests), request slots, PD
 metadata-buffer slots, PD queue lengths per role, per-room table sizes of the transfer
-kv_manager, and `hooks_applied`. Tests compare it with an idle baseline; read-only.
+kv_manager, its per-peer table sizes (`peers`, see peer_liveness), and `hooks_applied`. Tests compare it with an idle baseline; read-only.
 """
 
 from __future__ import annotations
@@ -102,6 +102,7 @@ def _room_tables(kv_manager) -> Dict[str, int]:
 
 def build_report(scheduler) -> Dict[str, Any]:
     from sglang.srt.managers import pd_pause
+    from sglang.srt.disaggregation.peer_liveness import peer_tables
     from sglang.srt.managers.fork_plugin import hooks_applied
 
     mode = scheduler.disaggregation_mode
@@ -117,6 +118,7 @@ def build_report(scheduler) -> Dict[str, Any]:
         "transfer_rooms": None if kv_manager is None else _room_tables(kv_manager),
         "hooks_applied": hooks_applied(),
         "pause": pd_pause.report(scheduler),
+        "peers": None if kv_manager is None else peer_tables(kv_manager),
         "te_registration": (
             None if kv_manager is None else pd_pause.registration_report(kv_manager)
         ),

@@ -1,0 +1,545 @@
+"""A crashed PD peer is noticed at once, its requests end, and its restart is served.
+
+Invariant: each side watches the peers it has state for -- prefill the decode sessions
+that registered with it (`decode_kv_args_table`), decode the prefill bootstrap servers
+it fetched (`prefill_info_table`) -- with one TCP connect per peer per heartbeat
+interval. A refused connection (nobody listens: the process is gone), a session the
+transfer worker blacklisted after a failed write and a failed probe, or
+`SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE` unanswered connects in a row declare the
+peer lost: every room bound to it is tagged `peer_failure` and moved to
+`KVPoll.Failed` with a reason naming the peer (HTTP 502 to the client), and everything
+cached about that incarnation (registration, session blacklist entries, sockets,
+connection info) is dropped, so a restarted peer -- new session, new buffers -- is
+taken as new. Upstream's Failed paths of the queues release what the rooms held.
+One log line and one count per loss and per recovery (`sglang:num_pd_peer_losses_total`,
+`sglang:num_pd_peer_recoveries_total`, labels role and peer).
+
+Who calls: `fork_plugin` hooks start a `PeerMonitor` after each PD queue builds its kv
+manager (mooncake only), wrap decode's `_handle_node_failure` (upstream's heartbeat
+and ours end up there), `try_ensure_parallel_info` (a prefill seen again),
+`record_failure` (a peer-loss reason is kept), `conclude_transfer` (failed writes to a
+dead decode), `_send_multipart_locked` (no push to a lost decode: it would block 30 s)
+and the receiver's `ensure_abort_notified` (a lost prefill's drain is acked), and map
+the reason to 502 in `prepare_abort`. What cannot be observed (a room whose peer never
+handshook) is left to the transfer deadline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import threading
+from collections import Counter, OrderedDict
+from http import HTTPStatus
+from typing import Any, Dict, List, Optional, Tuple
+
+from sglang.srt.disaggregation.base import KVPoll
+from sglang.srt.disaggregation.request_end_cause import PEER_FAILURE, tag
+from sglang.srt.environ import envs
+
+logger = logging.getLogger(__name__)
+
+# Opens every failure reason this module records; `prepare_abort` maps it to 502.
+TAG = "PD peer lost"
+# How upstream's decode heartbeat words the loss of a prefill (common/conn.py).
+UPSTREAM_PREFILL_LOST = "Lost connection with prefill instance"
+# How upstream's transfer worker fails a room whose decode session is blacklisted
+# (mooncake/conn.py); reworded by `around_conclude_transfer`.
+UPSTREAM_SESSION_DEAD = "Decode instance could be dead, remote mooncake session"
+# Opens the transfer worker's reasons for a failed write (and the one above).
+WRITE_FAILED = ("Failed to send", UPSTREAM_SESSION_DEAD)
+
+LOSSES = "sglang:num_pd_peer_losses_total"
+RECOVERIES = "sglang:num_pd_peer_recoveries_total"
+
+ALIVE, REFUSED, SILENT = "alive", "refused", "silent"
+CONNECT_TIMEOUT = 1.0
+MAX_GONE = 256
+
+# (kind "loss"/"recovery", role, peer) -> count in this process (also in Prometheus).
+COUNTS: Counter = Counter()
+_prom: Dict[str, Any] = {}
+_MONITOR = "fork_peer_monitor"
+
+
+# ----------------------------------------------------------------------------- pure
+
+
+def probe(host: str, port: int, timeout: float = CONNECT_TIMEOUT) -> str:
+    """ALIVE if something accepts a TCP connection at host:port, REFUSED if the host
+    answers that nothing listens there, SILENT if it does not answer in time."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return ALIVE
+    except ConnectionRefusedError:
+        return REFUSED
+    except OSError:
+        return SILENT
+
+
+def loss_message(role_lost: str, peer: str, why: str) -> str:
+    return f"{TAG}: {role_lost} peer {peer} lost ({why})"
+
+
+def abort_status(error_message: str, status_code):
+    """502 for a request that ended because its peer was lost; else unchanged."""
+    if error_message and (TAG in error_message or UPSTREAM_PREFILL_LOST in error_message):
+        return HTTPStatus.BAD_GATEWAY
+    return status_code
+
+
+def heartbeat_settings() -> Tuple[float, int]:
+    """Upstream's decode heartbeat knobs, with upstream's floors (2 s, 1 miss); prefill
+    uses the same ones, so both directions detect on the same schedule."""
+    interval = envs.SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL.get()
+    max_failures = envs.SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE.get()
+    if not interval > 0 or max_failures < 1:
+        raise ValueError(
+            "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL must be > 0 and "
+            "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE >= 1 "
+            f"(got {interval!r}, {max_failures!r})"
+        )
+    return max(interval, 2.0), max(max_failures, 1)
+
+
+# ----------------------------------------------------------------------------- counting
+
+
+def _count(monitor: "PeerMonitor", kind: str, peer: str) -> None:
+    COUNTS[(kind, monitor.role, peer)] += 1
+    if not monitor.metrics:
+        return
+    name = LOSSES if kind == "loss" else RECOVERIES
+    if name not in _prom:
+        # Created on first use, in the scheduler process: importing prometheus_client
+        # at plugin load would take the process's metrics out of multiprocess mode.
+        from prometheus_client import Counter as PromCounter
+
+        _prom[name] = PromCounter(
+            name=name,
+            documentation=(
+                "PD peers declared lost (their requests failed, their state dropped)"
+                if kind == "loss"
+                else "PD peers seen again after a loss (a restarted incarnation accepted)"
+            ),
+            labelnames=list(monitor.labels) + ["role", "peer"],
+        )
+    _prom[name].labels(**monitor.labels, role=monitor.role, peer=peer).inc(1)
+
+
+# ----------------------------------------------------------------------------- the monitor
+
+
+class PeerMonitor:
+    """Watches one kv manager's peers from a daemon thread (one per scheduler)."""
+
+    def __init__(self, mgr: Any, role: str, labels: Dict[str, str], metrics: bool):
+        self.mgr = mgr
+        self.role = role
+        self.labels = labels
+        self.metrics = metrics
+        self.interval, self.max_failures = heartbeat_settings()
+        self.lock = threading.Lock()
+        self.misses: Dict[str, int] = {}
+        # prefill: session -> (host, port) of each decode registration seen
+        self.known: Dict[str, Tuple[str, int]] = {}
+        # prefill: host -> peers lost there and not seen again; decode: bootstrap addrs
+        self.lost: Dict[str, List[str]] = {}
+        # prefill: sessions and host:port of decode incarnations declared lost, newest
+        # last (bounded): a late failed write to one of them leaves nothing behind
+        self.gone: "OrderedDict[str, None]" = OrderedDict()
+        # prefill: session -> rooms whose failed write left a poison mark (see
+        # chunk_failures._expire_poison_later); dropped when that session is lost
+        self.poisoned: Dict[str, set] = {}
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name=f"ForkPeerMonitor-{role}", daemon=True)
+
+    def start(self) -> "PeerMonitor":
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            if getattr(self.mgr, "_stopped", False):
+                return
+            self.tick()
+
+    def tick(self) -> None:
+        if self.role == "prefill":
+            self._tick_prefill()
+        else:
+            self._tick_decode()
+
+    # -- prefill: decode sessions
+
+    def is_gone(self, names: List[str], text: Optional[str] = None) -> bool:
+        """Whether any of `names` (sessions, host:port) -- or a peer named in `text` --
+        was declared lost."""
+        with self.lock:
+            if any(n in self.gone for n in names):
+                return True
+            return bool(text) and any(f" {peer}" in text for peer in self.gone if ":" in peer)
+
+    def mark_gone(self, names: List[str]) -> None:
+        with self.lock:
+            for name in names:
+                self.gone[name] = None
+                self.gone.move_to_end(name)
+            while len(self.gone) > MAX_GONE:
+                self.gone.popitem(last=False)
+
+    def note_poisoned(self, room: int, sessions: List[str]) -> None:
+        with self.lock:
+            for session in sessions:
+                self.poisoned.setdefault(session, set()).add(room)
+
+    def _prune_poisoned(self) -> None:
+        marks = self.mgr._deferred_ack_poisoned_rooms
+        with self.lock:
+            for session in list(self.poisoned):
+                self.poisoned[session] = {r for r in self.poisoned[session] if r in marks}
+                if not self.poisoned[session]:
+                    del self.poisoned[session]
+
+    def _tick_prefill(self) -> None:
+        mgr = self.mgr
+        self._prune_poisoned()
+        with mgr.session_lock:
+            sessions = {s: (info.endpoint, int(info.dst_port)) for s, info in mgr.decode_kv_args_table.items()}
+            blacklisted = {s for s in sessions if s in mgr.failed_sessions}
+            # a write that was still running when its peer was declared lost fails
+            # later and blacklists the dead session again: drop that entry too
+            for session in [s for s in mgr.failed_sessions if s not in sessions and self.is_gone([s])]:
+                _forget_session(mgr, session)
+        # a status message for a room of a lost decode, sent after the loss (a write
+        # that was still running), re-opens a socket to it: close it again
+        for endpoint in list(getattr(mgr, "_socket_cache", {})):
+            if endpoint.startswith("tcp://") and self.is_gone([endpoint[len("tcp://"):]]):
+                _drop_socket(mgr, endpoint)
+        with self.lock:
+            for session in [s for s in self.known if s not in sessions]:
+                self.known.pop(session, None)  # dropped by someone else
+                self.misses.pop(session, None)
+        for session, (host, port) in sessions.items():
+            self.registered(session, host, port)
+            if session in blacklisted:
+                self.lose_decode(session, "a KV write failed and its transfer session does not answer a probe")
+                continue
+            verdict = probe(host, port)
+            if verdict == ALIVE:
+                self.misses[session] = 0
+            elif verdict == REFUSED:
+                self.lose_decode(session, "connection refused")
+            else:
+                self.misses[session] = self.misses.get(session, 0) + 1
+                if self.misses[session] >= self.max_failures:
+                    self.lose_decode(session, f"no answer to {self.misses[session]} heartbeats")
+
+    def registered(self, session: str, host: str, port: int) -> None:
+        """A decode session registered (bootstrap thread, at once) or is seen in the
+        registration table (monitor pass): start watching it; if a decode was lost on
+        that host, this is its new incarnation."""
+        with self.lock:
+            if session in self.known:
+                return
+            self.known[session] = (host, port)
+            self.gone.pop(f"{host}:{port}", None)  # a new incarnation listens there now
+            waiting = self.lost.get(host)
+            old = waiting.pop(0) if waiting else None
+            if waiting is not None and not waiting:
+                self.lost.pop(host, None)
+        if old is not None:
+            logger.warning(
+                "PD peer recovered: decode peer %s:%s registered (session %s), replacing lost %s",
+                host, port, session, old,
+            )
+            _count(self, "recovery", host)
+
+    def lose_decode(self, session: str, why: str) -> List[int]:
+        """Fail every room bound to the decode `session`, drop what is cached about it."""
+        mgr = self.mgr
+        with self.lock:
+            host, port = self.known.pop(session, (None, None))
+        self.misses.pop(session, None)
+        if host is None:
+            return []
+        peer = f"{host}:{port}"
+        reason = loss_message("decode", peer, f"{why}; mooncake session {session}")
+        # 1. drop the incarnation first: no new chunk is sent to it from here on
+        with mgr.session_lock:
+            mgr.decode_kv_args_table.pop(session, None)
+            _forget_session(mgr, session)
+        _drop_socket(mgr, f"tcp://{peer}")
+        # a poison mark keeps a drain ack from a peer whose pages a write may still
+        # reach; nobody is left to ack or to be written to
+        with self.lock:
+            poisoned = self.poisoned.pop(session, set())
+        for room in poisoned:
+            mgr._deferred_ack_poisoned_rooms.discard(room)
+        # 2. fail its rooms (tag first: the tag must be there when the room is seen Failed)
+        rooms = [room for room, infos in list(mgr.transfer_infos.items()) if session in infos]
+        failed = []
+        for room in rooms:
+            if mgr.request_status.get(room) in (None, KVPoll.Success):
+                continue
+            others = [t for t in mgr._room_notify_targets(room) if t != (host, port)]
+            tag(mgr, room, PEER_FAILURE, peer)
+            mgr.record_failure(room, reason)
+            mgr.update_status(room, KVPoll.Failed)
+            failed.append(room)
+            if others:  # other decode ranks of the room wait for it too
+                mgr.send_kv_status_message(
+                    targets=others, bootstrap_room=room, status=KVPoll.Failed, failure_reason=reason
+                )
+        with self.lock:
+            self.lost.setdefault(host, []).append(peer)
+        self.mark_gone([session, peer])
+        logger.error("%s: %d requests failed, its session state dropped", reason, len(failed))
+        _count(self, "loss", host)
+        return failed
+
+    # -- decode: prefill bootstrap servers
+
+    def _tick_decode(self) -> None:
+        mgr = self.mgr
+        with mgr.connection_lock:
+            addrs = list(mgr.prefill_info_table)
+        for addr in addrs:
+            host, _, port = addr.rpartition(":")
+            if probe(host.strip("[]"), int(port)) == REFUSED:
+                # Upstream's heartbeat needs max_failures misses; a refusal is final.
+                mgr._handle_node_failure(addr)
+                with mgr.session_pool_lock:
+                    mgr.session_pool.pop(addr, None)
+            # a silent server is upstream's heartbeat's to count
+
+    def report(self) -> Dict[str, Any]:
+        with self.lock:
+            lost = sum(len(v) for v in self.lost.values())
+        return {"watched": len(self.known) if self.role == "prefill" else None, "lost_unrecovered": lost}
+
+
+def _forget_session(mgr: Any, session: str) -> None:
+    """Drop a decode session's blacklist and layout entries (caller holds session_lock)."""
+    set.discard(mgr.failed_sessions, session)
+    mgr.session_failures.pop(session, None)
+    getattr(mgr, "failed_session_probes", {}).pop(session, None)
+    getattr(mgr, "state_layout_rejections", {}).pop(session, None)
+    getattr(mgr, "state_strides_validated", set()).discard(session)
+
+
+def _drop_socket(mgr: Any, endpoint: str) -> None:
+    """Close the cached push socket to a lost endpoint (a new incarnation listens on a
+    new port; the old one would only queue messages for nobody)."""
+    lock = getattr(mgr, "_socket_lock", None)
+    if lock is None:
+        return
+    with lock:
+        sock = mgr._socket_cache.pop(endpoint, None)
+        monitor = getattr(mgr, "_monitor_cache", {}).pop(endpoint, None)
+    send_lock = getattr(mgr, "_socket_send_locks", {}).get(endpoint)
+    with send_lock if send_lock is not None else contextlib.nullcontext():
+        if sock is not None:  # not while a sender still uses it
+            sock.close(linger=0)
+    if monitor is not None:
+        monitor.close()
+
+
+def monitor_of(mgr: Any) -> Optional[PeerMonitor]:
+    return getattr(mgr, "__dict__", {}).get(_MONITOR)
+
+
+def peer_tables(mgr: Any) -> Dict[str, int]:
+    """Sizes of the per-peer tables of a kv manager (the resource report shows them:
+    they must not grow with each restart of a peer)."""
+    out = {}
+    for name in (
+        "decode_kv_args_table", "failed_sessions", "session_failures", "failed_session_probes",
+        "state_layout_rejections", "state_strides_validated", "prefill_info_table",
+        "connection_pool", "heartbeat_failures", "session_pool", "_socket_cache",
+    ):
+        table = getattr(mgr, name, None)
+        if table is not None:
+            out[name] = len(table)
+    rooms_by_addr = getattr(mgr, "addr_to_rooms_tracker", None)
+    if rooms_by_addr is not None:
+        out["addr_to_rooms_tracker_addrs"] = len(rooms_by_addr)
+    monitor = monitor_of(mgr)
+    if monitor is not None:
+        out.update({f"monitor_{k}": v for k, v in monitor.report().items() if v is not None})
+    return out
+
+
+# ----------------------------------------------------------------------------- hooks
+
+
+def _start(queue: Any, mgr: Any, role: str) -> None:
+    needed = ("decode_kv_args_table", "session_lock") if role == "prefill" else ("prefill_info_table", "connection_lock")
+    if mgr is None or not all(hasattr(mgr, a) for a in needed) or monitor_of(mgr) is not None:
+        return  # fake transfer backend, or not mooncake
+    scheduler = getattr(queue, "scheduler", None)
+    labels = getattr(getattr(scheduler, "metrics_collector", None), "labels", None)
+    reporter = getattr(scheduler, "metrics_reporter", None)
+    metrics = bool(getattr(reporter, "enable_metrics", False))
+    monitor = PeerMonitor(mgr, role, dict(labels) if isinstance(labels, dict) else {}, metrics)
+    mgr.__dict__[_MONITOR] = monitor
+    if role == "prefill" and hasattr(mgr, "_publish_peer_registration"):
+        # mooncake's bootstrap thread looks the method up per message: a registration
+        # is seen at once (a restarted decode is recognised before its first request)
+        publish = mgr._publish_peer_registration
+
+        def publish_and_watch(session_id, decode_kv_args, *a, **kw):
+            result = publish(session_id, decode_kv_args, *a, **kw)
+            monitor.registered(session_id, decode_kv_args.endpoint, int(decode_kv_args.dst_port))
+            return result
+
+        mgr._publish_peer_registration = publish_and_watch
+    monitor.start()
+
+
+def on_prefill_manager_init(mgr: Any, queue: Any, *args: Any, **kwargs: Any) -> None:
+    """AFTER PrefillBootstrapQueue._init_kv_manager (result: the manager)."""
+    _start(queue, mgr, "prefill")
+    return None
+
+
+def on_decode_manager_init(mgr: Any, queue: Any, *args: Any, **kwargs: Any) -> None:
+    """AFTER DecodePreallocQueue._init_kv_manager (result: the manager)."""
+    _start(queue, mgr, "decode")
+    return None
+
+
+def around_handle_node_failure(original, mgr, failed_bootstrap_addr, *args, **kwargs):
+    """AROUND CommonKVManager._handle_node_failure (decode; upstream's heartbeat and our
+    monitor both call it). Records our reason (naming the peer; `around_record_failure`
+    keeps it over upstream's) and the tag before upstream fails the rooms, and logs and
+    counts the loss once."""
+    monitor = monitor_of(mgr)
+    lock = monitor.lock if monitor is not None else threading.Lock()
+    peer = failed_bootstrap_addr
+    reason = loss_message("prefill", peer, "its bootstrap server does not answer")
+    with lock:
+        known = failed_bootstrap_addr in mgr.prefill_info_table
+        rooms = list(mgr.addr_to_rooms_tracker.get(failed_bootstrap_addr, ()))
+        failed = 0
+        for room in rooms:
+            if room in mgr.request_status and mgr.check_status(room) != KVPoll.Success:
+                tag(mgr, room, PEER_FAILURE, peer)
+                mgr.record_failure(room, reason)
+                failed += 1
+        result = original(mgr, failed_bootstrap_addr, *args, **kwargs)
+        if known and monitor is not None:
+            monitor.lost[failed_bootstrap_addr] = [peer]
+    if known and monitor is not None:
+        logger.error("%s: %d requests failed, its connection info dropped", reason, failed)
+        _count(monitor, "loss", peer)
+    return result
+
+
+def around_record_failure(original, mgr, bootstrap_room, failure_reason, *args, **kwargs):
+    """AROUND CommonKVManager.record_failure: a room failed because its peer was lost
+    keeps that reason (the root cause) over a later, vaguer one."""
+    current = mgr.failure_records.get(bootstrap_room)
+    if current and current.startswith(TAG) and not (failure_reason or "").startswith(TAG):
+        return None
+    return original(mgr, bootstrap_room, failure_reason, *args, **kwargs)
+
+
+def after_try_ensure_parallel_info(result, mgr, bootstrap_addr, *args, **kwargs):
+    """AFTER CommonKVManager.try_ensure_parallel_info: a prefill lost before whose info
+    was fetched again is back (log and count the recovery once)."""
+    monitor = monitor_of(mgr)
+    if result and monitor is not None and bootstrap_addr in monitor.lost:
+        with monitor.lock:
+            back = monitor.lost.pop(bootstrap_addr, None) is not None
+        if back:
+            logger.warning("PD peer recovered: prefill peer %s answers again; its new info fetched", bootstrap_addr)
+            _count(monitor, "recovery", bootstrap_addr)
+    return result
+
+
+def around_conclude_transfer(original, mgr, *args, bootstrap_room=None, status=None, failure_reason=None, **kwargs):
+    """AROUND CommonKVManager.conclude_transfer (prefill; `conclude_failure` and the
+    transfer worker's failed writes end here). Remembers which decode session a
+    poisoned room was bound to (the mark is dropped when that peer is lost), and
+    rewords upstream's failure of a room bound to a blacklisted (dead) decode session,
+    which names only the session: it names the decode peer as the loss does."""
+    if status == KVPoll.Failed:
+        infos = mgr.transfer_infos.get(bootstrap_room) or {}
+        monitor = monitor_of(mgr)
+        if monitor is not None and failure_reason and failure_reason.startswith(WRITE_FAILED):
+            # a failed write: if nothing listens at the peer any more, it is gone --
+            # known before the status below is pushed at it (which would block)
+            for session, info in list(infos.items()):
+                peer = f"{info.endpoint}:{info.dst_port}"
+                if not monitor.is_gone([peer]) and probe(info.endpoint, int(info.dst_port), 0.5) == REFUSED:
+                    monitor.mark_gone([session, peer])
+        if monitor is not None and bootstrap_room in getattr(mgr, "_deferred_ack_poisoned_rooms", ()):
+            peers = [f"{i.endpoint}:{i.dst_port}" for i in list(infos.values())]
+            peers += [f"{host}:{port}" for host, port in (kwargs.get("targets") or ())]
+            if monitor.is_gone(list(infos) + peers, failure_reason):
+                # a write to a peer already declared lost: nobody to ack or protect
+                mgr._deferred_ack_poisoned_rooms.discard(bootstrap_room)
+            else:
+                monitor.note_poisoned(bootstrap_room, list(infos))
+        if failure_reason and failure_reason.startswith(UPSTREAM_SESSION_DEAD):
+            dead = [(s, i) for s, i in list(infos.items()) if s in getattr(mgr, "failed_sessions", ())]
+            if dead:
+                session, info = dead[0]
+                peer = f"{info.endpoint}:{info.dst_port}"
+                tag(mgr, bootstrap_room, PEER_FAILURE, peer)
+                failure_reason = loss_message(
+                    "decode", peer, f"a KV write failed and its transfer session {session} does not answer a probe"
+                )
+    return original(
+        mgr, *args, bootstrap_room=bootstrap_room, status=status, failure_reason=failure_reason, **kwargs
+    )
+
+
+def after_ensure_abort_notified(result, receiver, *args, **kwargs):
+    """AFTER CommonKVReceiver.ensure_abort_notified (decode). A failed room arms the
+    deferred release and waits for prefill's drain ack (up to
+    SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT, 30 s) before its pages
+    are freed. A lost prefill will never ack, and no write of it can still come: ack
+    on its behalf, so the pages are freed as promptly as prefill frees its own."""
+    mgr = receiver.kv_mgr
+    monitor = monitor_of(mgr)
+    if monitor is None or monitor.role != "decode":
+        return result
+    addr = getattr(receiver, "bootstrap_addr", None)
+    generation = getattr(receiver, "_abort_generation", None)
+    room = receiver.bootstrap_room
+    if addr in monitor.lost and generation is not None and room in mgr._deferred_abort_ack_tracker:
+        for i, _ in enumerate(receiver.bootstrap_infos or ()):
+            mgr.note_abort_ack(room, -1 - i, generation)  # ranks no live prefill uses
+        logger.debug("Room %s: prefill peer %s is lost; its drain acked on its behalf", room, addr)
+    return result
+
+
+def around_send_multipart_locked(original, mgr, endpoint, parts, *args, **kwargs):
+    """AROUND CommonKVManager._send_multipart_locked (prefill's pushes to decode). A
+    push to a lost decode blocks for the socket's send timeout (30 s: with reconnects
+    off, a refused connection leaves the socket no pipe), and some senders hold
+    `session_lock` meanwhile (upstream's failed-session path), which stalls the
+    bootstrap thread -- the one that would register the restarted decode. Nobody
+    listens there: drop the message."""
+    monitor = monitor_of(mgr)
+    if (
+        monitor is not None
+        and monitor.role == "prefill"
+        and isinstance(endpoint, str)
+        and endpoint.startswith("tcp://")
+        and monitor.is_gone([endpoint[len("tcp://"):]])
+    ):
+        logger.debug("Not sending to %s: that decode peer was lost", endpoint)
+        return None
+    return original(mgr, endpoint, parts, *args, **kwargs)
+
+
+def around_prepare_abort(original, req, error_message, status_code=None, *args, **kwargs):
+    """AROUND disaggregation.utils.prepare_abort: 502 for a lost peer."""
+    return original(req, error_message, abort_status(error_message, status_code), *args, **kwargs)

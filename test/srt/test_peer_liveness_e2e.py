@@ -1,0 +1,308 @@
+"""Peer crash and restart end to end: real 1P1D servers (mooncake over TCP), one
+deployment for the module. A SIGKILLed peer is noticed by the survivor (a refused
+connection / failed write, heartbeat 2 s), every request bound to it ends with 502
+naming it, the survivor gives everything back, and the peer restarted on the same
+ports is served again with outputs identical to a control run -- without touching the
+survivor. Then the same peer is killed and restarted under traffic, over and over.
+
+The tests play the load balancer for the in-flight requests (same bootstrap room to
+both legs), so each leg's answer is visible; the control and recovery runs go through
+the mini load balancer.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+
+import pytest
+
+from conftest import assert_idle, held
+from testing.pd_cluster import (
+    HOST,
+    PDCluster,
+    generate,
+    http_post_json,
+    metric_sum,
+    prompts,
+    wait_until,
+)
+
+pytestmark = pytest.mark.e2e
+
+HEARTBEAT = 2.0  # upstream's floor
+DEADLINE = 15.0  # the fallback for what cannot be observed; well above detection
+ENV = {
+    "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": str(HEARTBEAT),
+    "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": "2",
+    "SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT": str(DEADLINE),
+}
+# detection (one heartbeat) + a scheduler tick, generously: a busy 2-core machine
+DETECT_BOUND = HEARTBEAT + 6.0
+N_INFLIGHT = 16
+N_AFTER = 20
+LOSSES = "sglang:num_pd_peer_losses_total"
+RECOVERIES = "sglang:num_pd_peer_recoveries_total"
+PD_ROLES = ("prefill", "decode")
+
+
+# Entries upstream's decode heartbeat adds per prefill on its own schedule (0 or 1 each
+# between two beats): bounded by the prefills known, compared as such.
+HEARTBEAT_TABLES = ("heartbeat_failures", "session_pool")
+
+
+def _stable(peers: dict) -> dict:
+    out = {k: v for k, v in peers.items() if k not in HEARTBEAT_TABLES}
+    for k in HEARTBEAT_TABLES:
+        if k in peers:
+            out[k + "<=prefills"] = peers[k] <= peers.get("prefill_info_table", 0)
+    return out
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model):
+    c = PDCluster(str(tiny_model), prefill_env=ENV, decode_env=ENV)
+    c.start()
+    try:
+        yield c
+    finally:
+        for role in PD_ROLES:
+            if c[role].is_alive():
+                c[role].resume()
+        c.teardown()
+
+
+@pytest.fixture(scope="module")
+def control(cluster):
+    """The 20 recovery prompts answered by the healthy deployment (greedy)."""
+    results = [generate(cluster.url, p, max_new_tokens=8) for p in prompts(N_AFTER)]
+    assert [r["status"] for r in results] == [200] * N_AFTER, [r["error"] for r in results]
+    return [r["output_ids"] for r in results]
+
+
+def _body(text: str, room: int, cluster) -> dict:
+    return {
+        "text": text,
+        "sampling_params": {"temperature": 0.0, "max_new_tokens": 8},
+        "bootstrap_host": HOST,
+        "bootstrap_port": cluster.bootstrap_port,
+        "bootstrap_room": room,
+    }
+
+
+class Leg(threading.Thread):
+    def __init__(self, url: str, payload: dict):
+        super().__init__(daemon=True)
+        self.url, self.payload = url, payload
+        self.status = self.body = self.ended_at = None
+
+    def run(self):
+        try:
+            self.status, self.body = http_post_json(self.url + "/generate", self.payload, timeout=120)
+        except Exception as e:  # the peer it talks to was killed: connection reset
+            self.status, self.body = None, repr(e)
+        self.ended_at = time.monotonic()
+
+
+def _start_legs(url: str, payloads) -> list:
+    legs = [Leg(url, p) for p in payloads]
+    for leg in legs:
+        leg.start()
+    return legs
+
+
+def _peers(server) -> dict:
+    return server.resources()["peers"]
+
+
+def _count(server, name: str) -> float:
+    return metric_sum(server.metrics(), name)
+
+
+def _assert_named_5xx(legs, lost_role: str, t_kill: float) -> None:
+    lost = [leg for leg in legs if leg.status == 502]
+    assert lost, [(leg.status, leg.body) for leg in legs]
+    marker = f"{lost_role} peer 127.0.0.1:"
+    detail = json.dumps(lost[0].body)
+    assert marker in detail, detail
+    peer = detail[detail.index(marker) + len(marker) - len("127.0.0.1:"):].split(" ")[0]
+    for leg in legs:
+        detail = json.dumps(leg.body)
+        if leg.status == 502:
+            assert f"PD peer lost: {lost_role} peer {peer} lost" in detail, detail
+        else:
+            assert leg.status == 500 and f"Failed to send kv chunk" in detail and f"to {peer}" in detail, (leg.status, detail)
+        assert leg.ended_at - t_kill <= DETECT_BOUND, leg.ended_at - t_kill
+
+
+def _recover(cluster, control, survivor: str, baseline: dict, peers_before: dict) -> None:
+    """20 requests through the load balancer: all 200, outputs equal the control run;
+    then both sides idle and the survivor's per-peer tables as before the crash."""
+    results = [generate(cluster.url, p, max_new_tokens=8) for p in prompts(N_AFTER)]
+    assert [r["status"] for r in results] == [200] * N_AFTER, [r["error"] for r in results if r["status"] != 200]
+    assert [r["output_ids"] for r in results] == control
+    assert_idle(cluster, PD_ROLES, baseline)
+    # per-peer tables as before the crash (upstream's heartbeat refills its entries
+    # for a prefill within one interval)
+    wait_until(lambda: _stable(_peers(cluster[survivor])) == _stable(peers_before), HEARTBEAT + 10,
+               "per-peer tables as before", on_timeout=lambda: f"{_peers(cluster[survivor])} != {peers_before}")
+
+
+def test_decode_killed_in_flight_then_restarted(cluster, control):
+    baseline = assert_idle(cluster, PD_ROLES)
+    prefill, decode = cluster["prefill"], cluster["decode"]
+    peers_before = _peers(prefill)
+    assert peers_before["decode_kv_args_table"] == 1, peers_before
+    losses, recoveries = _count(prefill, LOSSES), _count(prefill, RECOVERIES)
+
+    rooms = random.sample(range(1, 2**62), N_INFLIGHT)
+    texts = [f"in flight {i}: " + "the quick brown fox " * 20 for i in range(N_INFLIGHT)]
+    # decode legs first: decode hands prefill its pages; then freeze it, so prefill
+    # holds every request (KV computed, transfer started) when decode dies
+    decode_legs = _start_legs(decode.url, [_body(t, r, cluster) for t, r in zip(texts, rooms)])
+    wait_until(lambda: decode.resources()["queues"]["decode_transfer"] == N_INFLIGHT, 60, "decode handshakes")
+    decode.freeze()
+    prefill_legs = _start_legs(prefill.url, [_body(t, r, cluster) for t, r in zip(texts, rooms)])
+    wait_until(
+        lambda: held(prefill.resources())["queue.prefill_inflight"] == N_INFLIGHT, 60,
+        "prefill to hold all 16 requests in flight",
+    )
+    t_kill = time.monotonic()
+    decode.kill()
+
+    for leg in prefill_legs + decode_legs:
+        leg.join(DEADLINE + 30)
+    assert not [leg for leg in prefill_legs + decode_legs if leg.is_alive()], "a request hangs"
+    # every prefill leg ends within detection + a tick, with a 5xx naming the lost
+    # decode: 502 "decode peer ... lost", or 500 for a request whose own write was the
+    # one that failed (before the loss was known)
+    _assert_named_5xx(prefill_legs, "decode", t_kill)
+    # prefill gave everything back and forgot the dead incarnation, decode still down
+    assert_idle(cluster, ("prefill",), baseline, timeout=10)
+    def forgotten():
+        p = _peers(prefill)
+        return p["decode_kv_args_table"] == 0 and p["failed_sessions"] == 0 and p["session_failures"] == 0
+
+    wait_until(forgotten, DETECT_BOUND, "prefill to forget the dead decode session", on_timeout=lambda: str(_peers(prefill)))
+    assert _count(prefill, LOSSES) == losses + 1
+    assert "decode peer 127.0.0.1:" in prefill.tail(400) and "PD peer lost" in prefill.tail(400)
+
+    decode.start()
+    decode.wait_healthy()
+    _recover(cluster, control, "prefill", baseline, peers_before)
+    assert _count(prefill, RECOVERIES) == recoveries + 1
+    assert _count(prefill, LOSSES) == losses + 1
+
+
+def test_prefill_killed_in_flight_then_restarted(cluster, control):
+    baseline = assert_idle(cluster, PD_ROLES)
+    prefill, decode = cluster["prefill"], cluster["decode"]
+    peers_before = _peers(decode)
+    assert peers_before["prefill_info_table"] == 1, peers_before
+    losses, recoveries = _count(decode, LOSSES), _count(decode, RECOVERIES)
+
+    # decode legs only: decode preallocates, tells prefill, and waits for the KV
+    rooms = random.sample(range(1, 2**62), N_INFLIGHT)
+    texts = [f"waiting {i}: hello world" for i in range(N_INFLIGHT)]
+    decode_legs = _start_legs(decode.url, [_body(t, r, cluster) for t, r in zip(texts, rooms)])
+    wait_until(lambda: decode.resources()["queues"]["decode_transfer"] == N_INFLIGHT, 60, "decode handshakes")
+    t_kill = time.monotonic()
+    prefill.kill()
+
+    for leg in decode_legs:
+        leg.join(DEADLINE + 30)
+    assert not [leg for leg in decode_legs if leg.is_alive()], "a request hangs"
+    addr = f"127.0.0.1:{cluster.bootstrap_port}"
+    assert [leg.status for leg in decode_legs] == [502] * N_INFLIGHT, [leg.body for leg in decode_legs]
+    _assert_named_5xx(decode_legs, "prefill", t_kill)
+    assert f"prefill peer {addr} lost" in json.dumps(decode_legs[0].body)
+    assert_idle(cluster, ("decode",), baseline, timeout=10)
+    assert _peers(decode)["prefill_info_table"] == 0
+    assert _peers(decode)["connection_pool"] == 0
+    assert _count(decode, LOSSES) == losses + 1
+    assert f"prefill peer {addr} lost" in decode.tail(400)
+
+    prefill.start()
+    prefill.wait_healthy()
+    _recover(cluster, control, "decode", baseline, peers_before)
+    assert _count(decode, RECOVERIES) == recoveries + 1
+    assert _count(decode, LOSSES) == losses + 1
+
+
+class Traffic(threading.Thread):
+    """Requests through the load balancer, 2 at a time, until stopped."""
+
+    def __init__(self, url: str):
+        super().__init__(daemon=True)
+        self.url = url
+        self.results: list = []
+        self._halt = threading.Event()
+
+    def run(self):
+        texts = prompts(8)
+        lock = threading.Lock()
+
+        def worker(k):
+            i = k
+            while not self._halt.is_set():
+                r = generate(self.url, texts[i % len(texts)], max_new_tokens=8, timeout=DEADLINE + 60)
+                with lock:
+                    self.results.append(r)
+                i += 2
+                if r["status"] != 200:
+                    # pacing, not synchronisation: while decode is down the balancer
+                    # fails at once, and each failure leaves a prefill leg waiting
+                    self._halt.wait(0.5)
+
+        workers = [threading.Thread(target=worker, args=(k,), daemon=True) for k in range(2)]
+        for w in workers:
+            w.start()
+        self._halt.wait()
+        for w in workers:
+            w.join(DEADLINE + 90)
+        self.hung = [w for w in workers if w.is_alive()]
+
+    def stop(self):
+        self._halt.set()
+        self.join(DEADLINE + 120)
+
+
+KILLS = 5
+
+
+def test_decode_killed_and_restarted_repeatedly_under_traffic(cluster, control):
+    baseline = assert_idle(cluster, PD_ROLES)
+    prefill, decode = cluster["prefill"], cluster["decode"]
+    peers_before = _peers(prefill)
+    losses, recoveries = _count(prefill, LOSSES), _count(prefill, RECOVERIES)
+    traffic = Traffic(cluster.url)
+    traffic.start()
+    try:
+        for k in range(KILLS):
+            served = len(traffic.results)
+            wait_until(lambda: len(traffic.results) >= served + 2, 60, f"traffic before kill {k}")
+            decode.kill()
+            decode.start()
+            decode.wait_healthy()
+            served = len(traffic.results)
+            wait_until(
+                lambda: any(r["status"] == 200 for r in traffic.results[served:]), 90,
+                f"a request served after restart {k}",
+            )
+    finally:
+        traffic.stop()
+    assert not traffic.is_alive() and not traffic.hung, "a request hangs"
+    statuses = [r["status"] for r in traffic.results]
+    # every request ended: a completion, or an error (the load balancer's, while
+    # decode was down); none took longer than the deadline fallback allows
+    assert all(s is not None for s in statuses), statuses
+    assert max(r["latency"] for r in traffic.results) <= DEADLINE + 15, sorted(r["latency"] for r in traffic.results)[-5:]
+    ok = [r for r in traffic.results if r["status"] == 200]
+    assert len(ok) >= 2 * KILLS
+    # nothing accumulated on the survivor: rooms, KV, sessions, sockets
+    assert_idle(cluster, PD_ROLES, baseline, timeout=DEADLINE + 30)
+    assert _count(prefill, LOSSES) == losses + KILLS
+    assert _count(prefill, RECOVERIES) == recoveries + KILLS
+    _recover(cluster, control, "prefill", baseline, peers_before)

@@ -1,0 +1,44 @@
+"""peer_liveness's pure parts: the TCP probe's verdicts, the 502 mapping, and the
+heartbeat knobs' validation (a bad value stops the kv manager, i.e. the server, at
+start-up)."""
+
+import socket
+from http import HTTPStatus
+
+import pytest
+
+from sglang.srt.disaggregation import peer_liveness as pl
+
+
+def test_probe_tells_alive_from_refused():
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        port = listener.getsockname()[1]
+        assert pl.probe("127.0.0.1", port) == pl.ALIVE
+    # nothing listens there any more: the kernel refuses at once
+    assert pl.probe("127.0.0.1", port) == pl.REFUSED
+
+
+def test_peer_loss_answers_502_and_nothing_else_changes():
+    ours = pl.loss_message("decode", "127.0.0.1:4000", "connection refused")
+    assert ours.startswith("PD peer lost: decode peer 127.0.0.1:4000 lost (")
+    assert pl.abort_status(f"Prefill transfer failed ...: {ours}", HTTPStatus.INTERNAL_SERVER_ERROR) == HTTPStatus.BAD_GATEWAY
+    upstream = "Lost connection with prefill instance (bootstrap_addr: 127.0.0.1:8998)"
+    assert pl.abort_status(upstream, HTTPStatus.INTERNAL_SERVER_ERROR) == HTTPStatus.BAD_GATEWAY
+    for other in ("Failed to send kv chunk of 1 to 127.0.0.1:4000", "Aborted by AbortReq.", ""):
+        assert pl.abort_status(other, HTTPStatus.INTERNAL_SERVER_ERROR) == HTTPStatus.INTERNAL_SERVER_ERROR
+
+
+@pytest.mark.parametrize(
+    "interval,failures,expected",
+    [("5", "2", (5.0, 2)), ("0.5", "1", (2.0, 1)), ("-1", "2", ValueError), ("3", "0", ValueError)],
+)
+def test_heartbeat_knobs(monkeypatch, interval, failures, expected):
+    monkeypatch.setenv("SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL", interval)
+    monkeypatch.setenv("SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE", failures)
+    if expected is ValueError:
+        with pytest.raises(ValueError, match="SGLANG_DISAGGREGATION_HEARTBEAT"):
+            pl.heartbeat_settings()
+    else:
+        assert pl.heartbeat_settings() == expected
