@@ -115,6 +115,16 @@ class _Worker:
     def tick(self, n: int = 1) -> None:
         self.h.tick(n)
 
+    def abort(self, room: int) -> None:
+        """A client abort of the room's request (the real Scheduler.abort_request)."""
+        self.h.abort(self.reqs[room].rid)
+
+    def cancelled_rooms(self) -> Optional[int]:
+        """Peer cancellations this side remembers (disaggregation.cancelled_rooms)."""
+        from sglang.srt.disaggregation import cancelled_rooms
+
+        return cancelled_rooms.report(self.h.kv_manager)
+
     def status(self, room: int) -> Optional[int]:
         return self.h.outputs.status_code(self.reqs[room].rid)
 

@@ -155,6 +155,18 @@ HOOKS: list[tuple[str, str, HookType]] = [
         "sglang.srt.disaggregation.chunk_failures:on_decode_transfer_failure",
         HookType.AFTER,
     ),
+    # cancelled_rooms: decode's ABORT for a room prefill has not created yet is kept,
+    # and the room fails at creation instead of waiting out the bootstrap timeout.
+    (
+        "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager",
+        "sglang.srt.disaggregation.cancelled_rooms:on_prefill_manager_init",
+        HookType.AFTER,
+    ),
+    (
+        "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue.create_sender",
+        "sglang.srt.disaggregation.cancelled_rooms:on_prefill_create_sender",
+        HookType.AFTER,
+    ),
 ]
 
 

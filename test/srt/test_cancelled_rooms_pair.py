@@ -1,0 +1,82 @@
+"""Decode ends a request before prefill has created its room (over real mooncake TCP,
+two processes): prefill remembers decode's ABORT and fails the room as soon as it
+creates it, within a second instead of its 300 s bootstrap timeout, naming the decode
+peer; both sides give everything back and keep serving.
+
+This is how a release during a retract pause ends a request whose prefill copy is
+still held at prefill's pause gate (sglang.srt.disaggregation.cancelled_rooms).
+"""
+
+import pytest
+
+from testing.mooncake_pair import MooncakePair
+
+SIZES = dict(kv_tokens=1024, req_slots=8, metadata_slots=8, max_context_len=64)
+ANSWER_S = 5.0  # generous on a loaded machine; without the fix: the bootstrap timeout
+
+
+@pytest.fixture(scope="module")
+def pair():
+    with MooncakePair(**SIZES) as p:
+        p.idle = (p.prefill.call("snapshot"), p.decode.call("snapshot"))
+        # One request first: decode learns prefill's info, as in a serving deployment.
+        room = p.submit(prompt_len=12)
+        p.run_until(lambda: p.decode.call("transferred", room)
+                    and p.prefill.call("status", room) is not None, timeout=60)
+        p.decode.call("finish", room)
+        yield p
+
+
+def _served(pair) -> None:
+    room = pair.submit(prompt_len=16)
+    pair.run_until(lambda: pair.decode.call("transferred", room)
+                   and pair.prefill.call("status", room) is not None, timeout=60)
+    assert pair.prefill.call("status", room) == 200
+    assert pair.decode.call("kv_bytes", room) == pair.prefill.call("kv_sent", room)
+    pair.decode.call("finish", room)
+
+
+def _assert_released(pair, room) -> None:
+    assert pair.prefill.call("room_entries", room) == []
+    assert pair.decode.call("room_entries", room) == []
+    assert (pair.prefill.call("snapshot"), pair.decode.call("snapshot")) == pair.idle
+    assert pair.prefill.call("cancelled_rooms") == 0
+
+
+def test_abort_before_prefill_has_the_room_fails_it_at_creation(pair):
+    failed_before = pair.prefill.call("counter", "increment_bootstrap_failed_reqs")
+    room = pair.new_room()
+    pair.decode.call("add", room, 12, None)
+    pair.decode.call("abort", room)
+    pair.run_until(lambda: pair.decode.call("status", room) is not None, timeout=30)
+    assert pair.decode.call("final_reason", room)["type"] == "abort"
+    # decode's ABORT reaches prefill's manager, which has no such room yet
+    pair.run_until(lambda: pair.prefill.call("cancelled_rooms") == 1, timeout=30)
+
+    pair.prefill.call("add", room, 12, None)  # prefill's copy arrives late
+    took = pair.run_until(lambda: pair.prefill.call("status", room) is not None, timeout=60)
+    assert took < ANSWER_S, took
+    assert pair.prefill.call("status", room) == 500
+    reason = pair.prefill.call("reason", room)
+    assert "Aborted by the decode peer" in reason and f"room {room}" in reason, reason
+    assert pair.prefill.call("counter", "increment_bootstrap_failed_reqs") == failed_before + 1
+    _assert_released(pair, room)
+    _served(pair)
+    _assert_released(pair, room)
+
+
+def test_abort_after_prefill_created_the_room_fails_it_at_once(pair):
+    """The other order (upstream's own path): prefill's room exists, still waiting for
+    decode's handshake, when decode's ABORT arrives."""
+    room = pair.new_room()
+    pair.prefill.call("add", room, 12, None)
+    pair.prefill.call("tick")
+    pair.decode.call("add", room, 12, None)
+    pair.decode.call("abort", room)
+    took = pair.run_until(lambda: pair.prefill.call("status", room) is not None
+                          and pair.decode.call("status", room) is not None, timeout=60)
+    assert took < ANSWER_S, took
+    assert pair.prefill.call("status", room) >= 500
+    assert pair.decode.call("final_reason", room)["type"] == "abort"
+    _assert_released(pair, room)
+    _served(pair)
