@@ -518,6 +518,7 @@ class SchedulerStandIn(SchedulerDisaggregationPrefillMixin, SchedulerDisaggregat
     collect_inflight_reqs = _borrowed("collect_inflight_reqs")
     _collect_inflight_batches = _borrowed("_collect_inflight_batches")
     send_abort_output = _borrowed("send_abort_output")
+    process_pending_chunked_abort = _borrowed("process_pending_chunked_abort")
 
     # features that are off
     enable_overlap = False
@@ -531,7 +532,9 @@ class SchedulerStandIn(SchedulerDisaggregationPrefillMixin, SchedulerDisaggregat
     rust_server = None
     pp_group = None
     chunked_req = None
+    _pending_chunked_abort_req = None
     last_batch = None
+    _engine_paused = False  # set True to stand for a paused event loop
     kv_checksum_computer = None
     sliding_window_size = None
     scheduler_stage_metrics = None

@@ -97,6 +97,7 @@ def _room_tables(kv_manager) -> Dict[str, int]:
 
 
 def build_report(scheduler) -> Dict[str, Any]:
+    from sglang.srt.disaggregation import cancelled_rooms, queue_memory
     from sglang.srt.managers import pd_pause
     from sglang.srt.managers.fork_plugin import hooks_applied
 
@@ -114,8 +115,10 @@ def build_report(scheduler) -> Dict[str, Any]:
         "hooks_applied": hooks_applied(),
         "pause": pd_pause.report(scheduler),
         "te_registration": (
-            None if kv_manager is None else pd_pause.registration_report(kv_manager)
+            None if kv_manager is None else queue_memory.registration_report(kv_manager)
         ),
+        # Peer cancellations kept for rooms not created yet (bounded; held by no request).
+        "cancelled_rooms": None if kv_manager is None else cancelled_rooms.report(kv_manager),
     }
 
 
