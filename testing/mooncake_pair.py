@@ -180,18 +180,26 @@ class _Worker:
     def snapshot(self) -> dict:
         return self.h.snapshot().held()
 
-    def move_kv_buffers(self) -> dict:
+    def move_kv_buffers(self, poison_old: bool = False) -> dict:
         """Release this side's PD queue (deregisters its buffers from the transfer
-        engine), move the KV buffers to new memory, resume (re-registers). Returns the
-        kv_args pointers before and after; the old buffers are kept alive and watched."""
+        engine), drop the KV cache as a release does, move the KV buffers to new
+        memory, resume (re-registers). Returns the kv_args pointers before and after;
+        the old buffers are kept alive and watched, or (`poison_old`) filled with a
+        constant, as memory reused by someone else would be, so a read from them shows."""
         import torch
 
         h = self.h
         with h.active():
             before = list(h.kv_manager.kv_args.kv_data_ptrs)
             h.queue.release_memory_occupation()
+            # upstream's release flushes the cache (idle): the KV content is gone
+            h.tree_cache.reset()
+            h.allocator.clear()
             pool = h.kv_pool
             self._old_kv = pool.k_buffer + pool.v_buffer
+            if poison_old:
+                for t in self._old_kv:
+                    t.fill_(0.5)
             self._old_kv_copy = [t.clone() for t in self._old_kv]
             pool.k_buffer = [torch.zeros_like(t) for t in pool.k_buffer]
             pool.v_buffer = [torch.zeros_like(t) for t in pool.v_buffer]
