@@ -113,11 +113,23 @@ class _Worker:
         return req.rid
 
     def tick(self, n: int = 1) -> None:
+        if getattr(self.h.scheduler, "_engine_paused", False):
+            # what a paused event loop runs instead of scheduling (the fork's hook)
+            from sglang.srt.managers import pd_pause
+
+            with self.h.active():
+                pd_pause.paused_loop_tick(None, self.h.scheduler)
+            return
         self.h.tick(n)
 
     def abort(self, room: int) -> None:
         """A client abort of the room's request (the real Scheduler.abort_request)."""
         self.h.abort(self.reqs[room].rid)
+
+    def set_paused(self, paused: bool) -> None:
+        """Stand for a paused (or running again) event loop: while paused `tick` runs
+        only what a paused loop runs; aborts take the fork's abort-while-paused path."""
+        self.h.scheduler._engine_paused = paused
 
     def cancelled_rooms(self) -> Optional[int]:
         """Peer cancellations this side remembers (disaggregation.cancelled_rooms)."""

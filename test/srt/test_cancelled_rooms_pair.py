@@ -80,3 +80,29 @@ def test_abort_after_prefill_created_the_room_fails_it_at_once(pair):
     assert pair.decode.call("final_reason", room)["type"] == "abort"
     _assert_released(pair, room)
     _served(pair)
+
+
+def test_abort_while_prefill_paused_then_late_handshake(pair):
+    """Prefill, paused, answers an abort of a room still waiting for decode's
+    handshake; decode's handshake arrives after that (prefill was paused, decode was
+    not): it must not re-create the room on prefill, and decode hears Failed."""
+    room = pair.new_room()
+    pair.prefill.call("add", room, 12, None)
+    pair.prefill.call("tick")
+    pair.prefill.call("set_paused", True)
+    try:
+        pair.prefill.call("abort", room)
+        assert pair.prefill.call("final_reason", room)["type"] == "abort"  # answered now
+        pair.decode.call("add", room, 12, None)  # decode's handshake, late
+        took = pair.run_until(lambda: pair.decode.call("status", room) is not None, timeout=60)
+    finally:
+        pair.prefill.call("set_paused", False)
+    assert took < ANSWER_S, took
+    assert pair.decode.call("status", room) >= 500
+    assert "while prefill was paused" in pair.decode.call("reason", room)
+    # decode keeps the pages until prefill acknowledges the drain (upstream's
+    # deferred release): that takes a tick or two, not its 30 s fallback
+    pair.run_until(lambda: pair.decode.call("room_entries", room) == []
+                   and pair.decode.call("snapshot") == pair.idle[1], timeout=ANSWER_S)
+    _assert_released(pair, room)
+    _served(pair)

@@ -144,25 +144,32 @@ def test_out_of_order_calls_get_409_naming_the_state(cluster, control):
             assert f"engine state is '{state}'" in str(reply), reply
             assert pause_report(cluster, role) == before, (role, endpoint)
 
+        def unknown_mode(state):
+            # rejected by request validation (400) before any handler: names the state
+            before = pause_report(cluster, role)
+            status, reply = call(cluster, role, "pause_generation", {"mode": "sideways"})
+            assert status == 400, (role, state, status, reply)
+            assert f"engine state is '{state}'" in str(reply) and "mode" in str(reply), reply
+            assert pause_report(cluster, role) == before
+
         rejected("continue_generation", {}, "running")
         rejected("resume_memory_occupation", {}, "running")
         rejected("release_memory_occupation", {}, "running")
-        # Unknown mode: rejected by request validation before any state changes.
-        before = pause_report(cluster, role)
-        status, reply = call(cluster, role, "pause_generation", {"mode": "sideways"})
-        assert 400 <= status < 500 and "mode" in str(reply), (status, reply)
-        assert pause_report(cluster, role) == before
+        unknown_mode("running")
 
         assert call(cluster, role, "pause_generation", {"mode": "in_place"})[0] == 200
         rejected("pause_generation", {"mode": "retract"}, "paused")
         rejected("resume_memory_occupation", {}, "paused")
+        unknown_mode("paused")
         assert call(cluster, role, "release_memory_occupation")[0] == 200
         rejected("release_memory_occupation", {}, "released")
         rejected("continue_generation", {}, "released")
         rejected("pause_generation", {"mode": "abort"}, "released")
+        unknown_mode("released")
         assert call(cluster, role, "resume_memory_occupation")[0] == 200
         rejected("resume_memory_occupation", {}, "resumed")
         rejected("release_memory_occupation", {}, "resumed")
+        unknown_mode("resumed")
         assert call(cluster, role, "continue_generation")[0] == 200
     assert_baseline(cluster, baseline)
     # A later correct cycle still works, and the cluster serves what it served.

@@ -109,3 +109,18 @@ def test_upstream_timers_of_live_transfers_skip_the_pause():
                 assert (ep.init_time, ep._prefill_wait_start) == (1042.5, None)
                 assert pd_pause.shift_upstream_timers(sched, 0.0) == 0
                 h.abort(req.rid)
+
+
+def test_invalid_pause_body_names_the_state():
+    """The validation-error hook (http_server patch) adds the state to /pause_generation
+    400s only."""
+    from sglang.srt.managers import pd_pause_state
+
+    tm = SimpleNamespace()
+    gs = SimpleNamespace(tokenizer_manager=tm)
+    s = pd_pause_state._state_of(tm)
+    _run(s, "pause_generation", "in_place")
+    msg = pd_pause_state.name_state_if_pause_call("/pause_generation", "bad mode", gs)
+    assert "engine state is 'paused' (pause mode in_place)" in msg and msg.endswith("bad mode")
+    assert pd_pause_state.name_state_if_pause_call("/generate", "bad", gs) == "bad"
+    assert pd_pause_state.name_state_if_pause_call("/pause_generation", "bad", None) == "bad"

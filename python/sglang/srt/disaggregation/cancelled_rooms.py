@@ -11,10 +11,12 @@ count) and the room moves `Bootstrapping -> Failed` as soon as prefill creates i
 sender, with a reason naming the decode peer; upstream's bootstrap-failure path then
 answers the request and frees its slot.
 
-Who calls: `fork_plugin` hooks `on_prefill_manager_init` (AFTER
+An ABORT for a room prefill itself failed and cleared (decode's answer to our Failed)
+is not kept. Who calls: `fork_plugin` hooks `on_prefill_manager_init` (AFTER
 `PrefillBootstrapQueue._init_kv_manager`: wraps the mooncake manager's ABORT handler
-on the instance, so mooncake/conn.py is not imported at plugin load) and
-`on_prefill_create_sender` (AFTER `PrefillBootstrapQueue.create_sender`).
+on the instance, so mooncake/conn.py is not imported at plugin load),
+`on_prefill_create_sender` (AFTER `PrefillBootstrapQueue.create_sender`) and
+`on_sender_clear` (AFTER `CommonKVSender.clear`).
 """
 
 from __future__ import annotations
@@ -41,7 +43,21 @@ class CancelledRooms:
         self.ttl_s = ttl_s
         self.max_rooms = max_rooms
         self._rooms: "OrderedDict[int, Tuple[str, float]]" = OrderedDict()
+        # Rooms this side failed and cleared itself: decode's ABORT for one of them
+        # (its answer to our Failed) cancels nothing, so it is not kept.
+        self._ended: "OrderedDict[int, Tuple[str, float]]" = OrderedDict()
         self._lock = threading.Lock()
+
+    def ended(self, room: int) -> None:
+        now = engine_clock.now()
+        with self._lock:
+            self._ended.pop(room, None)
+            self._ended[room] = ("", now + self.ttl_s)
+            self._expire(now)
+
+    def was_ended(self, room: int) -> bool:
+        with self._lock:
+            return room in self._ended
 
     def add(self, room: int, peer: str) -> None:
         now = engine_clock.now()
@@ -68,11 +84,12 @@ class CancelledRooms:
             return len(self._rooms)
 
     def _expire(self, now: float) -> None:  # caller holds the lock
-        while self._rooms:
-            room, (_, expiry) = next(iter(self._rooms.items()))
-            if expiry > now and len(self._rooms) <= self.max_rooms:
-                break
-            self._rooms.popitem(last=False)
+        for table in (self._rooms, self._ended):
+            while table:
+                _, (_, expiry) = next(iter(table.items()))
+                if expiry > now and len(table) <= self.max_rooms:
+                    break
+                table.popitem(last=False)
 
 
 def _ttl_s() -> float:
@@ -92,10 +109,11 @@ def note_abort(mgr: Any, msg: List[bytes]) -> Optional[int]:
     if not msg or msg[0] != ABORT_TAG:
         return None
     note = AbortNotification.from_zmq(msg)
-    if note is None or note.room in mgr.request_status:
+    cancelled = mgr.fork_cancelled_rooms
+    if note is None or note.room in mgr.request_status or cancelled.was_ended(note.room):
         return None
     peer = f"{note.decode_ip}:{note.decode_port}" if note.decode_ip else "(unknown)"
-    mgr.fork_cancelled_rooms.add(note.room, peer)
+    cancelled.add(note.room, peer)
     return note.room
 
 
@@ -135,6 +153,16 @@ def on_prefill_create_sender(result: Any, queue: Any, req: Any, *args: Any, **kw
     logger.info("cancelled_rooms: %s (rid=%s)", reason, req.rid)
     mgr.record_failure(req.bootstrap_room, reason)
     mgr.update_status(req.bootstrap_room, KVPoll.Failed)
+    return None
+
+
+def on_sender_clear(result: Any, sender: Any, *args: Any, **kwargs: Any) -> None:
+    """AFTER `CommonKVSender.clear`: a room this prefill failed is remembered as ended
+    (decode answers our Failed with an ABORT, which must not be kept as a
+    cancellation of a room still to come)."""
+    cancelled = getattr(sender.kv_mgr, "fork_cancelled_rooms", None)
+    if cancelled is not None and sender.conclude_state == KVPoll.Failed:
+        cancelled.ended(sender.bootstrap_room)
     return None
 
 

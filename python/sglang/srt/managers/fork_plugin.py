@@ -169,6 +169,11 @@ HOOKS: list[tuple[str, str, HookType]] = [
         "sglang.srt.disaggregation.cancelled_rooms:on_prefill_create_sender",
         HookType.AFTER,
     ),
+    (
+        "sglang.srt.disaggregation.common.conn.CommonKVSender.clear",
+        "sglang.srt.disaggregation.cancelled_rooms:on_sender_clear",
+        HookType.AFTER,
+    ),
 ]
 
 

@@ -352,18 +352,28 @@ def _holds_in_batch(scheduler, recv_req) -> bool:
 
 
 def _clear_retired_rooms(scheduler, reqs: List[Any]) -> None:
-    """Prefill requests the abort retired (no longer held anywhere) whose room is still
-    in the kv_manager: upstream's waiting-queue and result-retire paths abort the
-    sender but leave the room. Clear it, as the bootstrap-failure path does. Overlaps
-    issue 5's general clearing of aborted rooms; idempotent with it."""
+    """Prefill requests the abort retired (no longer held anywhere). Upstream's
+    waiting-queue and result-retire paths abort the sender but leave the room: clear
+    it, as the bootstrap-failure path does. And decode's handshake for such a room may
+    still be on the wire (prefill paused before it arrived): remember the room as
+    ended, so a late handshake is answered Failed instead of re-creating the room
+    (transfer_deadline's late-handshake guard). Overlaps issue 5's general clearing of
+    aborted rooms; idempotent with it."""
+    from sglang.srt.disaggregation import transfer_deadline
+
     held = {id(r) for r in _held_reqs(scheduler)}
     mgr = scheduler.disagg_prefill_bootstrap_queue.kv_manager
     for req in reqs:
         sender = getattr(req, "disagg_kv_sender", None)
-        if sender is None or id(req) in held or req.bootstrap_room not in mgr.request_status:
+        if sender is None or id(req) in held or req.bootstrap_room is None:
             continue
-        sender.clear()
-        mgr.failure_records.pop(req.bootstrap_room, None)  # one dict op: atomic
+        if req.bootstrap_room in mgr.request_status:
+            sender.clear()
+            mgr.failure_records.pop(req.bootstrap_room, None)  # one dict op: atomic
+        transfer_deadline._remember_expired(
+            mgr, req.bootstrap_room,
+            f"Aborted by AbortReq while prefill was paused (room {req.bootstrap_room})",
+        )
 
 
 def _retract_keeping_mode(scheduler) -> None:

@@ -115,3 +115,21 @@ tm_pause_generation = _guarded("pause_generation", lambda obj: obj.mode)
 tm_continue_generation = _guarded("continue_generation")
 tm_release_memory_occupation = _guarded("release_memory_occupation")
 tm_resume_memory_occupation = _guarded("resume_memory_occupation")
+
+
+PAUSE_CALLS = ("/pause_generation",)
+
+
+def name_state_if_pause_call(route_path: str, message: str, global_state: Any) -> str:
+    """The 400 for an invalid pause_generation body (unknown mode, rejected by request
+    validation before any handler runs) names the engine state too, like the 409s;
+    nothing was changed. Called from upstream's validation error handler (a patch)."""
+    tokenizer_manager = getattr(global_state, "tokenizer_manager", None)
+    if route_path not in PAUSE_CALLS or tokenizer_manager is None:
+        return message
+    state = _state_of(tokenizer_manager)
+    mode = f" (pause mode {state.mode})" if state.mode else ""
+    return (
+        f"pause_generation rejected: engine state is {state.state!r}{mode}; expected "
+        f"mode one of {list(PAUSE_MODES)}; nothing changed. {message}"
+    )
