@@ -19,7 +19,8 @@ HOOKS: list[tuple[str, str, HookType]] = [
     ),
     # pause/release/resume/continue with PD requests in flight: the tokenizer's state
     # machine (pd_pause_state), its pause gate (pd_pause_gate), the scheduler side
-    # (pd_pause) and the PD queues' transfer-engine registration (queue_memory).
+    # (pd_pause, pd_pause_aborts) and the PD queues' transfer-engine registration
+    # (queue_memory).
     (
         "sglang.srt.managers.tokenizer_manager.TokenizerManager.pause_generation",
         "sglang.srt.managers.pd_pause_state:tm_pause_generation",
@@ -57,7 +58,7 @@ HOOKS: list[tuple[str, str, HookType]] = [
     ),
     (
         "sglang.srt.managers.scheduler.Scheduler.abort_request",
-        "sglang.srt.managers.pd_pause:abort_while_paused",
+        "sglang.srt.managers.pd_pause_aborts:abort_while_paused",
         HookType.AROUND,
     ),
     (
@@ -87,7 +88,7 @@ HOOKS: list[tuple[str, str, HookType]] = [
     ),
     (
         "sglang.srt.managers.scheduler.Scheduler._record_scheduler_state_for_paused_engine",
-        "sglang.srt.managers.pd_pause:paused_loop_tick",
+        "sglang.srt.managers.pd_pause_aborts:paused_loop_tick",
         HookType.AFTER,
     ),
     (
