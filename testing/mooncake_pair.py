@@ -131,6 +131,14 @@ class _Worker:
         only what a paused loop runs; aborts take the fork's abort-while-paused path."""
         self.h.scheduler._engine_paused = paused
 
+    def end_queued(self, message: str) -> None:
+        """What a release during a pause does with the PD queues (pd_pause): abort
+        everything queued and drain it through upstream's retire paths."""
+        from sglang.srt.managers import pd_pause
+
+        with self.h.active():
+            pd_pause._abort_all_and_drain(self.h.scheduler, message)
+
     def cancelled_rooms(self) -> Optional[int]:
         """Peer cancellations this side remembers (disaggregation.cancelled_rooms)."""
         from sglang.srt.disaggregation import cancelled_rooms

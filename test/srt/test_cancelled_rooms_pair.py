@@ -106,3 +106,28 @@ def test_abort_while_prefill_paused_then_late_handshake(pair):
                    and pair.decode.call("snapshot") == pair.idle[1], timeout=ANSWER_S)
     _assert_released(pair, room)
     _served(pair)
+
+
+def test_release_ends_room_then_decode_handshakes(pair):
+    """Prefill's release ends a queued room (503) while decode's copy of the request is
+    still held (decode's own pause gate): decode's handshake after continue is
+    answered Failed at once, naming the release, and does not revive the room."""
+    message = "Aborted: engine memory released during pause (mode=in_place)."
+    room = pair.new_room()
+    pair.prefill.call("add", room, 12, None)
+    pair.prefill.call("tick")
+    pair.prefill.call("set_paused", True)
+    try:
+        pair.prefill.call("end_queued", message)
+    finally:
+        pair.prefill.call("set_paused", False)
+    assert pair.prefill.call("status", room) == 503
+    pair.decode.call("add", room, 12, None)  # decode continues: its copy handshakes
+    took = pair.run_until(lambda: pair.decode.call("status", room) is not None, timeout=60)
+    assert took < ANSWER_S, took
+    assert pair.decode.call("status", room) >= 500
+    assert "released during pause" in pair.decode.call("reason", room)
+    pair.run_until(lambda: pair.decode.call("room_entries", room) == []
+                   and pair.decode.call("snapshot") == pair.idle[1], timeout=ANSWER_S)
+    _assert_released(pair, room)
+    _served(pair)

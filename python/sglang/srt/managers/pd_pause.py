@@ -180,10 +180,12 @@ def _abort_all_and_drain(scheduler, message: str) -> None:
     deadline = time.monotonic() + DRAIN_DEADLINE_S
     sp = scheduler_pause(scheduler)
     sp.draining = True
+    ended: Dict[int, Any] = {}
     try:
         while True:
             for req in queued_reqs(scheduler):
                 req._fork_pause_abort = message
+                ended[id(req)] = req
             scheduler.abort_request(AbortReq(abort_all=True, finished_reason=reason))
             pump_pd_queues(scheduler)
             if _pd_queues_empty(scheduler) or time.monotonic() > deadline:
@@ -191,6 +193,8 @@ def _abort_all_and_drain(scheduler, message: str) -> None:
             time.sleep(0.005)
     finally:
         sp.draining = False
+    if pd_role(scheduler) == "prefill":
+        end_prefill_rooms(scheduler, list(ended.values()), message + " (room {room})")
     if not _pd_queues_empty(scheduler):
         logger.warning(
             "pd_pause: PD queues not empty %.0fs after abort_all: %s",
@@ -212,6 +216,37 @@ def queued_reqs(scheduler) -> List[Any]:
         reqs += [e.req for e in scheduler.disagg_decode_prealloc_queue.queue]
         reqs += [e.req for e in scheduler.disagg_decode_transfer_queue.queue]
     return reqs
+
+
+def held_reqs(scheduler) -> List[Any]:
+    """Every request this scheduler holds: PD queues, running batch, last batch."""
+    reqs = queued_reqs(scheduler) + list(scheduler.running_batch.reqs)
+    if scheduler.last_batch is not None:
+        reqs += list(scheduler.last_batch.reqs)
+    return reqs
+
+
+def end_prefill_rooms(scheduler, reqs: List[Any], reason: str) -> None:
+    """Prefill requests the pause path ended (no longer held anywhere). Upstream's
+    waiting-queue and result-retire paths abort the sender but leave the room: clear
+    it, as the bootstrap-failure path does. Decode's handshake for such a room may
+    still come (it was on the wire, or decode's copy waited at decode's pause gate):
+    remember the room as ended, so the late handshake is answered Failed with
+    `reason` instead of re-creating the room (transfer_deadline's late-handshake
+    guard). Overlaps issue 5's general clearing of aborted rooms; idempotent with it."""
+    from sglang.srt.disaggregation import transfer_deadline
+
+    held = {id(r) for r in held_reqs(scheduler)}
+    mgr = scheduler.disagg_prefill_bootstrap_queue.kv_manager
+    for req in reqs:
+        sender = getattr(req, "disagg_kv_sender", None)
+        room = req.bootstrap_room
+        if sender is None or id(req) in held or room is None:
+            continue
+        if room in mgr.request_status:
+            sender.clear()
+            mgr.failure_records.pop(room, None)  # one dict op: atomic
+        transfer_deadline._remember_expired(mgr, room, reason.format(room=room))
 
 
 def pause_abort_status(original, req, error_message, status_code=None, *args, **kwargs):

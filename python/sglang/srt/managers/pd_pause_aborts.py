@@ -33,7 +33,7 @@ def abort_while_paused(original, scheduler, recv_req, *args, **kwargs):
     if not getattr(scheduler, "_engine_paused", False) or role is None or sp.pumping or sp.draining:
         return original(scheduler, recv_req, *args, **kwargs)
     places = _where(scheduler, recv_req)
-    matched = [r for r in _held_reqs(scheduler) if _matches(recv_req, r.rid)]
+    matched = [r for r in pd_pause.held_reqs(scheduler) if _matches(recv_req, r.rid)]
     logger.info("pd_pause: abort while paused (rid=%r, all=%s) found in %s",
                 recv_req.rid, recv_req.abort_all, places)
     result = original(scheduler, recv_req, *args, **kwargs)
@@ -50,7 +50,9 @@ def abort_while_paused(original, scheduler, recv_req, *args, **kwargs):
         _abort_held_rebootstrap(scheduler, recv_req)
     pd_pause.pump_pd_queues(scheduler)
     if role == "prefill":
-        _clear_retired_rooms(scheduler, matched)
+        pd_pause.end_prefill_rooms(
+            scheduler, matched, "Aborted by AbortReq while prefill was paused (room {room})"
+        )
     return result
 
 
@@ -69,14 +71,6 @@ def paused_loop_tick(result, scheduler, *args, **kwargs):
     return result
 
 
-def _held_reqs(scheduler) -> List[Any]:
-    """Every request this scheduler holds: PD queues, running batch, last batch."""
-    reqs = pd_pause.queued_reqs(scheduler) + list(scheduler.running_batch.reqs)
-    if scheduler.last_batch is not None:
-        reqs += list(scheduler.last_batch.reqs)
-    return reqs
-
-
 def _holds_in_batch(scheduler, recv_req) -> bool:
     """The abort hits a request only the next forward pass would retire: decode's
     running batch, or prefill's last batch while its result is still unprocessed."""
@@ -90,31 +84,6 @@ def _holds_in_batch(scheduler, recv_req) -> bool:
         if scheduler.last_batch is not None:
             reqs += list(scheduler.last_batch.reqs)
     return any(_matches(recv_req, r.rid) for r in reqs)
-
-
-def _clear_retired_rooms(scheduler, reqs: List[Any]) -> None:
-    """Prefill requests the abort retired (no longer held anywhere). Upstream's
-    waiting-queue and result-retire paths abort the sender but leave the room: clear
-    it, as the bootstrap-failure path does. And decode's handshake for such a room may
-    still be on the wire (prefill paused before it arrived): remember the room as
-    ended, so a late handshake is answered Failed instead of re-creating the room
-    (transfer_deadline's late-handshake guard). Overlaps issue 5's general clearing of
-    aborted rooms; idempotent with it."""
-    from sglang.srt.disaggregation import transfer_deadline
-
-    held = {id(r) for r in _held_reqs(scheduler)}
-    mgr = scheduler.disagg_prefill_bootstrap_queue.kv_manager
-    for req in reqs:
-        sender = getattr(req, "disagg_kv_sender", None)
-        if sender is None or id(req) in held or req.bootstrap_room is None:
-            continue
-        if req.bootstrap_room in mgr.request_status:
-            sender.clear()
-            mgr.failure_records.pop(req.bootstrap_room, None)  # one dict op: atomic
-        transfer_deadline._remember_expired(
-            mgr, req.bootstrap_room,
-            f"Aborted by AbortReq while prefill was paused (room {req.bootstrap_room})",
-        )
 
 
 def _retract_keeping_mode(scheduler) -> None:
