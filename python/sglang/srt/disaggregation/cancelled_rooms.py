@@ -12,7 +12,8 @@ sender, with a reason naming the decode peer; upstream's bootstrap-failure path 
 answers the request and frees its slot.
 
 An ABORT for a room prefill itself failed and cleared (decode's answer to our Failed)
-is not kept. Who calls: `fork_plugin` hooks `on_prefill_manager_init` (AFTER
+is not kept; one for a room decode's handshake created but no sender owns (prefill's
+copy not received, or answered at prefill's pause gate) also drops that room state. Who calls: `fork_plugin` hooks `on_prefill_manager_init` (AFTER
 `PrefillBootstrapQueue._init_kv_manager`: wraps the mooncake manager's ABORT handler
 on the instance, so mooncake/conn.py is not imported at plugin load),
 `on_prefill_create_sender` (AFTER `PrefillBootstrapQueue.create_sender`) and
@@ -46,7 +47,21 @@ class CancelledRooms:
         # Rooms this side failed and cleared itself: decode's ABORT for one of them
         # (its answer to our Failed) cancels nothing, so it is not kept.
         self._ended: "OrderedDict[int, Tuple[str, float]]" = OrderedDict()
+        # Rooms a live sender of this side owns (create_sender .. clear).
+        self._owned: set = set()
         self._lock = threading.Lock()
+
+    def own(self, room: int) -> None:
+        with self._lock:
+            self._owned.add(room)
+
+    def disown(self, room: int) -> None:
+        with self._lock:
+            self._owned.discard(room)
+
+    def owns(self, room: int) -> bool:
+        with self._lock:
+            return room in self._owned
 
     def ended(self, room: int) -> None:
         now = engine_clock.now()
@@ -110,10 +125,17 @@ def note_abort(mgr: Any, msg: List[bytes]) -> Optional[int]:
         return None
     note = AbortNotification.from_zmq(msg)
     cancelled = mgr.fork_cancelled_rooms
-    if note is None or note.room in mgr.request_status or cancelled.was_ended(note.room):
-        return None
+    if note is None or cancelled.was_ended(note.room) or cancelled.owns(note.room):
+        return None  # a live room: upstream's handler fails it
     peer = f"{note.decode_ip}:{note.decode_port}" if note.decode_ip else "(unknown)"
     cancelled.add(note.room, peer)
+    # Decode's handshake may have created the room already (WaitingForInput) though no
+    # sender owns it (prefill's copy not received, or answered at its pause gate and
+    # never to come): nobody would clear that state, so drop it now.
+    for name in ("request_status", "transfer_infos", "req_to_decode_prefix_len", "failure_records"):
+        table = getattr(mgr, name, None)
+        if isinstance(table, dict):
+            table.pop(note.room, None)  # one dict op: atomic
     return note.room
 
 
@@ -145,6 +167,7 @@ def on_prefill_create_sender(result: Any, queue: Any, req: Any, *args: Any, **kw
     cancelled = getattr(queue.kv_manager, "fork_cancelled_rooms", None)
     if not result or cancelled is None or req.bootstrap_room is None:
         return None
+    cancelled.own(req.bootstrap_room)
     peer = cancelled.take(req.bootstrap_room)
     if peer is None:
         return None
@@ -153,6 +176,8 @@ def on_prefill_create_sender(result: Any, queue: Any, req: Any, *args: Any, **kw
     logger.info("cancelled_rooms: %s (rid=%s)", reason, req.rid)
     mgr.record_failure(req.bootstrap_room, reason)
     mgr.update_status(req.bootstrap_room, KVPoll.Failed)
+    # the ABORT handler may have dropped the room the sender had just opened
+    mgr.request_status.setdefault(req.bootstrap_room, KVPoll.Failed)
     return None
 
 
@@ -161,7 +186,10 @@ def on_sender_clear(result: Any, sender: Any, *args: Any, **kwargs: Any) -> None
     (decode answers our Failed with an ABORT, which must not be kept as a
     cancellation of a room still to come)."""
     cancelled = getattr(sender.kv_mgr, "fork_cancelled_rooms", None)
-    if cancelled is not None and sender.conclude_state == KVPoll.Failed:
+    if cancelled is None:
+        return None
+    cancelled.disown(sender.bootstrap_room)
+    if sender.conclude_state == KVPoll.Failed:
         cancelled.ended(sender.bootstrap_room)
     return None
 

@@ -24,6 +24,7 @@ from sglang.srt.managers.engine_clock import engine_clock
 logger = logging.getLogger(__name__)
 
 RELEASE_ABORT_MESSAGE = "Aborted: engine memory released during pause (mode={mode})."
+RELEASE_MARKER = "engine memory released during pause"
 DRAIN_DEADLINE_S = 10.0
 
 
@@ -255,6 +256,9 @@ def pause_abort_status(original, req, error_message, status_code=None, *args, **
     message = getattr(req, "_fork_pause_abort", None)
     if message is not None:
         error_message, status_code = message, HTTPStatus.SERVICE_UNAVAILABLE
+    elif RELEASE_MARKER in str(error_message):
+        # The peer ended it at its release (the reason crossed the wire): same answer.
+        status_code = HTTPStatus.SERVICE_UNAVAILABLE
     return original(req, error_message, status_code, *args, **kwargs)
 
 
