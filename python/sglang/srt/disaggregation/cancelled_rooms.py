@@ -54,6 +54,7 @@ class CancelledRooms:
     def own(self, room: int) -> None:
         with self._lock:
             self._owned.add(room)
+            self._ended.pop(room, None)  # a new lifecycle (decode re-bootstraps rooms)
 
     def disown(self, room: int) -> None:
         with self._lock:

@@ -195,7 +195,9 @@ def _abort_all_and_drain(scheduler, message: str) -> None:
     finally:
         sp.draining = False
     if pd_role(scheduler) == "prefill":
-        end_prefill_rooms(scheduler, list(ended.values()), message + " (room {room})")
+        # Not remembered as ended: decode re-bootstraps what it retracted under the
+        # same room, and that handshake must go through.
+        end_prefill_rooms(scheduler, list(ended.values()), reason=None)
     if not _pd_queues_empty(scheduler):
         logger.warning(
             "pd_pause: PD queues not empty %.0fs after abort_all: %s",
@@ -227,14 +229,14 @@ def held_reqs(scheduler) -> List[Any]:
     return reqs
 
 
-def end_prefill_rooms(scheduler, reqs: List[Any], reason: str) -> None:
+def end_prefill_rooms(scheduler, reqs: List[Any], reason: Optional[str]) -> None:
     """Prefill requests the pause path ended (no longer held anywhere). Upstream's
     waiting-queue and result-retire paths abort the sender but leave the room: clear
-    it, as the bootstrap-failure path does. Decode's handshake for such a room may
-    still come (it was on the wire, or decode's copy waited at decode's pause gate):
-    remember the room as ended, so the late handshake is answered Failed with
-    `reason` instead of re-creating the room (transfer_deadline's late-handshake
-    guard). Overlaps issue 5's general clearing of aborted rooms; idempotent with it."""
+    it, as the bootstrap-failure path does. With a `reason` (client aborts: decode
+    ends its copy too, nothing re-bootstraps the room) the room is also remembered as
+    ended, so decode's handshake still on the wire is answered Failed with `reason`
+    instead of re-creating the room (transfer_deadline's late-handshake guard).
+    Overlaps issue 5's general clearing of aborted rooms; idempotent with it."""
     from sglang.srt.disaggregation import transfer_deadline
 
     held = {id(r) for r in held_reqs(scheduler)}
@@ -247,7 +249,8 @@ def end_prefill_rooms(scheduler, reqs: List[Any], reason: str) -> None:
         if room in mgr.request_status:
             sender.clear()
             mgr.failure_records.pop(room, None)  # one dict op: atomic
-        transfer_deadline._remember_expired(mgr, room, reason.format(room=room))
+        if reason is not None:
+            transfer_deadline._remember_expired(mgr, room, reason.format(room=room))
 
 
 def pause_abort_status(original, req, error_message, status_code=None, *args, **kwargs):
