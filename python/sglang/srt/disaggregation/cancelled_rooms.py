@@ -75,11 +75,11 @@ class CancelledRooms:
         with self._lock:
             return room in self._ended
 
-    def add(self, room: int, peer: str) -> None:
+    def add(self, room: int, reason: str) -> None:
         now = engine_clock.now()
         with self._lock:
             self._rooms.pop(room, None)
-            self._rooms[room] = (peer, now + self.ttl_s)
+            self._rooms[room] = (reason, now + self.ttl_s)
             self._expire(now)
 
     def discard(self, room: int) -> None:
@@ -87,7 +87,7 @@ class CancelledRooms:
             self._rooms.pop(room, None)
 
     def take(self, room: int) -> Optional[str]:
-        """The peer that cancelled `room` (and forget it), or None."""
+        """Why `room` was cancelled (and forget it), or None."""
         now = engine_clock.now()
         with self._lock:
             self._expire(now)
@@ -129,7 +129,7 @@ def note_abort(mgr: Any, msg: List[bytes]) -> Optional[int]:
     if note is None or cancelled.was_ended(note.room) or cancelled.owns(note.room):
         return None  # a live room: upstream's handler fails it
     peer = f"{note.decode_ip}:{note.decode_port}" if note.decode_ip else "(unknown)"
-    cancelled.add(note.room, peer)
+    cancelled.add(note.room, REASON.format(peer=peer, room=note.room))
     # Decode's handshake may have created the room already (WaitingForInput) though no
     # sender owns it (prefill's copy not received, or answered at its pause gate and
     # never to come): nobody would clear that state, so drop it now.
@@ -169,11 +169,10 @@ def on_prefill_create_sender(result: Any, queue: Any, req: Any, *args: Any, **kw
     if not result or cancelled is None or req.bootstrap_room is None:
         return None
     cancelled.own(req.bootstrap_room)
-    peer = cancelled.take(req.bootstrap_room)
-    if peer is None:
-        return None
     mgr = queue.kv_manager
-    reason = REASON.format(peer=peer, room=req.bootstrap_room)
+    reason = cancelled.take(req.bootstrap_room)
+    if reason is None:
+        return None
     logger.info("cancelled_rooms: %s (rid=%s)", reason, req.rid)
     mgr.record_failure(req.bootstrap_room, reason)
     mgr.update_status(req.bootstrap_room, KVPoll.Failed)

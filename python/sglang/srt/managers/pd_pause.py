@@ -195,9 +195,10 @@ def _abort_all_and_drain(scheduler, message: str) -> None:
     finally:
         sp.draining = False
     if pd_role(scheduler) == "prefill":
-        # Not remembered as ended: decode re-bootstraps what it retracted under the
-        # same room, and that handshake must go through.
-        end_prefill_rooms(scheduler, list(ended.values()), reason=None)
+        # Remembered as ended: decode's copy may still wait at decode's pause gate
+        # (the router delivered it late) and handshake after continue. A re-bootstrap
+        # of such a room (same room) then ends on both sides with the release's 503.
+        end_prefill_rooms(scheduler, list(ended.values()), message + " (room {room})")
     if not _pd_queues_empty(scheduler):
         logger.warning(
             "pd_pause: PD queues not empty %.0fs after abort_all: %s",
@@ -251,6 +252,11 @@ def end_prefill_rooms(scheduler, reqs: List[Any], reason: Optional[str]) -> None
             mgr.failure_records.pop(room, None)  # one dict op: atomic
         if reason is not None:
             transfer_deadline._remember_expired(mgr, room, reason.format(room=room))
+            # and a new prefill copy of the room (decode's re-bootstrap) fails at
+            # creation, as decode's copy was answered Failed (disaggregation.cancelled_rooms)
+            cancelled = getattr(mgr, "fork_cancelled_rooms", None)
+            if cancelled is not None:
+                cancelled.add(room, reason.format(room=room))
 
 
 def pause_abort_status(original, req, error_message, status_code=None, *args, **kwargs):
