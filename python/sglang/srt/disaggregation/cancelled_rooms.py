@@ -198,3 +198,20 @@ def report(mgr: Any) -> Optional[int]:
     """How many cancellations are remembered (bounded; not held by any request)."""
     cancelled = getattr(mgr, "fork_cancelled_rooms", None)
     return None if cancelled is None else len(cancelled)
+
+
+def around_record_failure(original, mgr: Any, bootstrap_room: int, failure_reason: str, *args: Any, **kwargs: Any) -> Any:
+    """AROUND `CommonKVManager.record_failure`, decode side: the peer's Failed for a
+    room this side already ended and cleared (e.g. prefill's answer to a late
+    handshake, arriving after decode's own release ended its copy) is not recorded:
+    no receiver will ever pop it, so it stayed in `failure_records` forever."""
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+
+    if (
+        getattr(mgr, "disaggregation_mode", None) == DisaggregationMode.DECODE
+        and bootstrap_room not in mgr.request_status
+    ):
+        logger.debug("cancelled_rooms: dropping failure for ended room %s: %s",
+                     bootstrap_room, failure_reason)
+        return None
+    return original(mgr, bootstrap_room, failure_reason, *args, **kwargs)

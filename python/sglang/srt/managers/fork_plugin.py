@@ -175,6 +175,11 @@ HOOKS: list[tuple[str, str, HookType]] = [
         "sglang.srt.disaggregation.cancelled_rooms:on_sender_clear",
         HookType.AFTER,
     ),
+    (
+        "sglang.srt.disaggregation.common.conn.CommonKVManager.record_failure",
+        "sglang.srt.disaggregation.cancelled_rooms:around_record_failure",
+        HookType.AROUND,
+    ),
 ]
 
 
