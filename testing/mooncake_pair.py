@@ -129,7 +129,37 @@ class _Worker:
         return req.rid
 
     def tick(self, n: int = 1) -> None:
+        if getattr(self.h.scheduler, "_engine_paused", False):
+            # what a paused event loop runs instead of scheduling (the fork's hook)
+            from sglang.srt.managers import pd_pause_aborts
+
+            with self.h.active():
+                pd_pause_aborts.paused_loop_tick(None, self.h.scheduler)
+            return
         self.h.tick(n)
+
+    def abort(self, room: int) -> None:
+        """A client abort of the room's request (the real Scheduler.abort_request)."""
+        self.h.abort(self.reqs[room].rid)
+
+    def set_paused(self, paused: bool) -> None:
+        """Stand for a paused (or running again) event loop: while paused `tick` runs
+        only what a paused loop runs; aborts take the fork's abort-while-paused path."""
+        self.h.scheduler._engine_paused = paused
+
+    def end_queued(self, message: str) -> None:
+        """What a release during a pause does with the PD queues (pd_pause): abort
+        everything queued and drain it through upstream's retire paths."""
+        from sglang.srt.managers import pd_pause
+
+        with self.h.active():
+            pd_pause._abort_all_and_drain(self.h.scheduler, message)
+
+    def cancelled_rooms(self) -> Optional[int]:
+        """Peer cancellations this side remembers (disaggregation.cancelled_rooms)."""
+        from sglang.srt.disaggregation import cancelled_rooms
+
+        return cancelled_rooms.report(self.h.kv_manager)
 
     def status(self, room: int) -> Optional[int]:
         return self.h.outputs.status_code(self.reqs[room].rid)
@@ -186,18 +216,26 @@ class _Worker:
     def snapshot(self) -> dict:
         return self.h.snapshot().held()
 
-    def move_kv_buffers(self) -> dict:
+    def move_kv_buffers(self, poison_old: bool = False) -> dict:
         """Release this side's PD queue (deregisters its buffers from the transfer
-        engine), move the KV buffers to new memory, resume (re-registers). Returns the
-        kv_args pointers before and after; the old buffers are kept alive and watched."""
+        engine), drop the KV cache as a release does, move the KV buffers to new
+        memory, resume (re-registers). Returns the kv_args pointers before and after;
+        the old buffers are kept alive and watched, or (`poison_old`) filled with a
+        constant, as memory reused by someone else would be, so a read from them shows."""
         import torch
 
         h = self.h
         with h.active():
             before = list(h.kv_manager.kv_args.kv_data_ptrs)
             h.queue.release_memory_occupation()
+            # upstream's release flushes the cache (idle): the KV content is gone
+            h.tree_cache.reset()
+            h.allocator.clear()
             pool = h.kv_pool
             self._old_kv = pool.k_buffer + pool.v_buffer
+            if poison_old:
+                for t in self._old_kv:
+                    t.fill_(0.5)
             self._old_kv_copy = [t.clone() for t in self._old_kv]
             pool.k_buffer = [torch.zeros_like(t) for t in pool.k_buffer]
             pool.v_buffer = [torch.zeros_like(t) for t in pool.v_buffer]

@@ -535,6 +535,7 @@ class SchedulerStandIn(SchedulerDisaggregationPrefillMixin, SchedulerDisaggregat
     chunked_req = None
     _pending_chunked_abort_req = None
     last_batch = None
+    _engine_paused = False  # set True to stand for a paused event loop
     kv_checksum_computer = None
     sliding_window_size = None
     scheduler_stage_metrics = None

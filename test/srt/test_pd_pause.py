@@ -144,25 +144,33 @@ def test_out_of_order_calls_get_409_naming_the_state(cluster, control):
             assert f"engine state is '{state}'" in str(reply), reply
             assert pause_report(cluster, role) == before, (role, endpoint)
 
+        def unknown_mode(state):
+            # rejected by request validation (400) before any handler: names the state
+            before = pause_report(cluster, role)
+            status, reply = call(cluster, role, "pause_generation", {"mode": "sideways"})
+            assert status == 400, (role, state, status, reply)
+            message = reply.get("message", "") if isinstance(reply, dict) else str(reply)
+            assert f"engine state is '{state}'" in message and "mode" in message, reply
+            assert pause_report(cluster, role) == before
+
         rejected("continue_generation", {}, "running")
         rejected("resume_memory_occupation", {}, "running")
         rejected("release_memory_occupation", {}, "running")
-        # Unknown mode: rejected by request validation before any state changes.
-        before = pause_report(cluster, role)
-        status, reply = call(cluster, role, "pause_generation", {"mode": "sideways"})
-        assert 400 <= status < 500 and "mode" in str(reply), (status, reply)
-        assert pause_report(cluster, role) == before
+        unknown_mode("running")
 
         assert call(cluster, role, "pause_generation", {"mode": "in_place"})[0] == 200
         rejected("pause_generation", {"mode": "retract"}, "paused")
         rejected("resume_memory_occupation", {}, "paused")
+        unknown_mode("paused")
         assert call(cluster, role, "release_memory_occupation")[0] == 200
         rejected("release_memory_occupation", {}, "released")
         rejected("continue_generation", {}, "released")
         rejected("pause_generation", {"mode": "abort"}, "released")
+        unknown_mode("released")
         assert call(cluster, role, "resume_memory_occupation")[0] == 200
         rejected("resume_memory_occupation", {}, "resumed")
         rejected("release_memory_occupation", {}, "resumed")
+        unknown_mode("resumed")
         assert call(cluster, role, "continue_generation")[0] == 200
     assert_baseline(cluster, baseline)
     # A later correct cycle still works, and the cluster serves what it served.
@@ -171,18 +179,7 @@ def test_out_of_order_calls_get_409_naming_the_state(cluster, control):
     assert [r["output_ids"] for r in out] == [control[t] for t in texts]
 
 
-RETRACT_GAP = pytest.mark.xfail(
-    strict=False,
-    reason="known gap: decode ends a queued request at release while prefill's copy is "
-    "still held at prefill's pause gate; prefill later waits for a handshake that never "
-    "comes (bootstrap timeout), so the load balancer's answer hangs. Needs the decode "
-    "side to tell prefill about rooms it ended before prefill created them.",
-)
-
-
-@pytest.mark.parametrize(
-    "mode", [m if m != "retract" else pytest.param(m, marks=RETRACT_GAP) for m in MODES]
-)
+@pytest.mark.parametrize("mode", MODES)
 def test_full_cycles_under_load(cluster, control, mode):
     baseline = assert_idle(cluster, PD_ROLES)
     outcomes = {"completed": 0, "diverged_after_rebootstrap": 0, "aborted": 0}
@@ -223,13 +220,6 @@ def test_full_cycles_under_load(cluster, control, mode):
     print(f"{mode}: {CYCLES} cycles in {elapsed:.1f}s, {outcomes}")
 
 
-# Last: when it fails (known gap) it can leave the aborted request's room on prefill
-# (issue 5: aborted rooms are not cleared), which would fail the soaks' idle check.
-@pytest.mark.xfail(
-    strict=False,
-    reason="known gap: a request the paused prefill scheduler has received but not yet "
-    "bootstrapped is sometimes answered only after continue_generation",
-)
 def test_abort_during_long_pause_is_answered_within_1s(cluster, control):
     baseline = assert_idle(cluster, PD_ROLES)
     try:
@@ -240,28 +230,34 @@ def test_abort_during_long_pause_is_answered_within_1s(cluster, control):
 
 
 def _abort_during_long_pause(cluster, baseline):
+    """Half the open requests are aborted one after another while paused; they sit
+    wherever the pause found them (prefill's pause gate, bootstrap or waiting queue,
+    last batch or inflight queue; decode's prealloc, transfer or waiting queue or
+    running batch), so one run covers several places."""
     burst = Burst(cluster, "long-pause", max_new_tokens=128)
     wait_until(lambda: in_flight(cluster), 30, "requests in flight")
     both(cluster, "pause_generation", {"mode": "in_place"})
     open_rids = [rid for rid, r in zip(burst.rids, burst.results) if r is None]
     assert open_rids, "every request finished before the pause"
-    victim = burst.rids.index(open_rids[0])
-    # A long pause: nothing moves, and the victim is still open 2 s later.
+    victims = [burst.rids.index(rid) for rid in open_rids[: max(1, len(open_rids) // 2)]]
+    # A long pause: nothing moves, and the victims are still open 2 s later.
     time.sleep(LONG_PAUSE_S)  # the pause under test, not a synchronisation
-    assert burst.results[victim] is None
-    t0 = time.monotonic()
-    for role in PD_ROLES:
-        assert call(cluster, role, "abort_request", {"rid": burst.rids[victim]})[0] == 200
-    wait_until(lambda: burst.ended[victim] is not None, 10, "the abort to be answered")
-    answered_s = burst.ended[victim] - t0
-    assert answered_s <= ABORT_ANSWER_S, answered_s
-    assert is_clear_abort(burst.results[victim]), burst.results[victim]
+    assert all(burst.results[v] is None for v in victims)
+    answered = []
+    for victim in victims:
+        t0 = time.monotonic()
+        for role in PD_ROLES:
+            assert call(cluster, role, "abort_request", {"rid": burst.rids[victim]})[0] == 200
+        wait_until(lambda: burst.ended[victim] is not None, 10, "the abort to be answered")
+        answered.append(round(burst.ended[victim] - t0, 2))
+        assert answered[-1] <= ABORT_ANSWER_S, (burst.rids[victim], answered)
+        assert is_clear_abort(burst.results[victim]), burst.results[victim]
     # Still paused: the others did not move on.
     for role in PD_ROLES:
         assert pause_report(cluster, role)[0]["paused"], role
     both(cluster, "continue_generation")
     for i, r in enumerate(burst.join()):
-        if i != victim:
+        if i not in victims:
             assert r["status"] == 200 and r["meta"]["finish_reason"]["type"] != "abort", r
     assert_baseline(cluster, baseline)
-    print(f"abort answered during pause in {answered_s:.2f}s")
+    print(f"{len(victims)} aborts answered during the pause in {answered} s")

@@ -1,31 +1,41 @@
 """Release/resume with KV buffers that move (real mooncake over TCP, two processes):
-the decode side re-registers its new addresses and the next transfer lands in the new
-buffers, byte for byte; nothing is written to the old ones."""
+the side that moved re-registers its new addresses and the next transfer goes between
+the new buffers, byte for byte: decode's moved buffers receive it (nothing is written
+to the old ones), prefill's moved buffers are what is sent (its old ones, filled with
+a constant as reused memory would be, are not read)."""
+
+import pytest
 
 from testing.mooncake_pair import MooncakePair
 
 
-def test_transfer_after_resume_lands_in_moved_buffers():
-    with MooncakePair() as pair:
-        idle = (pair.prefill.call("snapshot"), pair.decode.call("snapshot"))
+@pytest.fixture(scope="module")
+def pair():
+    with MooncakePair() as p:
+        p.idle = (p.prefill.call("snapshot"), p.decode.call("snapshot"))
         # One request before, so the decode side has registered with prefill already.
-        room = pair.submit(prompt_len=12)
-        pair.run_until(lambda: pair.decode.call("transferred", room)
-                       and pair.prefill.call("status", room) is not None, timeout=60)
-        pair.decode.call("finish", room)
+        _transfer(p, prompt_len=12)
+        yield p
 
-        moved = pair.decode.call("move_kv_buffers")
-        assert moved["after"] == moved["buffers"]          # kv_args follow the buffers
-        assert set(moved["after"]).isdisjoint(moved["before"])  # and they really moved
 
-        room = pair.submit(prompt_len=20)
-        took = pair.run_until(lambda: pair.decode.call("transferred", room)
-                              and pair.prefill.call("status", room) is not None, timeout=60)
-        assert took < 30
-        assert pair.prefill.call("status", room) == 200
-        sent = pair.prefill.call("kv_sent", room)
-        assert len(sent) > 0 and any(sent)
-        assert pair.decode.call("kv_bytes", room) == sent   # read from the new buffers
-        assert pair.decode.call("old_kv_unchanged")          # nothing went to the old ones
-        pair.decode.call("finish", room)
-        assert (pair.prefill.call("snapshot"), pair.decode.call("snapshot")) == idle
+def _transfer(pair, prompt_len: int) -> int:
+    room = pair.submit(prompt_len=prompt_len)
+    took = pair.run_until(lambda: pair.decode.call("transferred", room)
+                          and pair.prefill.call("status", room) is not None, timeout=60)
+    assert took < 30
+    assert pair.prefill.call("status", room) == 200
+    sent = pair.prefill.call("kv_sent", room)
+    assert len(sent) > 0 and any(sent)
+    assert pair.decode.call("kv_bytes", room) == sent
+    pair.decode.call("finish", room)
+    assert (pair.prefill.call("snapshot"), pair.decode.call("snapshot")) == pair.idle
+    return room
+
+
+@pytest.mark.parametrize("side", ["decode", "prefill"])
+def test_transfer_after_resume_uses_moved_buffers(pair, side):
+    moved = getattr(pair, side).call("move_kv_buffers", poison_old=side == "prefill")
+    assert moved["after"] == moved["buffers"]               # kv_args follow the buffers
+    assert set(moved["after"]).isdisjoint(moved["before"])  # and they really moved
+    _transfer(pair, prompt_len=20)  # read from / written to the new buffers, byte check
+    assert getattr(pair, side).call("old_kv_unchanged")      # the old ones untouched

@@ -1,4 +1,5 @@
-"""pd_pause's engine state machine and pause gate, without a server (fast).
+"""The engine pause state machine (pd_pause_state), the pause gate (pd_pause_gate) and
+pd_pause's timer shift, without a server (fast).
 
 The end-to-end behaviour (409 over HTTP, cycles under load) is in test_pd_pause.py.
 """
@@ -9,8 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from sglang.srt.managers import pd_pause
-from sglang.srt.managers.pd_pause import EnginePauseState, PauseStateError
+from sglang.srt.managers import pd_pause, pd_pause_gate
+from sglang.srt.managers.pd_pause_state import EnginePauseState, PauseStateError
 
 CYCLE = [
     ("pause_generation", "retract"),
@@ -74,14 +75,14 @@ def test_unknown_mode_and_concurrent_call_are_rejected():
 def test_pause_gate_opens_only_for_aborted_requests():
     tm = SimpleNamespace(is_pause=True)
     waiting = {"a": SimpleNamespace(), "b": SimpleNamespace()}
-    assert not pd_pause.gate_open(tm, waiting)
-    pd_pause.raise_if_gate_aborted(waiting)  # nothing aborted: no error
+    assert not pd_pause_gate.gate_open(tm, waiting)
+    pd_pause_gate.raise_if_gate_aborted(waiting)  # nothing aborted: no error
     waiting["b"]._fork_gate_abort = True
-    assert pd_pause.gate_open(tm, waiting)
-    with pytest.raises(pd_pause.PauseGateAbort) as err:
-        pd_pause.raise_if_gate_aborted(waiting)
+    assert pd_pause_gate.gate_open(tm, waiting)
+    with pytest.raises(pd_pause_gate.PauseGateAbort) as err:
+        pd_pause_gate.raise_if_gate_aborted(waiting)
     assert err.value.status_code == 499 and "rid=b" in str(err.value)
-    assert pd_pause.gate_open(SimpleNamespace(is_pause=False), {"a": SimpleNamespace()})
+    assert pd_pause_gate.gate_open(SimpleNamespace(is_pause=False), {"a": SimpleNamespace()})
 
 
 def test_upstream_timers_of_live_transfers_skip_the_pause():
@@ -108,3 +109,18 @@ def test_upstream_timers_of_live_transfers_skip_the_pause():
                 assert (ep.init_time, ep._prefill_wait_start) == (1042.5, None)
                 assert pd_pause.shift_upstream_timers(sched, 0.0) == 0
                 h.abort(req.rid)
+
+
+def test_invalid_pause_body_names_the_state():
+    """The validation-error hook (http_server patch) adds the state to /pause_generation
+    400s only."""
+    from sglang.srt.managers import pd_pause_state
+
+    tm = SimpleNamespace()
+    gs = SimpleNamespace(tokenizer_manager=tm)
+    s = pd_pause_state._state_of(tm)
+    _run(s, "pause_generation", "in_place")
+    msg = pd_pause_state.name_state_if_pause_call("/pause_generation", "bad mode", gs)
+    assert "engine state is 'paused' (pause mode in_place)" in msg and msg.endswith("bad mode")
+    assert pd_pause_state.name_state_if_pause_call("/generate", "bad", gs) == "bad"
+    assert pd_pause_state.name_state_if_pause_call("/pause_generation", "bad", None) == "bad"

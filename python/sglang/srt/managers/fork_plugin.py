@@ -17,30 +17,33 @@ HOOKS: list[tuple[str, str, HookType]] = [
         "sglang.srt.managers.pd_resource_report:add_to_internal_state",
         HookType.AFTER,
     ),
-    # pd_pause: pause/release/resume/continue with PD requests in flight.
+    # pause/release/resume/continue with PD requests in flight: the tokenizer's state
+    # machine (pd_pause_state), its pause gate (pd_pause_gate), the scheduler side
+    # (pd_pause, pd_pause_aborts) and the PD queues' transfer-engine registration
+    # (queue_memory).
     (
         "sglang.srt.managers.tokenizer_manager.TokenizerManager.pause_generation",
-        "sglang.srt.managers.pd_pause:tm_pause_generation",
+        "sglang.srt.managers.pd_pause_state:tm_pause_generation",
         HookType.AROUND,
     ),
     (
         "sglang.srt.managers.tokenizer_manager.TokenizerManager.continue_generation",
-        "sglang.srt.managers.pd_pause:tm_continue_generation",
+        "sglang.srt.managers.pd_pause_state:tm_continue_generation",
         HookType.AROUND,
     ),
     (
         "sglang.srt.managers.tokenizer_control_mixin.TokenizerControlMixin.release_memory_occupation",
-        "sglang.srt.managers.pd_pause:tm_release_memory_occupation",
+        "sglang.srt.managers.pd_pause_state:tm_release_memory_occupation",
         HookType.AROUND,
     ),
     (
         "sglang.srt.managers.tokenizer_control_mixin.TokenizerControlMixin.resume_memory_occupation",
-        "sglang.srt.managers.pd_pause:tm_resume_memory_occupation",
+        "sglang.srt.managers.pd_pause_state:tm_resume_memory_occupation",
         HookType.AROUND,
     ),
     (
         "sglang.srt.managers.tokenizer_manager.TokenizerManager.abort_request",
-        "sglang.srt.managers.pd_pause:tm_abort_request",
+        "sglang.srt.managers.pd_pause_gate:tm_abort_request",
         HookType.AFTER,
     ),
     (
@@ -55,8 +58,8 @@ HOOKS: list[tuple[str, str, HookType]] = [
     ),
     (
         "sglang.srt.managers.scheduler.Scheduler.abort_request",
-        "sglang.srt.managers.pd_pause:after_abort",
-        HookType.AFTER,
+        "sglang.srt.managers.pd_pause_aborts:abort_while_paused",
+        HookType.AROUND,
     ),
     (
         "sglang.srt.managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager.release_memory_occupation",
@@ -65,27 +68,27 @@ HOOKS: list[tuple[str, str, HookType]] = [
     ),
     (
         "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue.release_memory_occupation",
-        "sglang.srt.managers.pd_pause:queue_release",
+        "sglang.srt.disaggregation.queue_memory:queue_release",
         HookType.AROUND,
     ),
     (
         "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue.resume_memory_occupation",
-        "sglang.srt.managers.pd_pause:queue_resume",
+        "sglang.srt.disaggregation.queue_memory:queue_resume",
         HookType.AROUND,
     ),
     (
         "sglang.srt.disaggregation.decode.DecodePreallocQueue.release_memory_occupation",
-        "sglang.srt.managers.pd_pause:queue_release",
+        "sglang.srt.disaggregation.queue_memory:queue_release",
         HookType.AROUND,
     ),
     (
         "sglang.srt.disaggregation.decode.DecodePreallocQueue.resume_memory_occupation",
-        "sglang.srt.managers.pd_pause:queue_resume",
+        "sglang.srt.disaggregation.queue_memory:queue_resume",
         HookType.AROUND,
     ),
     (
         "sglang.srt.managers.scheduler.Scheduler._record_scheduler_state_for_paused_engine",
-        "sglang.srt.managers.pd_pause:paused_loop_tick",
+        "sglang.srt.managers.pd_pause_aborts:paused_loop_tick",
         HookType.AFTER,
     ),
     (
@@ -238,6 +241,28 @@ HOOKS: list[tuple[str, str, HookType]] = [
     (
         "sglang.srt.disaggregation.utils.prepare_abort",
         "sglang.srt.disaggregation.peer_liveness:around_prepare_abort",
+        HookType.AROUND,
+    ),
+    # cancelled_rooms: decode's ABORT for a room prefill has not created yet is kept,
+    # and the room fails at creation instead of waiting out the bootstrap timeout.
+    (
+        "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager",
+        "sglang.srt.disaggregation.cancelled_rooms:on_prefill_manager_init",
+        HookType.AFTER,
+    ),
+    (
+        "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue.create_sender",
+        "sglang.srt.disaggregation.cancelled_rooms:on_prefill_create_sender",
+        HookType.AFTER,
+    ),
+    (
+        "sglang.srt.disaggregation.common.conn.CommonKVSender.clear",
+        "sglang.srt.disaggregation.cancelled_rooms:on_sender_clear",
+        HookType.AFTER,
+    ),
+    (
+        "sglang.srt.disaggregation.common.conn.CommonKVManager.record_failure",
+        "sglang.srt.disaggregation.cancelled_rooms:around_record_failure",
         HookType.AROUND,
     ),
 ]

@@ -1,0 +1,138 @@
+"""Aborts that reach a paused engine are answered during the pause.
+
+Invariant: while a PD scheduler is paused, an abort is answered in the call that
+delivers it (and whatever the request held is returned), wherever the request sits:
+the PD queues on either side (the abort fails the room; one pass of upstream's own
+queue processing retires it), decode's held re-bootstraps, decode's running batch or
+prefill's unprocessed overlap result (upstream's retract path settles the batch). For
+`ABORT_PUMP_WINDOW_S` after an abort the paused loop keeps retiring what concludes
+late. A prefill room retired this way is cleared and remembered as ended, so decode's
+late handshake cannot revive it.
+Who calls: AROUND Scheduler.abort_request and AFTER
+Scheduler._record_scheduler_state_for_paused_engine (fork_plugin.HOOKS).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, List
+
+from sglang.srt.managers import pd_pause
+
+logger = logging.getLogger(__name__)
+
+ABORT_PUMP_WINDOW_S = 5.0
+
+
+def abort_while_paused(original, scheduler, recv_req, *args, **kwargs):
+    """AROUND Scheduler.abort_request: while paused, answer the abort now, wherever
+    the request sits, and return what it held."""
+    sp = pd_pause.scheduler_pause(scheduler)
+    role = pd_pause.pd_role(scheduler)
+    if not getattr(scheduler, "_engine_paused", False) or role is None or sp.pumping or sp.draining:
+        return original(scheduler, recv_req, *args, **kwargs)
+    places = _where(scheduler, recv_req)
+    matched = [r for r in pd_pause.held_reqs(scheduler) if _matches(recv_req, r.rid)]
+    logger.info("pd_pause: abort while paused (rid=%r, all=%s) found in %s",
+                recv_req.rid, recv_req.abort_all, places)
+    result = original(scheduler, recv_req, *args, **kwargs)
+    sp.pump_until = time.monotonic() + ABORT_PUMP_WINDOW_S
+    if _holds_in_batch(scheduler, recv_req):
+        # An in-place pause holds the last batch as it was: on decode the running
+        # requests with their KV, on prefill the forward whose result is not processed
+        # yet (overlap). Upstream would answer their abort only after the next pass.
+        # Its retract path settles them now: decode's others re-bootstrap on continue,
+        # prefill's pending result is processed (the aborted request is retired before
+        # its KV is exposed, the others go on to the inflight queue).
+        _retract_keeping_mode(scheduler)
+    if role == "decode":
+        _abort_held_rebootstrap(scheduler, recv_req)
+    pd_pause.pump_pd_queues(scheduler)
+    if role == "prefill":
+        pd_pause.end_prefill_rooms(
+            scheduler, matched, "Aborted by AbortReq while prefill was paused (room {room})"
+        )
+    return result
+
+
+def paused_loop_tick(result, scheduler, *args, **kwargs):
+    """AFTER Scheduler._record_scheduler_state_for_paused_engine (every iteration of
+    a paused event loop): for a while after an abort, keep retiring what it failed,
+    so rooms that conclude a moment later (drain acks) are answered during the
+    pause too."""
+    sp = pd_pause.scheduler_pause(scheduler)
+    if sp.released or pd_pause.pd_role(scheduler) is None:
+        return result
+    if sp.pump_until and time.monotonic() < sp.pump_until:
+        pd_pause.pump_pd_queues(scheduler)
+    else:
+        sp.pump_until = 0.0
+    return result
+
+
+def _holds_in_batch(scheduler, recv_req) -> bool:
+    """The abort hits a request only the next forward pass would retire: decode's
+    running batch, or prefill's last batch while its result is still unprocessed."""
+    if pd_pause.pd_role(scheduler) == "prefill":
+        batch = scheduler.last_batch
+        if batch is None or not scheduler.enable_overlap or not scheduler.result_queue:
+            return False
+        reqs = list(batch.reqs)
+    else:
+        reqs = list(scheduler.running_batch.reqs)
+        if scheduler.last_batch is not None:
+            reqs += list(scheduler.last_batch.reqs)
+    return any(_matches(recv_req, r.rid) for r in reqs)
+
+
+def _retract_keeping_mode(scheduler) -> None:
+    from sglang.srt.managers.io_struct import PauseGenerationReqInput
+
+    sp = pd_pause.scheduler_pause(scheduler)
+    mode = sp.mode
+    scheduler.pause_generation(PauseGenerationReqInput(mode="retract"))
+    sp.mode = mode
+
+
+def _where(scheduler, recv_req) -> List[str]:
+    """Names of the places (queues, batch) that hold a request the abort matches."""
+    role = pd_pause.pd_role(scheduler)
+    places = {"waiting": list(scheduler.waiting_queue),
+              "running": list(scheduler.running_batch.reqs)}
+    if scheduler.last_batch is not None:
+        places["last_batch"] = list(scheduler.last_batch.reqs)
+    if role == "prefill":
+        places["bootstrap"] = list(scheduler.disagg_prefill_bootstrap_queue.queue)
+        places["inflight"] = list(scheduler.disagg_prefill_inflight_queue)
+        places["chunked"] = [scheduler.chunked_req] if scheduler.chunked_req else []
+    else:
+        prealloc = scheduler.disagg_decode_prealloc_queue
+        places["prealloc"] = [e.req for e in prealloc.queue]
+        places["transfer"] = [e.req for e in scheduler.disagg_decode_transfer_queue.queue]
+        places["retracted"] = list(prealloc.retracted_queue)
+        places["held_rebootstrap"] = list(prealloc.held_rebootstrap_reqs)
+    return [name for name, reqs in places.items()
+            if any(_matches(recv_req, r.rid) for r in reqs)]
+
+
+def _matches(recv_req, rid: str) -> bool:
+    return recv_req.abort_all or rid.startswith(recv_req.rid)
+
+
+def _abort_held_rebootstrap(scheduler, recv_req) -> None:
+    """Requests a retract pause holds for re-bootstrap own no KV; answer them."""
+    from sglang.srt.disaggregation.utils import prepare_abort
+    from sglang.srt.managers.scheduler import _make_abort_req
+
+    prealloc = scheduler.disagg_decode_prealloc_queue
+    kept = []
+    for req in prealloc.held_rebootstrap_reqs:
+        if _matches(recv_req, req.rid):
+            prepare_abort(req, "Aborted by AbortReq.")
+            scheduler.send_abort_output(
+                _make_abort_req(req, finished_reason=recv_req.finished_reason), req
+            )
+        else:
+            kept.append(req)
+    prealloc.held_rebootstrap_reqs = kept

@@ -1,0 +1,174 @@
+"""Decode ends a request before prefill has created its room (over real mooncake TCP,
+two processes): prefill remembers decode's ABORT and fails the room as soon as it
+creates it, within a second instead of its 300 s bootstrap timeout, naming the decode
+peer; both sides give everything back and keep serving.
+
+This is how a release during a retract pause ends a request whose prefill copy is
+still held at prefill's pause gate (sglang.srt.disaggregation.cancelled_rooms).
+"""
+
+import pytest
+
+from testing.mooncake_pair import MooncakePair
+
+SIZES = dict(kv_tokens=1024, req_slots=8, metadata_slots=8, max_context_len=64)
+ANSWER_S = 5.0  # generous on a loaded machine; without the fix: the bootstrap timeout
+
+
+@pytest.fixture(scope="module")
+def pair():
+    with MooncakePair(**SIZES) as p:
+        p.idle = (p.prefill.call("snapshot"), p.decode.call("snapshot"))
+        # One request first: decode learns prefill's info, as in a serving deployment.
+        room = p.submit(prompt_len=12)
+        p.run_until(lambda: p.decode.call("transferred", room)
+                    and p.prefill.call("status", room) is not None, timeout=60)
+        p.decode.call("finish", room)
+        yield p
+
+
+def _served(pair) -> None:
+    room = pair.submit(prompt_len=16)
+    pair.run_until(lambda: pair.decode.call("transferred", room)
+                   and pair.prefill.call("status", room) is not None, timeout=60)
+    assert pair.prefill.call("status", room) == 200
+    assert pair.decode.call("kv_bytes", room) == pair.prefill.call("kv_sent", room)
+    pair.decode.call("finish", room)
+
+
+def _assert_released(pair, room) -> None:
+    assert pair.prefill.call("room_entries", room) == []
+    assert pair.decode.call("room_entries", room) == []
+    assert (pair.prefill.call("snapshot"), pair.decode.call("snapshot")) == pair.idle
+    assert pair.prefill.call("cancelled_rooms") == 0
+
+
+def test_abort_before_prefill_has_the_room_fails_it_at_creation(pair):
+    failed_before = pair.prefill.call("counter", "increment_bootstrap_failed_reqs")
+    room = pair.new_room()
+    pair.decode.call("add", room, 12, None)
+    pair.decode.call("abort", room)
+    pair.run_until(lambda: pair.decode.call("status", room) is not None, timeout=30)
+    assert pair.decode.call("final_reason", room)["type"] == "abort"
+    # decode's ABORT reaches prefill's manager, which has no such room yet
+    pair.run_until(lambda: pair.prefill.call("cancelled_rooms") == 1, timeout=30)
+
+    pair.prefill.call("add", room, 12, None)  # prefill's copy arrives late
+    took = pair.run_until(lambda: pair.prefill.call("status", room) is not None, timeout=60)
+    assert took < ANSWER_S, took
+    assert pair.prefill.call("status", room) == 500
+    reason = pair.prefill.call("reason", room)
+    assert "Aborted by the decode peer" in reason and f"room {room}" in reason, reason
+    assert pair.prefill.call("counter", "increment_bootstrap_failed_reqs") == failed_before + 1
+    _assert_released(pair, room)
+    _served(pair)
+    _assert_released(pair, room)
+
+
+def test_abort_after_prefill_created_the_room_fails_it_at_once(pair):
+    """The other order (upstream's own path): prefill's room exists, still waiting for
+    decode's handshake, when decode's ABORT arrives."""
+    room = pair.new_room()
+    pair.prefill.call("add", room, 12, None)
+    pair.prefill.call("tick")
+    pair.decode.call("add", room, 12, None)
+    pair.decode.call("abort", room)
+    took = pair.run_until(lambda: pair.prefill.call("status", room) is not None
+                          and pair.decode.call("status", room) is not None, timeout=60)
+    assert took < ANSWER_S, took
+    assert pair.prefill.call("status", room) >= 500
+    assert pair.decode.call("final_reason", room)["type"] == "abort"
+    _assert_released(pair, room)
+    _served(pair)
+
+
+def test_abort_while_prefill_paused_then_late_handshake(pair):
+    """Prefill, paused, answers an abort of a room still waiting for decode's
+    handshake; decode's handshake arrives after that (prefill was paused, decode was
+    not): it must not re-create the room on prefill, and decode hears Failed."""
+    room = pair.new_room()
+    pair.prefill.call("add", room, 12, None)
+    pair.prefill.call("tick")
+    pair.prefill.call("set_paused", True)
+    try:
+        pair.prefill.call("abort", room)
+        assert pair.prefill.call("final_reason", room)["type"] == "abort"  # answered now
+        pair.decode.call("add", room, 12, None)  # decode's handshake, late
+        took = pair.run_until(lambda: pair.decode.call("status", room) is not None, timeout=60)
+    finally:
+        pair.prefill.call("set_paused", False)
+    assert took < ANSWER_S, took
+    assert pair.decode.call("status", room) >= 500
+    assert "while prefill was paused" in pair.decode.call("reason", room)
+    # the fence stays until it expires (bounded) or a new prefill copy of the room
+    # (a re-bootstrap) fails on it: here one comes
+    pair.prefill.call("add", room, 12, None)
+    pair.run_until(lambda: pair.prefill.call("status", room) is not None, timeout=ANSWER_S)
+    assert pair.prefill.call("status", room) >= 500
+    # decode keeps the pages until prefill acknowledges the drain (upstream's
+    # deferred release): that takes a tick or two, not its 30 s fallback
+    pair.run_until(lambda: pair.decode.call("room_entries", room) == []
+                   and pair.decode.call("snapshot") == pair.idle[1], timeout=ANSWER_S)
+    _assert_released(pair, room)
+    _served(pair)
+
+
+def test_room_ended_at_release_then_decode_handshakes(pair):
+    """Prefill's release ends a queued room (503) while decode's copy of the request is
+    still held (decode's pause gate, or a retracted request decode re-bootstraps under
+    the same room): decode's handshake after continue is answered Failed at once with
+    the release's 503 instead of re-creating the room, and a new prefill copy of the
+    room (decode's re-bootstrap) fails at creation. Nothing hangs, nothing is left."""
+    message = "Aborted: engine memory released during pause (mode=in_place)."
+    room = pair.new_room()
+    pair.prefill.call("add", room, 12, "released-first")
+    pair.prefill.call("tick")
+    pair.prefill.call("set_paused", True)
+    try:
+        pair.prefill.call("end_queued", message)
+    finally:
+        pair.prefill.call("set_paused", False)
+    assert pair.prefill.call("status", room) == 503
+    pair.decode.call("add", room, 12, "released-again")  # decode continues: handshake
+    took = pair.run_until(lambda: pair.decode.call("status", room) is not None, timeout=60)
+    assert took < ANSWER_S, took
+    assert pair.decode.call("status", room) == 503
+    assert "released during pause" in pair.decode.call("reason", room)
+    pair.prefill.call("add", room, 12, "released-again")  # decode's re-bootstrap copy
+    pair.run_until(lambda: pair.prefill.call("status", room) is not None, timeout=ANSWER_S)
+    assert pair.prefill.call("status", room) == 503
+    pair.run_until(lambda: pair.decode.call("room_entries", room) == []
+                   and pair.decode.call("snapshot") == pair.idle[1], timeout=ANSWER_S)
+    _assert_released(pair, room)
+    _served(pair)
+
+
+# Last in the module: it leaves one (expiring) cancellation behind by design.
+def test_abort_of_a_room_only_decode_handshake_created(pair):
+    """Decode handshakes (prefill's manager stores the room, WaitingForInput) but
+    prefill's copy never reaches its scheduler (answered at prefill's pause gate);
+    decode's abort then drops that ownerless room state on prefill, and a prefill copy
+    that does arrive later fails at creation."""
+    for prefill_copy_arrives in (False, True):
+        kept = pair.prefill.call("cancelled_rooms")
+        room = pair.new_room()
+        pair.decode.call("add", room, 12, None)
+        pair.run_until(lambda: room in pair.prefill.call("snapshot")["rooms"], timeout=30)
+        pair.decode.call("abort", room)
+        pair.run_until(lambda: pair.decode.call("status", room) is not None
+                       and room not in pair.prefill.call("snapshot")["rooms"], timeout=ANSWER_S)
+        if prefill_copy_arrives:
+            pair.prefill.call("add", room, 12, None)
+            pair.run_until(lambda: pair.prefill.call("status", room) is not None, timeout=ANSWER_S)
+            assert pair.prefill.call("status", room) == 500
+            assert "Aborted by the decode peer" in pair.prefill.call("reason", room)
+            assert pair.prefill.call("cancelled_rooms") == kept  # taken at creation
+        else:
+            # a copy that never comes: the cancellation stays until it expires
+            # (bounded; prefill cannot know), but no room state does
+            assert pair.prefill.call("cancelled_rooms") == kept + 1
+        pair.run_until(lambda: pair.decode.call("room_entries", room) == []
+                       and pair.decode.call("snapshot") == pair.idle[1], timeout=ANSWER_S)
+        assert pair.prefill.call("room_entries", room) == []
+        assert (pair.prefill.call("snapshot"), pair.decode.call("snapshot")) == pair.idle
+    _served(pair)
