@@ -13,7 +13,7 @@ from testing.mooncake_pair import MooncakePair
 FAILURE_COUNTERS = ("increment_bootstrap_failed_reqs", "increment_transfer_failed_reqs")
 # Bounded memories of ended rooms (not transfer state): prefill's rooms it ended
 # (answers a late handshake) and rooms decode aborted (ends a late prefill leg).
-TOMBSTONES = {"fork_expired_rooms", "fork_decode_aborted_rooms"}
+TOMBSTONES = {"fork_expired_rooms"}
 # Well under upstream's own timers (bootstrap / waiting: 300 s) that otherwise free it.
 TOLD_AT_ONCE_S = 20.0
 

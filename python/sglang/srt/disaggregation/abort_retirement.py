@@ -20,8 +20,6 @@ reason), and the patched lines of prefill.py / decode.py (`counts_as_failure`,
 from __future__ import annotations
 
 import logging
-import threading
-from collections import OrderedDict
 from http import HTTPStatus
 from typing import Any, Iterable, List, Optional, Tuple
 
@@ -39,8 +37,6 @@ CLIENT_ABORT_MESSAGE = "Aborted by the client."
 UPSTREAM_ABORT_REASON = "Aborted by AbortReq"
 DECODE_ABORT_REASON = ABORT_TAG + " on decode: bootstrap_room={room} was aborted by the decode peer."
 ABORT_REASONS = (ABORT_TAG, UPSTREAM_ABORT_REASON)
-# Rooms decode aborted before their prefill leg arrived, per manager; bounded.
-MAX_ABORTED_ROOMS = 4096
 
 # Per request: (message, status) the abort asked for.
 _ABORT = "fork_abort_verdict"
@@ -283,15 +279,12 @@ def around_pending_chunked_abort(original, scheduler, *args, **kwargs):
 def on_prefill_manager_init(mgr: Any, queue: Any, *args: Any, **kwargs: Any):
     """AFTER PrefillBootstrapQueue._init_kv_manager: decode's ABORT for an active room
     records why (decode ended it: an abort there), so prefill ends the request as an
-    abort, not as a failure "for an unknown reason from another rank"; an ABORT for a
-    room whose prefill leg has not arrived yet is remembered, and the leg, when it
-    comes, ends at once (`after_prefill_add`) instead of waiting for a handshake that
-    will never come."""
+    abort, not as a failure "for an unknown reason from another rank". An ABORT for a
+    room prefill does not have yet is `cancelled_rooms`' (its reason carries
+    `ABORT_TAG`, so that leg ends as an abort too)."""
     handler = getattr(mgr, "_handle_abort_notification", None)
     if handler is None or getattr(handler, "fork_wrapped", False):
         return mgr
-    mgr.fork_abort_lock = threading.Lock()
-    mgr.fork_decode_aborted_rooms = OrderedDict()
 
     def handle_abort_notification(msg: List[bytes]) -> bool:
         from sglang.srt.disaggregation.common.conn import ABORT_TAG as WIRE_ABORT
@@ -301,24 +294,13 @@ def on_prefill_manager_init(mgr: Any, queue: Any, *args: Any, **kwargs: Any):
         notification = AbortNotification.from_zmq(msg) if msg and msg[0] == WIRE_ABORT else None
         if notification is not None:
             room = notification.room
-            with mgr.fork_abort_lock:
-                status = mgr.request_status.get(room)
-                # Decode arms a drain ACK (a generation) once it published its pages,
-                # i.e. once this side could know the room; an unknown room with a
-                # generation is one this side already ended and cleared.
-                early = notification.generation is None
-                ended_here = room in mgr.__dict__.get("fork_expired_rooms", ())
-                if status is None and early and not ended_here:
-                    rooms = mgr.fork_decode_aborted_rooms
-                    rooms[room] = True
-                    while len(rooms) > MAX_ABORTED_ROOMS:
-                        rooms.popitem(last=False)
-                elif status != KVPoll.Success:
-                    with mgr.failure_lock:
-                        # Re-checked under the lock failure_exception() pops with: a
-                        # room cleared meanwhile must not get a record back.
-                        if room in mgr.request_status:
-                            mgr.failure_records.setdefault(room, DECODE_ABORT_REASON.format(room=room))
+            status = mgr.request_status.get(room)
+            if status is not None and status != KVPoll.Success:
+                with mgr.failure_lock:
+                    # Re-checked under the lock failure_exception() pops with: a
+                    # room cleared meanwhile must not get a record back.
+                    if room in mgr.request_status:
+                        mgr.failure_records.setdefault(room, DECODE_ABORT_REASON.format(room=room))
         return handler(msg)
 
     handle_abort_notification.fork_wrapped = True
@@ -326,16 +308,3 @@ def on_prefill_manager_init(mgr: Any, queue: Any, *args: Any, **kwargs: Any):
     return mgr
 
 
-def after_prefill_add(result, queue, req, *args, **kwargs):
-    """AFTER PrefillBootstrapQueue.add: a leg whose decode peer already aborted the
-    room ends at once (see `on_prefill_manager_init`)."""
-    mgr = getattr(queue, "kv_manager", None)
-    rooms = getattr(mgr, "fork_decode_aborted_rooms", None)
-    if rooms is None or req.bootstrap_room is None:
-        return result
-    with mgr.fork_abort_lock:
-        if rooms.pop(req.bootstrap_room, None) is None or req.bootstrap_room not in mgr.request_status:
-            return result
-        mgr.record_failure(req.bootstrap_room, DECODE_ABORT_REASON.format(room=req.bootstrap_room))
-        mgr.update_status(req.bootstrap_room, KVPoll.Failed)
-    return result

@@ -8,8 +8,9 @@ waited for a handshake that never came (bootstrap timeout, 300 s) while the rout
 waited with it. Here such an ABORT is remembered (bounded: at most `MAX_ROOMS`, each
 for the bootstrap + waiting timeout on the engine clock, so paused time does not
 count) and the room moves `Bootstrapping -> Failed` as soon as prefill creates its
-sender, with a reason naming the decode peer; upstream's bootstrap-failure path then
-answers the request and frees its slot.
+sender, with a reason naming the decode peer that marks it an abort (abort_retirement
+answers it as one and counts no failure); upstream's bootstrap-failure path then
+frees its slot.
 
 An ABORT for a room prefill itself failed and cleared (decode's answer to our Failed)
 is not kept; one for a room decode's handshake created but no sender owns (prefill's
@@ -33,7 +34,9 @@ from sglang.srt.managers.engine_clock import engine_clock
 logger = logging.getLogger(__name__)
 
 MAX_ROOMS = 65536
-REASON = "Aborted by the decode peer {peer} before prefill received the request (room {room})"
+# Opens with abort_retirement.ABORT_TAG: decode ended the request (its ABORT carries no
+# cause), so prefill's leg ends as an abort, not as a bootstrap failure.
+REASON = "PD request aborted on decode: the decode peer {peer} aborted room {room} before prefill received the request"
 
 
 class CancelledRooms:

@@ -191,11 +191,6 @@ HOOKS: list[tuple[str, str, HookType]] = [
         "sglang.srt.disaggregation.abort_retirement:on_prefill_manager_init",
         HookType.AFTER,
     ),
-    (
-        "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue.add",
-        "sglang.srt.disaggregation.abort_retirement:after_prefill_add",
-        HookType.AFTER,
-    ),
     # peer_liveness: a crashed peer is noticed at once, its requests end (502), and a
     # restarted peer is accepted without restarting this side.
     (
