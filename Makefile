@@ -15,7 +15,7 @@ demo: venv
 test: venv
 	$(VPY) -m pytest -ra --timeout=1200 test/srt
 
-# Release gate: the fork vs stock upstream on CPU (~10 min; not part of `make test`).
+# Release gate: the fork vs stock upstream on CPU (~5 min; not part of `make test`).
 # ARGS: --rounds N, --requests N, --write-readme (see bench/README.md).
 bench: venv
 	$(VPY) -m bench.release_gate $(ARGS)

@@ -287,9 +287,16 @@ class Server:
         self._remember()
         return time.monotonic() - t0
 
-    def freeze(self) -> List[int]:
-        """SIGSTOP every process of the tree."""
-        return self._signal_tree(signal.SIGSTOP)
+    def freeze(self, timeout: float = 10.0) -> List[int]:
+        """SIGSTOP every process of the tree; returns once each one is stopped (signal
+        delivery is asynchronous: a test must not act on a tree still running)."""
+        pids = self._signal_tree(signal.SIGSTOP)
+
+        def stopped():
+            return all(_proc_status(pid) in (psutil.STATUS_STOPPED, None) for pid in pids)
+
+        wait_until(stopped, timeout, f"{self.role}: every process stopped", interval=0.02)
+        return pids
 
     def resume(self) -> List[int]:
         return self._signal_tree(signal.SIGCONT)
@@ -398,6 +405,14 @@ class Server:
             p.send_signal(sig)
         self._remember()
         return [p.pid for p in procs]
+
+
+def _proc_status(pid: int) -> Optional[str]:
+    """psutil's status of pid, or None once it is gone."""
+    try:
+        return psutil.Process(pid).status()
+    except psutil.NoSuchProcess:
+        return None
 
 
 # ----------------------------------------------------------------------------- deployments
