@@ -114,3 +114,23 @@ def assert_idle(deployment, roles, baseline: dict | None = None, timeout: float 
 
     wait_until(idle, timeout, "servers to release everything", on_timeout=describe)
     return {role: deployment.resources(role) for role in roles}
+
+
+# Queue harnesses (testing/queue_harness.py): one of each per test module, with its
+# idle snapshot as the baseline its tests return to.
+@pytest.fixture(scope="module")
+def prefill_h():
+    from testing.queue_harness import PrefillHarness
+
+    with PrefillHarness() as h:
+        h.idle = h.snapshot()
+        yield h
+
+
+@pytest.fixture(scope="module")
+def decode_h():
+    from testing.queue_harness import DecodeHarness
+
+    with DecodeHarness() as h:
+        h.idle = h.snapshot()
+        yield h

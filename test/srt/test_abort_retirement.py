@@ -12,25 +12,11 @@ import pytest
 from sglang.srt.disaggregation import abort_retirement as ar
 from sglang.srt.disaggregation import request_end_cause as ec
 from sglang.srt.managers.schedule_batch import FINISH_ABORT
-from testing.queue_harness import DecodeHarness, KVPoll, Notice, PrefillHarness
+from testing.queue_harness import KVPoll, Notice, PrefillHarness
 
 FAILURE_COUNTERS = ("increment_bootstrap_failed_reqs", "increment_transfer_failed_reqs")
 # The bounded memory of ended rooms that answers a late handshake (transfer_deadline).
 TOMBSTONE = "fork_expired_rooms"
-
-
-@pytest.fixture(scope="module")
-def prefill_h():
-    with PrefillHarness() as h:
-        h.idle = h.snapshot()
-        yield h
-
-
-@pytest.fixture(scope="module")
-def decode_h():
-    with DecodeHarness() as h:
-        h.idle = h.snapshot()
-        yield h
 
 
 @pytest.fixture

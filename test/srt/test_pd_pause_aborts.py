@@ -11,21 +11,7 @@ import contextlib
 
 import pytest
 
-from testing.queue_harness import DecodeHarness, KVPoll, PrefillHarness
-
-
-@pytest.fixture(scope="module")
-def prefill_h():
-    with PrefillHarness() as h:
-        h.idle = h.snapshot()
-        yield h
-
-
-@pytest.fixture(scope="module")
-def decode_h():
-    with DecodeHarness() as h:
-        h.idle = h.snapshot()
-        yield h
+from testing.queue_harness import DecodeHarness, KVPoll
 
 
 @contextlib.contextmanager

@@ -5,21 +5,7 @@ One harness per side for the module; each test starts by checking it is idle.
 
 import pytest
 
-from testing.queue_harness import DecodeHarness, KVPoll, Notice, PrefillHarness
-
-
-@pytest.fixture(scope="module")
-def prefill_h():
-    with PrefillHarness() as h:
-        h.idle = h.snapshot()
-        yield h
-
-
-@pytest.fixture(scope="module")
-def decode_h():
-    with DecodeHarness() as h:
-        h.idle = h.snapshot()
-        yield h
+from testing.queue_harness import KVPoll, Notice
 
 
 @pytest.fixture
