@@ -343,8 +343,8 @@ def fmt(x: float) -> str:
 
 def table(rows: List[Dict[str, object]], fork: Dict[str, float], upstream: Dict[str, float]) -> str:
     lines = [
-        f"| metric (median of rounds) | fork | upstream | ratio (median of rounds) | min..max per round | bound | |",
-        f"|---|---:|---:|---:|---|---|---|",
+        "| metric (median of rounds) | fork | upstream | ratio (median of rounds) | min..max per round | bound | |",
+        "|---|---:|---:|---:|---|---|---|",
     ]
     for row in rows:
         b: Bound = row["bound"]  # type: ignore[assignment]

@@ -250,10 +250,6 @@ class _Worker:
     def old_kv_unchanged(self) -> bool:
         return all(bool((a == b).all()) for a, b in zip(self._old_kv, self._old_kv_copy))
 
-    def abort(self, room: int) -> None:
-        """The real `Scheduler.abort_request` for the room's request (a client abort)."""
-        self.h.abort(self.reqs[room].rid)
-
     def sends(self, room: int) -> int:
         """How many KV chunks prefill handed to the transfer engine for the room."""
         return self.sent_chunks.get(room, 0)

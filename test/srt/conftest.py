@@ -134,3 +134,17 @@ def decode_h():
     with DecodeHarness() as h:
         h.idle = h.snapshot()
         yield h
+
+
+# Per-peer tables (fork_pd_resources.peers / mooncake_pair "peers"): entries upstream's
+# decode heartbeat adds per prefill on its own schedule (0 or 1 each between two
+# beats) are bounded by the prefills known, and compared as such.
+HEARTBEAT_TABLES = ("heartbeat_failures", "session_pool")
+
+
+def stable_peer_tables(peers: dict) -> dict:
+    out = {k: v for k, v in peers.items() if k not in HEARTBEAT_TABLES}
+    for k in HEARTBEAT_TABLES:
+        if k in peers:
+            out[k + "<=prefills"] = peers[k] <= peers.get("prefill_info_table", 0)
+    return out

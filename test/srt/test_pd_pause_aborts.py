@@ -9,8 +9,6 @@ test_pd_pause.py::test_abort_during_long_pause_is_answered_within_1s.
 
 import contextlib
 
-import pytest
-
 from testing.queue_harness import DecodeHarness, KVPoll
 
 

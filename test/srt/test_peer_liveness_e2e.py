@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from conftest import assert_idle, held
+from conftest import assert_idle, held, stable_peer_tables
 from testing.pd_cluster import (
     HOST,
     PDCluster,
@@ -46,19 +46,6 @@ N_AFTER = 20
 LOSSES = "sglang:num_pd_peer_losses_total"
 RECOVERIES = "sglang:num_pd_peer_recoveries_total"
 PD_ROLES = ("prefill", "decode")
-
-
-# Entries upstream's decode heartbeat adds per prefill on its own schedule (0 or 1 each
-# between two beats): bounded by the prefills known, compared as such.
-HEARTBEAT_TABLES = ("heartbeat_failures", "session_pool")
-
-
-def _stable(peers: dict) -> dict:
-    out = {k: v for k, v in peers.items() if k not in HEARTBEAT_TABLES}
-    for k in HEARTBEAT_TABLES:
-        if k in peers:
-            out[k + "<=prefills"] = peers[k] <= peers.get("prefill_info_table", 0)
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +120,7 @@ def _assert_named_5xx(legs, lost_role: str, t_kill: float) -> None:
         if leg.status == 502:
             assert f"PD peer lost: {lost_role} peer {peer} lost" in detail, detail
         else:
-            assert leg.status == 500 and f"Failed to send kv chunk" in detail and f"to {peer}" in detail, (leg.status, detail)
+            assert leg.status == 500 and "Failed to send kv chunk" in detail and f"to {peer}" in detail, (leg.status, detail)
         assert leg.ended_at - t_kill <= DETECT_BOUND, leg.ended_at - t_kill
 
 
@@ -146,7 +133,7 @@ def _recover(cluster, control, survivor: str, baseline: dict, peers_before: dict
     assert_idle(cluster, PD_ROLES, baseline)
     # per-peer tables as before the crash (upstream's heartbeat refills its entries
     # for a prefill within one interval)
-    wait_until(lambda: _stable(_peers(cluster[survivor])) == _stable(peers_before), HEARTBEAT + 10,
+    wait_until(lambda: stable_peer_tables(_peers(cluster[survivor])) == stable_peer_tables(peers_before), HEARTBEAT + 10,
                "per-peer tables as before", on_timeout=lambda: f"{_peers(cluster[survivor])} != {peers_before}")
 
 

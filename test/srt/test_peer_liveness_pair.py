@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from conftest import stable_peer_tables
 from testing.mooncake_pair import MooncakePair
 
 HEARTBEAT = 2.0
@@ -21,17 +22,6 @@ ENV = {
 # one heartbeat + ticks, generously (busy 2-core machine)
 DETECT_BOUND = HEARTBEAT + 6.0
 N = 6
-# Entries upstream's decode heartbeat adds per prefill on its own schedule (0 or 1 each
-# between two beats): bounded by the prefills known, compared as such.
-HEARTBEAT_TABLES = ("heartbeat_failures", "session_pool")
-
-
-def _stable(peers: dict) -> dict:
-    out = {k: v for k, v in peers.items() if k not in HEARTBEAT_TABLES}
-    for k in HEARTBEAT_TABLES:
-        if k in peers:
-            out[k + "<=prefills"] = peers[k] <= peers.get("prefill_info_table", 0)
-    return out
 
 SIZES = dict(kv_tokens=2048, req_slots=N + 4, metadata_slots=N + 4, max_context_len=64)
 
@@ -131,7 +121,7 @@ def test_decode_killed_prefill_fails_bound_rooms_and_accepts_restart(pair):
     pair.restart("decode")
     _serve_new_requests(pair)
     assert pair.prefill.call("snapshot") == idle
-    _wait_equal(lambda: _stable(pair.prefill.call("peers")), _stable(peers), HEARTBEAT + 5)
+    _wait_equal(lambda: stable_peer_tables(pair.prefill.call("peers")), stable_peer_tables(peers), HEARTBEAT + 5)
     assert pair.prefill.call("peer_counts") == {f"loss/prefill/{host}": 1, f"recovery/prefill/{host}": 1}
 
 
@@ -165,5 +155,5 @@ def test_prefill_killed_decode_fails_bound_rooms_and_accepts_restart(pair):
     _serve_new_requests(pair)
     # as before the crash once upstream's heartbeat has run again (it fills its
     # session pool and miss count per prefill)
-    _wait_equal(lambda: _stable(pair.decode.call("peers")), _stable(peers), HEARTBEAT + 5)
+    _wait_equal(lambda: stable_peer_tables(pair.decode.call("peers")), stable_peer_tables(peers), HEARTBEAT + 5)
     assert pair.decode.call("peer_counts") == {f"loss/decode/{addr}": 1, f"recovery/decode/{addr}": 1}

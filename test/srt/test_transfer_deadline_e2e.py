@@ -26,7 +26,6 @@ from testing.pd_cluster import (
     free_ports,
     generate,
     http_post_json,
-    metric_sum,
     prompts,
     wait_until,
 )

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, List
+from typing import List
 
 from sglang.srt.managers import pd_pause
 
