@@ -171,3 +171,151 @@ def test_prefill_killed_while_decode_awaits_drain_acks(cluster):
     results = [generate(cluster.url, p, max_new_tokens=8) for p in prompts(6)]
     assert [r["status"] for r in results] == [200] * 6, [r["error"] for r in results]
     assert_idle(cluster, PD_ROLES, baseline)
+
+
+# ----------------------------------------------------------------------------- hole 1
+
+
+def _call(server, endpoint: str, body=None):
+    status, reply = http_post_json(f"{server.url}/{endpoint}", body or {}, timeout=60)
+    assert status == 200, (server.role, endpoint, status, reply)
+    return reply
+
+
+def _bootstrap_queue(server) -> int:
+    return server.resources()["queues"]["prefill_bootstrap"]
+
+
+def _gate_or_abort_answer(r) -> bool:
+    """What decode's pause gate answers an aborted request: today 499 naming the pause;
+    upstream's abort answer (200, finish_reason abort) once issue 14 changes it. The
+    load balancer may relay either."""
+    if r["status"] == 200:
+        return r["meta"]["finish_reason"]["type"] == "abort"
+    return r["status"] == 499 and "while the engine was paused" in str(r["error"])
+
+
+class Client(threading.Thread):
+    def __init__(self, url: str, rid: str, text: str):
+        super().__init__(daemon=True)
+        self.url, self.rid, self.text = url, rid, text
+        self.result = self.ended_at = None
+
+    def run(self):
+        self.result = generate(self.url, self.text, max_new_tokens=8, timeout=120, rid=self.rid)
+        self.ended_at = time.monotonic()
+
+
+def test_abort_at_decodes_gate_reaches_prefill_at_once(cluster):
+    """Hole 1: decode paused (abort mode), prefill serving. A request reaches both;
+    prefill's copy waits for decode's handshake, decode's copy waits at its pause gate.
+    /abort_request at decode ends it there -- and prefill's copy within about a second,
+    not after its bootstrap timeout."""
+    prefill, decode = cluster["prefill"], cluster["decode"]
+    warm = generate(cluster.url, "warm up", max_new_tokens=4)
+    assert warm["status"] == 200, warm
+    baseline = assert_idle(cluster, PD_ROLES)
+    aborts = _metric(prefill, END_CAUSES, role="prefill", cause="client_abort")
+    failed = _metric(prefill, "sglang:num_bootstrap_failed_reqs_total")
+
+    _call(decode, "pause_generation", {"mode": "abort"})
+    try:
+        n = 4
+        clients = [Client(cluster.url, f"hole1-{i}-{random.getrandbits(40)}", f"gate {i}: hello") for i in range(n)]
+        for c in clients:
+            c.start()
+        wait_until(lambda: _bootstrap_queue(prefill) == n, 30, "prefill's copies waiting for decode's handshake")
+        t_abort = time.monotonic()
+        for c in clients:
+            assert http_post_json(decode.url + "/abort_request", {"rid": c.rid}, timeout=10)[0] == 200
+        wait_until(lambda: _bootstrap_queue(prefill) == 0, 5, "prefill's bootstrap queue to empty",
+                   interval=0.05, on_timeout=lambda: str(prefill.resources()["queues"]))
+        emptied = time.monotonic() - t_abort
+        for c in clients:
+            c.join(10)
+        assert not [c.rid for c in clients if c.is_alive()], "a request hangs"
+        assert emptied <= 1.5, emptied  # "about a second" on two loaded cores
+        for c in clients:
+            assert _gate_or_abort_answer(c.result), c.result
+            assert c.ended_at - t_abort <= 5.0, c.ended_at - t_abort
+        assert_idle(cluster, ("prefill",), baseline, timeout=5)
+        # prefill ended its copies as aborts (decode's end), not bootstrap failures
+        assert _metric(prefill, END_CAUSES, role="prefill", cause="client_abort") == aborts + n
+        assert _metric(prefill, "sglang:num_bootstrap_failed_reqs_total") == failed
+    finally:
+        _call(decode, "continue_generation")
+    assert_idle(cluster, PD_ROLES, baseline)
+    results = [generate(cluster.url, p, max_new_tokens=8) for p in prompts(4)]
+    assert [r["status"] for r in results] == [200] * 4, [r["error"] for r in results]
+
+
+SKEW_CYCLES = 6
+SKEW_CLIENTS = 6
+UNANSWERED_S = 10.0
+
+
+def test_skewed_abort_pause_cycles_leave_nothing_waiting(cluster):
+    """The issue's soak, bounded: abort-mode pause cycles where prefill is paused and
+    continued before decode, under closed-loop traffic through the load balancer (the
+    mini LB). No request is unanswered after 10 s; after each cycle prefill's
+    bootstrap queue empties within a second of decode's end."""
+    prefill, decode = cluster["prefill"], cluster["decode"]
+    warm = generate(cluster.url, "warm up", max_new_tokens=4)
+    assert warm["status"] == 200, warm
+    baseline = assert_idle(cluster, PD_ROLES)
+    halt = threading.Event()
+    results, lock = [], threading.Lock()
+    open_since: dict = {}
+
+    def client(k):
+        i = 0
+        while not halt.is_set():
+            rid = f"skew-{k}-{i}-{random.getrandbits(32)}"
+            with lock:
+                open_since[rid] = time.monotonic()
+            r = generate(cluster.url, f"closed loop {k} {i}: hello world", max_new_tokens=16, timeout=120, rid=rid)
+            with lock:
+                r["latency_s"] = time.monotonic() - open_since.pop(rid)
+                results.append(r)
+            i += 1
+
+    threads = [threading.Thread(target=client, args=(k,), daemon=True) for k in range(SKEW_CLIENTS)]
+    for t in threads:
+        t.start()
+    try:
+        for cycle in range(SKEW_CYCLES):
+            served = len(results)
+            wait_until(lambda: len(results) >= served + 2, 60, f"traffic before cycle {cycle}")
+            _call(prefill, "pause_generation", {"mode": "abort"})
+            _call(decode, "pause_generation", {"mode": "abort"})
+            _call(prefill, "release_memory_occupation")
+            _call(decode, "release_memory_occupation")
+            _call(prefill, "resume_memory_occupation")
+            _call(decode, "resume_memory_occupation")
+            _call(prefill, "continue_generation")
+            # prefill serves again; decode still paused: new requests reach both,
+            # decode's copies wait at its gate. Abort them there (what the client or
+            # the gateway does when it gives up); prefill must end its copies at once.
+            wait_until(lambda: _bootstrap_queue(prefill) > 0, 30, f"prefill copies waiting (cycle {cycle})")
+            t_end = time.monotonic()
+            _call(decode, "abort_request", {"abort_all": True})
+            wait_until(lambda: _bootstrap_queue(prefill) == 0, 5, f"prefill's bootstrap queue to empty (cycle {cycle})",
+                       interval=0.05, on_timeout=lambda: str(prefill.resources()["queues"]))
+            emptied = time.monotonic() - t_end
+            assert emptied <= 1.5, (cycle, emptied)
+            _call(decode, "continue_generation")
+            with lock:
+                stuck = [rid for rid, t0 in open_since.items() if time.monotonic() - t0 > UNANSWERED_S]
+            assert not stuck, f"unanswered after {UNANSWERED_S}s: {stuck}"
+    finally:
+        halt.set()
+        for t in threads:
+            t.join(UNANSWERED_S + 30)
+        for role in PD_ROLES:  # never leave the module's cluster paused
+            http_post_json(f"{cluster[role].url}/continue_generation", {}, timeout=60)
+    assert not [t for t in threads if t.is_alive()], "a request hangs"
+    assert max(r["latency_s"] for r in results) <= UNANSWERED_S, sorted(r["latency_s"] for r in results)[-5:]
+    for r in results:
+        assert r["status"] == 200 or _gate_or_abort_answer(r) or r["status"] in (499, 500, 503), r
+    assert sum(r["status"] == 200 and r["meta"]["finish_reason"]["type"] != "abort" for r in results) >= SKEW_CYCLES
+    assert_idle(cluster, PD_ROLES, baseline)

@@ -23,7 +23,7 @@ import logging
 from http import HTTPStatus
 from typing import Any, Iterable, List, Optional, Tuple
 
-from sglang.srt.disaggregation import request_end_cause as end_cause
+from sglang.srt.disaggregation import request_end_cause as end_cause, room_ledger
 from sglang.srt.disaggregation.base import KVPoll
 
 logger = logging.getLogger(__name__)
@@ -39,7 +39,7 @@ DECODE_ABORT_REASON = ABORT_TAG + " on decode: bootstrap_room={room} was aborted
 ABORT_REASONS = (ABORT_TAG, UPSTREAM_ABORT_REASON)
 
 # Per request: (message, status) the abort asked for.
-_ABORT = "fork_abort_verdict"
+_ABORT = room_ledger.REQUESTED_ABORT
 
 PREFILL_BOOTSTRAP = "prefill_bootstrap"
 PREFILL_WAITING = "prefill_waiting"
@@ -181,21 +181,6 @@ def before_abort_request(scheduler, recv_req, *args, **kwargs) -> None:
             if kv_mgr is not None and room is not None and hasattr(kv_mgr, "send_kv_status_message"):
                 if getattr(kv_mgr, "request_status", {}).get(room) != KVPoll.Success:
                     _tell_decode(kv_mgr, room, peer_reason(req.rid, room, "prefill"))
-
-
-def abort_status(original, req, error_message, status_code=None, *args, **kwargs):
-    """AROUND disaggregation.utils.prepare_abort: an aborted request reports its
-    abort's verdict, not the bootstrap/transfer failure the abort caused; a room the
-    peer ended because its request was aborted there is an abort here too."""
-    verdict = getattr(req, _ABORT, None)
-    if getattr(req, "_fork_pause_abort", None) is not None:
-        verdict = None  # pd_pause answers its own aborts (503, retry later)
-    elif verdict is None and error_message and any(t in error_message for t in ABORT_REASONS):
-        verdict = (CLIENT_ABORT_MESSAGE, None)
-        end_cause.tag_req(req, end_cause.CLIENT_ABORT)
-    if verdict is not None:
-        error_message, status_code = verdict
-    return original(req, error_message, status_code, *args, **kwargs)
 
 
 def counts_as_failure(scheduler, req, role: str, stage: Optional[str] = None, kv_mgr=None) -> bool:

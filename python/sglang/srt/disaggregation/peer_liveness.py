@@ -36,6 +36,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from sglang.srt.disaggregation.base import KVPoll
 from sglang.srt.disaggregation.request_end_cause import PEER_FAILURE, tag
+from sglang.srt.disaggregation.room_ledger import ledger_of
 from sglang.srt.environ import envs
 
 logger = logging.getLogger(__name__)
@@ -434,6 +435,11 @@ def around_handle_node_failure(original, mgr, failed_bootstrap_addr, *args, **kw
         result = original(mgr, failed_bootstrap_addr, *args, **kwargs)
         if known and monitor is not None:
             monitor.lost[failed_bootstrap_addr] = [peer]
+    # rooms decode ended before the loss and parked for this prefill's drain ack:
+    # nobody will ack (after the mark above, a room parked later is acked at once)
+    ledger = ledger_of(mgr)
+    if ledger is not None and monitor is not None:
+        ledger.settle_peer(failed_bootstrap_addr)
     if known and monitor is not None:
         logger.error("%s: %d requests failed, its connection info dropped", reason, failed)
         _count(monitor, "loss", peer)
@@ -513,10 +519,19 @@ def after_ensure_abort_notified(result, receiver, *args, **kwargs):
     addr = getattr(receiver, "bootstrap_addr", None)
     generation = getattr(receiver, "_abort_generation", None)
     room = receiver.bootstrap_room
-    if addr in monitor.lost and generation is not None and room in mgr._deferred_abort_ack_tracker:
-        for i, _ in enumerate(receiver.bootstrap_infos or ()):
+    if generation is None or room not in mgr._deferred_abort_ack_tracker:
+        return result
+    ranks = len(receiver.bootstrap_infos or ())
+    if addr in monitor.lost:
+        for i in range(ranks):
             mgr.note_abort_ack(room, -1 - i, generation)  # ranks no live prefill uses
         logger.debug("Room %s: prefill peer %s is lost; its drain acked on its behalf", room, addr)
+    else:  # settled by the ledger if this prefill is lost before it acks
+        ledger = ledger_of(mgr)
+        if ledger is not None:
+            ledger.note_drain(room, addr, generation, ranks)
+            if addr in monitor.lost:  # lost meanwhile: settle_peer may have run already
+                ledger.settle_peer(addr)
     return result
 
 
@@ -538,8 +553,3 @@ def around_send_multipart_locked(original, mgr, endpoint, parts, *args, **kwargs
         logger.debug("Not sending to %s: that decode peer was lost", endpoint)
         return None
     return original(mgr, endpoint, parts, *args, **kwargs)
-
-
-def around_prepare_abort(original, req, error_message, status_code=None, *args, **kwargs):
-    """AROUND disaggregation.utils.prepare_abort: 502 for a lost peer."""
-    return original(req, error_message, abort_status(error_message, status_code), *args, **kwargs)

@@ -18,10 +18,9 @@ from __future__ import annotations
 
 import logging
 from collections import Counter, OrderedDict
-from http import HTTPStatus
 from typing import Any, List, Sequence, Tuple
 
-from sglang.srt.disaggregation import request_end_cause
+from sglang.srt.disaggregation import request_end_cause, room_ledger
 from sglang.srt.disaggregation.base import KVPoll
 from sglang.srt.disaggregation.transfer_deadline_knob import ARG, ENV, configured
 from sglang.srt.managers.engine_clock import engine_clock
@@ -37,7 +36,7 @@ STAGES = (PREFILL_BOOTSTRAP, PREFILL_WAITING, PREFILL_INFLIGHT, DECODE_PREALLOC,
 
 # Per request: (stage, entered_at on engine_clock) and, once expired, the message.
 _STAMP = "fork_transfer_stage"
-_EXPIRED = "fork_transfer_deadline_message"
+_EXPIRED = room_ledger.DEADLINE_EXPIRED
 
 # A queue is scanned at most every deadline/SCAN_DIVISOR seconds (capped at
 # MAX_SCAN_INTERVAL): a request is seen entering a stage at most one interval late and
@@ -86,18 +85,6 @@ def message(stage: str, req: Any, elapsed: float, deadline: float) -> str:
         f"{req.bootstrap_room}) spent {elapsed:.1f}s in stage {stage}, over the "
         f"{deadline:g}s deadline. Raise {ENV} or {ARG} if transfers legitimately take longer."
     )
-
-
-def abort_verdict(req: Any, error_message: str, status_code) -> Tuple[str, Any]:
-    """What `prepare_abort` reports: 504 and our message for a request this module
-    expired; 504 and the caller's message when the room failed because the peer's
-    deadline expired it (the peer's reason, carried in the message); else unchanged."""
-    expired = getattr(req, _EXPIRED, None)
-    if expired is not None:
-        return expired, HTTPStatus.GATEWAY_TIMEOUT
-    if error_message and TAG in error_message:
-        return error_message, HTTPStatus.GATEWAY_TIMEOUT
-    return error_message, status_code
 
 
 # ----------------------------------------------------------------------------- side effects

@@ -91,10 +91,22 @@ HOOKS: list[tuple[str, str, HookType]] = [
         "sglang.srt.managers.pd_pause_aborts:paused_loop_tick",
         HookType.AFTER,
     ),
+    # room_ledger: one per kv manager (drains owed by a peer, ends decode decided),
+    # and the one verdict on how a PD request that ends on a failure path is answered
     (
         "sglang.srt.disaggregation.utils.prepare_abort",
-        "sglang.srt.managers.pd_pause:pause_abort_status",
+        "sglang.srt.disaggregation.room_ledger:prepare_abort_verdict",
         HookType.AROUND,
+    ),
+    (
+        "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager",
+        "sglang.srt.disaggregation.room_ledger:on_manager_init",
+        HookType.AFTER,
+    ),
+    (
+        "sglang.srt.disaggregation.decode.DecodePreallocQueue._init_kv_manager",
+        "sglang.srt.disaggregation.room_ledger:on_manager_init",
+        HookType.AFTER,
     ),
     # Transfer deadlines: expire overdue requests before each PD queue polls.
     (
@@ -165,11 +177,6 @@ HOOKS: list[tuple[str, str, HookType]] = [
         HookType.BEFORE,
     ),
     (
-        "sglang.srt.disaggregation.utils.prepare_abort",
-        "sglang.srt.disaggregation.abort_retirement:abort_status",
-        HookType.AROUND,
-    ),
-    (
         "sglang.srt.disaggregation.prefill.SchedulerDisaggregationPrefillMixin."
         "_retire_aborted_prefill_result",
         "sglang.srt.disaggregation.abort_retirement:after_retire_aborted",
@@ -232,11 +239,6 @@ HOOKS: list[tuple[str, str, HookType]] = [
         "sglang.srt.disaggregation.common.conn.CommonKVReceiver.ensure_abort_notified",
         "sglang.srt.disaggregation.peer_liveness:after_ensure_abort_notified",
         HookType.AFTER,
-    ),
-    (
-        "sglang.srt.disaggregation.utils.prepare_abort",
-        "sglang.srt.disaggregation.peer_liveness:around_prepare_abort",
-        HookType.AROUND,
     ),
     # cancelled_rooms: decode's ABORT for a room prefill has not created yet is kept,
     # and the room fails at creation instead of waiting out the bootstrap timeout.

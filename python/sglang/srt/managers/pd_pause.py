@@ -19,6 +19,7 @@ import time
 from http import HTTPStatus
 from typing import Any, Dict, List, Optional
 
+from sglang.srt.disaggregation import room_ledger
 from sglang.srt.managers.engine_clock import engine_clock
 
 logger = logging.getLogger(__name__)
@@ -185,7 +186,7 @@ def _abort_all_and_drain(scheduler, message: str) -> None:
     try:
         while True:
             for req in queued_reqs(scheduler):
-                req._fork_pause_abort = message
+                setattr(req, room_ledger.PAUSE_ABORT, message)
                 ended[id(req)] = req
             scheduler.abort_request(AbortReq(abort_all=True, finished_reason=reason))
             pump_pd_queues(scheduler)
@@ -257,18 +258,6 @@ def end_prefill_rooms(scheduler, reqs: List[Any], reason: Optional[str]) -> None
             cancelled = getattr(mgr, "fork_cancelled_rooms", None)
             if cancelled is not None:
                 cancelled.add(room, reason.format(room=room))
-
-
-def pause_abort_status(original, req, error_message, status_code=None, *args, **kwargs):
-    """AROUND disaggregation.utils.prepare_abort: a request the pause path ended
-    reports why (503, retry later), not the transfer failure it caused."""
-    message = getattr(req, "_fork_pause_abort", None)
-    if message is not None:
-        error_message, status_code = message, HTTPStatus.SERVICE_UNAVAILABLE
-    elif RELEASE_MARKER in str(error_message):
-        # The peer ended it at its release (the reason crossed the wire): same answer.
-        status_code = HTTPStatus.SERVICE_UNAVAILABLE
-    return original(req, error_message, status_code, *args, **kwargs)
 
 
 def _queue_lengths(scheduler) -> Dict[str, int]:

@@ -14,6 +14,8 @@ import asyncio
 import logging
 from typing import Any, Dict
 
+from sglang.srt.disaggregation import room_ledger
+
 logger = logging.getLogger(__name__)
 
 
@@ -35,7 +37,7 @@ def tm_abort_request(result, tokenizer_manager, rid: str = "", abort_all: bool =
     hit = False
     for state_rid, state in list(tokenizer_manager.rid_to_state.items()):
         if abort_all or state_rid == rid:
-            state._fork_gate_abort = True
+            state._fork_gate_abort = tokenizer_manager.disaggregation_mode  # an Enum: truthy
             hit = True
     logger.info("pd_pause: abort while paused (rid=%r, all=%s): %s", rid, abort_all,
                 "waking the pause gate" if hit else "no request state")
@@ -59,4 +61,5 @@ def gate_open(tokenizer_manager, request_states: Dict[str, Any]) -> bool:
 def raise_if_gate_aborted(request_states: Dict[str, Any]) -> None:
     for rid, state in request_states.items():
         if getattr(state, "_fork_gate_abort", False):
+            room_ledger.ended_at_gate(state._fork_gate_abort, state.obj, "aborted at decode's pause gate")
             raise PauseGateAbort(rid)
