@@ -263,13 +263,17 @@ def test_skewed_abort_pause_cycles_leave_nothing_waiting(cluster):
     warm = generate(cluster.url, "warm up", max_new_tokens=4)
     assert warm["status"] == 200, warm
     baseline = assert_idle(cluster, PD_ROLES)
-    halt = threading.Event()
+    halt, go = threading.Event(), threading.Event()
+    go.set()
     results, lock = [], threading.Lock()
     open_since: dict = {}
 
     def client(k):
         i = 0
         while not halt.is_set():
+            go.wait()
+            if halt.is_set():
+                return
             rid = f"skew-{k}-{i}-{random.getrandbits(32)}"
             with lock:
                 open_since[rid] = time.monotonic()
@@ -297,6 +301,16 @@ def test_skewed_abort_pause_cycles_leave_nothing_waiting(cluster):
             # decode's copies wait at its gate. Abort them there (what the client or
             # the gateway does when it gives up); prefill must end its copies at once.
             wait_until(lambda: _bootstrap_queue(prefill) > 0, 30, f"prefill copies waiting (cycle {cycle})")
+            # no new request from here to decode's continue: the ones open now are
+            # exactly the copies prefill holds for decode (pacing, not a sleep)
+            go.clear()
+
+            def all_open_at_prefill():
+                with lock:
+                    n_open = len(open_since)
+                return n_open > 0 and _bootstrap_queue(prefill) == n_open
+
+            wait_until(all_open_at_prefill, 30, f"every open request waiting at prefill (cycle {cycle})")
             t_end = time.monotonic()
             _call(decode, "abort_request", {"abort_all": True})
             wait_until(lambda: _bootstrap_queue(prefill) == 0, 5, f"prefill's bootstrap queue to empty (cycle {cycle})",
@@ -304,11 +318,13 @@ def test_skewed_abort_pause_cycles_leave_nothing_waiting(cluster):
             emptied = time.monotonic() - t_end
             assert emptied <= 1.5, (cycle, emptied)
             _call(decode, "continue_generation")
+            go.set()
             with lock:
                 stuck = [rid for rid, t0 in open_since.items() if time.monotonic() - t0 > UNANSWERED_S]
             assert not stuck, f"unanswered after {UNANSWERED_S}s: {stuck}"
     finally:
         halt.set()
+        go.set()
         for t in threads:
             t.join(UNANSWERED_S + 30)
         for role in PD_ROLES:  # never leave the module's cluster paused

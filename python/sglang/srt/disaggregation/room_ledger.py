@@ -205,6 +205,23 @@ def ended_at_gate(role: Any, obj: Any, why: str) -> None:
         tell_prefill(host, port, room, why)
 
 
+def after_ensure_abort_notified(result: Any, receiver: Any, *args: Any, **kwargs: Any) -> Any:
+    """AFTER `CommonKVReceiver.ensure_abort_notified` (decode): a room decode ended
+    before it knew prefill's rank endpoints (the first request to that prefill) sent no
+    ABORT; tell prefill through its bootstrap server instead (once per receiver)."""
+    if (
+        receiver.abort_notified
+        or getattr(receiver, "bootstrap_infos", None) is not None
+        or getattr(receiver, "_fork_told_prefill", False)
+        or not getattr(receiver, "_owns_bootstrap_room", True)
+    ):
+        return result
+    receiver._fork_told_prefill = True
+    host, _, port = str(receiver.bootstrap_addr).rpartition(":")
+    tell_prefill(host.strip("[]"), int(port), receiver.bootstrap_room, "ended on decode before prefill's info was fetched")
+    return result
+
+
 class _Teller:
     """One daemon thread per process; a bounded queue (a full one drops, logged)."""
 

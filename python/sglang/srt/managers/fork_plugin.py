@@ -108,6 +108,11 @@ HOOKS: list[tuple[str, str, HookType]] = [
         "sglang.srt.disaggregation.room_ledger:on_manager_init",
         HookType.AFTER,
     ),
+    (
+        "sglang.srt.disaggregation.common.conn.CommonKVReceiver.ensure_abort_notified",
+        "sglang.srt.disaggregation.room_ledger:after_ensure_abort_notified",
+        HookType.AFTER,
+    ),
     # Transfer deadlines: expire overdue requests before each PD queue polls.
     (
         "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue.pop_bootstrapped",
