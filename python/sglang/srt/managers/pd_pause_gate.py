@@ -61,5 +61,5 @@ def gate_open(tokenizer_manager, request_states: Dict[str, Any]) -> bool:
 def raise_if_gate_aborted(request_states: Dict[str, Any]) -> None:
     for rid, state in request_states.items():
         if getattr(state, "_fork_gate_abort", False):
-            room_ledger.ended_at_gate(state._fork_gate_abort, state.obj, "aborted at decode's pause gate")
+            room_ledger.ended_at_gate(state._fork_gate_abort, getattr(state, "obj", None), "aborted at decode's pause gate")
             raise PauseGateAbort(rid)
