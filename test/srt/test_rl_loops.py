@@ -297,7 +297,7 @@ def test_partial_rollout_abort_pause_with_12_clients(cluster, checkpoints, refer
         reason = r["meta"]["finish_reason"]
         if reason["type"] == "abort":
             assert reason.get("status_code") is None, r
-            assert "pause" in reason["message"] or "Aborted by the client" in reason["message"], r
+            assert reason["message"].startswith("Aborted"), r
             counts["aborted"] += 1
         else:
             assert r["output_ids"] in (reference["A"][text], reference["B"][text]), r

@@ -3,8 +3,9 @@
 Invariant: a request that reaches a paused (or memory-released) server waits in
 generate_request until the gate opens; if it is aborted meanwhile it leaves the gate
 at once with upstream's abort answer (HTTP 200, finish_reason "abort", a message
-naming why: the client, pause_generation, abort_all, the release); it never reached
-the scheduler, so it holds nothing there.
+naming why: the client or abort_all, during a pause or a release); it never reached
+the scheduler, so it holds nothing there. The abort_all of an abort-mode pause itself
+leaves the gate alone, as upstream does (held, served after continue).
 Who calls: the tokenizer_manager patch (gate predicate `gate_open`, then
 `gate_aborted` / `gate_abort_answers`) and an AFTER hook on
 TokenizerManager.abort_request (`tm_abort_request`), which marks the request and
@@ -26,20 +27,27 @@ def _why(tokenizer_manager, rid: str, abort_all: bool) -> str:
     from sglang.srt.managers import pd_pause_state
 
     reason = pd_pause_state.pause_reason(tokenizer_manager)
-    state = pd_pause_state._state_of(tokenizer_manager)
     where = ("while the engine memory was released" if reason == "release"
              else "while the engine was paused")
     if not abort_all:
         return f"Aborted by the client {where} (rid={{rid}})."
-    if state.busy == "pause_generation":
-        return f"Aborted by pause_generation(mode={state.busy_mode}) at the pause gate (rid={{rid}})."
     return f"Aborted by abort_all {where} (rid={{rid}})."
+
+
+def _from_pause_loop(tokenizer_manager) -> bool:
+    """The abort_all that upstream's abort-mode pause_generation repeats (every second
+    while requests still run) ends what runs, not what waits at the gate: upstream
+    holds those and serves them after continue_generation. Marking them would answer
+    one server's copy of a PD request while the other server's copy goes on."""
+    from sglang.srt.managers import pd_pause_state
+
+    return pd_pause_state._state_of(tokenizer_manager).busy == "pause_generation"
 
 
 def tm_abort_request(result, tokenizer_manager, rid: str = "", abort_all: bool = False):
     """AFTER TokenizerManager.abort_request: requests held at the pause gate are
     answered now, not after continue_generation."""
-    if not tokenizer_manager.is_pause:
+    if not tokenizer_manager.is_pause or (abort_all and _from_pause_loop(tokenizer_manager)):
         return result
     why = _why(tokenizer_manager, rid, abort_all)
     hit = False
