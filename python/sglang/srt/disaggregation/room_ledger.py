@@ -103,24 +103,26 @@ DEADLINE_EXPIRED = "fork_transfer_deadline_message"  # transfer_deadline: its me
 # wins. Each row: (cause, HTTP status or None for "the one the row carries"), why:
 #  - deadline (504): the request outlived its transfer deadline; whatever failed
 #    meanwhile is a consequence of waiting too long.
-#  - pause (503, retry later): pause/release ended it; the transfer failure it caused
-#    is not the client's problem.  [issue 14 turns this row into the abort answer]
+#  - pause (upstream's abort answer: 200, finish_reason "abort", the pause/release
+#    message): pause/release ended it, as upstream answers a request its pause
+#    aborted; RL clients recycle exactly that as a partial rollout. The transfer
+#    failure it caused is not the client's problem.
 #  - requested abort (the AbortReq's own): a client abort (200 abort), an SLA abort
 #    (503): the failure of its room is the abort's consequence.
 #  - peer abort (client abort answer): the peer ended the room because its request was
 #    aborted there.
 #  - the failure itself: its message; status 504 / 503 / 502 if the reason names a
-#    deadline, a release or a lost peer (the peer's reason crossed the wire), else the
-#    caller's (500).
+#    deadline (504), a lost peer (502) or a release (the abort answer: the peer's
+#    reason crossed the wire), else the caller's (500).
 VERDICT_TABLE = (
     ("deadline", 504),
-    ("pause", 503),
+    ("pause", None),
     ("requested_abort", None),
     ("peer_abort", None),
     ("failure", None),
 )
 # Reasons that, carried in a message, set the status of the row that kept it.
-MESSAGE_STATUS = (("deadline_tag", 504), ("release", 503))
+MESSAGE_STATUS = (("deadline_tag", 504), ("release", None))
 
 
 def _markers():
@@ -128,7 +130,7 @@ def _markers():
 
     return {
         "deadline_tag": (transfer_deadline.TAG,),
-        "release": ("engine memory released during pause",),  # pd_pause.RELEASE_MARKER
+        "release": ("engine memory released",),  # pd_pause.RELEASE_MARKER
         "peer_abort": abort_retirement.ABORT_REASONS,
         "peer_lost": (peer_liveness.TAG, peer_liveness.UPSTREAM_PREFILL_LOST),
     }
