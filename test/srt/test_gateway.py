@@ -197,3 +197,63 @@ def test_decode_killed_removed_restarted_registered_serves_within_15s(gateway_de
     assert cb_states(cluster) == {"prefill": 0.0, "decode": 0.0}
     # What is left held: nothing, on either engine.
     assert_idle(cluster, PD_ROLES)
+
+
+PAUSE_CYCLES = 3
+PAUSE_CLIENTS = 8
+# An RL client waits on each answer: none may take longer, pause or not.
+PAUSE_ANSWER_BOUND_S = 10.0
+
+
+def test_rl_pause_cycles_never_open_a_circuit(gateway_deployment, tiny_model):
+    """Partial rollout behind the gateway with its defaults: 8 closed-loop clients while
+    both engines go through pause_generation {} (upstream's default, abort) ->
+    update_weights_from_disk -> continue_generation, several times. Every request is
+    answered as a completion or upstream's abort answer (200, finish_reason abort) in
+    under 10 s, and the gateway never counts a failure against either engine."""
+    cluster, _, _ = gateway_deployment
+    assert_idle(cluster, PD_ROLES)
+    opened = {role: cb_transitions_to_open(cluster, role) for role in PD_ROLES}
+    metrics = cluster.router_metrics()
+    failures_before = {
+        role: metrics.get(f'smg_worker_cb_outcomes_total{{worker="{cluster[role].url}",outcome="failure"}}', 0.0)
+        for role in PD_ROLES
+    }
+    calls = []
+    loop = ClosedLoop(cluster.url, PAUSE_CLIENTS, timeout=60).start()
+    try:
+        for cycle in range(PAUSE_CYCLES):
+            done = loop.completed()
+            wait_until(lambda: loop.completed() >= done + PAUSE_CLIENTS, 120,
+                       f"completions before pause cycle {cycle}")
+            for path, payload in (("/pause_generation", {}),
+                                  ("/update_weights_from_disk", {"model_path": str(tiny_model)}),
+                                  ("/continue_generation", {})):
+                for role in PD_ROLES:
+                    t0 = time.monotonic()
+                    status, body = http_post_json(cluster[role].url + path, payload, timeout=60)
+                    calls.append((cycle, role, path, status, round(time.monotonic() - t0, 2)))
+                    assert status == 200, (cycle, role, path, body)
+                    if path == "/update_weights_from_disk":
+                        assert body["success"] is True, (cycle, role, body)
+        done = loop.completed()
+        wait_until(lambda: loop.completed() >= done + PAUSE_CLIENTS, 120, "completions after the last cycle")
+    finally:
+        loop.stop()
+    print(f"calls {calls}; answers {dict(loop.summary())}")
+
+    # What the clients saw: completions and abort answers only, each within the bound.
+    wrong = [(r["status"], r["finish"], str(r["error"])[:150]) for r in loop.results
+             if not (r["status"] == 200 and r["finish"] in ("length", "abort"))]
+    assert not wrong, wrong
+    slow = [round(r["latency"], 1) for r in loop.results if r["latency"] > PAUSE_ANSWER_BOUND_S]
+    assert not slow, slow
+    # What was counted: no failure against either engine, no circuit opened.
+    metrics = cluster.router_metrics()
+    for role in PD_ROLES:
+        key = f'smg_worker_cb_outcomes_total{{worker="{cluster[role].url}",outcome="failure"}}'
+        assert metrics.get(key, 0.0) == failures_before[role], (role, key)
+        assert cb_transitions_to_open(cluster, role) == opened[role], role
+    assert cb_states(cluster) == {"prefill": 0.0, "decode": 0.0}
+    # What is left held: nothing.
+    assert_idle(cluster, PD_ROLES)

@@ -124,6 +124,13 @@ HOOKS: list[tuple[str, str, HookType]] = [
         "sglang.srt.disaggregation.transfer_deadline:before_pop_transferred",
         HookType.BEFORE,
     ),
+    # Abort-mode pause returns once the aborted requests are gone, not after upstream's
+    # fixed 1 s sleep (bench/rl_step.py).
+    (
+        "sglang.srt.utils.aio_rwlock.RWLock.is_locked",
+        "sglang.srt.managers.pd_pause_drain:around_is_locked",
+        HookType.AROUND,
+    ),
     # Behind a gateway that still routes to a lost decode: a prefill request whose
     # decode never shakes hands ends within seconds as peer loss (docs/gateway.md).
     (
