@@ -181,8 +181,12 @@ def test_decode_killed_removed_restarted_registered_serves_within_15s(gateway_de
                    "the closed-loop clients to complete again")
     finally:
         loop.stop()
+    failures = {
+        k: v for k, v in cluster.router_metrics().items()
+        if k.startswith("smg_worker_cb_outcomes_total") and 'outcome="failure"' in k
+    }
     print(f"kill->registration {t_reg - t_kill:.1f}s, serving {serving_s:.1f}s after registration; "
-          f"{dict(loop.summary())}")
+          f"{dict(loop.summary())}; gateway failures {failures}")
 
     # What the clients saw: completions, and during the outage the gateway's answers
     # for a lost decode (502) or no decode (503) -- each within the bound, none hanging.
