@@ -4,7 +4,10 @@ Generated locally and deterministically (fixed seed, locally trained byte-level
 BPE tokenizer with a chat template); never touches the hub. `ensure_tiny_model`
 is idempotent: a complete directory (marker file written last) is reused.
 
-CLI: python -m testing.tiny_model OUT_DIR
+`ensure_tiny_model(out, seed=1)` is a second checkpoint of the same shapes and
+tokenizer with other weights (RL weight-update tests swap the two).
+
+CLI: python -m testing.tiny_model OUT_DIR [SEED]
 """
 
 from __future__ import annotations
@@ -49,19 +52,20 @@ def _corpus() -> list[str]:
     return lines * 20
 
 
-def is_complete(out_dir: Path) -> bool:
+def is_complete(out_dir: Path, seed: int = 0) -> bool:
     marker = out_dir / MARKER
     if not marker.is_file():
         return False
     try:
-        if json.loads(marker.read_text()).get("version") != VERSION:
-            return False
+        meta = json.loads(marker.read_text())
     except ValueError:
+        return False
+    if meta.get("version") != VERSION or meta.get("seed", 0) != seed:
         return False
     return all((out_dir / name).is_file() for name in _REQUIRED)
 
 
-def _generate(tmp: Path) -> None:
+def _generate(tmp: Path, seed: int = 0) -> None:
     os.environ["HF_HUB_OFFLINE"] = "1"
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -103,29 +107,31 @@ def _generate(tmp: Path) -> None:
         tie_word_embeddings=False,
         torch_dtype="bfloat16",
     )
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = LlamaForCausalLM(cfg).to(torch.bfloat16)
     model.save_pretrained(tmp, safe_serialization=True)
-    (tmp / MARKER).write_text(json.dumps({"version": VERSION}))
+    meta = {"version": VERSION} if seed == 0 else {"version": VERSION, "seed": seed}
+    (tmp / MARKER).write_text(json.dumps(meta))
 
 
-def ensure_tiny_model(out_dir: str | os.PathLike) -> Path:
-    """Create the tiny model in out_dir unless a complete one is already there."""
+def ensure_tiny_model(out_dir: str | os.PathLike, seed: int = 0) -> Path:
+    """Create the tiny model in out_dir unless a complete one is already there. Another
+    `seed` gives other weights of the same shapes (and the same tokenizer)."""
     out = Path(out_dir).resolve()
-    if is_complete(out):
+    if is_complete(out, seed):
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tiny-model-", dir=out.parent))
     tmp.chmod(0o755)
     try:
-        _generate(tmp)
+        _generate(tmp, seed)
         if out.exists():
             shutil.rmtree(out)
         try:
             tmp.rename(out)
         except OSError:
             # Another process finished first; keep theirs if it is complete.
-            if not is_complete(out):
+            if not is_complete(out, seed):
                 raise
     finally:
         if tmp.exists():
@@ -134,10 +140,10 @@ def ensure_tiny_model(out_dir: str | os.PathLike) -> Path:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 1:
-        print("usage: python -m testing.tiny_model OUT_DIR", file=sys.stderr)
+    if len(argv) not in (1, 2):
+        print("usage: python -m testing.tiny_model OUT_DIR [SEED]", file=sys.stderr)
         return 2
-    print(ensure_tiny_model(argv[0]))
+    print(ensure_tiny_model(argv[0], int(argv[1]) if len(argv) == 2 else 0))
     return 0
 
 

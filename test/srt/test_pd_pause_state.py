@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from sglang.srt.managers import pd_pause, pd_pause_gate
-from sglang.srt.managers.pd_pause_state import EnginePauseState, PauseStateError
+from sglang.srt.managers.pd_pause_state import ALL_TAGS, EnginePauseState, PauseStateError
 
 CYCLE = [
     ("pause_generation", "retract"),
@@ -19,12 +19,11 @@ CYCLE = [
     ("resume_memory_occupation", None),
     ("continue_generation", None),
 ]
-OPS = [op for op, _ in CYCLE]
 
 
-def _run(state: EnginePauseState, op: str, mode=None):
-    state.check(op, mode)
-    state.done(op, mode)
+def _run(state: EnginePauseState, op: str, mode=None, tags=None, in_flight=0):
+    state.check(op, mode, tags, in_flight)
+    state.done(op, mode, tags)
 
 
 def test_full_cycle_and_short_cycle():
@@ -41,25 +40,99 @@ def test_full_cycle_and_short_cycle():
     assert s.state == "running"
 
 
-@pytest.mark.parametrize("prefix", range(len(CYCLE)))
-def test_every_out_of_order_call_is_409_and_changes_nothing(prefix):
+# Calls upstream cannot survive (its scheduler dies or the engine computes on released
+# memory) or that have no defined meaning: 409, nothing changed. Each (state prefix,
+# call, mode/tags, in-flight count).
+REJECTED = [
+    ([], "resume_memory_occupation", None, None, 0),  # upstream: KeyError in the scheduler
+    ([], "release_memory_occupation", None, None, 3),  # busy, no pause: upstream asserts
+    (CYCLE[:1], "resume_memory_occupation", None, None, 0),
+    (CYCLE[:1], "pause_generation", "abort", None, 0),  # another mode mid-pause
+    (CYCLE[:2], "release_memory_occupation", None, None, 0),  # already released
+    (CYCLE[:2], "continue_generation", None, None, 0),  # would compute on released memory
+    (CYCLE[:2], "pause_generation", "abort", None, 0),
+    (CYCLE[:3], "resume_memory_occupation", None, None, 0),
+]
+
+
+@pytest.mark.parametrize("case", range(len(REJECTED)))
+def test_calls_upstream_cannot_survive_are_409_and_change_nothing(case):
+    prefix, op, mode, tags, in_flight = REJECTED[case]
     s = EnginePauseState()
-    for op, mode in CYCLE[:prefix]:
-        _run(s, op, mode)
-    allowed = {CYCLE[prefix][0]} | ({"continue_generation"} if s.state == "paused" else set())
-    for op in OPS:
-        if op in allowed:
-            continue
-        before = s.as_dict()
-        with pytest.raises(PauseStateError) as err:
-            s.check(op, "in_place")
-        assert err.value.status_code == 409
-        assert f"engine state is '{s.state}'" in str(err.value), str(err.value)
-        assert s.as_dict() == before
+    for p_op, p_mode in prefix:
+        _run(s, p_op, p_mode)
+    before = s.as_dict()
+    with pytest.raises(PauseStateError) as err:
+        s.check(op, mode, tags, in_flight)
+    assert err.value.status_code == 409
+    assert f"engine state is '{s.state}'" in str(err.value), str(err.value)
+    assert s.as_dict() == before
+    if in_flight:
+        assert f"{in_flight} request(s) in flight" in str(err.value)
+        assert "call pause_generation first" in str(err.value)
     # ...and the cycle still completes from here.
-    for op, mode in CYCLE[prefix:]:
-        _run(s, op, mode)
+    for p_op, p_mode in CYCLE[len(prefix):]:
+        _run(s, p_op, p_mode)
     assert s.state == "running"
+
+
+def test_colocated_loop_release_without_pause_resume_per_tag():
+    """The RL colocated loop: release {} (no pause), resume ["weights"], update,
+    resume ["kv_cache"]: serving again with no continue_generation."""
+    s = EnginePauseState()
+    _run(s, "release_memory_occupation")
+    assert (s.state, s.released, s.serving()) == ("released", list(ALL_TAGS), False)
+    _run(s, "resume_memory_occupation", tags=["weights"])
+    assert s.state == "released" and not s.serving()
+    assert s.to_resume(["kv_cache"]) == ["kv_cache", "cuda_graph"]
+    _run(s, "resume_memory_occupation", tags=["kv_cache"])
+    assert (s.state, s.released, s.serving()) == ("running", [], True)
+    # a framework that resumes cuda_graph on its own afterwards: accepted, a no-op
+    s.check("resume_memory_occupation", None, ["cuda_graph"])
+    assert s.to_resume(["cuda_graph"]) == []
+    _run(s, "resume_memory_occupation", tags=["cuda_graph"])
+    with pytest.raises(PauseStateError, match=r"\['cuda_graph'\] not released"):
+        s.check("resume_memory_occupation", None, ["cuda_graph"])
+
+
+def test_release_and_resume_with_tags():
+    s = EnginePauseState()
+    _run(s, "release_memory_occupation", tags=["kv_cache"])
+    assert s.released == ["kv_cache"]
+    with pytest.raises(PauseStateError, match=r"\['weights'\] not released"):
+        s.check("resume_memory_occupation", None, ["weights"])
+    with pytest.raises(PauseStateError, match="already released"):
+        s.check("release_memory_occupation", None, ["kv_cache"])
+    _run(s, "release_memory_occupation", tags=["weights"])  # another tag: fine
+    assert s.released == ["kv_cache", "weights"]
+    _run(s, "resume_memory_occupation")  # no tags: whatever is released
+    assert s.serving()
+    # a restarted engine: released, resumed ["weights"] before its first update
+    _run(s, "release_memory_occupation")
+    _run(s, "resume_memory_occupation", tags=["weights"])
+    _run(s, "resume_memory_occupation", tags=["kv_cache", "cuda_graph"])
+    assert s.serving()
+
+
+def test_pause_and_release_mix():
+    s = EnginePauseState()
+    _run(s, "pause_generation", "abort")
+    s.check("pause_generation", "abort")  # same mode again: accepted (a no-op)
+    _run(s, "release_memory_occupation", tags=["kv_cache"])
+    _run(s, "resume_memory_occupation", tags=["kv_cache"])
+    assert s.state == "resumed" and not s.serving()  # the pause still holds
+    _run(s, "continue_generation")
+    assert s.serving()
+    # continue on a running engine is a no-op for upstream: accepted
+    s.check("continue_generation")
+    # released without a pause, then paused: continue needs the resume first
+    _run(s, "release_memory_occupation")
+    _run(s, "pause_generation", "in_place")
+    with pytest.raises(PauseStateError, match="call resume_memory_occupation first"):
+        s.check("continue_generation")
+    _run(s, "resume_memory_occupation")
+    _run(s, "continue_generation")
+    assert s.serving()
 
 
 def test_unknown_mode_and_concurrent_call_are_rejected():
@@ -73,15 +146,20 @@ def test_unknown_mode_and_concurrent_call_are_rejected():
 
 
 def test_pause_gate_opens_only_for_aborted_requests():
-    tm = SimpleNamespace(is_pause=True)
+    tm = SimpleNamespace(is_pause=True, rid_to_state={})
     waiting = {"a": SimpleNamespace(), "b": SimpleNamespace()}
+    tm.rid_to_state.update(waiting)
     assert not pd_pause_gate.gate_open(tm, waiting)
-    pd_pause_gate.raise_if_gate_aborted(waiting)  # nothing aborted: no error
-    waiting["b"]._fork_gate_abort = True
+    assert not pd_pause_gate.gate_aborted(waiting)
+    waiting["b"]._fork_gate_abort = "Aborted by the client while the engine was paused (rid=b)."
     assert pd_pause_gate.gate_open(tm, waiting)
-    with pytest.raises(pd_pause_gate.PauseGateAbort) as err:
-        pd_pause_gate.raise_if_gate_aborted(waiting)
-    assert err.value.status_code == 499 and "rid=b" in str(err.value)
+    # answered as upstream answers an abort: 200 body, finish_reason abort, the reason
+    (out,) = pd_pause_gate.gate_abort_answers(tm, SimpleNamespace(is_single=True), {"b": waiting["b"]})
+    assert out["meta_info"]["finish_reason"] == {
+        "type": "abort", "status_code": None,
+        "message": "Aborted by the client while the engine was paused (rid=b).",
+    }
+    assert out["meta_info"]["id"] == "b" and "b" not in tm.rid_to_state
     assert pd_pause_gate.gate_open(SimpleNamespace(is_pause=False), {"a": SimpleNamespace()})
 
 

@@ -2,8 +2,9 @@
 
 Invariant: while paused nothing is computed, yet every request is accounted for. At
 release, what runs is retracted (decode keeps it for re-bootstrap on continue) and
-what sits in the PD queues is aborted (503 naming the release) through upstream's own
-retire paths until the queues are empty, so KV pages, metadata slots and room state are
+what sits in the PD queues is aborted (answered as upstream answers an abort: 200,
+finish_reason "abort", a message naming the pause or the release) through upstream's
+own retire paths until the queues are empty, so KV pages, metadata slots and room state are
 returned before the queues deregister their buffers (`disaggregation.queue_memory`).
 Paused time counts against no timer (`engine_clock`, upstream's start times shifted on
 continue). Aborts that arrive while paused: `pd_pause_aborts`.
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import time
-from http import HTTPStatus
 from typing import Any, Dict, List, Optional
 
 from sglang.srt.managers.engine_clock import engine_clock
@@ -24,7 +24,11 @@ from sglang.srt.managers.engine_clock import engine_clock
 logger = logging.getLogger(__name__)
 
 RELEASE_ABORT_MESSAGE = "Aborted: engine memory released during pause (mode={mode})."
-RELEASE_MARKER = "engine memory released during pause"
+RELEASE_NO_PAUSE_MESSAGE = "Aborted: engine memory released without a pause."
+RELEASE_MARKER = "engine memory released"
+# The status of an abort the pause path decides: none, i.e. upstream's abort answer
+# (HTTP 200, finish_reason "abort" with the message). RL clients recycle exactly that.
+PAUSE_ABORT_STATUS = None
 DRAIN_DEADLINE_S = 10.0
 
 
@@ -177,7 +181,7 @@ def _abort_all_and_drain(scheduler, message: str) -> None:
     from sglang.srt.managers.io_struct import AbortReq
     from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
-    reason = FINISH_ABORT(message, HTTPStatus.SERVICE_UNAVAILABLE).to_json()
+    reason = FINISH_ABORT(message, PAUSE_ABORT_STATUS).to_json()
     deadline = time.monotonic() + DRAIN_DEADLINE_S
     sp = scheduler_pause(scheduler)
     sp.draining = True
@@ -197,7 +201,7 @@ def _abort_all_and_drain(scheduler, message: str) -> None:
     if pd_role(scheduler) == "prefill":
         # Remembered as ended: decode's copy may still wait at decode's pause gate
         # (the router delivered it late) and handshake after continue. A re-bootstrap
-        # of such a room (same room) then ends on both sides with the release's 503.
+        # of such a room (same room) then ends on both sides as the release's abort.
         end_prefill_rooms(scheduler, list(ended.values()), message + " (room {room})")
     if not _pd_queues_empty(scheduler):
         logger.warning(
@@ -261,13 +265,15 @@ def end_prefill_rooms(scheduler, reqs: List[Any], reason: Optional[str]) -> None
 
 def pause_abort_status(original, req, error_message, status_code=None, *args, **kwargs):
     """AROUND disaggregation.utils.prepare_abort: a request the pause path ended
-    reports why (503, retry later), not the transfer failure it caused."""
+    reports why as an abort (upstream's answer: 200, finish_reason "abort"), not the
+    transfer failure it caused."""
+    # (issue 14: was 503; the verdict table of issue 13 takes this row at merge)
     message = getattr(req, "_fork_pause_abort", None)
     if message is not None:
-        error_message, status_code = message, HTTPStatus.SERVICE_UNAVAILABLE
+        error_message, status_code = message, PAUSE_ABORT_STATUS
     elif RELEASE_MARKER in str(error_message):
         # The peer ended it at its release (the reason crossed the wire): same answer.
-        status_code = HTTPStatus.SERVICE_UNAVAILABLE
+        status_code = PAUSE_ABORT_STATUS
     return original(req, error_message, status_code, *args, **kwargs)
 
 
@@ -285,9 +291,19 @@ def end_in_flight(scheduler) -> None:
     if pd_role(scheduler) is None:
         return
     sp = scheduler_pause(scheduler)
+    paused = sp.mode is not None
     if not getattr(scheduler, "_engine_paused", False):
-        return  # upstream's idle assertion decides, as before
-    mode = sp.mode or "unknown"
+        # Release without a pause (upstream's colocated RL loop): the tokenizer let it
+        # through only with nothing in flight, and holds new requests at its gate.
+        # Settle what the queues still hold (decode's pending drain acks); anything
+        # that slipped in is retracted/aborted as in a pause, never asserted on.
+        if weight_updater_idle(scheduler) and _pd_queues_empty(scheduler):
+            return
+        logger.warning("pd_pause: release without a pause, not idle: %s",
+                       not_idle_reasons(scheduler))
+        if weight_updater_idle(scheduler):
+            _abort_all_and_drain(scheduler, RELEASE_NO_PAUSE_MESSAGE)
+            return
     if (
         not scheduler.running_batch.is_empty()
         or scheduler.last_batch is not None
@@ -296,7 +312,8 @@ def end_in_flight(scheduler) -> None:
         # Upstream's retract: frees KV of running requests; decode re-bootstraps them.
         scheduler.pause_generation(PauseGenerationReqInput(mode="retract"))
     _abort_all_and_drain(
-        scheduler, RELEASE_ABORT_MESSAGE.format(mode=mode)
+        scheduler,
+        RELEASE_ABORT_MESSAGE.format(mode=sp.mode) if paused else RELEASE_NO_PAUSE_MESSAGE,
     )
 
 
@@ -317,6 +334,11 @@ def not_idle_reasons(scheduler) -> List[str]:
     reasons += [f"queue.{k}={v}" for k, v in _queue_lengths(scheduler).items()
                 if v and k not in ("waiting", "running")]
     return reasons
+
+
+def weight_updater_idle(scheduler) -> bool:
+    """Upstream's own idle check for a release without a pause."""
+    return scheduler.is_fully_idle(ignore_waiting=False)
 
 
 def weight_updater_release(original, weight_updater, recv_req, *args, **kwargs):

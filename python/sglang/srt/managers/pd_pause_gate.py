@@ -1,41 +1,59 @@
 """Aborts of requests held at the tokenizer's pause gate are answered during the pause.
 
-Invariant: a request that reaches a paused server waits in generate_request until
-continue_generation; if it is aborted meanwhile it leaves the gate at once with 499
-(it never reached the scheduler, so it holds nothing there).
+Invariant: a request that reaches a paused (or memory-released) server waits in
+generate_request until the gate opens; if it is aborted meanwhile it leaves the gate
+at once with upstream's abort answer (HTTP 200, finish_reason "abort", a message
+naming why: the client or abort_all, during a pause or a release); it never reached
+the scheduler, so it holds nothing there. The abort_all of an abort-mode pause itself
+leaves the gate alone, as upstream does (held, served after continue).
 Who calls: the tokenizer_manager patch (gate predicate `gate_open`, then
-`raise_if_gate_aborted`) and an AFTER hook on TokenizerManager.abort_request
-(`tm_abort_request`), which marks the request and wakes the gate.
+`gate_aborted` / `gate_abort_answers`) and an AFTER hook on
+TokenizerManager.abort_request (`tm_abort_request`), which marks the request and
+wakes the gate.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Dict
+from typing import Any, Dict, List
 
 logger = logging.getLogger(__name__)
 
+_MARK = "_fork_gate_abort"  # on a ReqState: the abort's message
 
-class PauseGateAbort(ValueError):
-    """A request aborted while it waited at the pause gate (never reached the
-    scheduler). A ValueError with a status, as upstream's /generate expects."""
 
-    status_code = 499  # client closed request
+def _why(tokenizer_manager, rid: str, abort_all: bool) -> str:
+    from sglang.srt.managers import pd_pause_state
 
-    def __init__(self, rid: str):
-        super().__init__(f"Aborted by AbortReq while the engine was paused (rid={rid}).")
+    reason = pd_pause_state.pause_reason(tokenizer_manager)
+    where = ("while the engine memory was released" if reason == "release"
+             else "while the engine was paused")
+    if not abort_all:
+        return f"Aborted by the client {where} (rid={{rid}})."
+    return f"Aborted by abort_all {where} (rid={{rid}})."
+
+
+def _from_pause_loop(tokenizer_manager) -> bool:
+    """The abort_all that upstream's abort-mode pause_generation repeats (every second
+    while requests still run) ends what runs, not what waits at the gate: upstream
+    holds those and serves them after continue_generation. Marking them would answer
+    one server's copy of a PD request while the other server's copy goes on."""
+    from sglang.srt.managers import pd_pause_state
+
+    return pd_pause_state._state_of(tokenizer_manager).busy == "pause_generation"
 
 
 def tm_abort_request(result, tokenizer_manager, rid: str = "", abort_all: bool = False):
     """AFTER TokenizerManager.abort_request: requests held at the pause gate are
     answered now, not after continue_generation."""
-    if not tokenizer_manager.is_pause:
+    if not tokenizer_manager.is_pause or (abort_all and _from_pause_loop(tokenizer_manager)):
         return result
+    why = _why(tokenizer_manager, rid, abort_all)
     hit = False
     for state_rid, state in list(tokenizer_manager.rid_to_state.items()):
-        if abort_all or state_rid == rid:
-            state._fork_gate_abort = True
+        if (abort_all or state_rid == rid) and getattr(state, _MARK, None) is None:
+            setattr(state, _MARK, why.format(rid=state_rid))
             hit = True
     logger.info("pd_pause: abort while paused (rid=%r, all=%s): %s", rid, abort_all,
                 "waking the pause gate" if hit else "no request state")
@@ -51,12 +69,43 @@ async def _wake_gate(tokenizer_manager) -> None:
 
 def gate_open(tokenizer_manager, request_states: Dict[str, Any]) -> bool:
     """The pause gate of generate_request: open when not paused, or for an aborted request."""
-    return not tokenizer_manager.is_pause or any(
-        getattr(s, "_fork_gate_abort", False) for s in request_states.values()
-    )
+    return not tokenizer_manager.is_pause or gate_aborted(request_states)
 
 
-def raise_if_gate_aborted(request_states: Dict[str, Any]) -> None:
-    for rid, state in request_states.items():
-        if getattr(state, "_fork_gate_abort", False):
-            raise PauseGateAbort(rid)
+def gate_aborted(request_states: Dict[str, Any]) -> bool:
+    return any(getattr(s, _MARK, None) is not None for s in request_states.values())
+
+
+def abort_output(rid: str, message: str) -> Dict[str, Any]:
+    """Upstream's answer to an aborted request that produced nothing."""
+    return {
+        "text": "",
+        "output_ids": [],
+        "meta_info": {
+            "id": rid,
+            "finish_reason": {"type": "abort", "message": message, "status_code": None},
+            "prompt_tokens": 0,
+            "completion_tokens": 0,
+            "cached_tokens": 0,
+            "e2e_latency": 0.0,
+        },
+    }
+
+
+def gate_abort_answers(tokenizer_manager, obj: Any, request_states: Dict[str, Any]) -> List[Any]:
+    """What generate_request yields for a request aborted at the gate (its states are
+    dropped: nothing was sent to the scheduler). A batch ends whole: sub-requests not
+    aborted by name are answered with the same abort."""
+    first = next(getattr(s, _MARK) for s in request_states.values()
+                 if getattr(s, _MARK, None) is not None)
+    outs = []
+    for index, (rid, state) in enumerate(request_states.items()):
+        if tokenizer_manager.rid_to_state.get(rid) is state:
+            del tokenizer_manager.rid_to_state[rid]
+        out = abort_output(rid, getattr(state, _MARK, None) or first)
+        if not obj.is_single:
+            out["index"] = index
+        outs.append(out)
+    if obj.is_single or getattr(obj, "stream", False):
+        return outs
+    return [outs]

@@ -1,33 +1,38 @@
 """Which pause/release/resume/continue call the engine accepts in which state.
 
-Invariant: the HTTP-facing process of a server keeps one `EnginePauseState`
-(running -> paused -> released -> resumed -> running; continue also from paused). A
-call out of that order, an unknown pause mode, or a call while another one is in
-progress is answered 409 naming the state the engine is in, and changes nothing.
-Who calls: AROUND hooks on TokenizerManager's pause_generation / continue_generation /
-release_memory_occupation / resume_memory_occupation (fork_plugin.HOOKS). What the
-scheduler does with requests in flight is `pd_pause`'s concern.
+Invariant: the HTTP-facing process of a server keeps one `EnginePauseState`: the pause
+(None or its mode) and, per memory tag, whether it is released. Every sequence
+upstream answers 200 on an idle engine is accepted with upstream's effect: release
+with or without a pause, with or without tags; resume tag by tag (weights, then
+kv_cache). Once weights and kv_cache are resumed and no pause is active the engine
+serves with no continue_generation (release without a pause closes the tokenizer's
+pause gate; the resume that completes it opens the gate). A call upstream cannot
+survive (release without a pause while requests run: upstream's idle assertion kills
+the scheduler; resuming a tag that is not released: upstream's KeyError; continue
+while memory is released) is answered 409 naming the state and the call to make, and
+changes nothing. Who calls: AROUND hooks on TokenizerManager's pause_generation /
+continue_generation / release_memory_occupation / resume_memory_occupation
+(fork_plugin.HOOKS). What the scheduler does with requests in flight is `pd_pause`'s.
 """
 
 from __future__ import annotations
 
 from http import HTTPStatus
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from fastapi import HTTPException
 
 PAUSE_MODES = ("abort", "in_place", "retract")
-
+# upstream's GPU_MEMORY_ALL_TYPES (sglang.srt.constants), in its order
+KV_CACHE, WEIGHTS, CUDA_GRAPH = "kv_cache", "weights", "cuda_graph"
+ALL_TAGS = (KV_CACHE, WEIGHTS, CUDA_GRAPH)
+# Released cuda graphs go back with the KV cache when the caller resumes kv_cache alone
+# (the loop weights -> kv_cache after a release of everything): serving with graphs
+# released would fault on a GPU. A later resume of cuda_graph is then a no-op.
+RESUMED_WITH_KV = (CUDA_GRAPH,)
 
 RUNNING, PAUSED, RELEASED, RESUMED = "running", "paused", "released", "resumed"
 
-# operation -> (states it is allowed from, state after success)
-_TRANSITIONS: Dict[str, tuple] = {
-    "pause_generation": ((RUNNING,), PAUSED),
-    "release_memory_occupation": ((PAUSED,), RELEASED),
-    "resume_memory_occupation": ((RELEASED,), RESUMED),
-    "continue_generation": ((PAUSED, RESUMED), RUNNING),
-}
 _HINT = {
     RUNNING: "call pause_generation first",
     PAUSED: "call release_memory_occupation or continue_generation",
@@ -51,37 +56,108 @@ class EnginePauseState:
     """The engine's pause state as the HTTP-facing process sees it (one per server)."""
 
     def __init__(self):
-        self.state = RUNNING
-        self.mode: Optional[str] = None
+        self.mode: Optional[str] = None  # the active pause_generation's mode
+        self.released: List[str] = []  # memory tags released, in release order
+        self.auto_resumed: List[str] = []  # resumed with kv_cache, not by name
+        self.released_in_pause = False  # a release happened during this pause
+        self.gate_closed_by_release = False  # release without a pause closed the gate
         self.busy: Optional[str] = None  # operation in progress
+        self.busy_mode: Optional[str] = None  # its pause mode
 
-    def check(self, op: str, mode: Optional[str] = None) -> None:
-        allowed, _ = _TRANSITIONS[op]
+    @property
+    def state(self) -> str:
+        if self.released:
+            return RELEASED
+        if self.mode is not None:
+            return RESUMED if self.released_in_pause else PAUSED
+        return RUNNING
+
+    def serving(self) -> bool:
+        return self.mode is None and not self.released
+
+    def _reject(self, op: str, why: str, hint: Optional[str] = None) -> None:
+        mode = f" (pause mode {self.mode})" if self.mode else ""
+        tags = f" (released: {self.released})" if self.released else ""
+        raise PauseStateError(
+            f"{op} rejected: {why}; engine state is {self.state!r}{mode}{tags}; "
+            f"{hint or _HINT[self.state]}"
+        )
+
+    def check(self, op: str, mode: Optional[str] = None, tags: Optional[List[str]] = None,
+              in_flight: int = 0) -> None:
+        """Raise PauseStateError (409) if `op` is not accepted now; change nothing."""
         if self.busy is not None:
             raise PauseStateError(
                 f"{op} rejected: {self.busy} is in progress (engine state: {self.state})"
             )
-        if op == "pause_generation" and mode not in PAUSE_MODES:
-            raise PauseStateError(
-                f"{op} rejected: unknown mode {mode!r}, expected one of "
-                f"{list(PAUSE_MODES)} (engine state: {self.state})"
-            )
-        if self.state not in allowed:
-            raise PauseStateError(
-                f"{op} rejected: engine state is {self.state!r}"
-                f"{f' (pause mode {self.mode})' if self.mode else ''}; "
-                f"{_HINT[self.state]}"
-            )
+        if op == "pause_generation":
+            if mode not in PAUSE_MODES:
+                self._reject(op, f"unknown mode {mode!r}, expected one of {list(PAUSE_MODES)}")
+            if self.mode is not None and mode != self.mode:
+                self._reject(op, f"already paused in mode {self.mode!r}",
+                             "call continue_generation before pausing in another mode")
+        elif op == "release_memory_occupation":
+            again = [t for t in tags_of_list(tags) if t in self.released]
+            if again:
+                self._reject(op, f"{again} already released")
+            if self.mode is None and in_flight:
+                self._reject(
+                    op,
+                    f"{in_flight} request(s) in flight and no pause (upstream's scheduler "
+                    "asserts it is idle)",
+                    "call pause_generation first, or wait until they finish",
+                )
+        elif op == "resume_memory_occupation":
+            named = self.resume_named(tags)
+            unknown = [t for t in named
+                       if t not in self.released and t not in self.auto_resumed]
+            if not named:
+                self._reject(op, "nothing is released")
+            if unknown:
+                self._reject(op, f"{unknown} not released",
+                             f"resume only released tags {self.released}")
+        elif op == "continue_generation":
+            if self.released:
+                self._reject(op, "memory is released")
 
-    def done(self, op: str, mode: Optional[str] = None) -> None:
-        self.state = _TRANSITIONS[op][1]
+    def resume_named(self, tags: Optional[List[str]]) -> List[str]:
+        """A resume without tags resumes whatever is released (upstream would try
+        every tag and fail on the first one not released)."""
+        return list(tags) if tags else list(self.released)
+
+    def to_resume(self, tags: List[str]) -> List[str]:
+        """The tags upstream's resume must be given for a resume of `tags`."""
+        out = [t for t in tags if t in self.released]
+        if KV_CACHE in out:
+            out += [t for t in RESUMED_WITH_KV if t in self.released and t not in out]
+        return out
+
+    def done(self, op: str, mode: Optional[str] = None, tags: Optional[List[str]] = None) -> None:
         if op == "pause_generation":
             self.mode = mode
         elif op == "continue_generation":
             self.mode = None
+            self.released_in_pause = False
+        elif op == "release_memory_occupation":
+            self.released += [t for t in tags_of_list(tags) if t not in self.released]
+            self.auto_resumed = [t for t in self.auto_resumed if t not in self.released]
+            if self.mode is not None:
+                self.released_in_pause = True
+        elif op == "resume_memory_occupation":
+            named = self.resume_named(tags)
+            resumed = self.to_resume(named)
+            self.auto_resumed = [t for t in self.auto_resumed if t not in named]
+            self.auto_resumed += [t for t in resumed if t not in named]
+            self.released = [t for t in self.released if t not in resumed]
 
     def as_dict(self) -> Dict[str, Any]:
-        return {"state": self.state, "mode": self.mode, "busy": self.busy}
+        return {"state": self.state, "mode": self.mode, "released": list(self.released),
+                "busy": self.busy}
+
+
+def tags_of_list(tags: Optional[List[str]]) -> List[str]:
+    """The tags a release/resume call names; none means all (upstream's default)."""
+    return list(tags) if tags else list(ALL_TAGS)
 
 
 def _state_of(tokenizer_manager) -> EnginePauseState:
@@ -91,30 +167,97 @@ def _state_of(tokenizer_manager) -> EnginePauseState:
     return state
 
 
+def requests_in_flight(tokenizer_manager) -> int:
+    """Requests this server's tokenizer has not answered yet."""
+    return len(tokenizer_manager.rid_to_state)
+
+
+async def _set_gate(tokenizer_manager, closed: bool) -> None:
+    async with tokenizer_manager.is_pause_cond:
+        tokenizer_manager.is_pause = closed
+        if not closed:
+            tokenizer_manager.is_pause_cond.notify_all()
+
+
 def _guarded(op: str, mode_of: Callable[[Any], Optional[str]] = lambda obj: None):
     async def around(original, tokenizer_manager, obj, *args, **kwargs):
         state = _state_of(tokenizer_manager)
         mode = mode_of(obj)
-        state.check(op, mode)
-        state.busy = op
+        tags = getattr(obj, "tags", None)
+        if op == "continue_generation" and state.mode is None and not state.released:
+            return None  # not paused: nothing to continue (upstream: a no-op too)
+        if op == "pause_generation" and state.mode is not None and mode == state.mode:
+            return None  # already paused in this mode: a no-op
+        if op == "release_memory_occupation" and state.mode is None:
+            # No pause: hold new requests at the pause gate first, then check (no
+            # await between) that nothing is in flight.
+            closing = not state.gate_closed_by_release
+            if closing:
+                tokenizer_manager.is_pause = True
+            try:
+                state.check(op, mode, tags, requests_in_flight(tokenizer_manager))
+            except PauseStateError:
+                if closing:
+                    await _set_gate(tokenizer_manager, False)
+                raise
+            state.gate_closed_by_release = True
+        else:
+            state.check(op, mode, tags)
+        if op == "resume_memory_occupation":
+            obj.tags = state.to_resume(state.resume_named(tags))
+        state.busy, state.busy_mode = op, mode
         try:
-            result = await original(tokenizer_manager, obj, *args, **kwargs)
+            if op != "resume_memory_occupation" or obj.tags:
+                result = await original(tokenizer_manager, obj, *args, **kwargs)
+            else:
+                result = None  # only tags already resumed with kv_cache: a no-op
             if op == "pause_generation" and mode == "abort":
                 # Upstream ends every request in the tokenizer and never tells the
                 # scheduler; tell it now, so it pauses (and its clock stops) too.
                 await tokenizer_manager._async_dispatch_to_scheduler(obj)
+        except BaseException:
+            if op == "release_memory_occupation" and not state.released and state.mode is None:
+                state.gate_closed_by_release = False
+                await _set_gate(tokenizer_manager, False)
+            raise
         finally:
-            state.busy = None
-        state.done(op, mode)
+            state.busy = state.busy_mode = None
+        state.done(op, mode, tags)
+        if op == "pause_generation":
+            state.gate_closed_by_release = False  # the pause owns the gate now
+        if state.gate_closed_by_release and state.serving():
+            # Everything resumed after a release without a pause: serve again. The
+            # scheduler is told too (a no-op unless release had to retract).
+            state.gate_closed_by_release = False
+            await _continue_scheduler(tokenizer_manager)
+            await _set_gate(tokenizer_manager, False)
         return result
 
     return around
+
+
+async def _continue_scheduler(tokenizer_manager) -> None:
+    from sglang.srt.managers.io_struct import ContinueGenerationReqInput
+
+    await tokenizer_manager._async_dispatch_to_scheduler(
+        ContinueGenerationReqInput(torch_empty_cache=False)
+    )
 
 
 tm_pause_generation = _guarded("pause_generation", lambda obj: obj.mode)
 tm_continue_generation = _guarded("continue_generation")
 tm_release_memory_occupation = _guarded("release_memory_occupation")
 tm_resume_memory_occupation = _guarded("resume_memory_occupation")
+
+
+def pause_reason(tokenizer_manager) -> Optional[str]:
+    """Why the pause gate is closed now: 'pause' or 'release' (None: open)."""
+    state = _state_of(tokenizer_manager)
+    if state.mode is not None or state.busy == "pause_generation":
+        return "pause"
+    if state.released or state.gate_closed_by_release:
+        return "release"
+    return None
 
 
 PAUSE_CALLS = ("/pause_generation",)

@@ -1,0 +1,351 @@
+"""RL frameworks drive the fork unchanged: their exact call sequences on 1P1D.
+
+The loops are those of the public RL frameworks that drive sglang (see
+docs/pause-release-resume.md, "Using the fork from an RL framework"), replayed call
+for call through the mini load balancer, swapping two tiny checkpoints of the same
+shapes (testing/tiny_model.py, seeds 0 and 1) in and out:
+- colocated (offload/onload): flush_cache, release {} with no pause, resume
+  ["weights"], update_weights_from_disk with weight_version, resume ["kv_cache"],
+  then the next rollout with no continue_generation;
+- partial rollout: pause_generation {} (abort, upstream's default) while 12
+  closed-loop clients run, update, continue_generation; every request ends as a
+  completion or as upstream's abort answer (200, finish_reason "abort").
+Reference outputs of each checkpoint come from a plain (non-PD) server.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from conftest import TINY_MODEL_DIR, assert_idle, held
+from testing.pd_cluster import (
+    PDCluster,
+    SingleServer,
+    generate,
+    generate_concurrently,
+    http_get,
+    http_post_json,
+    prompts,
+    start_all,
+    wait_until,
+)
+from testing.tiny_model import ensure_tiny_model
+
+pytestmark = pytest.mark.e2e
+
+PD_ROLES = ("prefill", "decode")
+STEPS = 4
+N_PROMPTS = 6
+MAX_NEW_TOKENS = 16
+CLIENTS = 12
+REQUEST_DEADLINE_S = 90.0  # generous on 2 loaded cores; a hang is minutes
+CALL_TIMEOUT_S = 120.0
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tiny_model):
+    second = ensure_tiny_model(TINY_MODEL_DIR.parent / "tiny-llama-seed1", seed=1)
+    return {"A": str(tiny_model), "B": str(second)}
+
+
+@pytest.fixture(scope="module")
+def pd_deployment(checkpoints):
+    cluster = PDCluster(checkpoints["A"])
+    single = SingleServer(checkpoints["A"], log_dir=str(cluster.log_dir))
+    start_all(cluster, single)
+    try:
+        yield cluster, single
+    finally:
+        errors = []
+        for d in (cluster, single):
+            try:
+                d.teardown()
+            except Exception as e:
+                errors.append(e)
+        if errors:
+            raise errors[0]
+
+
+@pytest.fixture(scope="module")
+def cluster(pd_deployment) -> PDCluster:
+    return pd_deployment[0]
+
+
+@pytest.fixture(scope="module")
+def reference(pd_deployment, checkpoints):
+    """{checkpoint: {prompt: output_ids}} from the plain server, loading each in turn."""
+    single = pd_deployment[1]
+    texts = prompts(N_PROMPTS)
+    ref = {}
+    for name in ("A", "B"):
+        if name != "A":
+            status, reply = http_post_json(
+                f"{single.url}/update_weights_from_disk",
+                {"model_path": checkpoints[name]}, timeout=CALL_TIMEOUT_S)
+            assert status == 200 and reply["success"], reply
+        out = generate_concurrently(single.url, texts, max_new_tokens=MAX_NEW_TOKENS)
+        assert all(r["status"] == 200 for r in out), out
+        ref[name] = {t: r["output_ids"] for t, r in zip(texts, out)}
+    differing = [t for t in texts if ref["A"][t] != ref["B"][t]]
+    assert len(differing) == len(texts), "the two checkpoints must answer differently"
+    return ref
+
+
+def call(cluster, role, endpoint, body=None):
+    t0 = time.monotonic()
+    status, reply = http_post_json(f"{cluster[role].url}/{endpoint}", body if body is not None else {},
+                                   timeout=CALL_TIMEOUT_S)
+    return status, reply, time.monotonic() - t0
+
+
+def on_both(cluster, endpoint, body=None, log=None):
+    """The call on both servers at once (as a framework's ray.get over engines)."""
+    with ThreadPoolExecutor(len(PD_ROLES)) as pool:
+        results = dict(zip(PD_ROLES, pool.map(lambda r: call(cluster, r, endpoint, body), PD_ROLES)))
+    for role, (status, reply, took) in results.items():
+        if log is not None:
+            log.append((role, endpoint, status, round(took, 2)))
+        assert status == 200, (role, endpoint, body, status, reply)
+    return results
+
+
+def flush_until_ok(cluster, role, attempts=60):
+    """The framework's flush: GET /flush_cache until 200 (it retries up to 60 times)."""
+    def ok():
+        return http_get(f"{cluster[role].url}/flush_cache", timeout=30)[0] == 200
+    wait_until(ok, attempts * 0.5, f"/flush_cache 200 on {role}", interval=0.5)
+
+
+def weight_versions(cluster):
+    out = {}
+    for role in PD_ROLES:
+        status, body = http_get(f"{cluster[role].url}/model_info")
+        assert status == 200, (role, body)
+        out[role] = json.loads(body)["weight_version"]
+    return out
+
+
+def update(cluster, checkpoints, name, version, log):
+    body = {"model_path": checkpoints[name], "weight_version": version}
+    results = on_both(cluster, "update_weights_from_disk", body, log)
+    for role, (_, reply, _) in results.items():
+        assert reply["success"], (role, reply)
+    assert weight_versions(cluster) == {r: version for r in PD_ROLES}
+
+
+def rollout(cluster, reference, name):
+    texts = list(reference[name])
+    out = generate_concurrently(cluster.url, texts, max_new_tokens=MAX_NEW_TOKENS,
+                                timeout=REQUEST_DEADLINE_S)
+    other = "B" if name == "A" else "A"
+    for t, r in zip(texts, out):
+        assert r["status"] == 200 and r["meta"]["finish_reason"]["type"] != "abort", r
+        assert r["output_ids"] == reference[name][t], (name, t)
+        assert r["output_ids"] != reference[other][t], (name, t)
+
+
+def _requests_held(cluster) -> int:
+    """Requests held in the queues and running batches of both servers."""
+    return sum(v for r in PD_ROLES for k, v in held(cluster.resources(r)).items()
+               if k.startswith("queue."))
+
+
+def pause_state(cluster, role):
+    return cluster.resources(role)["pause"]
+
+
+def test_colocated_loop_release_without_pause_per_tag_resume(cluster, checkpoints, reference):
+    """flush -> release {} (no pause) -> resume ["weights"] -> update -> resume
+    ["kv_cache"] -> rollout, no continue; step 0 is a restarted engine (released and
+    resumed with ["weights"] before its first update). One request sent while memory
+    is released is held at the gate and served after the resume, with the new weights."""
+    baseline = assert_idle(cluster, PD_ROLES)
+    log = []
+    loaded = "A"
+    for step in range(STEPS):
+        if step:
+            rollout(cluster, reference, loaded)
+        for role in PD_ROLES:
+            flush_until_ok(cluster, role)
+        on_both(cluster, "release_memory_occupation", {}, log)
+        held_req = {}
+        if step == 1:
+            text = list(reference["A"])[0]
+            t = threading.Thread(target=lambda: held_req.update(
+                r=generate(cluster.url, text, max_new_tokens=MAX_NEW_TOKENS,
+                           timeout=REQUEST_DEADLINE_S)), daemon=True)
+            t.start()
+        for role in PD_ROLES:  # released: nothing registered with the transfer engine
+            assert cluster.resources(role)["te_registration"]["registered_regions"] == 0
+        on_both(cluster, "resume_memory_occupation", {"tags": ["weights"]}, log)
+        loaded = "B" if loaded == "A" else "A"
+        update(cluster, checkpoints, loaded, f"step-{step}", log)
+        if step == 1:
+            assert "r" not in held_req, held_req  # held while kv_cache is released
+        on_both(cluster, "resume_memory_occupation", {"tags": ["kv_cache"]}, log)
+        if step == 1:
+            t.join(REQUEST_DEADLINE_S)
+            r = held_req["r"]
+            assert r["status"] == 200 and r["output_ids"] == reference[loaded][text], r
+        for role in PD_ROLES:
+            assert pause_state(cluster, role)["paused"] is False, role
+    rollout(cluster, reference, loaded)
+    assert weight_versions(cluster) == {r: f"step-{STEPS - 1}" for r in PD_ROLES}
+    assert_idle(cluster, PD_ROLES, baseline=baseline)
+    assert all(status == 200 for _, _, status, _ in log)
+    print("colocated loop calls (role, call, status, s):", log)
+
+
+def test_release_with_kv_cache_tag_only(cluster, reference):
+    """release {"tags": ["kv_cache"]} then resume {"tags": ["kv_cache"]}: serving again."""
+    baseline = assert_idle(cluster, PD_ROLES)
+    loaded = _loaded(cluster, reference)
+    on_both(cluster, "release_memory_occupation", {"tags": ["kv_cache"]})
+    status, reply, _ = call(cluster, "prefill", "resume_memory_occupation", {"tags": ["weights"]})
+    assert status == 409 and "['weights'] not released" in str(reply), reply
+    on_both(cluster, "resume_memory_occupation", {"tags": ["kv_cache"]})
+    rollout(cluster, reference, loaded)
+    assert_idle(cluster, PD_ROLES, baseline=baseline)
+
+
+def _loaded(cluster, reference):
+    text = list(reference["A"])[0]
+    r = generate(cluster.url, text, max_new_tokens=MAX_NEW_TOKENS)
+    assert r["status"] == 200, r
+    return "A" if r["output_ids"] == reference["A"][text] else "B"
+
+
+def test_release_without_pause_on_a_busy_engine_is_409_and_changes_nothing(cluster, reference):
+    baseline = assert_idle(cluster, PD_ROLES)
+    loaded = _loaded(cluster, reference)
+    texts = list(reference[loaded])
+    results = {}
+
+    def run():
+        results["out"] = generate_concurrently(cluster.url, texts, max_new_tokens=64,
+                                               timeout=REQUEST_DEADLINE_S)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    wait_until(lambda: any(any(v for v in held(cluster.resources(r)).values()) for r in PD_ROLES),
+               30, "requests in flight")
+    status, reply, took = call(cluster, "decode", "release_memory_occupation", {})
+    t.join(REQUEST_DEADLINE_S)
+    assert not t.is_alive()
+    if status == 200:  # every request finished between the poll and the call
+        assert call(cluster, "decode", "resume_memory_occupation", {})[0] == 200
+        pytest.skip("requests finished before the release reached decode")
+    assert status == 409, (status, reply)
+    assert "request(s) in flight" in str(reply) and "call pause_generation first" in str(reply)
+    assert pause_state(cluster, "decode")["paused"] is False
+    for r in results["out"]:  # nothing changed: every request completes
+        assert r["status"] == 200 and r["meta"]["finish_reason"]["type"] == "length", r
+    assert_idle(cluster, PD_ROLES, baseline=baseline)
+    rollout(cluster, reference, loaded)
+
+
+def test_partial_rollout_abort_pause_with_12_clients(cluster, checkpoints, reference):
+    """12 closed-loop clients; per step: pause {} (abort) on both while requests run,
+    update, continue. Every request ends within the deadline as a completion (of one
+    of the checkpoints) or upstream's abort answer; none 499/503."""
+    baseline = assert_idle(cluster, PD_ROLES)
+    loaded = _loaded(cluster, reference)
+    texts = list(reference["A"])
+    stop = threading.Event()
+    results, lock = [], threading.Lock()
+
+    def client(i):
+        k = 0
+        while not stop.is_set() and k < 200:
+            text = texts[(i + k) % len(texts)]
+            r = generate(cluster.url, text, max_new_tokens=MAX_NEW_TOKENS,
+                         timeout=REQUEST_DEADLINE_S + 30, rid=f"pr-{i}-{k}")
+            with lock:
+                results.append((text, r))
+            k += 1
+
+    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(CLIENTS)]
+    for t in threads:
+        t.start()
+    log, in_flight_at_pause = [], []
+    try:
+        for step in range(STEPS):
+            wait_until(lambda: _requests_held(cluster), 30, "requests in flight")
+            in_flight_at_pause.append(_requests_held(cluster))
+            on_both(cluster, "pause_generation", {}, log)
+            loaded = "B" if loaded == "A" else "A"
+            update(cluster, checkpoints, loaded, f"partial-{step}", log)
+            on_both(cluster, "continue_generation", {}, log)
+            n = len(results)
+            wait_until(lambda: len(results) >= n + CLIENTS, REQUEST_DEADLINE_S,
+                       "requests to complete after continue")
+    finally:
+        stop.set()
+        deadline = time.monotonic() + REQUEST_DEADLINE_S
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+    hung = [i for i, t in enumerate(threads) if t.is_alive()]
+    assert not hung, f"clients still waiting {REQUEST_DEADLINE_S}s after the last step: {hung}"
+    counts = {"completed": 0, "aborted": 0}
+    for text, r in results:
+        assert r["status"] == 200, r  # never 499 / 503 / 500
+        reason = r["meta"]["finish_reason"]
+        if reason["type"] == "abort":
+            assert reason.get("status_code") is None, r
+            assert reason["message"].startswith("Aborted"), r
+            counts["aborted"] += 1
+        else:
+            assert r["output_ids"] in (reference["A"][text], reference["B"][text]), r
+            counts["completed"] += 1
+    assert counts["aborted"] > 0, (counts, in_flight_at_pause)
+    assert_idle(cluster, PD_ROLES, baseline=baseline)
+    rollout(cluster, reference, loaded)
+    print(f"partial rollout: {counts}, held at each pause {in_flight_at_pause}, calls {log}")
+
+
+def test_release_during_in_place_pause_ends_queued_requests_as_aborts(cluster, reference):
+    """Release during an in_place/retract pause ends what sits in the PD queues with
+    upstream's abort answer (200, finish_reason "abort", a message naming the
+    release); what runs is retracted and completes after continue."""
+    baseline = assert_idle(cluster, PD_ROLES)
+    loaded = _loaded(cluster, reference)
+    texts = prompts(24)
+    seen_release_abort = 0
+    for attempt, mode in enumerate(("in_place", "retract", "in_place", "retract")):
+        out = {}
+
+        def run():
+            out["r"] = generate_concurrently(cluster.url, texts, max_new_tokens=64,
+                                             timeout=REQUEST_DEADLINE_S)
+
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        wait_until(lambda: any(held(cluster.resources(r)).get(k, 0)
+                               for r in PD_ROLES
+                               for k in ("queue.prefill_bootstrap", "queue.decode_prealloc",
+                                         "queue.decode_transfer", "queue.prefill_inflight",
+                                         "queue.waiting")),
+                   30, "requests in a PD queue")
+        on_both(cluster, "pause_generation", {"mode": mode})
+        on_both(cluster, "release_memory_occupation", {})
+        on_both(cluster, "resume_memory_occupation", {})
+        on_both(cluster, "continue_generation", {})
+        t.join(REQUEST_DEADLINE_S)
+        assert not t.is_alive(), "requests unanswered"
+        for r in out["r"]:
+            assert r["status"] == 200, r
+            reason = r["meta"]["finish_reason"]
+            if reason["type"] == "abort":
+                assert reason.get("status_code") is None, r
+                assert "engine memory released" in reason["message"], r
+                seen_release_abort += 1
+        assert_idle(cluster, PD_ROLES, baseline=baseline)
+        if seen_release_abort:
+            break
+    assert seen_release_abort, "no request was in a PD queue at the release in 4 tries"
+    rollout(cluster, reference, loaded)
