@@ -158,11 +158,7 @@ def gateway_deployment(tiny_model):
     """(PDCluster(balancer="router"), MiniLB over its engines, SingleServer)."""
     from testing.pd_cluster import MiniLB
 
-    import os
-
-    # GATEWAY_TEST_PREFILL_ENV: extra env for the prefill (mutation checks only).
-    extra = dict(kv.split("=", 1) for kv in os.environ.get("GATEWAY_TEST_PREFILL_ENV", "").split() if kv)
-    cluster = PDCluster(str(tiny_model), balancer="router", prefill_env=extra)
+    cluster = PDCluster(str(tiny_model), balancer="router")
     single = SingleServer(str(tiny_model), log_dir=str(cluster.log_dir))
     started = [cluster, single]
     try:
