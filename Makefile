@@ -5,7 +5,7 @@ VPY    := $(VENV)/bin/python
 # Inputs of the fork wheel: rebuilt and reinstalled when any of them changes.
 SOURCES := $(shell git ls-files -co --exclude-standard pyproject.toml upstream.lock patches python build_backend 2>/dev/null)
 
-.PHONY: venv demo test bench bench-deadline wheel system-deps clean
+.PHONY: venv demo test bench bench-deadline bench-rl wheel system-deps clean
 
 venv: $(VENV)/.fork-installed
 
@@ -21,6 +21,9 @@ bench: venv
 	$(VPY) -m bench.release_gate $(ARGS)
 bench-deadline: venv
 	$(VPY) bench/transfer_deadline_bench.py
+# RL step calls (pause/release/resume/update/continue) timed, fork vs upstream (~10 min).
+bench-rl: venv
+	$(VPY) -m bench.rl_step $(ARGS)
 
 wheel:
 	$(PYTHON) -m pip wheel --no-deps --wheel-dir dist .

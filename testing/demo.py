@@ -3,7 +3,8 @@ concurrent greedy requests through the balancer, per-request status and latency,
 summary line, everything shut down (also on Ctrl-C or failure). Exit 1 if any
 request failed.
 
-Usage: python -m testing.demo [--requests N] [--max-new-tokens N] [--model-dir DIR]
+Usage: python -m testing.demo [--requests N] [--max-new-tokens N] [--balancer mini|router]
+       [--model-dir DIR]
 Servers run under $SGLANG_FORK_PYTHON (default: this interpreter).
 """
 
@@ -24,6 +25,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=20)
     parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--balancer", choices=("mini", "router"), default="mini",
+                        help="mini LB, or the Rust gateway with self-registered engines")
     parser.add_argument("--model-dir", default=str(REPO_ROOT / ".cache" / "tiny-llama"))
     args = parser.parse_args(argv)
 
@@ -31,7 +34,7 @@ def main(argv=None) -> int:
     model = ensure_tiny_model(args.model_dir)
     print(f"model: {model} ({time.monotonic() - t0:.1f}s)", flush=True)
 
-    cluster = PDCluster(str(model))
+    cluster = PDCluster(str(model), balancer=args.balancer)
     print(f"logs: {cluster.log_dir}", flush=True)
     try:
         t0 = time.monotonic()

@@ -1,5 +1,5 @@
-"""Bring up sglang servers for tests: 1 prefill + 1 decode + mini load balancer, or one
-plain server, on free 127.0.0.1 ports, and take them apart again.
+"""Bring up sglang servers for tests: 1 prefill + 1 decode + a load balancer (the mini LB
+or the production Rust gateway with self-registering engines), or one plain server, on free 127.0.0.1 ports, and take them apart again.
 
 Every process started here (and its whole tree: launch_server forks a scheduler and a
 detokenizer) is killed on teardown, on exceptions, on Ctrl-C / SIGTERM and at exit,
@@ -117,6 +117,16 @@ def http_post_json(url: str, payload: Any, timeout: float = 120.0) -> tuple[int,
         return status, json.loads(body)
     except ValueError:
         return status, body.decode(errors="replace")
+
+
+def http_request(url: str, method: str, timeout: float = 30.0) -> tuple[int, bytes]:
+    """A body-less request with any method (DELETE ...)."""
+    req = urllib.request.Request(url, method=method)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
 
 
 def parse_prometheus(text: str) -> Dict[str, float]:
@@ -511,8 +521,22 @@ def _launch_server_argv(model: str, port: int, nccl_port: int, args: Iterable[st
     ]
 
 
+BALANCERS = ("mini", "router")
+# How long the gateway may take to run its registration workflow for one engine
+# (health probe, /get_server_info, /get_model_info) once POST /workers accepted it.
+REGISTER_TIMEOUT = 60.0
+
+
 class PDCluster(Deployment):
-    """1 prefill + 1 decode (mooncake over TCP on loopback) + the mini load balancer."""
+    """1 prefill + 1 decode (mooncake over TCP on loopback) + a load balancer.
+
+    balancer="mini" (default): sglang-router's Python mini LB, given both engines on its
+    command line. balancer="router": the production Rust gateway (`launch_router
+    --pd-disaggregation` without `--mini-lb`) started with no workers, with its own
+    defaults (retries, circuit breaker, health checks) unless `lb_args` says otherwise;
+    each engine registers itself with `POST /workers` as RL frameworks do
+    (register_worker / deregister_worker), once it is healthy.
+    """
 
     def __init__(
         self,
@@ -523,11 +547,17 @@ class PDCluster(Deployment):
         prefill_args: Sequence[str] = (),
         decode_args: Sequence[str] = (),
         lb_env: Optional[Mapping[str, str]] = None,
+        lb_args: Sequence[str] = (),
+        balancer: str = "mini",
         log_dir: Optional[str] = None,
     ):
+        if balancer not in BALANCERS:
+            raise ValueError(f"balancer must be one of {BALANCERS}, not {balancer!r}")
         super().__init__(log_dir)
-        (p_port, p_nccl, bootstrap, d_port, d_nccl, lb_port) = free_ports(6)
+        self.balancer = balancer
+        (p_port, p_nccl, bootstrap, d_port, d_nccl, lb_port, prom_port) = free_ports(7)
         self.bootstrap_port = bootstrap
+        self.prometheus_port = prom_port
         pd = ["--disaggregation-transfer-backend", "mooncake"]
         self._add(
             "prefill",
@@ -547,23 +577,126 @@ class PDCluster(Deployment):
             _role_env(decode_env),
             d_port,
         )
-        self._add(
-            "lb",
-            [
-                fork_python(), "-m", "sglang_router.launch_router",
-                "--pd-disaggregation", "--mini-lb",
+        router = [fork_python(), "-m", "sglang_router.launch_router", "--pd-disaggregation"]
+        if balancer == "mini":
+            lb_argv = [
+                *router, "--mini-lb",
                 "--host", HOST,
                 "--prefill", self.servers["prefill"].url, str(bootstrap),
                 "--decode", self.servers["decode"].url,
                 "--port", str(lb_port),
-            ],
-            _role_env(lb_env),
-            lb_port,
-        )
+                *lb_args,
+            ]
+        else:
+            # No workers on the command line: engines register themselves. Its
+            # Prometheus endpoint gets a free loopback port (the default 29000 would
+            # collide between deployments).
+            lb_argv = [
+                *router,
+                "--host", HOST,
+                "--port", str(lb_port),
+                "--prometheus-host", HOST,
+                "--prometheus-port", str(prom_port),
+                *lb_args,
+            ]
+        self._add("lb", lb_argv, _role_env(lb_env), lb_port)
 
     @property
     def url(self) -> str:
         return self.servers["lb"].url
+
+    def wait_healthy(self, timeout: float = DEFAULT_HEALTH_TIMEOUT) -> "PDCluster":
+        super().wait_healthy(timeout)
+        if self.balancer == "router":
+            try:
+                for role in ("prefill", "decode"):
+                    self.register_worker(role)
+            except BaseException:
+                self.teardown()
+                raise
+        return self
+
+    # -- the Rust gateway's worker API (balancer="router")
+
+    def _require_router(self) -> None:
+        if self.balancer != "router":
+            raise ClusterError(f"balancer {self.balancer!r} has no worker API")
+
+    def router_workers(self) -> List[Dict[str, Any]]:
+        """GET /workers of the gateway: one dict per registered worker."""
+        self._require_router()
+        status, body = http_get(self.url + "/workers")
+        if status != 200:
+            raise ClusterError(f"GET /workers -> {status}: {body[:200]!r}")
+        return json.loads(body)["workers"]
+
+    def router_worker(self, role: str) -> Optional[Dict[str, Any]]:
+        """The gateway's entry for this engine (matched by url), or None."""
+        url = self.servers[role].url
+        for w in self.router_workers():
+            if w.get("url") == url:
+                return w
+        return None
+
+    def register_worker(self, role: str, timeout: float = REGISTER_TIMEOUT) -> Dict[str, Any]:
+        """POST /workers for this engine as an RL framework does; returns the gateway's
+        entry once its registration workflow has added it (the POST only queues it)."""
+        self._require_router()
+        payload: Dict[str, Any] = {"url": self.servers[role].url, "worker_type": role}
+        if role == "prefill":
+            payload["bootstrap_port"] = self.bootstrap_port
+        status, body = http_post_json(self.url + "/workers", payload, timeout=30)
+        if status not in (200, 201, 202):
+            raise ClusterError(f"POST /workers {payload} -> {status}: {body}")
+        return wait_until(
+            lambda: self.router_worker(role),
+            timeout,
+            f"gateway to list the {role} worker",
+            on_timeout=lambda: self.servers["lb"].tail(20),
+        )
+
+    def deregister_worker(self, role: str, timeout: float = REGISTER_TIMEOUT) -> None:
+        """GET /workers, find this engine's id by url, DELETE /workers/{id}; returns
+        once the gateway no longer lists it."""
+        entry = self.router_worker(role)
+        if entry is None:
+            raise ClusterError(f"{role} is not registered with the gateway")
+        status, body = http_request(self.url + f"/workers/{entry['id']}", "DELETE")
+        if status not in (200, 202, 204):
+            raise ClusterError(f"DELETE /workers/{entry['id']} -> {status}: {body[:200]!r}")
+        wait_until(
+            lambda: self.router_worker(role) is None,
+            timeout,
+            f"gateway to drop the {role} worker",
+        )
+
+    def router_metrics(self) -> Dict[str, float]:
+        """The gateway's Prometheus metrics (its own port)."""
+        self._require_router()
+        status, body = http_get(f"http://{HOST}:{self.prometheus_port}/metrics")
+        if status != 200:
+            raise ClusterError(f"gateway /metrics -> {status}")
+        return parse_prometheus(body.decode())
+
+
+class MiniLB(Deployment):
+    """A mini load balancer (role 'mini_lb') in front of engines that already run, e.g.
+    beside the Rust gateway of a PDCluster(balancer="router") to compare the two."""
+
+    def __init__(self, prefill_url: str, bootstrap_port: int, decode_url: str,
+                 *, log_dir: Optional[str] = None):
+        super().__init__(log_dir)
+        (port,) = free_ports(1)
+        self._add("mini_lb", [
+            fork_python(), "-m", "sglang_router.launch_router",
+            "--pd-disaggregation", "--mini-lb", "--host", HOST,
+            "--prefill", prefill_url, str(bootstrap_port),
+            "--decode", decode_url, "--port", str(port),
+        ], _role_env(None), port)
+
+    @property
+    def url(self) -> str:
+        return self.servers["mini_lb"].url
 
 
 class SingleServer(Deployment):

@@ -23,7 +23,8 @@ def pytest_runtest_makereport(item, call):
     """On a failure, attach the tail of every server log of the module's deployment."""
     outcome = yield
     report = outcome.get_result()
-    deployment = item.funcargs.get("pd_deployment") if hasattr(item, "funcargs") else None
+    funcargs = getattr(item, "funcargs", {})
+    deployment = funcargs.get("pd_deployment") or funcargs.get("gateway_deployment")
     if report.failed and deployment:
         for d in deployment:
             for role, server in d.servers.items():
@@ -148,3 +149,31 @@ def stable_peer_tables(peers: dict) -> dict:
         if k in peers:
             out[k + "<=prefills"] = peers[k] <= peers.get("prefill_info_table", 0)
     return out
+
+
+# The production Rust gateway (sglang-router, its defaults) with self-registered
+# engines, a mini LB over the same engines and a plain control server.
+@pytest.fixture(scope="module")
+def gateway_deployment(tiny_model):
+    """(PDCluster(balancer="router"), MiniLB over its engines, SingleServer)."""
+    from testing.pd_cluster import MiniLB
+
+    cluster = PDCluster(str(tiny_model), balancer="router")
+    single = SingleServer(str(tiny_model), log_dir=str(cluster.log_dir))
+    started = [cluster, single]
+    try:
+        start_all(cluster, single)
+        mini = MiniLB(cluster["prefill"].url, cluster.bootstrap_port, cluster["decode"].url,
+                      log_dir=str(cluster.log_dir))
+        started.append(mini)
+        mini.start()
+        yield cluster, mini, single
+    finally:
+        errors = []
+        for d in reversed(started):
+            try:
+                d.teardown()
+            except Exception as e:
+                errors.append(e)
+        if errors:
+            raise errors[0]

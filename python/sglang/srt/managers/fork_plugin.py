@@ -141,6 +141,25 @@ HOOKS: list[tuple[str, str, HookType]] = [
         "sglang.srt.disaggregation.transfer_deadline:before_pop_transferred",
         HookType.BEFORE,
     ),
+    # Abort-mode pause returns once the aborted requests are gone, not after upstream's
+    # fixed 1 s sleep (bench/rl_step.py).
+    (
+        "sglang.srt.utils.aio_rwlock.RWLock.is_locked",
+        "sglang.srt.managers.pd_pause_drain:around_is_locked",
+        HookType.AROUND,
+    ),
+    # Behind a gateway that still routes to a lost decode: a prefill request whose
+    # decode never shakes hands ends within seconds as peer loss (docs/gateway.md).
+    (
+        "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue.pop_bootstrapped",
+        "sglang.srt.disaggregation.lost_decode_handshake:before_pop_bootstrapped",
+        HookType.BEFORE,
+    ),
+    (
+        "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager",
+        "sglang.srt.disaggregation.lost_decode_handshake:validate_at_start",
+        HookType.AFTER,
+    ),
     # Decode's late handshake for a room prefill's deadline expired: answer Failed.
     (
         "sglang.srt.disaggregation.common.conn.CommonKVManager.update_status",

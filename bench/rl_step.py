@@ -1,0 +1,220 @@
+"""`make bench-rl`: how long each call of an RL step takes, fork vs stock upstream 0.5.23.
+
+Both 1P1D deployments (tiny model, CPU, mini LB; flags and env as the release gate,
+bench/baseline.py) start once, side by side. For each number of requests in flight
+(default 64 and 256) and each side, the loops of issue 14 run while that many greedy
+`ignore_eos` requests are in flight through the balancer, and every call is timed as
+the RL framework makes it (one engine after the other: prefill, then decode):
+
+- partial rollout, per pause mode (abort with an empty body = upstream's default,
+  retract, in_place): pause_generation -> update_weights_from_disk -> continue_generation;
+- colocated step, once the rollout has ended: flush_cache -> release_memory_occupation {}
+  -> resume_memory_occupation ["weights"] -> update_weights_from_disk ->
+  resume_memory_occupation ["kv_cache"] (no continue).
+
+A call that does not answer 200 is reported with its status ("409", "500", "dead" when
+the server died). Requests left in flight after a loop are ended with abort_all before
+the next. Not a timed test: a benchmark (exit 0 when every figure was measured, 2 when
+the bench itself failed). Targets (issue 14): pause <= 0.25 s, release + resume <= 0.5 s
+beside the weight load, continue <= 0.1 s.
+
+Usage: python -m bench.rl_step [--inflight 64 256] [--max-new-tokens 256] [--write-readme]
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Dict, List, Sequence, Tuple
+
+from bench import baseline
+from bench.release_gate import loadavg, machine
+from testing.pd_cluster import (
+    PDCluster,
+    fork_python,
+    generate,
+    http_get,
+    http_post_json,
+    prompts,
+    start_all,
+)
+from testing.tiny_model import ensure_tiny_model
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+README = REPO_ROOT / "README.md"
+README_BEGIN = "<!-- rl-bench:begin (written by `make bench-rl ARGS=--write-readme`) -->"
+README_END = "<!-- rl-bench:end -->"
+SIDES = ("fork", "upstream")
+ROLES = ("prefill", "decode")
+MODES = ("abort", "retract", "in_place")
+CALL_TIMEOUT = 120.0
+
+
+def timed(server, path: str, payload=None) -> Tuple[str, float]:
+    """One call; ('ok' or the status, seconds)."""
+    t0 = time.monotonic()
+    try:
+        if payload is None:
+            status, _ = http_get(server.url + path, timeout=CALL_TIMEOUT)
+        else:
+            status, _ = http_post_json(server.url + path, payload, timeout=CALL_TIMEOUT)
+    except OSError:
+        status = "dead" if not server.is_alive() else "error"
+    return ("ok" if status == 200 else str(status)), time.monotonic() - t0
+
+
+class Rollout:
+    """n requests in flight through the balancer, one thread each."""
+
+    def __init__(self, url: str, n: int, max_new_tokens: int):
+        texts = prompts(n)
+        self.threads = [
+            threading.Thread(
+                target=generate, args=(url, texts[i], max_new_tokens),
+                kwargs={"timeout": 600, "ignore_eos": True}, daemon=True,
+            )
+            for i in range(n)
+        ]
+        for t in self.threads:
+            t.start()
+
+    def join(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        for t in self.threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        return not any(t.is_alive() for t in self.threads)
+
+
+def both(cluster, path: str, payload, row: Dict[str, str], name: str) -> None:
+    """The call on prefill then decode, each timed."""
+    for role in ROLES:
+        status, seconds = timed(cluster[role], path, payload)
+        row[f"{name} ({role})"] = f"{seconds:.3f}" if status == "ok" else status
+
+
+def settle(cluster, rollout: Rollout) -> None:
+    for role in ROLES:
+        timed(cluster[role], "/abort_request", {"abort_all": True})
+    rollout.join(120)
+
+
+def one_side(cluster, model: str, inflight: int, max_new_tokens: int) -> Dict[str, str]:
+    row: Dict[str, str] = {}
+    update = {"model_path": model}
+    for mode in MODES:
+        rollout = Rollout(cluster.url, inflight, max_new_tokens)
+        time.sleep(2.0)  # the requests reach both servers (this is load, not a sync)
+        payload = {} if mode == "abort" else {"mode": mode}
+        both(cluster, "/pause_generation", payload, row, f"pause {mode}")
+        both(cluster, "/update_weights_from_disk", update, row, f"update_weights_from_disk after pause {mode}")
+        both(cluster, "/continue_generation", {}, row, f"continue after pause {mode}")
+        settle(cluster, rollout)
+    # colocated: the rollout ended (requests aborted), engine idle, no pause
+    rollout = Rollout(cluster.url, inflight, max_new_tokens)
+    time.sleep(2.0)
+    settle(cluster, rollout)
+    both(cluster, "/flush_cache", None, row, "flush_cache")
+    both(cluster, "/release_memory_occupation", {}, row, "release {}")
+    both(cluster, "/resume_memory_occupation", {"tags": ["weights"]}, row, "resume [weights]")
+    both(cluster, "/update_weights_from_disk", update, row, "update_weights_from_disk after resume")
+    both(cluster, "/resume_memory_occupation", {"tags": ["kv_cache"]}, row, "resume [kv_cache]")
+    after = generate(cluster.url, "hello world", 4, timeout=60)
+    row["serves after the step"] = "yes" if after["status"] == 200 else f"no ({after['status']})"
+    return row
+
+
+def table(results: Dict[Tuple[str, int], Dict[str, str]], inflight: Sequence[int]) -> str:
+    keys: List[str] = []
+    for row in results.values():
+        keys += [k for k in row if k not in keys]
+    cols = [(side, n) for n in inflight for side in SIDES]
+    head = "| call (seconds, or HTTP status) | " + " | ".join(f"{s} @{n}" for s, n in cols) + " |"
+    lines = [head, "|---|" + "---:|" * len(cols)]
+    for k in keys:
+        lines.append(f"| {k} | " + " | ".join(results.get(c, {}).get(k, "n/a") for c in cols) + " |")
+    return "\n".join(lines)
+
+
+def write_readme(block: str) -> None:
+    text = README.read_text()
+    if README_BEGIN not in text:
+        raise RuntimeError(f"README has no {README_BEGIN!r} marker")
+    head, rest = text.split(README_BEGIN, 1)
+    _, tail = rest.split(README_END, 1)
+    README.write_text(head + README_BEGIN + "\n" + block + "\n" + README_END + tail)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--inflight", type=int, nargs="+", default=[64, 256])
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--model-dir", default=str(REPO_ROOT / ".cache" / "tiny-llama"))
+    parser.add_argument("--write-readme", action="store_true")
+    parser.add_argument("--keep-logs", action="store_true")
+    args = parser.parse_args(argv)
+    mach, load_before = machine(), loadavg()
+    work = Path(tempfile.mkdtemp(prefix="sglang-bench-rl-"))
+    ok = False
+    try:
+        model = str(ensure_tiny_model(args.model_dir))
+        prepared = baseline.prepare(work, fork_python())
+        up_env = baseline.upstream_env(prepared)
+        fk_env = baseline.fork_env(prepared, standins=True)
+        lb_env = baseline.fork_env(prepared, standins=False)
+        decode_args = (*baseline.SHARED_ARGS, *baseline.DECODE_ARGS)
+        clusters = {
+            name: PDCluster(model, prefill_env=env, decode_env=env, lb_env=lb_env,
+                            prefill_args=baseline.SHARED_ARGS, decode_args=decode_args,
+                            log_dir=str(work / f"logs-{name}"))
+            for name, env in (("fork", fk_env), ("upstream", up_env))
+        }
+        results: Dict[Tuple[str, int], Dict[str, str]] = {}
+        try:
+            start_all(*clusters.values())
+            for n in args.inflight:
+                for name in SIDES:
+                    cluster = clusters[name]
+                    if not all(cluster[r].is_alive() for r in ROLES):
+                        print(f"{name} @{n}: a server died earlier, skipped", flush=True)
+                        continue
+                    t0 = time.monotonic()
+                    results[(name, n)] = one_side(cluster, model, n, args.max_new_tokens)
+                    print(f"{name} @{n} in flight ({time.monotonic() - t0:.0f}s): {results[(name, n)]}",
+                          flush=True)
+        finally:
+            for c in clusters.values():
+                c.teardown()
+        block = "\n".join([
+            f"Fork `{prepared['fork_version']}` vs upstream `{prepared['version']}`, 1P1D + mini-lb on CPU, "
+            f"tiny Llama, {' and '.join(map(str, args.inflight))} greedy requests in flight "
+            f"({args.max_new_tokens} output tokens, ignore_eos), each call timed on prefill then decode.",
+            f"Machine: {mach['nproc']} CPUs, {mach['cpu']}, {mach['mem_gb']} GB RAM, Python {mach['python']}; "
+            f"load average {load_before} at start, {loadavg()} at end (shared machine). "
+            f"Run at {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.",
+            "",
+            table(results, args.inflight),
+        ])
+        print("\n" + block + "\n")
+        if args.write_readme:
+            write_readme(block)
+            print(f"wrote the table to {README}")
+        ok = True
+        return 0
+    finally:
+        if args.keep_logs or not ok:
+            print(f"logs kept in {work}", file=sys.stderr)
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except Exception as e:
+        print(f"BENCH ERROR: {e!r}", file=sys.stderr)
+        sys.exit(2)

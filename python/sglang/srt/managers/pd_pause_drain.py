@@ -1,0 +1,37 @@
+"""pause_generation in abort mode returns as soon as the aborted requests are gone.
+
+Upstream's abort-mode pause (TokenizerManager.pause_generation, and the multi-tokenizer
+variant) loops: abort_all, check `model_update_lock.is_locked()` (an in-flight request
+holds a reader lock until its answer is out), and while it is locked sleeps a fixed
+1 s -- so a pause with requests in flight took >= 1 s although the aborted requests
+are answered within milliseconds (bench/rl_step.py; target 0.25 s, issue 14). The hook
+makes that check wait, polling every POLL_S, up to WAIT_S (< upstream's 1 s sleep)
+for the lock to come free: the loop then sees it free on its first check. Called by
+AROUND RWLock.is_locked (fork_plugin.HOOKS); upstream calls is_locked only from those
+two pause loops, which `callers_of_is_locked` lets a test check.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+POLL_S = 0.005
+WAIT_S = 0.9
+
+
+async def around_is_locked(original, lock, *args, **kwargs):
+    """AROUND sglang.srt.utils.aio_rwlock.RWLock.is_locked."""
+    deadline = time.monotonic() + WAIT_S
+    locked = await original(lock, *args, **kwargs)
+    while locked and time.monotonic() < deadline:
+        await asyncio.sleep(POLL_S)
+        locked = await original(lock, *args, **kwargs)
+    return locked
+
+
+# The upstream modules whose code calls RWLock.is_locked (both are abort-mode pause loops).
+CALLERS = (
+    "sglang.srt.managers.tokenizer_manager",
+    "sglang.srt.managers.multi_tokenizer_mixin",
+)

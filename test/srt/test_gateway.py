@@ -1,0 +1,263 @@
+"""1P1D behind the production Rust gateway (sglang-router, `launch_router
+--pd-disaggregation` without `--mini-lb`, its default retries / circuit breaker /
+health checks), engines self-registered with `POST /workers` as RL frameworks do.
+
+One deployment for the module (conftest.gateway_deployment: the gateway cluster, a
+mini LB over the same engines, a plain control server); each test starts by checking
+the deployment is idle.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+
+import pytest
+
+from conftest import assert_idle, held
+from testing.pd_cluster import (
+    generate,
+    generate_concurrently,
+    http_post_json,
+    metric_sum,
+    prompts,
+    wait_until,
+)
+
+pytestmark = pytest.mark.e2e
+
+PD_ROLES = ("prefill", "decode")
+N_REQUESTS = 20
+MAX_NEW_TOKENS = 32
+BURST_DEADLINE_S = 90.0  # generous for a loaded 2-core machine (measured: 2-12 s)
+
+
+# A client request through the gateway is answered within this, whatever happens to
+# the engines (the gateway's 5 attempts, each ended by the engines within seconds).
+ANSWER_BOUND_S = 30.0
+SERVING_AFTER_REGISTRATION_S = 15.0
+
+
+class ClosedLoop:
+    """n clients, each sending its next greedy request as soon as the last one is
+    answered, until stop(); every answer is recorded (status, latency, finish type)."""
+
+    def __init__(self, url: str, n: int, max_new_tokens: int = 24, timeout: float = 120.0):
+        self.url, self.n, self.max_new_tokens, self.timeout = url, n, max_new_tokens, timeout
+        self.results = []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(n)]
+
+    def _run(self, i: int) -> None:
+        texts = prompts(64)
+        k = 0
+        while not self._stop.is_set() and k < 10_000:
+            r = generate(self.url, texts[(i * 7 + k) % len(texts)], self.max_new_tokens,
+                         timeout=self.timeout)
+            r["finish"] = (r["meta"] or {}).get("finish_reason", {}).get("type") if r["meta"] else None
+            r["t"] = time.monotonic()
+            self.results.append(r)
+            k += 1
+
+    def start(self) -> "ClosedLoop":
+        for t in self._threads:
+            t.start()
+        return self
+
+    def completed(self) -> int:
+        return sum(r["status"] == 200 and r["finish"] == "length" for r in self.results)
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(self.timeout + 10)
+        assert not any(t.is_alive() for t in self._threads), "a client is still waiting"
+
+    def summary(self) -> Counter:
+        return Counter((r["status"], r["finish"] or str(r["error"])[:90]) for r in self.results)
+
+
+def cb_transitions_to_open(cluster, role: str) -> float:
+    url = cluster[role].url
+    return sum(
+        v for k, v in cluster.router_metrics().items()
+        if k.startswith("smg_worker_cb_transitions_total") and f'"{url}"' in k and 'to="open"' in k
+    )
+
+
+def cb_states(cluster) -> dict:
+    """The gateway's circuit state per registered engine url (0 = closed)."""
+    metrics = cluster.router_metrics()
+    out = {}
+    for role in PD_ROLES:
+        key = f'smg_worker_cb_state{{worker="{cluster[role].url}"}}'
+        out[role] = metrics.get(key)
+    return out
+
+
+def test_engines_registered_themselves(gateway_deployment):
+    cluster, _, _ = gateway_deployment
+    workers = {w["worker_type"]: w for w in cluster.router_workers()}
+    assert set(workers) == set(PD_ROLES), workers
+    for role in PD_ROLES:
+        assert workers[role]["url"] == cluster[role].url
+        assert workers[role]["is_healthy"] is True
+    assert workers["prefill"]["bootstrap_port"] == cluster.bootstrap_port
+
+
+def test_burst_through_gateway_matches_mini_lb_and_single_server(gateway_deployment):
+    cluster, mini, single = gateway_deployment
+    baseline = assert_idle(cluster, PD_ROLES)
+    texts = prompts(N_REQUESTS)
+
+    t0 = time.monotonic()
+    via_gateway = generate_concurrently(cluster.url, texts, max_new_tokens=MAX_NEW_TOKENS)
+    burst_s = time.monotonic() - t0
+    via_mini = generate_concurrently(mini.url, texts, max_new_tokens=MAX_NEW_TOKENS)
+    reference = generate_concurrently(single.url, texts, max_new_tokens=MAX_NEW_TOKENS)
+
+    # What the client saw: the same token ids on all three paths.
+    for name, results in (("gateway", via_gateway), ("mini", via_mini), ("single", reference)):
+        failed = [(i, r["status"], r["error"]) for i, r in enumerate(results) if r["status"] != 200]
+        assert not failed, (name, failed)
+    for i, (gw, mn, ref) in enumerate(zip(via_gateway, via_mini, reference)):
+        assert gw["output_ids"], i
+        assert gw["output_ids"] == mn["output_ids"] == ref["output_ids"], (i, texts[i])
+        assert gw["meta"]["finish_reason"] == ref["meta"]["finish_reason"], i
+
+    # How long it took.
+    assert burst_s < BURST_DEADLINE_S, burst_s
+
+    # What is left held: nothing beyond the idle baseline on either engine.
+    after = assert_idle(cluster, PD_ROLES, baseline=baseline)
+    for role in PD_ROLES:
+        assert held(after[role]) == held(baseline[role]), role
+
+    # What was counted: the gateway saw no failure and kept every circuit closed.
+    metrics = cluster.router_metrics()
+    assert metric_sum(metrics, "smg_worker_retries_exhausted_total") == 0
+    assert cb_states(cluster) == {"prefill": 0.0, "decode": 0.0}
+    for role in PD_ROLES:
+        key = f'smg_worker_cb_outcomes_total{{worker="{cluster[role].url}",outcome="failure"}}'
+        assert metrics.get(key, 0.0) == 0.0, (role, key)
+
+
+def test_decode_killed_removed_restarted_registered_serves_within_15s(gateway_deployment):
+    """The RL framework's supervision of a crashed decode, behind the gateway with its
+    defaults: kill -> DELETE /workers/{id} -> restart on the same port -> POST /workers.
+    Requests in flight and the gateway's retries end within seconds (the retries that
+    reached prefill while the dead decode was still listed: lost_decode_handshake), the
+    prefill's circuit never opens, and within 15 s of the registration the deployment
+    serves again."""
+    cluster, _, _ = gateway_deployment
+    assert_idle(cluster, PD_ROLES)
+    prefill_opened = cb_transitions_to_open(cluster, "prefill")
+    loop = ClosedLoop(cluster.url, 4).start()
+    try:
+        wait_until(lambda: loop.completed() >= 8, 120, "8 completions before the kill")
+        cluster["decode"].kill()
+        t_kill = time.monotonic()
+        # The supervisor notices the crash later than the gateway retries: a retry
+        # reaches prefill with a decode leg the dead decode refused (an orphan waiting
+        # for a handshake that never comes) before the dead decode is removed.
+        wait_until(lambda: held(cluster.resources("prefill"))["queue.prefill_bootstrap"] >= 1, 30,
+                   "a gateway retry to wait on prefill for the dead decode")
+        cluster.deregister_worker("decode")
+        cluster["decode"].start()
+        cluster["decode"].wait_healthy()
+        cluster.register_worker("decode")
+        t_reg = time.monotonic()
+
+        def serving():
+            burst = generate_concurrently(cluster.url, prompts(4), max_new_tokens=8, timeout=15)
+            return all(r["status"] == 200 for r in burst)
+
+        wait_until(serving, SERVING_AFTER_REGISTRATION_S, "the deployment to serve after registration",
+                   interval=0.5, on_timeout=lambda: str(cb_states(cluster)))
+        serving_s = time.monotonic() - t_reg
+        n_before = len(loop.results)
+        wait_until(lambda: sum(r["status"] == 200 for r in loop.results[n_before:]) >= 4, 60,
+                   "the closed-loop clients to complete again")
+    finally:
+        loop.stop()
+    failures = {
+        k: v for k, v in cluster.router_metrics().items()
+        if k.startswith("smg_worker_cb_outcomes_total") and 'outcome="failure"' in k
+    }
+    print(f"kill->registration {t_reg - t_kill:.1f}s, serving {serving_s:.1f}s after registration; "
+          f"{dict(loop.summary())}; gateway failures {failures}")
+
+    # What the clients saw: completions, and during the outage the gateway's answers
+    # for a lost decode (502) or no decode (503) -- each within the bound, none hanging.
+    slow = [(r["status"], round(r["latency"], 1), str(r["error"])[:120])
+            for r in loop.results if r["latency"] > ANSWER_BOUND_S or r["status"] is None]
+    assert not slow, slow
+    assert {r["status"] for r in loop.results} <= {200, 502, 503}, loop.summary()
+    # How long: serving again within 15 s of the registration (asserted by wait_until).
+    assert serving_s <= SERVING_AFTER_REGISTRATION_S
+    # What was counted: the prefill's circuit never opened; both circuits closed now.
+    assert cb_transitions_to_open(cluster, "prefill") == prefill_opened
+    assert cb_states(cluster) == {"prefill": 0.0, "decode": 0.0}
+    # What is left held: nothing, on either engine.
+    assert_idle(cluster, PD_ROLES)
+
+
+PAUSE_CYCLES = 3
+PAUSE_CLIENTS = 8
+# An RL client waits on each answer: none may take longer, pause or not.
+PAUSE_ANSWER_BOUND_S = 10.0
+
+
+def test_rl_pause_cycles_never_open_a_circuit(gateway_deployment, tiny_model):
+    """Partial rollout behind the gateway with its defaults: 8 closed-loop clients while
+    both engines go through pause_generation {} (upstream's default, abort) ->
+    update_weights_from_disk -> continue_generation, several times. Every request is
+    answered as a completion or upstream's abort answer (200, finish_reason abort) in
+    under 10 s, and the gateway never counts a failure against either engine."""
+    cluster, _, _ = gateway_deployment
+    assert_idle(cluster, PD_ROLES)
+    opened = {role: cb_transitions_to_open(cluster, role) for role in PD_ROLES}
+    metrics = cluster.router_metrics()
+    failures_before = {
+        role: metrics.get(f'smg_worker_cb_outcomes_total{{worker="{cluster[role].url}",outcome="failure"}}', 0.0)
+        for role in PD_ROLES
+    }
+    calls = []
+    loop = ClosedLoop(cluster.url, PAUSE_CLIENTS, timeout=60).start()
+    try:
+        for cycle in range(PAUSE_CYCLES):
+            done = loop.completed()
+            wait_until(lambda: loop.completed() >= done + PAUSE_CLIENTS, 120,
+                       f"completions before pause cycle {cycle}")
+            for path, payload in (("/pause_generation", {}),
+                                  ("/update_weights_from_disk", {"model_path": str(tiny_model)}),
+                                  ("/continue_generation", {})):
+                for role in PD_ROLES:
+                    t0 = time.monotonic()
+                    status, body = http_post_json(cluster[role].url + path, payload, timeout=60)
+                    calls.append((cycle, role, path, status, round(time.monotonic() - t0, 2)))
+                    assert status == 200, (cycle, role, path, body)
+                    if path == "/update_weights_from_disk":
+                        assert body["success"] is True, (cycle, role, body)
+        done = loop.completed()
+        wait_until(lambda: loop.completed() >= done + PAUSE_CLIENTS, 120, "completions after the last cycle")
+    finally:
+        loop.stop()
+    print(f"calls {calls}; answers {dict(loop.summary())}")
+
+    # What the clients saw: completions and abort answers only, each within the bound.
+    wrong = [(r["status"], r["finish"], str(r["error"])[:150]) for r in loop.results
+             if not (r["status"] == 200 and r["finish"] in ("length", "abort"))]
+    assert not wrong, wrong
+    slow = [round(r["latency"], 1) for r in loop.results if r["latency"] > PAUSE_ANSWER_BOUND_S]
+    assert not slow, slow
+    # What was counted: no failure against either engine, no circuit opened.
+    metrics = cluster.router_metrics()
+    for role in PD_ROLES:
+        key = f'smg_worker_cb_outcomes_total{{worker="{cluster[role].url}",outcome="failure"}}'
+        assert metrics.get(key, 0.0) == failures_before[role], (role, key)
+        assert cb_transitions_to_open(cluster, role) == opened[role], role
+    assert cb_states(cluster) == {"prefill": 0.0, "decode": 0.0}
+    # What is left held: nothing.
+    assert_idle(cluster, PD_ROLES)
