@@ -24,13 +24,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from conftest import assert_idle, held
-from testing.pd_cluster import HOST, PDCluster, generate, http_post_json, metric_sum, prompts, wait_until
+from testing.pd_checks import Leg, assert_idle, delta, end_causes, held, http_client_abort
+from testing.pd_cluster import HOST, generate, http_post_json, metric_sum, prompts, wait_until
 
 pytestmark = pytest.mark.e2e
 
 PD_ROLES = ("prefill", "decode")
-CAUSES = "sglang:num_pd_request_end_causes_total"
 FAILURE_COUNTERS = ("sglang:num_bootstrap_failed_reqs_total", "sglang:num_transfer_failed_reqs_total")
 # An abort is answered within a couple of scheduler ticks; an idle CPU scheduler sleeps
 # up to ~1 s per tick (--sleep-on-idle) and the machine is shared: generous.
@@ -41,14 +40,8 @@ SOAK_MAX_NEW_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_model):
-    c = PDCluster(str(tiny_model), prefill_args=["--chunked-prefill-size", "64"])
-    c.start()
-    try:
-        yield c
-    finally:
-        c["decode"].resume()  # in case a test failed while decode was frozen
-        c.teardown()
+def cluster(deployments):
+    return deployments.pd(prefill_args=["--chunked-prefill-size", "64"])
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -60,16 +53,9 @@ def _counts(cluster) -> dict:
         m = cluster.metrics(role)
         for name in FAILURE_COUNTERS:
             out[(role, name)] = metric_sum(m, name)
-        for key, value in m.items():
-            if key.startswith(CAUSES + "{"):
-                labels = dict(p.split("=", 1) for p in key[len(CAUSES) + 1 : -1].split(","))
-                labels = {k: v.strip('"') for k, v in labels.items()}
-                out[(role, labels["cause"], labels["stage"])] = value
+        out.update(end_causes(m))
     return out
 
-
-def _delta(before: dict, after: dict) -> dict:
-    return {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
 
 
 def _body(cluster, rid: str, room: int, text: str, max_new_tokens: int = 8, **extra) -> dict:
@@ -80,34 +66,13 @@ def _body(cluster, rid: str, room: int, text: str, max_new_tokens: int = 8, **ex
     }
 
 
-class Leg(threading.Thread):
-    """One leg's /generate in a thread, remembering status, body and when it ended."""
-
-    def __init__(self, url: str, body: dict):
-        super().__init__(daemon=True)
-        self.url, self.body, self.out = url, body, {}
-
-    def run(self):
-        t0 = time.monotonic()
-        status, body = http_post_json(self.url + "/generate", self.body, timeout=120)
-        self.out.update(status=status, body=body, seconds=time.monotonic() - t0, ended=time.monotonic())
-
-    def done(self):
-        return "status" in self.out
-
-
 def _abort(server, rid: str) -> tuple:
     return http_post_json(server.url + "/abort_request", {"rid": rid}, timeout=30)
 
 
-def _is_client_abort(out: dict) -> bool:
-    reason = (out.get("body") or {}).get("meta_info", {}).get("finish_reason") if isinstance(out.get("body"), dict) else None
-    return out.get("status") == 200 and reason is not None and reason["type"] == "abort" and reason.get("status_code") is None
-
-
 def _assert_aborted(leg: Leg, since: float, what: str) -> None:
     wait_until(leg.done, ANSWER_S + 20, f"{what} to be answered")
-    assert _is_client_abort(leg.out), (what, leg.out)
+    assert http_client_abort(leg.out), (what, leg.out)
     assert "failed" not in json.dumps(leg.out["body"]), (what, leg.out)  # not a transfer failure
     assert leg.out["ended"] - since <= ANSWER_S, (what, leg.out["ended"] - since)
 
@@ -147,7 +112,7 @@ def test_abort_in_prefill_bootstrap_then_late_decode_leg(cluster):
     _assert_aborted(d_leg, t1, "late decode leg")
     assert d_leg.out["body"]["output_ids"] == []
     assert_idle(cluster, PD_ROLES, baseline)
-    delta = _delta(before, _counts(cluster))
+    delta = delta(before, _counts(cluster))
     assert delta.pop(("prefill", "client_abort", "prefill_bootstrap")) == 1, delta
     assert sum(v for k, v in delta.items() if k[0] == "decode" and k[1] == "client_abort") == 1, delta
     assert not [k for k in delta if k[1] in FAILURE_COUNTERS], delta
@@ -174,7 +139,7 @@ def test_abort_in_decode_transfer_then_late_prefill_leg(cluster):
     p_leg.start()
     _assert_aborted(p_leg, t1, "late prefill leg")
     assert_idle(cluster, PD_ROLES, baseline)
-    delta = _delta(before, _counts(cluster))
+    delta = delta(before, _counts(cluster))
     assert delta.pop(("decode", "client_abort", "decode_transfer")) == 1, delta
     assert sum(v for k, v in delta.items() if k[0] == "prefill" and k[1] == "client_abort") == 1, delta
     assert not [k for k in delta if k[1] in FAILURE_COUNTERS], delta
@@ -220,7 +185,7 @@ def test_abort_inflight_on_prefill_while_decode_frozen(cluster):
     _assert_aborted(d_leg, t1, "decode leg")
     assert d_leg.out["body"]["output_ids"] == []
     assert_idle(cluster, PD_ROLES, baseline)
-    delta = _delta(before, _counts(cluster))
+    delta = delta(before, _counts(cluster))
     assert delta.pop(("prefill", "client_abort", "prefill_inflight")) == 1, delta
     assert sum(v for k, v in delta.items() if k[0] == "decode" and k[1] == "client_abort") == 1, delta
     assert not [k for k in delta if k[1] in FAILURE_COUNTERS], delta
@@ -251,7 +216,7 @@ def test_abort_running_decode_through_the_lb_and_bad_aborts(cluster):
     assert [a[0] for a in answers] == [200, 200], answers
     t.join(ANSWER_S + 20)
     assert not t.is_alive()
-    assert _is_client_abort(lb_out), lb_out
+    assert http_client_abort(lb_out), lb_out
     assert lb_out["ended"] - t0 <= ANSWER_S
     assert len(lb_out["body"]["output_ids"]) < 900
 
@@ -262,7 +227,7 @@ def test_abort_running_decode_through_the_lb_and_bad_aborts(cluster):
         for server in (prefill, decode):
             assert _abort(server, bad)[0] == 200
     assert_idle(cluster, PD_ROLES, baseline)
-    delta = _delta(before, _counts(cluster))
+    delta = delta(before, _counts(cluster))
     assert not [k for k in delta if k[1] in FAILURE_COUNTERS], delta
     _assert_serving(cluster, baseline)
 
@@ -324,7 +289,7 @@ def test_soak_random_aborts_leave_nothing_behind(cluster):
             _abort(server, rid)
         t.join(120)
         with lock:
-            if _is_client_abort(out):
+            if http_client_abort(out):
                 outcomes["aborted"] += 1
             elif out.get("status") == 200 and out["body"]["output_ids"] == expected[text]:
                 outcomes["completed"] += 1  # finished before the abort landed: a real completion
@@ -341,7 +306,7 @@ def test_soak_random_aborts_leave_nothing_behind(cluster):
     assert outcomes["aborted"] > SOAK_N // 10, outcomes  # the aborts really landed mid-flight
 
     assert_idle(cluster, PD_ROLES, baseline, timeout=120)
-    delta = _delta(before, _counts(cluster))
+    delta = delta(before, _counts(cluster))
     assert not [k for k in delta if k[1] in FAILURE_COUNTERS], delta
     assert not [k for k in delta if len(k) == 3 and k[1] != "client_abort"], delta
 

@@ -9,22 +9,12 @@ processes, queue harness on each side; deadline 3 s):
 
 import time
 
-import pytest
-
-from testing.mooncake_pair import MooncakePair
+from testing.pd_checks import pair_fixture
+from testing.pd_checks import pair_is_idle as _idle
 
 DEADLINE = 3.0
 
-
-@pytest.fixture(scope="module")
-def pair():
-    with MooncakePair(server_args={"disaggregation_transfer_timeout": DEADLINE}) as p:
-        p.idle = (p.prefill.call("snapshot"), p.decode.call("snapshot"))
-        yield p
-
-
-def _idle(pair):
-    return (pair.prefill.call("snapshot"), pair.decode.call("snapshot")) == pair.idle
+pair = pair_fixture(server_args={"disaggregation_transfer_timeout": DEADLINE})
 
 
 def test_dead_worker_fails_its_room_and_restarts(pair):
