@@ -76,12 +76,12 @@ class Deployments:
     def teardown(self) -> None:
         errors = []
         for d in reversed(self.started):
-            for server in d.servers.values():
-                if server.is_alive():
-                    try:
-                        server.resume()  # a test that failed while it was frozen
-                    except Exception:
-                        pass  # exited between the check and the signal: kill handles it
+            try:
+                for server in d.servers.values():
+                    if server.is_alive():  # a test may have failed while it was frozen
+                        server.resume()
+            except Exception as e:
+                errors.append(e)
             try:
                 d.teardown()
             except Exception as e:
