@@ -24,7 +24,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from testing.pd_checks import Leg, assert_idle, delta, end_causes, held, http_client_abort
+from testing.pd_checks import Leg, assert_idle, end_causes, held, http_client_abort
+from testing.pd_checks import delta as _delta
 from testing.pd_cluster import HOST, generate, http_post_json, metric_sum, prompts, wait_until
 
 pytestmark = pytest.mark.e2e
@@ -112,7 +113,7 @@ def test_abort_in_prefill_bootstrap_then_late_decode_leg(cluster):
     _assert_aborted(d_leg, t1, "late decode leg")
     assert d_leg.out["body"]["output_ids"] == []
     assert_idle(cluster, PD_ROLES, baseline)
-    delta = delta(before, _counts(cluster))
+    delta = _delta(before, _counts(cluster))
     assert delta.pop(("prefill", "client_abort", "prefill_bootstrap")) == 1, delta
     assert sum(v for k, v in delta.items() if k[0] == "decode" and k[1] == "client_abort") == 1, delta
     assert not [k for k in delta if k[1] in FAILURE_COUNTERS], delta
@@ -139,7 +140,7 @@ def test_abort_in_decode_transfer_then_late_prefill_leg(cluster):
     p_leg.start()
     _assert_aborted(p_leg, t1, "late prefill leg")
     assert_idle(cluster, PD_ROLES, baseline)
-    delta = delta(before, _counts(cluster))
+    delta = _delta(before, _counts(cluster))
     assert delta.pop(("decode", "client_abort", "decode_transfer")) == 1, delta
     assert sum(v for k, v in delta.items() if k[0] == "prefill" and k[1] == "client_abort") == 1, delta
     assert not [k for k in delta if k[1] in FAILURE_COUNTERS], delta
@@ -185,7 +186,7 @@ def test_abort_inflight_on_prefill_while_decode_frozen(cluster):
     _assert_aborted(d_leg, t1, "decode leg")
     assert d_leg.out["body"]["output_ids"] == []
     assert_idle(cluster, PD_ROLES, baseline)
-    delta = delta(before, _counts(cluster))
+    delta = _delta(before, _counts(cluster))
     assert delta.pop(("prefill", "client_abort", "prefill_inflight")) == 1, delta
     assert sum(v for k, v in delta.items() if k[0] == "decode" and k[1] == "client_abort") == 1, delta
     assert not [k for k in delta if k[1] in FAILURE_COUNTERS], delta
@@ -227,7 +228,7 @@ def test_abort_running_decode_through_the_lb_and_bad_aborts(cluster):
         for server in (prefill, decode):
             assert _abort(server, bad)[0] == 200
     assert_idle(cluster, PD_ROLES, baseline)
-    delta = delta(before, _counts(cluster))
+    delta = _delta(before, _counts(cluster))
     assert not [k for k in delta if k[1] in FAILURE_COUNTERS], delta
     _assert_serving(cluster, baseline)
 
@@ -306,7 +307,7 @@ def test_soak_random_aborts_leave_nothing_behind(cluster):
     assert outcomes["aborted"] > SOAK_N // 10, outcomes  # the aborts really landed mid-flight
 
     assert_idle(cluster, PD_ROLES, baseline, timeout=120)
-    delta = delta(before, _counts(cluster))
+    delta = _delta(before, _counts(cluster))
     assert not [k for k in delta if k[1] in FAILURE_COUNTERS], delta
     assert not [k for k in delta if len(k) == 3 and k[1] != "client_abort"], delta
 

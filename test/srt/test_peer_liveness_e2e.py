@@ -286,8 +286,9 @@ def test_decode_killed_and_restarted_repeatedly_under_traffic(cluster, control):
     assert_idle(cluster, PD_ROLES, baseline, timeout=DEADLINE + 30)
     assert _count(prefill, LOSSES) == losses + KILLS
     assert _count(prefill, RECOVERIES) == recoveries + KILLS
-    # what prefill ended, it ended for the lost peer (how many depends on what was in
-    # flight at each kill): no timeout, no client abort
+    # what prefill ended, it ended for the lost peer or because the load balancer gave
+    # up the request when decode was down (a client abort of the prefill leg); how many
+    # depends on what was in flight at each kill. None waited for the deadline fallback.
     ended = delta(causes, _causes(prefill))
-    assert {cause for (_, cause, _) in ended} <= {"peer_failure", "transport"}, ended
+    assert {cause for (_, cause, _) in ended} <= {"peer_failure", "transport", "client_abort"}, ended
     _recover(cluster, control, "prefill", baseline, peers_before)
