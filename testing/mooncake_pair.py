@@ -164,6 +164,12 @@ class _Worker:
     def status(self, room: int) -> Optional[int]:
         return self.h.outputs.status_code(self.reqs[room].rid)
 
+    def kv_status(self, room: int) -> Optional[str]:
+        """The kv manager's KVPoll name for `room` (None: no such room), as its
+        background threads left it; the queue reads it on its next poll."""
+        status = self.h.kv_manager.request_status.get(room)
+        return None if status is None else _kv_poll_name(status)
+
     def final_reason(self, room: int) -> Optional[dict]:
         """The finished_reason the client got (None while unfinished)."""
         final = self.h.outputs.final(self.reqs[room].rid)
@@ -291,6 +297,13 @@ class _Worker:
             raise RuntimeError("injected transfer engine error")
 
         mgr._transfer_data = broken
+
+
+def _kv_poll_name(status: Any) -> str:
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    names = {getattr(KVPoll, n): n for n in ("Failed", "Bootstrapping", "WaitingForInput", "Transferring", "Success")}
+    return names[int(status)]
 
 
 def _serve(
@@ -445,6 +458,16 @@ class MooncakePair:
             self.prefill.call("tick")
             self.decode.call("tick")
         return time.monotonic() - start
+
+    def ticks_until(self, side: "Side", done: Callable[[], bool], max_ticks: int) -> int:
+        """Tick `side` alone until `done()`; returns the ticks it took (0: already
+        done), failing after `max_ticks` ticks."""
+        for ticks in range(max_ticks + 1):
+            if done():
+                return ticks
+            if ticks < max_ticks:
+                side.call("tick")
+        raise AssertionError(f"{side.role}: not done after {max_ticks} ticks: {side.call('snapshot')}")
 
     def close(self) -> None:
         self.decode.close()

@@ -1,5 +1,8 @@
-"""Shared fixtures: the tiny model, one 1P1D deployment (+ a plain control server)
-per test module, and helpers to wait until a server holds nothing again.
+"""Shared fixtures: the tiny model, deployments of real servers started through one
+factory (`deployments`) whose failures attach every server's log, one 1P1D (+ a plain
+control server) per test module, the queue harnesses. The assertions shared by the
+tests (nothing held, client abort, legs, end-cause counter) live in testing/pd_checks.py
+and are re-exported here under their old names.
 
 Servers run under $SGLANG_FORK_PYTHON (see testing.pd_cluster).
 """
@@ -10,25 +13,34 @@ from pathlib import Path
 
 import pytest
 
-from testing.pd_cluster import PDCluster, SingleServer, start_all, wait_until
+from testing.pd_checks import (  # noqa: F401  (re-exported for the test modules)
+    HEARTBEAT_TABLES,
+    IDLE_TIMEOUT,
+    assert_idle,
+    held,
+    stable_peer_tables,
+)
+from testing.pd_cluster import Deployment, PDCluster, SingleServer, start_all
 from testing.tiny_model import ensure_tiny_model
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TINY_MODEL_DIR = REPO_ROOT / ".cache" / "tiny-llama"
-IDLE_TIMEOUT = 60.0
+LOG_LINES = 30
+
+# Every deployment started through the factory and not yet torn down: a failing test
+# (setup, call or teardown) gets the tail of each of their server logs.
+_LIVE: "list[Deployment]" = []
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
-    """On a failure, attach the tail of every server log of the module's deployment."""
+    """On a failure, attach the tail of every live server log."""
     outcome = yield
     report = outcome.get_result()
-    funcargs = getattr(item, "funcargs", {})
-    deployment = funcargs.get("pd_deployment") or funcargs.get("gateway_deployment")
-    if report.failed and deployment:
-        for d in deployment:
+    if report.failed:
+        for d in list(_LIVE):
             for role, server in d.servers.items():
-                report.sections.append((f"{role} log", server.tail(30)))
+                report.sections.append((f"{role} log ({d.log_dir})", server.tail(LOG_LINES)))
 
 
 @pytest.fixture(scope="session")
@@ -36,23 +48,65 @@ def tiny_model() -> Path:
     return ensure_tiny_model(TINY_MODEL_DIR)
 
 
-@pytest.fixture(scope="module")
-def pd_deployment(tiny_model):
-    """(PDCluster, SingleServer) started together, torn down after the module."""
-    cluster = PDCluster(str(tiny_model))
-    single = SingleServer(str(tiny_model), log_dir=str(cluster.log_dir))
-    start_all(cluster, single)
-    try:
-        yield cluster, single
-    finally:
+class Deployments:
+    """Starts deployments for one test module and takes them all apart after it
+    (resuming frozen servers first). `pd(...)` takes PDCluster's keywords;
+    `pd_and_single(...)` starts a plain control server next to it."""
+
+    def __init__(self, model: Path):
+        self.model = str(model)
+        self.started: "list[Deployment]" = []
+
+    def _start(self, *deployments: Deployment) -> None:
+        _LIVE.extend(deployments)
+        self.started.extend(deployments)
+        start_all(*deployments)
+
+    def pd(self, **kwargs) -> PDCluster:
+        cluster = PDCluster(self.model, **kwargs)
+        self._start(cluster)
+        return cluster
+
+    def pd_and_single(self, single_env=None, single_args=(), **kwargs):
+        cluster = PDCluster(self.model, **kwargs)
+        single = SingleServer(self.model, env=single_env, args=single_args, log_dir=str(cluster.log_dir))
+        self._start(cluster, single)
+        return cluster, single
+
+    def teardown(self) -> None:
         errors = []
-        for d in (cluster, single):
+        for d in reversed(self.started):
+            try:
+                for server in d.servers.values():
+                    if server.is_alive():  # a test may have failed while it was frozen
+                        server.resume()
+            except Exception as e:
+                errors.append(e)
             try:
                 d.teardown()
             except Exception as e:
                 errors.append(e)
+            if d in _LIVE:
+                _LIVE.remove(d)
+        self.started.clear()
         if errors:
             raise errors[0]
+
+
+@pytest.fixture(scope="module")
+def deployments(tiny_model):
+    """The module's deployment factory (see Deployments)."""
+    factory = Deployments(tiny_model)
+    try:
+        yield factory
+    finally:
+        factory.teardown()
+
+
+@pytest.fixture(scope="module")
+def pd_deployment(deployments):
+    """(PDCluster, SingleServer) started together, torn down after the module."""
+    return deployments.pd_and_single()
 
 
 @pytest.fixture(scope="module")
@@ -63,58 +117,6 @@ def pd_cluster(pd_deployment) -> PDCluster:
 @pytest.fixture(scope="module")
 def single_server(pd_deployment) -> SingleServer:
     return pd_deployment[1]
-
-
-# ----------------------------------------------------------------------------- idleness
-
-
-def held(report: dict) -> dict:
-    """The parts of a fork_pd_resources report that must return to baseline when idle.
-
-    KV tokens kept as evictable prefix cache are not held: only `held`/`protected`
-    count. Everything else is a count of slots or entries owned by live requests.
-    """
-    out = {
-        "kv_held": report["kv_tokens"]["held"],
-        "kv_protected": report["kv_tokens"]["protected"],
-        "req_slots_in_use": report["req_slots"]["total"] - report["req_slots"]["free"],
-    }
-    if report["metadata_slots"] is not None:
-        slots = report["metadata_slots"]
-        out["metadata_slots_in_use"] = slots["total"] - slots["free"]
-    out.update({f"queue.{k}": v for k, v in report["queues"].items()})
-    out.update({f"rooms.{k}": v for k, v in (report["transfer_rooms"] or {}).items()})
-    return out
-
-
-def assert_idle(deployment, roles, baseline: dict | None = None, timeout: float = IDLE_TIMEOUT) -> dict:
-    """Poll until every role holds what it held at baseline (default: nothing)."""
-    expected = {
-        role: (held(baseline[role]) if baseline else None) for role in roles
-    }
-    last = {}
-
-    def idle():
-        for role in roles:
-            now = held(deployment.resources(role))
-            last[role] = now
-            want = expected[role] or {k: 0 for k in now}
-            if now != want:
-                return False
-        return True
-
-    def describe():
-        lines = []
-        for role in roles:
-            want = expected[role] or {k: 0 for k in last.get(role, {})}
-            diff = {
-                k: (v, want.get(k)) for k, v in last.get(role, {}).items() if v != want.get(k)
-            }
-            lines.append(f"{role}: (now, expected) {diff}")
-        return "\n".join(lines)
-
-    wait_until(idle, timeout, "servers to release everything", on_timeout=describe)
-    return {role: deployment.resources(role) for role in roles}
 
 
 # Queue harnesses (testing/queue_harness.py): one of each per test module, with its
@@ -137,43 +139,15 @@ def decode_h():
         yield h
 
 
-# Per-peer tables (fork_pd_resources.peers / mooncake_pair "peers"): entries upstream's
-# decode heartbeat adds per prefill on its own schedule (0 or 1 each between two
-# beats) are bounded by the prefills known, and compared as such.
-HEARTBEAT_TABLES = ("heartbeat_failures", "session_pool")
-
-
-def stable_peer_tables(peers: dict) -> dict:
-    out = {k: v for k, v in peers.items() if k not in HEARTBEAT_TABLES}
-    for k in HEARTBEAT_TABLES:
-        if k in peers:
-            out[k + "<=prefills"] = peers[k] <= peers.get("prefill_info_table", 0)
-    return out
-
-
 # The production Rust gateway (sglang-router, its defaults) with self-registered
 # engines, a mini LB over the same engines and a plain control server.
 @pytest.fixture(scope="module")
-def gateway_deployment(tiny_model):
+def gateway_deployment(deployments):
     """(PDCluster(balancer="router"), MiniLB over its engines, SingleServer)."""
     from testing.pd_cluster import MiniLB
 
-    cluster = PDCluster(str(tiny_model), balancer="router")
-    single = SingleServer(str(tiny_model), log_dir=str(cluster.log_dir))
-    started = [cluster, single]
-    try:
-        start_all(cluster, single)
-        mini = MiniLB(cluster["prefill"].url, cluster.bootstrap_port, cluster["decode"].url,
-                      log_dir=str(cluster.log_dir))
-        started.append(mini)
-        mini.start()
-        yield cluster, mini, single
-    finally:
-        errors = []
-        for d in reversed(started):
-            try:
-                d.teardown()
-            except Exception as e:
-                errors.append(e)
-        if errors:
-            raise errors[0]
+    cluster, single = deployments.pd_and_single(balancer="router")
+    mini = MiniLB(cluster["prefill"].url, cluster.bootstrap_port, cluster["decode"].url,
+                  log_dir=str(cluster.log_dir))
+    deployments._start(mini)
+    return cluster, mini, single

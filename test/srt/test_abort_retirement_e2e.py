@@ -24,13 +24,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from conftest import assert_idle, held
-from testing.pd_cluster import HOST, PDCluster, generate, http_post_json, metric_sum, prompts, wait_until
+from testing.pd_checks import Leg, assert_idle, end_causes, held, http_client_abort
+from testing.pd_checks import delta as _delta
+from testing.pd_cluster import HOST, generate, http_post_json, metric_sum, prompts, wait_until
 
 pytestmark = pytest.mark.e2e
 
 PD_ROLES = ("prefill", "decode")
-CAUSES = "sglang:num_pd_request_end_causes_total"
 FAILURE_COUNTERS = ("sglang:num_bootstrap_failed_reqs_total", "sglang:num_transfer_failed_reqs_total")
 # An abort is answered within a couple of scheduler ticks; an idle CPU scheduler sleeps
 # up to ~1 s per tick (--sleep-on-idle) and the machine is shared: generous.
@@ -41,14 +41,8 @@ SOAK_MAX_NEW_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_model):
-    c = PDCluster(str(tiny_model), prefill_args=["--chunked-prefill-size", "64"])
-    c.start()
-    try:
-        yield c
-    finally:
-        c["decode"].resume()  # in case a test failed while decode was frozen
-        c.teardown()
+def cluster(deployments):
+    return deployments.pd(prefill_args=["--chunked-prefill-size", "64"])
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -60,16 +54,9 @@ def _counts(cluster) -> dict:
         m = cluster.metrics(role)
         for name in FAILURE_COUNTERS:
             out[(role, name)] = metric_sum(m, name)
-        for key, value in m.items():
-            if key.startswith(CAUSES + "{"):
-                labels = dict(p.split("=", 1) for p in key[len(CAUSES) + 1 : -1].split(","))
-                labels = {k: v.strip('"') for k, v in labels.items()}
-                out[(role, labels["cause"], labels["stage"])] = value
+        out.update(end_causes(m))
     return out
 
-
-def _delta(before: dict, after: dict) -> dict:
-    return {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
 
 
 def _body(cluster, rid: str, room: int, text: str, max_new_tokens: int = 8, **extra) -> dict:
@@ -80,34 +67,13 @@ def _body(cluster, rid: str, room: int, text: str, max_new_tokens: int = 8, **ex
     }
 
 
-class Leg(threading.Thread):
-    """One leg's /generate in a thread, remembering status, body and when it ended."""
-
-    def __init__(self, url: str, body: dict):
-        super().__init__(daemon=True)
-        self.url, self.body, self.out = url, body, {}
-
-    def run(self):
-        t0 = time.monotonic()
-        status, body = http_post_json(self.url + "/generate", self.body, timeout=120)
-        self.out.update(status=status, body=body, seconds=time.monotonic() - t0, ended=time.monotonic())
-
-    def done(self):
-        return "status" in self.out
-
-
 def _abort(server, rid: str) -> tuple:
     return http_post_json(server.url + "/abort_request", {"rid": rid}, timeout=30)
 
 
-def _is_client_abort(out: dict) -> bool:
-    reason = (out.get("body") or {}).get("meta_info", {}).get("finish_reason") if isinstance(out.get("body"), dict) else None
-    return out.get("status") == 200 and reason is not None and reason["type"] == "abort" and reason.get("status_code") is None
-
-
 def _assert_aborted(leg: Leg, since: float, what: str) -> None:
     wait_until(leg.done, ANSWER_S + 20, f"{what} to be answered")
-    assert _is_client_abort(leg.out), (what, leg.out)
+    assert http_client_abort(leg.out), (what, leg.out)
     assert "failed" not in json.dumps(leg.out["body"]), (what, leg.out)  # not a transfer failure
     assert leg.out["ended"] - since <= ANSWER_S, (what, leg.out["ended"] - since)
 
@@ -251,7 +217,7 @@ def test_abort_running_decode_through_the_lb_and_bad_aborts(cluster):
     assert [a[0] for a in answers] == [200, 200], answers
     t.join(ANSWER_S + 20)
     assert not t.is_alive()
-    assert _is_client_abort(lb_out), lb_out
+    assert http_client_abort(lb_out), lb_out
     assert lb_out["ended"] - t0 <= ANSWER_S
     assert len(lb_out["body"]["output_ids"]) < 900
 
@@ -324,7 +290,7 @@ def test_soak_random_aborts_leave_nothing_behind(cluster):
             _abort(server, rid)
         t.join(120)
         with lock:
-            if _is_client_abort(out):
+            if http_client_abort(out):
                 outcomes["aborted"] += 1
             elif out.get("status") == 200 and out["body"]["output_ids"] == expected[text]:
                 outcomes["completed"] += 1  # finished before the abort landed: a real completion

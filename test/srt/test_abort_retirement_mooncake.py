@@ -2,27 +2,34 @@
 side tells the other at once, a late handshake does not resurrect an aborted room,
 an abort on both sides ends the request exactly once, nothing is counted as a
 failure, and both sides give everything back.
+
+"At once", counted: the aborting side tells its peer within TELL_TICKS of its own
+scheduler ticks (the message then crosses loopback on the peer's background thread,
+bounded by TRANSIT_S of wall time, no tick involved), and the peer ends its request
+within END_TICKS of its own ticks after hearing. Without the fork the peer learns
+nothing and its request waits for upstream's 300 s bootstrap/waiting timers.
 """
 
 import time
 
 import pytest
 
-from testing.mooncake_pair import MooncakePair
+from testing.pd_checks import is_client_abort, pair_fixture, pair_is_idle, wait_pair_idle
+from testing.pd_cluster import wait_until
 
 FAILURE_COUNTERS = ("increment_bootstrap_failed_reqs", "increment_transfer_failed_reqs")
 # Bounded memories of ended rooms (not transfer state): prefill's rooms it ended
 # (answers a late handshake) and rooms decode aborted (ends a late prefill leg).
 TOMBSTONES = {"fork_expired_rooms"}
-# Well under upstream's own timers (bootstrap / waiting: 300 s) that otherwise free it.
-TOLD_AT_ONCE_S = 20.0
+# The abort is sent when the aborting queue retires the request (its first tick).
+TELL_TICKS = 1
+# Loopback message to the peer's background thread; milliseconds on an idle machine,
+# far under upstream's 300 s timers, generous for two loaded cores.
+TRANSIT_S = 5.0
+# The peer's queue reads the room's Failed status on its next poll.
+END_TICKS = 2
 
-
-@pytest.fixture(scope="module")
-def pair():
-    with MooncakePair() as p:
-        p.idle = (p.prefill.call("snapshot"), p.decode.call("snapshot"))
-        yield p
+pair = pair_fixture()
 
 
 @pytest.fixture
@@ -35,13 +42,27 @@ def before(pair):
     }
 
 
-def _idle(pair):
-    return (pair.prefill.call("snapshot"), pair.decode.call("snapshot")) == pair.idle
+_idle = pair_is_idle
 
 
 def _client_abort(side, room):
-    reason = side.call("final_reason", room)
-    return reason is not None and reason["type"] == "abort" and reason.get("status_code") is None
+    return is_client_abort(side.call("final_reason", room))
+
+
+def _ended(side, room):
+    return side.call("final_reason", room) is not None
+
+
+def _told_at_once(pair, teller, peer, room) -> int:
+    """`teller` has just aborted `room`: after TELL_TICKS of its ticks the peer's kv
+    manager has the room Failed (heard over loopback, no peer tick), and the peer's
+    queue ends its request within END_TICKS ticks. Returns the peer's ticks."""
+    for _ in range(TELL_TICKS):
+        teller.call("tick")
+    wait_until(lambda: peer.call("kv_status", room) == "Failed", TRANSIT_S,
+               f"{peer.role} to hear of room {room}", interval=0.01,
+               on_timeout=lambda: f"{peer.role} kv status {peer.call('kv_status', room)}")
+    return pair.ticks_until(peer, lambda: _ended(peer, room), END_TICKS)
 
 
 def _new_causes(side, before):
@@ -56,7 +77,7 @@ def _assert_no_failure_counted(pair, before):
 
 
 def _wait_idle_and_clean(pair, room):
-    pair.run_until(lambda: _idle(pair), timeout=30)
+    wait_pair_idle(pair)
     assert set(pair.prefill.call("room_entries", room)) <= TOMBSTONES
     assert pair.decode.call("room_entries", room) == []
 
@@ -72,9 +93,8 @@ def test_prefill_abort_frees_decode_preallocation_at_once(pair, before):
         pair.decode.call("tick")
     assert pair.decode.call("snapshot")["kv_held"] > 0
     pair.prefill.call("abort", room)
-    took = pair.run_until(lambda: pair.decode.call("status", room) is not None
-                          or pair.decode.call("final_reason", room) is not None, timeout=30)
-    assert took < TOLD_AT_ONCE_S, took
+    _told_at_once(pair, pair.prefill, pair.decode, room)
+    pair.run_until(lambda: _ended(pair.prefill, room), timeout=30)
     assert _client_abort(pair.prefill, room), pair.prefill.call("final_reason", room)
     assert _client_abort(pair.decode, room), pair.decode.call("final_reason", room)
     assert pair.decode.call("output_ids", room) == []  # no token generated
@@ -94,9 +114,8 @@ def test_decode_abort_frees_prefill_at_once(pair, before):
         assert time.monotonic() - t0 < 30
         pair.decode.call("tick")
     pair.decode.call("abort", room)
-    took = pair.run_until(lambda: pair.prefill.call("final_reason", room) is not None
-                          and pair.decode.call("final_reason", room) is not None, timeout=30)
-    assert took < TOLD_AT_ONCE_S, took
+    _told_at_once(pair, pair.decode, pair.prefill, room)
+    pair.run_until(lambda: _ended(pair.decode, room), timeout=30)
     assert _client_abort(pair.decode, room), pair.decode.call("final_reason", room)
     # prefill hears decode's ABORT: an abort there, not "failed for an unknown reason"
     assert _client_abort(pair.prefill, room), pair.prefill.call("final_reason", room)
@@ -120,8 +139,13 @@ def test_late_handshake_after_prefill_abort_is_refused(pair, before):
     assert pair.prefill.call("room_entries", room) == ["fork_expired_rooms"]
 
     pair.decode.call("add", room, 12)  # now decode hands prefill its pages
-    took = pair.run_until(lambda: pair.decode.call("final_reason", room) is not None, timeout=30)
-    assert took < TOLD_AT_ONCE_S, took
+    # decode's handshake crosses to prefill's bootstrap thread, which answers Failed at
+    # once (no prefill tick); decode then ends the request on its next polls
+    wait_until(lambda: pair.decode.call("tick") or _ended(pair.decode, room)
+               or pair.decode.call("kv_status", room) == "Failed",
+               TRANSIT_S, "decode to be answered Failed", interval=0.01,
+               on_timeout=lambda: str(pair.decode.call("kv_status", room)))
+    pair.ticks_until(pair.decode, lambda: _ended(pair.decode, room), END_TICKS)
     assert _client_abort(pair.decode, room), pair.decode.call("final_reason", room)
     _assert_no_failure_counted(pair, before)
     # upstream: request_status/transfer_infos re-created on prefill and never cleared
@@ -168,10 +192,13 @@ def test_prefill_leg_after_decode_abort_ends_at_once(pair, before):
     pair.run_until(lambda: pair.decode.call("final_reason", room) is not None, timeout=30)
     assert _client_abort(pair.decode, room)
     pair.run_until(lambda: pair.decode.call("snapshot") == pair.idle[1], timeout=30)
-
+    # decode's ABORT reaches prefill's bootstrap thread (prefill has no request yet)
+    wait_until(lambda: pair.prefill.call("cancelled_rooms") == 1
+               or pair.prefill.call("kv_status", room) == "Failed", TRANSIT_S,
+               "prefill to hear decode's abort", interval=0.01)
     pair.prefill.call("add", room, 12)  # the late leg
-    took = pair.run_until(lambda: pair.prefill.call("final_reason", room) is not None, timeout=30)
-    assert took < TOLD_AT_ONCE_S, took
+    # prefill remembers decode's ABORT: the leg ends on its first polls
+    pair.ticks_until(pair.prefill, lambda: _ended(pair.prefill, room), END_TICKS)
     assert _client_abort(pair.prefill, room), pair.prefill.call("final_reason", room)
     assert pair.prefill.call("sends", room) == 0
     _assert_no_failure_counted(pair, before)
@@ -189,10 +216,11 @@ def test_decode_abort_before_prefill_leg_registered(pair, before):
     pair.run_until(lambda: pair.decode.call("final_reason", room) is not None, timeout=30)
     assert _client_abort(pair.decode, room)
     pair.run_until(lambda: pair.decode.call("snapshot") == pair.idle[1], timeout=30)
-    time.sleep(0.5)  # no event to poll: decode's ABORT travels to prefill's bootstrap thread
+    # decode's ABORT travels to prefill's bootstrap thread, which remembers the room
+    wait_until(lambda: pair.prefill.call("cancelled_rooms") == 1, TRANSIT_S,
+               "prefill to remember decode's abort", interval=0.01)
     pair.prefill.call("add", room, 12)
-    took = pair.run_until(lambda: pair.prefill.call("final_reason", room) is not None, timeout=30)
-    assert took < TOLD_AT_ONCE_S, took
+    pair.ticks_until(pair.prefill, lambda: _ended(pair.prefill, room), END_TICKS)
     assert _client_abort(pair.prefill, room), pair.prefill.call("final_reason", room)
     assert pair.prefill.call("sends", room) == 0
     _assert_no_failure_counted(pair, before)

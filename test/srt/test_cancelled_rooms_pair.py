@@ -7,30 +7,26 @@ This is how a release during a retract pause ends a request whose prefill copy i
 still held at prefill's pause gate (sglang.srt.disaggregation.cancelled_rooms).
 """
 
-import pytest
-
-from testing.mooncake_pair import MooncakePair
+from testing.pd_checks import assert_pair_idle, is_client_abort, pair_fixture
 
 SIZES = dict(kv_tokens=1024, req_slots=8, metadata_slots=8, max_context_len=64)
 ANSWER_S = 5.0  # generous on a loaded machine; without the fix: the bootstrap timeout
 
 
-@pytest.fixture(scope="module")
-def pair():
-    with MooncakePair(**SIZES) as p:
-        p.idle = (p.prefill.call("snapshot"), p.decode.call("snapshot"))
-        # One request first: decode learns prefill's info, as in a serving deployment.
-        room = p.submit(prompt_len=12)
-        p.run_until(lambda: p.decode.call("transferred", room)
-                    and p.prefill.call("final_reason", room) is not None, timeout=60)
-        p.decode.call("finish", room)
-        yield p
+def _first_request(p) -> None:
+    """One request first: decode learns prefill's info, as in a serving deployment."""
+    room = p.submit(prompt_len=12)
+    p.run_until(lambda: p.decode.call("transferred", room)
+                and p.prefill.call("final_reason", room) is not None, timeout=60)
+    p.decode.call("finish", room)
+
+
+pair = pair_fixture(prepare=_first_request, **SIZES)
 
 
 def _ended_as_abort(side, room) -> bool:
     """The client-abort answer (abort_retirement): no error status."""
-    reason = side.call("final_reason", room)
-    return reason is not None and reason["type"] == "abort" and reason.get("status_code") is None
+    return is_client_abort(side.call("final_reason", room))
 
 
 def _served(pair) -> None:
@@ -45,7 +41,7 @@ def _served(pair) -> None:
 def _assert_released(pair, room) -> None:
     assert pair.prefill.call("room_entries", room) == []
     assert pair.decode.call("room_entries", room) == []
-    assert (pair.prefill.call("snapshot"), pair.decode.call("snapshot")) == pair.idle
+    assert_pair_idle(pair)
     assert pair.prefill.call("cancelled_rooms") == 0
 
 

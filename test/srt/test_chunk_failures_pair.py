@@ -16,7 +16,9 @@ import time
 
 import pytest
 
-from testing.mooncake_pair import MooncakePair
+from testing.pd_checks import assert_pair_idle as _assert_idle
+from testing.pd_checks import pair_fixture
+from testing.pd_checks import wait_pair_idle as _wait_idle
 
 N = 16
 FAILING = 3  # index of the failing request among the N
@@ -49,31 +51,15 @@ PROBE_ENV = {
 FROZEN_PROBE_S = 120.0
 
 
-@pytest.fixture(scope="module")
-def pair():
-    with MooncakePair(
-        prefill_env={"SGLANG_TEST_DISAGG_FAIL_CHUNKS": FAULTS, **RELEASE_ENV, **PROBE_ENV},
-        decode_env=RELEASE_ENV,
-        **SIZES,
-    ) as p:
-        p.idle = (p.prefill.call("snapshot"), p.decode.call("snapshot"))
-        yield p
-
-
-def _assert_idle(pair):
-    assert (pair.prefill.call("snapshot"), pair.decode.call("snapshot")) == pair.idle
+pair = pair_fixture(
+    prefill_env={"SGLANG_TEST_DISAGG_FAIL_CHUNKS": FAULTS, **RELEASE_ENV, **PROBE_ENV},
+    decode_env=RELEASE_ENV,
+    **SIZES,
+)
 
 
 def _as_tuple(x):
     return x if isinstance(x, tuple) else (x,)
-
-
-def _wait_idle(pair, timeout):
-    """Tick both sides until both are back to the idle snapshot; returns seconds."""
-    return pair.run_until(
-        lambda: (pair.prefill.call("snapshot"), pair.decode.call("snapshot")) == pair.idle,
-        timeout=timeout,
-    )
 
 
 def _wait_no_room_entries(pair, rooms, timeout):

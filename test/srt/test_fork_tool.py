@@ -148,12 +148,15 @@ def repo_copy(authored, tmp_path) -> Path:
     return dest
 
 
-def test_export_is_stable_and_keeps_series_in_order(repo_copy):
-    root, repo = repo_copy, repo_copy / ".upstream"
+NAMES = ["arg_groups-choices-name-the-transfer-backends-the-fo.patch",
+         "arg_groups-choices-mark-tokenspeed_mla-as-kept.patch",
+         "disaggregation-common-utils-comment-pack_list_of_buf.patch"]
+
+
+def test_export_pins_identity_and_keeps_series_in_order(repo_copy):
+    root = repo_copy
     names = series(root)
-    assert names == ["arg_groups-choices-name-the-transfer-backends-the-fo.patch",
-                     "arg_groups-choices-mark-tokenspeed_mla-as-kept.patch",
-                     "disaggregation-common-utils-comment-pack_list_of_buf.patch"]
+    assert names == NAMES
     assert (root / "patches" / "series").read_text() == SERIES_HEADER + "".join(n + "\n" for n in names)
     for name, (subject, *_rest, body) in zip(names, (ADD_CONSTANT, MARK_LINE, COMMENT_UTILS)):
         text = (root / "patches" / name).read_text()
@@ -165,19 +168,27 @@ def test_export_is_stable_and_keeps_series_in_order(repo_copy):
             f"Subject: {subject}\n\n{body}\n"), text[:400]
         assert "Dev Eloper" not in text and re.search(r"(?m)^index [0-9a-f]{40}\.\.[0-9a-f]{40}", text)
 
-    # nothing changed: no file written, byte-identical
+
+def test_export_with_nothing_changed_writes_nothing(repo_copy):
+    root = repo_copy
     before = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in (root / "patches").iterdir()}
     out = fork(root, "pq", "export").stdout
     assert "nothing changed" in out and "series unchanged" in out
     assert {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in (root / "patches").iterdir()} == before
 
-    # a fresh import of patches/ re-exports byte for byte
+
+def test_fresh_import_reexports_byte_for_byte(repo_copy):
+    root, repo = repo_copy, repo_copy / ".upstream"
+    before = patch_bytes(root)
     fork(root, "pq", "import", "--force")
     assert git(repo, "log", "--format=%an", "-1").stdout.strip() == "sglang-pd-fork"
     assert "nothing changed" in fork(root, "pq", "export").stdout
-    assert {n: d for n, (d, _) in before.items()} == patch_bytes(root)
+    assert patch_bytes(root) == before
 
-    # a renamed patch: stale file removed, series keeps its place and the header comment
+
+def test_export_of_a_renamed_patch_keeps_its_place(repo_copy):
+    root, repo = repo_copy, repo_copy / ".upstream"
+    before = patch_bytes(root)
     dev_git(repo, "checkout", "-q", "--detach", "patch-queue~1")
     dev_git(repo, "commit", "-q", "--amend", "-m", "arg_groups/choices: keep tokenspeed_mla",
             "-m", "Why: x.\nUpstream-Status: no.")
@@ -185,13 +196,16 @@ def test_export_is_stable_and_keeps_series_in_order(repo_copy):
     dev_git(repo, "branch", "-f", "patch-queue", "HEAD")
     dev_git(repo, "checkout", "-q", "patch-queue")
     out = fork(root, "pq", "export").stdout
+    # the stale file removed, the series keeps its place and the header comment
     assert "removed arg_groups-choices-mark-tokenspeed_mla-as-kept.patch" in out, out
-    assert series(root) == [names[0], "arg_groups-choices-keep-tokenspeed_mla.patch", names[2]]
+    assert series(root) == [NAMES[0], "arg_groups-choices-keep-tokenspeed_mla.patch", NAMES[2]]
     assert (root / "patches" / "series").read_text().startswith(SERIES_HEADER)
     assert sorted(p.name for p in (root / "patches").glob("*.patch")) == sorted(series(root))
-    assert patch_bytes(root)[names[2]] == before[names[2]][0]  # untouched neighbour
+    assert patch_bytes(root)[NAMES[2]] == before[NAMES[2]]  # untouched neighbour
 
-    # a commit without the required header is refused, patches/ left alone
+
+def test_export_refuses_a_commit_without_headers(repo_copy):
+    root, repo = repo_copy, repo_copy / ".upstream"
     snapshot = patch_bytes(root)
     (repo / UTILS).write_text((repo / UTILS).read_text() + "# more\n")
     dev_git(repo, "commit", "-q", "-am", "no headers", "-m", "Why: only this.")

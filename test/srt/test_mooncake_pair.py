@@ -1,16 +1,10 @@
 """Real mooncake over TCP between a prefill and a decode process: the KV lands intact and
 both managers forget the room once the request succeeded."""
 
-import pytest
+from testing.pd_checks import assert_pair_idle as _assert_idle
+from testing.pd_checks import pair_fixture
 
-from testing.mooncake_pair import MooncakePair
-
-
-@pytest.fixture(scope="module")
-def pair():
-    with MooncakePair() as p:
-        p.idle = (p.prefill.call("snapshot"), p.decode.call("snapshot"))
-        yield p
+pair = pair_fixture()
 
 
 def _finish_transfer(pair, room):
@@ -19,10 +13,6 @@ def _finish_transfer(pair, room):
         and pair.prefill.call("status", room) is not None,
         timeout=60,
     )
-
-
-def _assert_idle(pair):
-    assert (pair.prefill.call("snapshot"), pair.decode.call("snapshot")) == pair.idle
 
 
 def test_transfer_lands_byte_identical(pair):

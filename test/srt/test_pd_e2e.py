@@ -118,11 +118,9 @@ def test_burst_through_lb_matches_single_server_and_releases_everything(pd_clust
             assert now[(role, name)] == counters_before[(role, name)], (role, name)
 
 
-def test_harness_freeze_resume_kill_restart(pd_cluster, single_server):
-    """The controls fault-injection tests rely on. Freeze/resume on the control server
-    (a whole launch_server tree); kill/restart on the load balancer, which restarts in
-    seconds, where a server restart costs a full startup. Both are left healthy on the
-    same ports, so test order does not matter."""
+def test_harness_freeze_resume_control_server(single_server):
+    """The controls fault-injection tests rely on: freeze/resume on the control server
+    (a whole launch_server tree), left healthy on the same port."""
     server = single_server["single"]
     assert_idle(single_server, ("single",))
     pids = server.pids()
@@ -136,7 +134,12 @@ def test_harness_freeze_resume_kill_restart(pd_cluster, single_server):
         server.resume()
     server.wait_healthy(timeout=60)
     assert generate(server.url, "hello world", max_new_tokens=4)["status"] == 200
+    assert_idle(single_server, ("single",))
 
+
+def test_harness_kill_restart_load_balancer(pd_cluster):
+    """Kill/restart, on the load balancer (it restarts in seconds, where a server
+    restart costs a full startup): gone, then serving again on the same port."""
     lb = pd_cluster["lb"]
     lb_pids, port = lb.pids(), lb.port
     lb.kill()

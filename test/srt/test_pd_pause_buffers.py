@@ -6,16 +6,7 @@ a constant as reused memory would be, are not read)."""
 
 import pytest
 
-from testing.mooncake_pair import MooncakePair
-
-
-@pytest.fixture(scope="module")
-def pair():
-    with MooncakePair() as p:
-        p.idle = (p.prefill.call("snapshot"), p.decode.call("snapshot"))
-        # One request before, so the decode side has registered with prefill already.
-        _transfer(p, prompt_len=12)
-        yield p
+from testing.pd_checks import assert_pair_idle, pair_fixture
 
 
 def _transfer(pair, prompt_len: int) -> int:
@@ -28,8 +19,12 @@ def _transfer(pair, prompt_len: int) -> int:
     assert len(sent) > 0 and any(sent)
     assert pair.decode.call("kv_bytes", room) == sent
     pair.decode.call("finish", room)
-    assert (pair.prefill.call("snapshot"), pair.decode.call("snapshot")) == pair.idle
+    assert_pair_idle(pair)
     return room
+
+
+# One request before, so the decode side has registered with prefill already.
+pair = pair_fixture(prepare=lambda p: _transfer(p, prompt_len=12))
 
 
 @pytest.mark.parametrize("side", ["decode", "prefill"])

@@ -19,16 +19,16 @@ import time
 
 import pytest
 
-from conftest import assert_idle, held, stable_peer_tables
-from testing.pd_cluster import (
-    HOST,
-    PDCluster,
-    generate,
-    http_post_json,
-    metric_sum,
-    prompts,
-    wait_until,
+from testing.pd_checks import (
+    assert_idle,
+    delta,
+    end_causes,
+    held,
+    leg_body,
+    stable_peer_tables,
+    start_legs,
 )
+from testing.pd_cluster import generate, metric_sum, prompts, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -49,16 +49,8 @@ PD_ROLES = ("prefill", "decode")
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_model):
-    c = PDCluster(str(tiny_model), prefill_env=ENV, decode_env=ENV)
-    c.start()
-    try:
-        yield c
-    finally:
-        for role in PD_ROLES:
-            if c[role].is_alive():
-                c[role].resume()
-        c.teardown()
+def cluster(deployments):
+    return deployments.pd(prefill_env=ENV, decode_env=ENV)
 
 
 @pytest.fixture(scope="module")
@@ -70,34 +62,24 @@ def control(cluster):
 
 
 def _body(text: str, room: int, cluster) -> dict:
-    return {
-        "text": text,
-        "sampling_params": {"temperature": 0.0, "max_new_tokens": 8},
-        "bootstrap_host": HOST,
-        "bootstrap_port": cluster.bootstrap_port,
-        "bootstrap_room": room,
-    }
+    return leg_body(cluster, room, text)
 
 
-class Leg(threading.Thread):
-    def __init__(self, url: str, payload: dict):
-        super().__init__(daemon=True)
-        self.url, self.payload = url, payload
-        self.status = self.body = self.ended_at = None
-
-    def run(self):
-        try:
-            self.status, self.body = http_post_json(self.url + "/generate", self.payload, timeout=120)
-        except Exception as e:  # the peer it talks to was killed: connection reset
-            self.status, self.body = None, repr(e)
-        self.ended_at = time.monotonic()
+_start_legs = start_legs
 
 
-def _start_legs(url: str, payloads) -> list:
-    legs = [Leg(url, p) for p in payloads]
+def _causes(server) -> dict:
+    return end_causes(server.metrics())
+
+
+def _lost_by_cause(legs) -> dict:
+    """What the end-cause counter must have counted for these legs: a 502 is a peer
+    failure, a 500 (the write that revealed the loss) a transport failure."""
+    out = {}
     for leg in legs:
-        leg.start()
-    return legs
+        cause = {502: "peer_failure", 500: "transport"}[leg.status]
+        out[cause] = out.get(cause, 0) + 1
+    return out
 
 
 def _peers(server) -> dict:
@@ -110,13 +92,13 @@ def _count(server, name: str) -> float:
 
 def _assert_named_5xx(legs, lost_role: str, t_kill: float) -> None:
     lost = [leg for leg in legs if leg.status == 502]
-    assert lost, [(leg.status, leg.body) for leg in legs]
+    assert lost, [(leg.status, leg.response) for leg in legs]
     marker = f"{lost_role} peer 127.0.0.1:"
-    detail = json.dumps(lost[0].body)
+    detail = json.dumps(lost[0].response)
     assert marker in detail, detail
     peer = detail[detail.index(marker) + len(marker) - len("127.0.0.1:"):].split(" ")[0]
     for leg in legs:
-        detail = json.dumps(leg.body)
+        detail = json.dumps(leg.response)
         if leg.status == 502:
             assert f"PD peer lost: {lost_role} peer {peer} lost" in detail, detail
         else:
@@ -143,6 +125,7 @@ def test_decode_killed_in_flight_then_restarted(cluster, control):
     peers_before = _peers(prefill)
     assert peers_before["decode_kv_args_table"] == 1, peers_before
     losses, recoveries = _count(prefill, LOSSES), _count(prefill, RECOVERIES)
+    causes = _causes(prefill)
 
     rooms = random.sample(range(1, 2**62), N_INFLIGHT)
     texts = [f"in flight {i}: " + "the quick brown fox " * 20 for i in range(N_INFLIGHT)]
@@ -166,6 +149,10 @@ def test_decode_killed_in_flight_then_restarted(cluster, control):
     # decode: 502 "decode peer ... lost", or 500 for a request whose own write was the
     # one that failed (before the loss was known)
     _assert_named_5xx(prefill_legs, "decode", t_kill)
+    # each prefill leg counted once, by the cause its answer names, in its stage
+    expected = {("prefill", c, "prefill_inflight"): n for c, n in _lost_by_cause(prefill_legs).items()}
+    wait_until(lambda: delta(causes, _causes(prefill)) == expected, 10, "end causes counted",
+               on_timeout=lambda: f"{delta(causes, _causes(prefill))} != {expected}")
     # prefill gave everything back and forgot the dead incarnation, decode still down
     assert_idle(cluster, ("prefill",), baseline, timeout=10)
     def forgotten():
@@ -181,6 +168,7 @@ def test_decode_killed_in_flight_then_restarted(cluster, control):
     _recover(cluster, control, "prefill", baseline, peers_before)
     assert _count(prefill, RECOVERIES) == recoveries + 1
     assert _count(prefill, LOSSES) == losses + 1
+    assert delta(causes, _causes(prefill)) == expected  # the recovery run ended nothing
 
 
 def test_prefill_killed_in_flight_then_restarted(cluster, control):
@@ -189,6 +177,7 @@ def test_prefill_killed_in_flight_then_restarted(cluster, control):
     peers_before = _peers(decode)
     assert peers_before["prefill_info_table"] == 1, peers_before
     losses, recoveries = _count(decode, LOSSES), _count(decode, RECOVERIES)
+    causes = _causes(decode)
 
     # decode legs only: decode preallocates, tells prefill, and waits for the KV
     rooms = random.sample(range(1, 2**62), N_INFLIGHT)
@@ -202,9 +191,12 @@ def test_prefill_killed_in_flight_then_restarted(cluster, control):
         leg.join(DEADLINE + 30)
     assert not [leg for leg in decode_legs if leg.is_alive()], "a request hangs"
     addr = f"127.0.0.1:{cluster.bootstrap_port}"
-    assert [leg.status for leg in decode_legs] == [502] * N_INFLIGHT, [leg.body for leg in decode_legs]
+    assert [leg.status for leg in decode_legs] == [502] * N_INFLIGHT, [leg.response for leg in decode_legs]
     _assert_named_5xx(decode_legs, "prefill", t_kill)
-    assert f"prefill peer {addr} lost" in json.dumps(decode_legs[0].body)
+    assert f"prefill peer {addr} lost" in json.dumps(decode_legs[0].response)
+    expected = {("decode", "peer_failure", "decode_transfer"): N_INFLIGHT}
+    wait_until(lambda: delta(causes, _causes(decode)) == expected, 10, "end causes counted",
+               on_timeout=lambda: f"{delta(causes, _causes(decode))} != {expected}")
     assert_idle(cluster, ("decode",), baseline, timeout=10)
     assert _peers(decode)["prefill_info_table"] == 0
     assert _peers(decode)["connection_pool"] == 0
@@ -216,6 +208,7 @@ def test_prefill_killed_in_flight_then_restarted(cluster, control):
     _recover(cluster, control, "decode", baseline, peers_before)
     assert _count(decode, RECOVERIES) == recoveries + 1
     assert _count(decode, LOSSES) == losses + 1
+    assert delta(causes, _causes(decode)) == expected  # the recovery run ended nothing
 
 
 class Traffic(threading.Thread):
@@ -264,6 +257,7 @@ def test_decode_killed_and_restarted_repeatedly_under_traffic(cluster, control):
     prefill, decode = cluster["prefill"], cluster["decode"]
     peers_before = _peers(prefill)
     losses, recoveries = _count(prefill, LOSSES), _count(prefill, RECOVERIES)
+    causes = _causes(prefill)
     traffic = Traffic(cluster.url)
     traffic.start()
     try:
@@ -292,4 +286,9 @@ def test_decode_killed_and_restarted_repeatedly_under_traffic(cluster, control):
     assert_idle(cluster, PD_ROLES, baseline, timeout=DEADLINE + 30)
     assert _count(prefill, LOSSES) == losses + KILLS
     assert _count(prefill, RECOVERIES) == recoveries + KILLS
+    # what prefill ended, it ended for the lost peer or because the load balancer gave
+    # up the request when decode was down (a client abort of the prefill leg); how many
+    # depends on what was in flight at each kill. None waited for the deadline fallback.
+    ended = delta(causes, _causes(prefill))
+    assert {cause for (_, cause, _) in ended} <= {"peer_failure", "transport", "client_abort"}, ended
     _recover(cluster, control, "prefill", baseline, peers_before)

@@ -8,10 +8,7 @@ the loss and the recovery are counted. Fast counterpart of test_peer_liveness_e2
 
 import time
 
-import pytest
-
-from conftest import stable_peer_tables
-from testing.mooncake_pair import MooncakePair
+from testing.pd_checks import pair_fixture, stable_peer_tables
 
 HEARTBEAT = 2.0
 ENV = {
@@ -22,14 +19,13 @@ ENV = {
 # one heartbeat + ticks, generously (busy 2-core machine)
 DETECT_BOUND = HEARTBEAT + 6.0
 N = 6
+# where prefill's rooms can be when the decode they are bound to dies
+STAGES = ("prefill_bootstrap", "prefill_waiting", "prefill_inflight")
 
 SIZES = dict(kv_tokens=2048, req_slots=N + 4, metadata_slots=N + 4, max_context_len=64)
 
 
-@pytest.fixture
-def pair():
-    with MooncakePair(prefill_env=ENV, decode_env=ENV, **SIZES) as p:
-        yield p
+pair = pair_fixture(scope="function", prefill_env=ENV, decode_env=ENV, **SIZES)
 
 
 def _decode_handshakes(pair, n: int) -> list:
@@ -46,11 +42,13 @@ def _decode_handshakes(pair, n: int) -> list:
 
 
 def _room_entries(side, room) -> list:
-    """Per-room state left for `room`. The `request_end_cause` tag (`fork_end_causes`)
-    is counted and dropped by `record_end` when the queue retires the request, which
-    issue 5's retirement hooks call; without them it stays (bounded), so it is not
-    checked here."""
-    return [name for name in side.call("room_entries", room) if name != "fork_end_causes"]
+    """Per-room state left for `room` (every table, the end-cause tag included)."""
+    return side.call("room_entries", room)
+
+
+def _new_causes(side, before: dict) -> dict:
+    """The end-cause counts (role/cause/stage) that moved on `side` since `before`."""
+    return {k: v - before.get(k, 0) for k, v in side.call("end_causes").items() if v != before.get(k, 0)}
 
 
 def _wait_equal(read, expected, timeout: float) -> None:
@@ -84,6 +82,7 @@ def test_decode_killed_prefill_fails_bound_rooms_and_accepts_restart(pair):
     idle = pair.prefill.call("snapshot")
     peers = pair.prefill.call("peers")
     assert peers["decode_kv_args_table"] == 1, peers
+    causes = pair.prefill.call("end_causes")
 
     rooms = _decode_handshakes(pair, N)
     t_kill = time.monotonic()
@@ -117,12 +116,26 @@ def test_decode_killed_prefill_fails_bound_rooms_and_accepts_restart(pair):
         pair.prefill.call("tick")
     after = pair.prefill.call("peers")
     assert after["decode_kv_args_table"] == 0 and after["failed_sessions"] == 0, after
+    # each room counted once: a 502 as a peer failure, a 500 as the transport failure
+    # it was, in the stage it ended in
+    ended = _new_causes(pair.prefill, causes)
+    by_cause = {}
+    for key, n in ended.items():
+        role, cause, stage = key.split("/")
+        assert role == "prefill" and stage in STAGES, ended
+        by_cause[cause] = by_cause.get(cause, 0) + n
+    want = {}
+    for room in rooms:
+        cause = {502: "peer_failure", 500: "transport"}[statuses[room]]
+        want[cause] = want.get(cause, 0) + 1
+    assert by_cause == want, (ended, statuses)
 
     pair.restart("decode")
     _serve_new_requests(pair)
     assert pair.prefill.call("snapshot") == idle
     _wait_equal(lambda: stable_peer_tables(pair.prefill.call("peers")), stable_peer_tables(peers), HEARTBEAT + 5)
     assert pair.prefill.call("peer_counts") == {f"loss/prefill/{host}": 1, f"recovery/prefill/{host}": 1}
+    assert _new_causes(pair.prefill, causes) == ended  # the served requests ended nothing
 
 
 def test_prefill_killed_decode_fails_bound_rooms_and_accepts_restart(pair):
@@ -131,6 +144,7 @@ def test_prefill_killed_decode_fails_bound_rooms_and_accepts_restart(pair):
     peers = pair.decode.call("peers")
     assert peers["prefill_info_table"] == 1, peers
     addr = f"127.0.0.1:{pair.bootstrap_port}"
+    causes = pair.decode.call("end_causes")
 
     rooms = _decode_handshakes(pair, N)
     t_kill = time.monotonic()
@@ -150,6 +164,7 @@ def test_prefill_killed_decode_fails_bound_rooms_and_accepts_restart(pair):
     after = pair.decode.call("peers")
     assert after["prefill_info_table"] == 0 and after["connection_pool"] == 0, after
     assert pair.decode.call("peer_counts") == {f"loss/decode/{addr}": 1}
+    assert _new_causes(pair.decode, causes) == {"decode/peer_failure/decode_transfer": N}
 
     pair.restart("prefill")
     _serve_new_requests(pair)
@@ -157,3 +172,4 @@ def test_prefill_killed_decode_fails_bound_rooms_and_accepts_restart(pair):
     # session pool and miss count per prefill)
     _wait_equal(lambda: stable_peer_tables(pair.decode.call("peers")), stable_peer_tables(peers), HEARTBEAT + 5)
     assert pair.decode.call("peer_counts") == {f"loss/decode/{addr}": 1, f"recovery/decode/{addr}": 1}
+    assert _new_causes(pair.decode, causes) == {"decode/peer_failure/decode_transfer": N}

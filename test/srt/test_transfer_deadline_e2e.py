@@ -1,8 +1,12 @@
 """Transfer deadline end to end: real 1P1D servers (mooncake over TCP), deadline 3 s.
 
 The test plays the load balancer for the stuck request (same bootstrap room to both
-legs), so it can freeze decode after decode's handshake and before the KV arrives,
-and see each leg's answer. One deployment for the module; each test starts idle.
+legs), so it can freeze one server at the stage it wants (decode after its handshake
+and before the KV arrives; prefill before or after decode's handshake) and see each
+leg's answer. Each case asserts the answer, that it came no earlier than the deadline
+and not much later, that nothing is held, the counters (the stage's timeout counter
+and the end-cause counter, exactly), and that serving continues. One deployment for
+the module; each test starts idle.
 """
 
 from __future__ import annotations
@@ -18,10 +22,9 @@ import urllib.request
 import psutil
 import pytest
 
-from conftest import assert_idle, held
+from testing.pd_checks import Leg, assert_idle, cluster_end_causes, delta, held, leg_body, wait_end_causes
 from testing.pd_cluster import (
     HOST,
-    PDCluster,
     fork_python,
     free_ports,
     generate,
@@ -39,17 +42,14 @@ ENV = {"SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT": str(DEADLINE)}
 MARGIN = 2.5
 PD_ROLES = ("prefill", "decode")
 COUNTER = "sglang:num_transfer_timeout_reqs_total"
+# The deadline is measured on the server from when the request enters the stage, which
+# is after the client sent it: an answer can never come before DEADLINE seconds.
+EARLIEST = DEADLINE
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_model):
-    c = PDCluster(str(tiny_model), prefill_env=ENV, decode_env=ENV)
-    c.start()
-    try:
-        yield c
-    finally:
-        c["decode"].resume()  # in case a test failed while decode was frozen
-        c.teardown()
+def cluster(deployments):
+    return deployments.pd(prefill_env=ENV, decode_env=ENV)
 
 
 def _leg(cluster, room: int, path: str = "/generate", **body) -> dict:
@@ -76,10 +76,18 @@ def _generate_body(text: str) -> dict:
     return {"text": text, "sampling_params": {"temperature": 0.0, "max_new_tokens": 8}}
 
 
+def _serving(cluster, baseline, n: int = 20) -> None:
+    # one after another: a 20-request burst on 2 CPU cores can itself outlast 3 s
+    results = [generate(cluster.url, p, max_new_tokens=8) for p in prompts(n)]
+    assert [r["status"] for r in results] == [200] * n, [r["error"] for r in results if r["status"] != 200]
+    assert_idle(cluster, PD_ROLES, baseline)
+
+
 def test_frozen_decode_gets_504_releases_and_recovers(cluster):
     baseline = assert_idle(cluster, PD_ROLES)
     prefill, decode = cluster["prefill"], cluster["decode"]
     before = _stage_count(prefill.metrics(), "prefill_inflight")
+    causes = cluster_end_causes(cluster)
     room = random.randint(1, 2**62)
     body = _generate_body("the quick brown fox " * 40)
 
@@ -100,7 +108,7 @@ def test_frozen_decode_gets_504_releases_and_recovers(cluster):
         detail = json.dumps(prefill_out["body"])
         for part in ("prefill_inflight", f"bootstrap_room={room}", "SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT"):
             assert part in detail, (part, detail)
-        assert prefill_out["seconds"] <= DEADLINE + MARGIN, prefill_out["seconds"]
+        assert EARLIEST <= prefill_out["seconds"] <= DEADLINE + MARGIN, prefill_out["seconds"]
         # prefill gave back its KV pages and metadata slot while decode is still frozen
         base = held(baseline["prefill"])
 
@@ -121,11 +129,13 @@ def test_frozen_decode_gets_504_releases_and_recovers(cluster):
     assert_idle(cluster, PD_ROLES, baseline, timeout=30)
     freed_after = time.monotonic() - t_resume
     assert freed_after < 10, freed_after
-
-    # one after another: a 20-request burst on 2 CPU cores can itself outlast 3 s
-    results = [generate(cluster.url, p, max_new_tokens=8) for p in prompts(20)]
-    assert [r["status"] for r in results] == [200] * 20, [r["error"] for r in results if r["status"] != 200]
-    assert_idle(cluster, PD_ROLES, baseline)
+    # prefill's deadline ended it; decode ended it hearing prefill's Failed status
+    # (the reason names prefill's stage, so decode counts the same cause)
+    wait_end_causes(cluster, causes, {
+        ("prefill", "timeout", "prefill_inflight"): 1,
+        ("decode", "timeout", "decode_transfer"): 1,
+    })
+    _serving(cluster, baseline)
 
 
 def _stream(url: str, payload: dict, timeout: float = 60.0):
@@ -145,6 +155,7 @@ def test_504_reaches_every_client_kind(cluster):
     baseline = assert_idle(cluster, PD_ROLES)
     prefill = cluster["prefill"]
     before = _stage_count(prefill.metrics(), "prefill_bootstrap")
+    causes = cluster_end_causes(cluster)
     chat = {"model": "default", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8}
     cases = {
         "generate": ("/generate", _generate_body("hello world"), False),
@@ -167,7 +178,7 @@ def test_504_reaches_every_client_kind(cluster):
 
     for name, (status, text, seconds) in out.items():
         stream = cases[name][2]
-        assert seconds <= DEADLINE + MARGIN, (name, seconds)
+        assert EARLIEST <= seconds <= DEADLINE + MARGIN, (name, seconds)
         assert "prefill_bootstrap" in text, (name, text)
         if stream:
             assert status == 200, (name, status, text)  # headers went out before the error
@@ -183,7 +194,60 @@ def test_504_reaches_every_client_kind(cluster):
             assert status == 504, (name, status, text)
     assert len(out) == 4
     assert _stage_count(prefill.metrics(), "prefill_bootstrap") == before + 4
+    wait_end_causes(cluster, causes, {("prefill", "timeout", "prefill_bootstrap"): 4})
     assert_idle(cluster, PD_ROLES, baseline)
+    _serving(cluster, baseline, n=3)
+
+
+@pytest.mark.parametrize("frozen", ["before_decode_leg", "after_handshake"])
+def test_frozen_prefill_decode_leg_gets_504(cluster, frozen):
+    """Prefill frozen before decode's leg arrives (decode knows prefill from earlier
+    requests: it preallocates, sends its metadata into the frozen peer's socket, and
+    waits), or after decode's handshake was answered. Either way the KV never comes:
+    decode's own deadline ends the leg with 504 in decode_transfer while prefill is
+    still frozen, and once prefill runs again (and acks the drain) both are idle."""
+    stage = "decode_transfer"
+    baseline = assert_idle(cluster, PD_ROLES)
+    prefill, decode = cluster["prefill"], cluster["decode"]
+    # decode knows prefill (its bootstrap info is cached) whatever ran before: a first
+    # contact with a frozen prefill would block in decode_prealloc instead
+    _serving(cluster, baseline, n=1)
+    before = _stage_count(decode.metrics(), stage)
+    causes = cluster_end_causes(cluster)
+    room = random.randint(1, 2**62)
+    body = leg_body(cluster, room, "the quick brown fox " * 40)
+    if frozen == "after_handshake":
+        # decode hands prefill its pages (prefill's bootstrap server answers) first
+        leg = Leg(decode.url, body)
+        leg.start()
+        wait_until(lambda: decode.resources()["queues"]["decode_transfer"] == 1, 60, "decode handshake")
+        prefill.freeze()
+        t_stage = time.monotonic()  # the stage began before this
+    else:
+        prefill.freeze()
+        leg = Leg(decode.url, body)
+        t_stage = time.monotonic()
+        leg.start()
+    try:
+        wait_until(leg.done, DEADLINE + MARGIN + 30, "decode's answer")
+        assert leg.status == 504, leg.out
+        detail = json.dumps(leg.response)
+        for part in (stage, f"bootstrap_room={room}", "SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT"):
+            assert part in detail, (part, detail)
+        assert leg.out["seconds"] >= EARLIEST, leg.out["seconds"]
+        assert leg.ended_at - t_stage <= DEADLINE + MARGIN, leg.ended_at - t_stage
+        assert _stage_count(decode.metrics(), stage) == before + 1
+        wait_end_causes(cluster, causes, {("decode", "timeout", stage): 1}, roles=("decode",))
+    finally:
+        prefill.resume()
+    t_resume = time.monotonic()
+    # decode keeps the pages until prefill acks that no write into them is running
+    # (upstream's deferred release; the ack needs prefill running), then frees them;
+    # prefill never had the request (no prefill leg was sent) and holds nothing
+    assert_idle(cluster, PD_ROLES, baseline, timeout=30)
+    assert time.monotonic() - t_resume < 10, time.monotonic() - t_resume
+    assert delta(causes, cluster_end_causes(cluster)) == {("decode", "timeout", stage): 1}
+    _serving(cluster, baseline, n=3)
 
 
 @pytest.mark.parametrize(

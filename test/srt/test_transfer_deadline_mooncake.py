@@ -9,22 +9,12 @@ processes, queue harness on each side; deadline 3 s):
 
 import time
 
-import pytest
-
-from testing.mooncake_pair import MooncakePair
+from testing.pd_checks import pair_fixture
+from testing.pd_checks import pair_is_idle as _idle
 
 DEADLINE = 3.0
 
-
-@pytest.fixture(scope="module")
-def pair():
-    with MooncakePair(server_args={"disaggregation_transfer_timeout": DEADLINE}) as p:
-        p.idle = (p.prefill.call("snapshot"), p.decode.call("snapshot"))
-        yield p
-
-
-def _idle(pair):
-    return (pair.prefill.call("snapshot"), pair.decode.call("snapshot")) == pair.idle
+pair = pair_fixture(server_args={"disaggregation_transfer_timeout": DEADLINE})
 
 
 def test_dead_worker_fails_its_room_and_restarts(pair):
@@ -61,11 +51,12 @@ def test_dead_worker_fails_its_room_and_restarts(pair):
 def test_late_handshake_after_prefill_deadline_is_refused(pair):
     assert _idle(pair)
     room = pair.new_room()
-    pair.prefill.call("add", room, 12)  # decode's leg is late
     t0 = time.monotonic()
+    pair.prefill.call("add", room, 12)  # decode's leg is late
     while pair.prefill.call("status", room) is None:
         assert time.monotonic() - t0 < DEADLINE + 10
         pair.prefill.call("tick")
+    assert time.monotonic() - t0 >= DEADLINE  # not early
     assert pair.prefill.call("status", room) == 504
     assert "prefill_bootstrap" in pair.prefill.call("reason", room)
     # only the bounded memory of expired rooms (MAX_REMEMBERED_ROOMS) holds it

@@ -1,0 +1,239 @@
+"""What the fork's tests assert, written once: nothing held (a server's resource report
+back to its baseline), a client abort's answer, a leg of a PD request sent by the test
+itself, the end-cause counter by role/cause/stage, and a mooncake pair back to idle.
+
+Used by test/srt (conftest re-exports the idleness helpers under their old names).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple
+
+from testing.pd_cluster import HOST, http_post_json, wait_until
+
+IDLE_TIMEOUT = 60.0
+END_CAUSES = "sglang:num_pd_request_end_causes_total"
+
+# ----------------------------------------------------------------------------- nothing held
+
+
+def held(report: dict) -> dict:
+    """The parts of a fork_pd_resources report that must return to baseline when idle.
+
+    KV tokens kept as evictable prefix cache are not held: only `held`/`protected`
+    count. Everything else is a count of slots or entries owned by live requests.
+    """
+    out = {
+        "kv_held": report["kv_tokens"]["held"],
+        "kv_protected": report["kv_tokens"]["protected"],
+        "req_slots_in_use": report["req_slots"]["total"] - report["req_slots"]["free"],
+    }
+    if report["metadata_slots"] is not None:
+        slots = report["metadata_slots"]
+        out["metadata_slots_in_use"] = slots["total"] - slots["free"]
+    out.update({f"queue.{k}": v for k, v in report["queues"].items()})
+    out.update({f"rooms.{k}": v for k, v in (report["transfer_rooms"] or {}).items()})
+    return out
+
+
+def assert_idle(deployment, roles, baseline: dict | None = None, timeout: float = IDLE_TIMEOUT) -> dict:
+    """Poll until every role holds what it held at baseline (default: nothing)."""
+    expected = {
+        role: (held(baseline[role]) if baseline else None) for role in roles
+    }
+    last = {}
+
+    def idle():
+        for role in roles:
+            now = held(deployment.resources(role))
+            last[role] = now
+            want = expected[role] or {k: 0 for k in now}
+            if now != want:
+                return False
+        return True
+
+    def describe():
+        lines = []
+        for role in roles:
+            want = expected[role] or {k: 0 for k in last.get(role, {})}
+            diff = {
+                k: (v, want.get(k)) for k, v in last.get(role, {}).items() if v != want.get(k)
+            }
+            lines.append(f"{role}: (now, expected) {diff}")
+        return "\n".join(lines)
+
+    wait_until(idle, timeout, "servers to release everything", on_timeout=describe)
+    return {role: deployment.resources(role) for role in roles}
+
+
+# Per-peer tables (fork_pd_resources.peers / mooncake_pair "peers"): entries upstream's
+# decode heartbeat adds per prefill on its own schedule (0 or 1 each between two
+# beats) are bounded by the prefills known, and compared as such.
+HEARTBEAT_TABLES = ("heartbeat_failures", "session_pool")
+
+
+def stable_peer_tables(peers: dict) -> dict:
+    out = {k: v for k, v in peers.items() if k not in HEARTBEAT_TABLES}
+    for k in HEARTBEAT_TABLES:
+        if k in peers:
+            out[k + "<=prefills"] = peers[k] <= peers.get("prefill_info_table", 0)
+    return out
+
+
+# ----------------------------------------------------------------------------- answers
+
+
+def is_client_abort(finish_reason: Optional[Mapping[str, Any]]) -> bool:
+    """Upstream's answer to a client abort: finish_reason type "abort", no error status."""
+    return (
+        finish_reason is not None
+        and finish_reason.get("type") == "abort"
+        and finish_reason.get("status_code") is None
+    )
+
+
+def http_client_abort(out: Mapping[str, Any]) -> bool:
+    """An HTTP /generate answer ({status, body}) that is upstream's client abort (200)."""
+    body = out.get("body")
+    reason = body.get("meta_info", {}).get("finish_reason") if isinstance(body, dict) else None
+    return out.get("status") == 200 and is_client_abort(reason)
+
+
+def leg_body(cluster, room: int, text: str, max_new_tokens: int = 8, rid: Optional[str] = None,
+             **sampling) -> dict:
+    """One leg of a PD request the test sends itself (it plays the load balancer)."""
+    body = {
+        "text": text,
+        "bootstrap_host": HOST,
+        "bootstrap_port": cluster.bootstrap_port,
+        "bootstrap_room": room,
+        "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens, **sampling},
+    }
+    if rid is not None:
+        body["rid"] = rid
+    return body
+
+
+class Leg(threading.Thread):
+    """One leg's request (default /generate) in a thread: `out` gets status, body,
+    seconds and `ended` (monotonic) once it is answered; a connection reset (the
+    server was killed) is an answer with status None."""
+
+    def __init__(self, url: str, body: dict, path: str = "/generate", timeout: float = 120.0):
+        super().__init__(daemon=True)
+        self.url, self.body, self.path, self.timeout = url, body, path, timeout
+        self.out: Dict[str, Any] = {}
+
+    def run(self):
+        t0 = time.monotonic()
+        try:
+            status, body = http_post_json(self.url + self.path, self.body, timeout=self.timeout)
+        except Exception as e:
+            status, body = None, repr(e)
+        self.out.update(status=status, body=body, seconds=time.monotonic() - t0, ended=time.monotonic())
+
+    def done(self) -> bool:
+        return "status" in self.out
+
+    @property
+    def status(self):
+        return self.out.get("status")
+
+    @property
+    def response(self):
+        return self.out.get("body")
+
+    @property
+    def ended_at(self):
+        return self.out.get("ended")
+
+
+def start_legs(url: str, bodies) -> list:
+    legs = [Leg(url, b) for b in bodies]
+    for leg in legs:
+        leg.start()
+    return legs
+
+
+# ----------------------------------------------------------------------------- counters
+
+
+def end_causes(metrics: Mapping[str, float]) -> Dict[Tuple[str, str, str], float]:
+    """`sglang:num_pd_request_end_causes_total` samples as {(role, cause, stage): n}."""
+    out = {}
+    for key, value in metrics.items():
+        if key.startswith(END_CAUSES + "{"):
+            labels = dict(p.split("=", 1) for p in key[len(END_CAUSES) + 1 : -1].split(","))
+            labels = {k: v.strip('"') for k, v in labels.items()}
+            out[(labels["role"], labels["cause"], labels["stage"])] = value
+    return out
+
+
+def delta(before: Mapping, after: Mapping) -> dict:
+    """What changed between two counter snapshots (keys that did not change omitted)."""
+    keys = set(before) | set(after)
+    return {k: after.get(k, 0) - before.get(k, 0) for k in keys if after.get(k, 0) != before.get(k, 0)}
+
+
+def cluster_end_causes(cluster, roles=("prefill", "decode")) -> Dict[Tuple[str, str, str], float]:
+    out = {}
+    for role in roles:
+        out.update(end_causes(cluster.metrics(role)))
+    return out
+
+
+def wait_end_causes(cluster, before: Mapping, expected: Mapping, timeout: float = 10.0,
+                    roles=("prefill", "decode")) -> dict:
+    """Poll until the end-cause counter moved by exactly `expected` since `before`
+    (metrics are exported by the scheduler a moment after the answer)."""
+    last = {}
+    before = {k: v for k, v in before.items() if k[0] in roles}
+
+    def moved():
+        last["d"] = delta(before, cluster_end_causes(cluster, roles))
+        return last["d"] == dict(expected)
+
+    wait_until(moved, timeout, "the end-cause counter to move",
+               on_timeout=lambda: f"delta {last.get('d')} != expected {dict(expected)}")
+    return last["d"]
+
+
+# ----------------------------------------------------------------------------- mooncake pair
+
+
+def pair_snapshots(pair) -> tuple:
+    return pair.prefill.call("snapshot"), pair.decode.call("snapshot")
+
+
+def pair_is_idle(pair) -> bool:
+    """Both sides hold what they held when the pair fixture took `pair.idle`."""
+    return pair_snapshots(pair) == pair.idle
+
+
+def assert_pair_idle(pair) -> None:
+    assert pair_snapshots(pair) == pair.idle
+
+
+def wait_pair_idle(pair, timeout: float = 30.0) -> float:
+    """Tick both sides until both are back to the idle snapshot; returns seconds."""
+    return pair.run_until(lambda: pair_is_idle(pair), timeout=timeout)
+
+
+def pair_fixture(scope: str = "module", prepare: Optional[Callable[[Any], None]] = None, **kwargs):
+    """A pytest fixture yielding a MooncakePair(**kwargs) with `pair.idle`, both
+    sides' snapshot as started (taken before `prepare(pair)`, when given, runs)."""
+    import pytest
+
+    from testing.mooncake_pair import MooncakePair
+
+    @pytest.fixture(scope=scope)
+    def pair():
+        with MooncakePair(**kwargs) as p:
+            p.idle = pair_snapshots(p)
+            if prepare is not None:
+                prepare(p)
+            yield p
+
+    return pair
