@@ -391,9 +391,11 @@ class Side:
                 return None
             key = (iters, {r: probe[r]["busy_passes"] for r in SCHEDULER_ROLES})  # type: ignore[index]
             stamps = {r: probe[r]["t"] for r in SCHEDULER_ROLES}  # type: ignore[index]
-            prev = last.get("v")
-            last["v"] = (key, stamps)
-            if prev is not None and prev[0] == key and all(prev[1][r] != stamps[r] for r in SCHEDULER_ROLES):
+            ref = last.get("v")
+            if ref is None or ref[0] != key:
+                last["v"] = (key, stamps)  # (re)start from this reading
+                return None
+            if all(stamps[r] > ref[1][r] for r in SCHEDULER_ROLES):  # each wrote again, unchanged
                 return iters, probe, cpu_snapshot(self.cluster)
             return None
 
@@ -409,13 +411,32 @@ WORK_ROLES = ("tokenizer", "detokenizer", "other")  # whole processes counted as
 
 
 def measure(side: Side, idle: Side, texts: Sequence[str], concurrency: int, max_new_tokens: int) -> Dict[str, float]:
-    """One run on `side`; `idle` is the other deployment, whose CPU use during the run
-    is recorded (it should be near zero: it must not compete with the side measured)."""
-    iters_before, probe_before, cpu_before = side.settled(time.time())
+    """One run on `side` alone; `idle` is the other deployment, whose CPU use during
+    the run is recorded (it should be near zero: it must not compete with the side
+    measured)."""
+    before = side.settled(time.time())
     idle_before = tree_cpu(idle.cluster)
     load = run_load(side.cluster.url, texts, concurrency, max_new_tokens)
     idle_after = tree_cpu(idle.cluster)
-    iters_after, probe_after, cpu_after = side.settled(time.time())
+    after = side.settled(time.time())
+    return account(side, before, after, load, texts, max_new_tokens, idle_after - idle_before)
+
+
+def measure_together(sides: Sequence[Side], texts: Sequence[str], concurrency: int, max_new_tokens: int) -> List[Dict[str, float]]:
+    """One run on every side at the same time (same requests, one client pool each):
+    whatever the machine's other tenants do during the run, they do it to both sides
+    at once, so it cancels in the round's ratio."""
+    befores = [s.settled(time.time()) for s in sides]
+    with ThreadPoolExecutor(max_workers=len(sides)) as pool:
+        loads = list(pool.map(lambda s: run_load(s.cluster.url, texts, concurrency, max_new_tokens), sides))
+    afters = [s.settled(time.time()) for s in sides]
+    return [account(s, b, a, l, texts, max_new_tokens, 0.0) for s, b, a, l in zip(sides, befores, afters, loads)]
+
+
+def account(side: Side, before, after, load, texts: Sequence[str], max_new_tokens: int, idle_side_cpu: float) -> Dict[str, float]:
+    """A run's figures from the settled readings before and after it."""
+    iters_before, probe_before, cpu_before = before
+    iters_after, probe_after, cpu_after = after
     if load["failed"]:
         first = load["failed"][0]
         raise RuntimeError(
@@ -444,7 +465,7 @@ def measure(side: Side, idle: Side, texts: Sequence[str], concurrency: int, max_
         "tokens_per_s": n * max_new_tokens / load["wall"],
         "all_cpu_ms_per_req": 1e3 * sum(sum(cpu[s].values()) for s in SCHEDULER_ROLES) / n,
         "balancer_cpu_ms_per_req": 1e3 * sum(cpu["lb"].values()) / n,
-        "idle_side_cpu_s": idle_after - idle_before,
+        "idle_side_cpu_s": idle_side_cpu,
     }
     for s in SCHEDULER_ROLES:
         run[f"{s}_busy_passes"] = probe[s]["busy_passes"]
@@ -582,6 +603,11 @@ def main(argv=None) -> int:
              "DecodeTransferQueue.pop_transferred busy-loops US µs per call (a deliberately slower fork)",
     )
     parser.add_argument(
+        "--mode", choices=("together", "alternate"), default="together",
+        help="together: both sides under the same load at the same time in each round (default); "
+             "alternate: one side after the other, the other idle",
+    )
+    parser.add_argument(
         "--hooks", choices=("run", "skip"), default="run",
         help="also run the in-process hook micro-benchmark (bench/hook_cost.py) and print its table (default run)",
     )
@@ -639,14 +665,16 @@ def main(argv=None) -> int:
             mismatches = 0
             for rnd in range(args.rounds):
                 order = SIDES if rnd % 2 == 0 else SIDES[::-1]
+                if args.mode == "together":
+                    runs = dict(zip(order, measure_together([sides[n] for n in order], texts,
+                                                            args.concurrency, args.max_new_tokens)))
+                else:
+                    runs = {}
+                    for name in order:
+                        other = sides[SIDES[1] if name == SIDES[0] else SIDES[0]]
+                        runs[name] = measure(sides[name], other, texts, args.concurrency, args.max_new_tokens)
                 for name in order:
-                    other = sides[SIDES[1] if name == SIDES[0] else SIDES[0]]
-                    r = measure(sides[name], other, texts, args.concurrency, args.max_new_tokens)
-                    if name == order[1]:
-                        bad = token_mismatches(sides["fork"].outputs[-1], sides["upstream"].outputs[-1])
-                        mismatches += bad
-                        if bad:
-                            print(f"round {rnd + 1}: output tokens differ for {bad} of {len(texts)} requests", flush=True)
+                    r = runs[name]
                     print(
                         f"round {rnd + 1}/{args.rounds} {name:8s} {r['throughput']:6.2f} req/s  "
                         f"p50 {r['p50']:.3f}s  p99 {r['p99']:.3f}s  "
@@ -654,10 +682,13 @@ def main(argv=None) -> int:
                         f"sched P {r['prefill_us_per_iter']:.0f} D {r['decode_us_per_iter']:.0f} µs/busy pass "
                         f"({r['prefill_busy_passes']:.0f}+{r['decode_busy_passes']:.0f} passes, "
                         f"{r['prefill_idle_passes']:.0f}+{r['decode_idle_passes']:.0f} idle)  "
-                        f"all {r['all_cpu_ms_per_req']:.1f} ms/req  "
-                        f"idle side {r['idle_side_cpu_s']:.1f} cpu-s  load {loadavg()}",
+                        f"all {r['all_cpu_ms_per_req']:.1f} ms/req  load {loadavg()}",
                         flush=True,
                     )
+                bad = token_mismatches(sides["fork"].outputs[-1], sides["upstream"].outputs[-1])
+                mismatches += bad
+                if bad:
+                    print(f"round {rnd + 1}: output tokens differ for {bad} of {len(texts)} requests", flush=True)
         finally:
             for s in sides.values():
                 s.cluster.teardown()
@@ -668,7 +699,7 @@ def main(argv=None) -> int:
         block = "\n".join([
             f"Fork `{fork_version}` vs upstream `{prepared['version']}`, 1P1D + mini-lb on CPU, tiny Llama, "
             f"{args.requests} requests at concurrency {args.concurrency}, {args.max_new_tokens} output tokens, "
-            f"median of {args.rounds} interleaved rounds; import stand-ins on {args.standins}; "
+            f"median of {args.rounds} rounds ({'both sides loaded at once' if args.mode == 'together' else 'sides alternating'}); import stand-ins on {args.standins}; "
             f"bench probe plugin on both sides (idle polling paced {baseline.PACE_SECONDS * 1e3:g} ms, passes accounted)"
             + (f"; fork slowed by {args.inject_slowdown_us:g} µs per decode loop (injected)" if args.inject_slowdown_us else "")
             + ".",

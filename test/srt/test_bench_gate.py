@@ -304,3 +304,24 @@ def test_hook_cost_runs_over_the_real_queues_at_small_counts():
     # each pass runs exactly the fork hook on its own method (transfer deadline's BEFORE)
     called = {r["stage"]: r["called"] for r in results if r["n"] == 40}
     assert called["transfer"] == {"sglang.srt.disaggregation.decode.DecodeTransferQueue.pop_transferred": 1}
+
+
+@pytest.mark.e2e
+def test_a_deliberately_slower_fork_fails_the_cpu_gate():
+    """The gate run for real, short (3 rounds of 48 requests, both sides loaded at
+    once), with a fork made slower by 2 ms of busy loop per decode scheduler pass (the
+    bench-only slowdown plugin, a hook on pop_transferred): the CPU gate must FAIL on
+    this shared machine, not pass and not shrug (INCONCLUSIVE).
+    Cost: two 1P1D deployments (~5 GB; run through /work/pdslot), ~4-6 min on the
+    loaded 2-core box, most of it server start-up."""
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.release_gate", "--rounds", "3", "--requests", "48", "--warmup", "8",
+         "--inject-slowdown-us", "2000", "--hooks", "skip"],
+        cwd=gate.REPO_ROOT, capture_output=True, text=True, timeout=1800,
+    )
+    tail = out.stdout[-4000:] + out.stderr[-2000:]
+    assert out.returncode == 1, tail
+    assert "GATE FAILED: decode scheduler CPU µs per iteration" in out.stdout, tail
+    assert "Verdict: FAIL over 3 rounds" in out.stdout, tail
+    # the slower fork still answers the same tokens: the failure is the CPU cost alone
+    assert "Output tokens: 144 of 144 requests identical" in out.stdout, tail
