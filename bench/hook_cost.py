@@ -16,9 +16,10 @@ not applied:
 "Not applied" is upstream: every target of `fork_plugin.HOOKS` gets back the callable
 HookRegistry wrapped (one `__wrapped__` per hook registered on it, checked to be
 HookRegistry's wrappers), in the classes and in every module that holds it. One
-harness per side and count is built (with the hooks, as in production; the hooks
-that run when a queue builds its transfer manager only attach handlers for peer
-messages, which no pass calls), then passes over the same queues run interleaved
+harness per side is built at the largest count (with the hooks, as in production; the
+hooks that run when a queue builds its transfer manager only attach handlers for peer
+messages, which no pass calls) and a smaller count queues the first n requests of
+each stage; passes over the same queues run interleaved
 (on/off, off/on, ...) in the same process; each pass is timed in CPU time of this
 thread (co-tenants of a shared machine move it far less than wall time) and the
 figure is the median over repetitions of the on/off ratio of a pair. The
@@ -293,45 +294,86 @@ def growth_exponent(counts: Sequence[int], times: Sequence[float]) -> float:
     return math.log(t2 / t1) / math.log(c2 / c1)
 
 
+class AlwaysOn:
+    """A switch that leaves the hooks on whatever it is asked (and still does the same
+    attribute writes): the A/A control, whose ratio is the method's own noise."""
+
+    def __init__(self, switch: HookSwitch) -> None:
+        self.switch = switch
+
+    def set(self, on: bool, only: Optional[str] = None) -> None:
+        self.switch.set(True)
+
+
+# Where each stage's queue lives: (object getter, attribute).
+QUEUE_OF = {
+    "bootstrap": (lambda h: h.queue, "queue"),
+    "waiting": (lambda h: h.scheduler, "waiting_queue"),
+    "inflight": (lambda h: h.scheduler, "disagg_prefill_inflight_queue"),
+    "prealloc": (lambda h: h.queue, "queue"),
+    "transfer": (lambda h: h.transfer_queue, "queue"),
+}
+
+
+class parked:
+    """Within the block, only the first n requests of a stage's queue are queued (the
+    others stay built and holding what they hold): one harness built at the largest
+    count serves every count."""
+
+    def __init__(self, h, stage: str, n: int) -> None:
+        getter, self.attr = QUEUE_OF[stage]
+        self.owner = getter(h)
+        self.n = n
+
+    def __enter__(self):
+        self.full = getattr(self.owner, self.attr)
+        setattr(self.owner, self.attr, self.full[: self.n])
+
+    def __exit__(self, *exc):
+        setattr(self.owner, self.attr, self.full)
+
+
 def run_passes(counts: Sequence[int], budget_s: float, log) -> Tuple[List[Dict], Dict[str, Dict[str, float]]]:
     switch = HookSwitch()
     results: List[Dict] = []
     attributions: Dict[str, Dict[str, float]] = {}
-    for n in counts:
-        for side, build in (("prefill", build_prefill), ("decode", build_decode)):
-            t0 = time.monotonic()
-            switch.set(True)
-            h_on, p_on = build(n)
-            h_off, p_off = h_on, p_on  # the same queues; only the hooks differ
-            log(f"  {side} x{n}: harness built in {time.monotonic() - t0:.1f}s")
-            for s_side, stage, label in STAGES:
-                if s_side != side:
-                    continue
-                for h in (h_on, h_off):
+    top = max(counts)
+    for side, build in (("prefill", build_prefill), ("decode", build_decode)):
+        t0 = time.monotonic()
+        switch.set(True)
+        h, passes = build(top)  # built with the hooks, as in production
+        log(f"  {side}: harness with {top:,} requests per stage built in {time.monotonic() - t0:.1f}s")
+        for s_side, stage, label in STAGES:
+            if s_side != side:
+                continue
+            for n in counts:
+                with parked(h, stage, n):
                     if _queued(h, stage) != n:
                         raise RuntimeError(f"{side} {stage}: {_queued(h, stage)} queued, expected {n}")
-                gc.collect()
-                gc.disable()
-                try:
-                    r = compare(switch, (h_on, p_on[stage]), (h_off, p_off[stage]), budget_s)
-                    called = switch.called(lambda: timed(h_on, p_on[stage]))
-                    r["scan_ms"] = deadline_scan_ms(h_on, stage, called)
-                    if n == counts[-1] and r["ratio"] > GOAL:
-                        attributions[f"{side} {stage}"] = attribute(
-                            switch, h_on, p_on[stage], sorted(called), budget_s / 2
-                        )
-                finally:
-                    gc.enable()
-                for h in (h_on, h_off):  # the pass must not have moved anything
-                    if _queued(h, stage) != n:
+                    gc.collect()
+                    gc.disable()
+                    try:
+                        # the same queues with and without the hooks
+                        r = compare(switch, (h, passes[stage]), (h, passes[stage]), budget_s)
+                        called = switch.called(lambda: timed(h, passes[stage]))
+                        r["scan_ms"] = deadline_scan_ms(h, stage, called)
+                        if n == top:
+                            r["aa_ratio"] = compare(AlwaysOn(switch), (h, passes[stage]), (h, passes[stage]), budget_s)["ratio"]
+                        if n == top and r["ratio"] > GOAL:
+                            attributions[f"{side} {stage}"] = attribute(
+                                switch, h, passes[stage], sorted(called), budget_s / 2
+                            )
+                    finally:
+                        gc.enable()
+                    if _queued(h, stage) != n:  # the pass must not have moved anything
                         raise RuntimeError(f"{side} {stage}: queue moved during the benchmark")
                 results.append({"side": side, "stage": stage, "pass": label, "n": n, "called": called, **r})
                 log(f"    {stage:9s} n={n:>6}: on {r['on_us']:9.1f} µs  off {r['off_us']:9.1f} µs  "
                     f"ratio {r['ratio']:.3f} (mean {r['mean_ratio']:.3f}, {r['pairs']} pairs)  "
                     f"deadline scan {r['scan_ms'] or 0:.2f} ms")
-            h_on.close()
-            del h_on, h_off, p_on, p_off
-            gc.collect()
+        h.close()
+        del h, passes
+        gc.collect()
     return results, attributions
 
 
@@ -427,13 +469,13 @@ def markdown(results: List[Dict], attributions: Dict, monitor: List[Dict], count
     lines = [
         f"Hooks applied vs not, same process, interleaved; one scheduler pass over real PD queues with "
         f"{', '.join(f'{c:,}' for c in counts)} requests parked at the stage; thread CPU time, median of "
-        f"per-pair on/off ratios. The transfer deadline's full scan of a queue runs at most once a second "
+        f"per-pair on/off ratios; the A/A control times on/on the same way (the method's own noise). The transfer deadline's full scan of a queue runs at most once a second "
         f"(other passes: one lookup); its cost is the last column. "
         f"Machine load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}, "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {elapsed:.0f}s.",
         "",
         "| stage: pass | " + " | ".join(f"µs on/off at {c:,}" for c in counts)
-        + f" | growth ({counts[-2]:,}→{top:,}, 1 = linear) | ratio at {top:,} | goal ≤ {GOAL} | fork hooks run in the pass "
+        + f" | growth ({counts[-2]:,}→{top:,}, 1 = linear) | ratio at {top:,} (A/A control) | goal ≤ {GOAL} | fork hooks run in the pass "
         f"| deadline scan ms at " + "/".join(f"{c:,}" for c in counts) + " (≤ 1/s) |",
         "|---|" + "---:|" * len(counts) + "---:|---:|---|---|---:|",
     ]
@@ -450,7 +492,7 @@ def markdown(results: List[Dict], attributions: Dict, monitor: List[Dict], count
         lines.append(
             f"| {side} {stage}: `{label}` | "
             + " | ".join(f"{r['on_us']:.0f}/{r['off_us']:.0f}" for r in rows)
-            + f" | {exp_on:.2f} (upstream {exp_off:.2f}) | {last['ratio']:.3f} | "
+            + f" | {exp_on:.2f} (upstream {exp_off:.2f}) | {last['ratio']:.3f} ({last.get('aa_ratio', float('nan')):.3f}) | "
             f"{'ok' if ok else 'OVER'} | {hooks} | "
             + "/".join("-" if r["scan_ms"] is None else f"{r['scan_ms']:.2f}" for r in rows) + " |"
         )

@@ -543,6 +543,8 @@ def table(rows: List[Dict[str, object]], fork: Dict[str, float], upstream: Dict[
         ("idle_side_cpu_s", "CPU s used by the idle side during a run"),
     ]
     for key, label in info:
+        if not fork[key] and not upstream[key]:
+            continue  # e.g. the idle side's CPU when both sides run together
         ratio = f"{fork[key] / upstream[key]:.3f}" if upstream[key] else "-"
         lines.append(f"| {label} | {fmt(fork[key])} | {fmt(upstream[key])} | {ratio} (of medians) | | (info) | |")
     return "\n".join(lines)
