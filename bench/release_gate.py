@@ -592,8 +592,8 @@ def run_hook_cost() -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5, help="rounds of (fork, upstream) runs (default 5)")
-    parser.add_argument("--requests", type=int, default=200, help="requests per run (default 200)")
-    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--requests", type=int, default=100, help="requests per run and side (default 100)")
+    parser.add_argument("--concurrency", type=int, default=1, help="requests in flight per side (default 1: the same batches on both sides)")
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--warmup", type=int, default=16, help="requests per side before measuring")
     parser.add_argument("--model-dir", default=str(REPO_ROOT / ".cache" / "tiny-llama"))
