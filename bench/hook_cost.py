@@ -502,12 +502,14 @@ def markdown(results: List[Dict], attributions: Dict, monitor: List[Dict], count
             continue
         lines.append("")
         detail = ", ".join(f"`{t.rsplit('.', 2)[-2]}.{t.rsplit('.', 1)[-1]}` {v:.3f}" for t, v in sorted(per.items()))
-        if worst[1] > 1.02:
-            lines.append(f"Over the goal: {stage}: the hook that costs most there is on `{worst[0]}` "
-                         f"(pass with it / without it, all others on: {detail}).")
+        aa = next((r.get("aa_ratio") for r in results if f"{r['side']} {r['stage']}" == stage and r["n"] == top), None)
+        aa_text = f"; A/A control {aa:.3f}" if aa is not None else ""
+        if worst[1] > GOAL:
+            lines.append(f"Over the goal: {stage}: the hook on `{worst[0]}` costs it (pass with it / without "
+                         f"it, all others on: {detail}{aa_text}).")
         else:
-            lines.append(f"Over the goal: {stage}, but no hook accounts for it (pass with each hook / without "
-                         f"it, all others on: {detail}): the pairs' noise on this loaded machine.")
+            lines.append(f"Over the goal: {stage}, but no hook accounts for it: with each hook / without it, all "
+                         f"others on, {detail}{aa_text}, all within the goal: the pairs' noise on a loaded machine.")
     lines += [
         "",
         "| peer monitor (one heartbeat pass) | " + " | ".join(f"{p} peers" for p in PEERS) + " |",

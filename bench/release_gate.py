@@ -579,7 +579,7 @@ def run_hook_cost() -> str:
     fork's hooks and builds the real PD queues in process); returns its markdown."""
     out = subprocess.run(
         [sys.executable, "-m", "bench.hook_cost", "--markdown-only"], cwd=REPO_ROOT,
-        capture_output=True, text=True, timeout=600,
+        capture_output=True, text=True, timeout=1500,
     )
     if out.returncode != 0:
         raise RuntimeError(f"bench.hook_cost failed ({out.returncode}): {out.stderr[-2000:]}")
