@@ -163,22 +163,157 @@ def prepare(workdir: Path, python: str) -> Dict[str, object]:
     with zipfile.ZipFile(wheel) as zf:
         zf.extractall(site)
     standins = write_standins(workdir / "standins")
+    probe = write_probe_plugin(workdir / "probe-plugin", workdir / "probe")
     return {
         "wheel": wheel,
         "version": lock.version,
         "fork_version": lock.fork_version,
         "pythonpath": [str(site), str(standins)],
+        "probe": str(probe),
+        "probe_dir": str(workdir / "probe"),
     }
 
 
-def upstream_env(prepared: Dict[str, object]) -> Dict[str, str]:
+def upstream_env(prepared: Dict[str, object], probe: bool = True) -> Dict[str, str]:
+    """Stock upstream first on PYTHONPATH; no plugin but the bench's probe."""
     paths: List[str] = list(prepared["pythonpath"])  # type: ignore[arg-type]
-    return {**SHARED_ENV, "PYTHONPATH": ":".join(paths), "SGLANG_PLUGINS": NO_PLUGIN}
+    if probe:
+        paths.append(prepared["probe"])  # type: ignore[arg-type]
+    return {**SHARED_ENV, "PYTHONPATH": ":".join(paths), "SGLANG_PLUGINS": PROBE_PLUGIN if probe else NO_PLUGIN}
 
 
-def fork_env(prepared: Dict[str, object], standins: bool) -> Dict[str, str]:
+def fork_env(prepared: Dict[str, object], standins: bool, probe: bool = True) -> Dict[str, str]:
     """The fork comes from the interpreter's site-packages; with standins, the same
     import stand-ins as the baseline are on its PYTHONPATH too (the fork does not
-    need them, but then both sides see the same sgl_kernel/torchvision)."""
+    need them, but then both sides see the same sgl_kernel/torchvision); with probe,
+    the bench's probe plugin, as on the upstream side."""
     paths: List[str] = list(prepared["pythonpath"])[1:] if standins else []  # type: ignore[arg-type]
+    if probe:
+        paths.append(prepared["probe"])  # type: ignore[arg-type]
     return {**SHARED_ENV, "PYTHONPATH": ":".join(paths)}
+
+
+_SLOWDOWN_PLUGIN = '''"""Bench/test-only plugin (bench/baseline.py): a deliberately slower fork.
+
+Registered through the same `sglang.srt.plugins` entry point group as the fork's own
+plugin, it adds one BEFORE hook on DecodeTransferQueue.pop_transferred (a hook the
+fork already has, called once per decode scheduler loop) that busy-loops on the CPU.
+Never shipped: the bench writes it into a temporary folder on the fork side's
+PYTHONPATH when asked (`--inject-slowdown-us`)."""
+import time
+
+from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+BUSY_SECONDS = {seconds!r}
+
+
+def busy_loop(*args, **kwargs):
+    end = time.perf_counter() + BUSY_SECONDS
+    while time.perf_counter() < end:
+        pass
+
+
+def register():
+    HookRegistry.register(
+        "sglang.srt.disaggregation.decode.DecodeTransferQueue.pop_transferred", busy_loop, HookType.BEFORE
+    )
+'''
+
+
+def _write_plugin(folder: Path, module: str, source: str) -> Path:
+    """A one-module plugin distribution (dist-info with its `sglang.srt.plugins`
+    entry point `module = module:register`) under folder."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{module}.py").write_text(source)
+    info = folder / f"{module}-0.0.0.dist-info"
+    info.mkdir(exist_ok=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {module.replace('_', '-')}\nVersion: 0.0.0\n")
+    (info / "entry_points.txt").write_text(f"[sglang.srt.plugins]\n{module} = {module}:register\n")
+    (info / "RECORD").write_text("")
+    return folder
+
+
+def write_slowdown_plugin(folder: Path, busy_us: float) -> Path:
+    """A plugin distribution under folder that makes the fork's decode scheduler spend
+    `busy_us` µs of CPU per loop (test/bench only)."""
+    return _write_plugin(folder, "fork_bench_slowdown", _SLOWDOWN_PLUGIN.format(seconds=busy_us / 1e6))
+
+
+PROBE_PLUGIN = "fork_bench_probe"
+PACE_SECONDS = 0.001
+
+_PROBE = '''"""Bench-only plugin (bench/baseline.py), loaded by BOTH sides of the release gate
+(the same code on both, so whatever it costs, it costs both alike).
+
+1. Pacing. A PD scheduler with requests in its transfer queues but no batch to run
+   does not sleep: `Scheduler.on_idle` returns after `time.sleep(0)` and the loop
+   polls again at once, for as long as a transfer or the next request takes in wall
+   time. This AROUND hook on `on_idle` sleeps {pace_ms:g} ms after such a pass (not
+   when the server is fully idle: upstream's idle sleeper handles that).
+2. Pass accounting. A BEFORE hook on the method each scheduler loop calls once per
+   pass (decode: process_decode_queue; prefill: get_next_disagg_prefill_batch_to_run)
+   splits the scheduler thread's CPU time (time.thread_time) into passes that ran a
+   batch ("busy") and passes that found nothing to run ("idle": on_idle was called).
+   The totals are written to {out!r}/<pid>.json on every fully idle pass (about once
+   a second when the server has nothing to do), which the bench reads after a run.
+   Idle passes poll for as long as the wall clock makes them: the gate judges the
+   busy passes.
+"""
+import json
+import os
+import time
+
+from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+PACE = {pace!r}
+OUT = {out!r}
+_s = {{"mark": None, "idle": False, "busy_cpu": 0.0, "idle_cpu": 0.0, "busy_passes": 0, "idle_passes": 0}}
+
+
+def pass_boundary(*args, **kwargs):
+    now = time.thread_time()
+    if _s["mark"] is not None:
+        kind = "idle" if _s["idle"] else "busy"
+        _s[kind + "_cpu"] += now - _s["mark"]
+        _s[kind + "_passes"] += 1
+    _s["mark"] = now
+    _s["idle"] = False
+
+
+def _dump():
+    path = os.path.join(OUT, f"{{os.getpid()}}.json")
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump({{k: v for k, v in _s.items() if k not in ("mark", "idle")}} | {{"t": time.time()}}, f)
+    os.replace(tmp, path)
+
+
+def paced_on_idle(original, scheduler, *args, **kwargs):
+    _s["idle"] = True
+    result = original(scheduler, *args, **kwargs)
+    if scheduler.is_fully_idle():
+        _dump()
+    else:
+        time.sleep(PACE)
+    return result
+
+
+def register():
+    HookRegistry.register("sglang.srt.managers.scheduler.Scheduler.on_idle", paced_on_idle, HookType.AROUND)
+    HookRegistry.register(
+        "sglang.srt.disaggregation.decode.SchedulerDisaggregationDecodeMixin.process_decode_queue",
+        pass_boundary, HookType.BEFORE,
+    )
+    HookRegistry.register(
+        "sglang.srt.disaggregation.prefill.SchedulerDisaggregationPrefillMixin.get_next_disagg_prefill_batch_to_run",
+        pass_boundary, HookType.BEFORE,
+    )
+'''
+
+
+def write_probe_plugin(folder: Path, out_dir: Path, pace_s: float = PACE_SECONDS) -> Path:
+    """The pacing + pass-accounting plugin (both sides), writing its totals to out_dir."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return _write_plugin(
+        folder, PROBE_PLUGIN, _PROBE.format(pace=pace_s, pace_ms=pace_s * 1e3, out=str(out_dir))
+    )

@@ -154,10 +154,12 @@ def _expire(scheduler, stage: str, queue: Sequence[Any], side: str, keep=None) -
     deadline = configured()
     if not scan_due(stage, now, deadline):
         return
-    if keep is not None:
-        queue = [entry for entry in queue if keep(entry)]
     reqs = queue if side == "prefill" else [entry.req for entry in queue]
     for i, elapsed in overdue(stage, reqs, now, deadline):
+        # `keep` only for the overdue ones: upstream's is_aborted costs ~8 µs a request,
+        # which made a scan of 10k waiting requests 7x dearer than the other stages'.
+        if keep is not None and not keep(queue[i]):
+            continue
         req = reqs[i]
         endpoint = req.disagg_kv_sender if side == "prefill" else queue[i].kv_receiver
         if endpoint is None:
