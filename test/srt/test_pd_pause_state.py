@@ -146,7 +146,7 @@ def test_unknown_mode_and_concurrent_call_are_rejected():
 
 
 def test_pause_gate_opens_only_for_aborted_requests():
-    tm = SimpleNamespace(is_pause=True, rid_to_state={})
+    tm = SimpleNamespace(is_pause=True, rid_to_state={}, disaggregation_mode="null")  # not decode: nobody to tell
     waiting = {"a": SimpleNamespace(), "b": SimpleNamespace()}
     tm.rid_to_state.update(waiting)
     assert not pd_pause_gate.gate_open(tm, waiting)
