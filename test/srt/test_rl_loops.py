@@ -311,41 +311,45 @@ def test_partial_rollout_abort_pause_with_12_clients(cluster, checkpoints, refer
 def test_release_during_in_place_pause_ends_queued_requests_as_aborts(cluster, reference):
     """Release during an in_place/retract pause ends what sits in the PD queues with
     upstream's abort answer (200, finish_reason "abort", a message naming the
-    release); what runs is retracted and completes after continue."""
+    release); what runs is retracted and completes after continue. Decode is frozen
+    while the requests arrive, so their prefill copies are certainly waiting in
+    prefill's bootstrap queue (no handshake can come) when prefill is paused."""
     baseline = assert_idle(cluster, PD_ROLES)
     loaded = _loaded(cluster, reference)
-    texts = prompts(24)
-    seen_release_abort = 0
-    for attempt, mode in enumerate(("in_place", "retract", "in_place", "retract")):
+    texts = prompts(8)
+    prefill, decode = cluster["prefill"], cluster["decode"]
+    for mode in ("in_place", "retract"):
         out = {}
 
         def run():
             out["r"] = generate_concurrently(cluster.url, texts, max_new_tokens=64,
                                              timeout=REQUEST_DEADLINE_S)
 
-        t = threading.Thread(target=run, daemon=True)
-        t.start()
-        wait_until(lambda: any(held(cluster.resources(r)).get(k, 0)
-                               for r in PD_ROLES
-                               for k in ("queue.prefill_bootstrap", "queue.decode_prealloc",
-                                         "queue.decode_transfer", "queue.prefill_inflight",
-                                         "queue.waiting")),
-                   30, "requests in a PD queue")
-        on_both(cluster, "pause_generation", {"mode": mode})
+        decode.freeze()
+        try:
+            t = threading.Thread(target=run, daemon=True)
+            t.start()
+            wait_until(lambda: held(prefill.resources()).get("queue.prefill_bootstrap", 0) == len(texts),
+                       30, "every prefill copy in prefill's bootstrap queue")
+            status, reply, _ = call(cluster, "prefill", "pause_generation", {"mode": mode})
+            assert status == 200, (mode, status, reply)
+        finally:
+            decode.resume()
+        status, reply, _ = call(cluster, "decode", "pause_generation", {"mode": mode})
+        assert status == 200, (mode, status, reply)
         on_both(cluster, "release_memory_occupation", {})
         on_both(cluster, "resume_memory_occupation", {})
         on_both(cluster, "continue_generation", {})
         t.join(REQUEST_DEADLINE_S)
         assert not t.is_alive(), "requests unanswered"
+        aborted = 0
         for r in out["r"]:
             assert r["status"] == 200, r
             reason = r["meta"]["finish_reason"]
             if reason["type"] == "abort":
                 assert reason.get("status_code") is None, r
                 assert "engine memory released" in reason["message"], r
-                seen_release_abort += 1
+                aborted += 1
+        assert aborted == len(texts), (mode, [r["meta"]["finish_reason"] for r in out["r"]])
         assert_idle(cluster, PD_ROLES, baseline=baseline)
-        if seen_release_abort:
-            break
-    assert seen_release_abort, "no request was in a PD queue at the release in 4 tries"
     rollout(cluster, reference, loaded)

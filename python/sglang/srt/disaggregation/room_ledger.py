@@ -18,6 +18,7 @@ import queue
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
+from http import HTTPStatus
 from typing import Any, Dict, List, Optional, Tuple
 
 logger = logging.getLogger(__name__)
@@ -114,15 +115,18 @@ DEADLINE_EXPIRED = "fork_transfer_deadline_message"  # transfer_deadline: its me
 #  - the failure itself: its message; status 504 / 503 / 502 if the reason names a
 #    deadline (504), a lost peer (502) or a release (the abort answer: the peer's
 #    reason crossed the wire), else the caller's (500).
+# Statuses are HTTPStatus members, never plain ints: upstream's OpenAI streaming path
+# treats an abort as an error event only when isinstance(status_code, HTTPStatus); a
+# plain 504 there ends the stream as a graceful abort.
 VERDICT_TABLE = (
-    ("deadline", 504),
+    ("deadline", HTTPStatus.GATEWAY_TIMEOUT),
     ("pause", None),
     ("requested_abort", None),
     ("peer_abort", None),
     ("failure", None),
 )
 # Reasons that, carried in a message, set the status of the row that kept it.
-MESSAGE_STATUS = (("deadline_tag", 504), ("release", None))
+MESSAGE_STATUS = (("deadline_tag", HTTPStatus.GATEWAY_TIMEOUT), ("release", None))
 
 
 def _markers():
@@ -164,7 +168,7 @@ def verdict(req: Any, error_message: str, status_code: Any) -> Tuple[str, Any]:
         else:
             message = error_message
             if any(t in text for t in markers["peer_lost"]):
-                status = 502
+                status = HTTPStatus.BAD_GATEWAY
             else:
                 status = status_code
         for name, by_message in MESSAGE_STATUS:
