@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import socket
 import time
 import traceback
 from multiprocessing.connection import Connection
@@ -42,9 +41,10 @@ CHILD_ENV = {
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port reserved for this process, outside the ephemeral range (pd_cluster.free_ports)."""
+    from testing.pd_cluster import free_ports
+
+    return free_ports(1)[0]
 
 
 class _Worker:

@@ -30,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
-import socket
 from array import array
 from collections import Counter
 from types import SimpleNamespace
@@ -91,9 +90,10 @@ def poll_name(state: Optional[int]) -> str:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port reserved for this process, outside the ephemeral range (pd_cluster.free_ports)."""
+    from testing.pd_cluster import free_ports
+
+    return free_ports(1)[0]
 
 
 # ---------------------------------------------------------------------------
