@@ -13,7 +13,7 @@ demo: venv
 	$(VPY) -m testing.demo
 
 test: venv
-	$(VPY) -m pytest -ra --timeout=1200 test/srt
+	$(VPY) -m pytest -ra --durations=25 --timeout=1200 test/srt
 
 # Release gate: the fork vs stock upstream on CPU, judged on CPU time, then the cost of
 # each hook in process (~8 min on the shared box; not part of `make test`).
