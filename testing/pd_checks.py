@@ -237,3 +237,102 @@ def pair_fixture(scope: str = "module", prepare: Optional[Callable[[Any], None]]
             yield p
 
     return pair
+
+
+# ----------------------------------------------------------------------------- skewed pause windows
+
+
+def is_completion_or_abort_answer(r: Mapping[str, Any]) -> bool:
+    """What an RL client may get from a pause cycle (pd_cluster.generate's result): a
+    completion, or upstream's abort answer (HTTP 200, finish_reason abort)."""
+    return r["status"] == 200 and r["meta"]["finish_reason"]["type"] in ("length", "stop", "abort")
+
+
+def bootstrap_queue(prefill) -> int:
+    return prefill.resources()["queues"]["prefill_bootstrap"]
+
+
+def skewed_abort_pause_cycles(prefill, decode, url: str, cycles: int, clients: int,
+                              unanswered_s: float = 10.0, emptied_s: float = 1.5) -> list:
+    """Hole 1 of issue 13, driven `cycles` times under `clients` closed-loop clients
+    sending to `url` (a balancer in front of `prefill` and `decode`): both servers
+    paused in abort mode, released, resumed; prefill continued *before* decode, so new
+    requests reach prefill and wait there for decode's handshake while decode's copies
+    wait at its pause gate; then decode aborts them there (`abort_all`, what a client or
+    gateway giving up does) and continues.
+
+    Asserts per cycle: prefill's bootstrap queue empties within `emptied_s` of decode's
+    end, no request open longer than `unanswered_s`. Returns every answer (generate()'s
+    dicts with `latency_s`); the caller asserts what they must be."""
+    from testing.pd_cluster import generate
+
+    def call(server, endpoint, body=None):
+        status, reply = http_post_json(f"{server.url}/{endpoint}", body or {}, timeout=60)
+        assert status == 200, (server.role, endpoint, status, reply)
+
+    halt, go = threading.Event(), threading.Event()
+    go.set()
+    results, lock = [], threading.Lock()
+    open_since: dict = {}
+
+    def client(k):
+        i = 0
+        while not halt.is_set():
+            go.wait()
+            if halt.is_set():
+                return
+            rid = f"skew-{k}-{i}-{time.monotonic_ns()}"
+            with lock:
+                open_since[rid] = time.monotonic()
+            r = generate(url, f"closed loop {k} {i}: hello world", max_new_tokens=16, timeout=120, rid=rid)
+            with lock:
+                r["latency_s"] = time.monotonic() - open_since.pop(rid)
+                results.append(r)
+            i += 1
+
+    threads = [threading.Thread(target=client, args=(k,), daemon=True) for k in range(clients)]
+    for t in threads:
+        t.start()
+    try:
+        for cycle in range(cycles):
+            served = len(results)
+            wait_until(lambda: len(results) >= served + 2, 60, f"traffic before cycle {cycle}")
+            call(prefill, "pause_generation", {"mode": "abort"})
+            call(decode, "pause_generation", {"mode": "abort"})
+            call(prefill, "release_memory_occupation")
+            call(decode, "release_memory_occupation")
+            call(prefill, "resume_memory_occupation")
+            call(decode, "resume_memory_occupation")
+            call(prefill, "continue_generation")
+            wait_until(lambda: bootstrap_queue(prefill) > 0, 30, f"prefill copies waiting (cycle {cycle})")
+            # no new request from here to decode's continue: the ones open now are
+            # exactly the copies prefill holds for decode (pacing, not a sleep)
+            go.clear()
+
+            def all_open_at_prefill():
+                with lock:
+                    n_open = len(open_since)
+                return n_open > 0 and bootstrap_queue(prefill) == n_open
+
+            wait_until(all_open_at_prefill, 30, f"every open request waiting at prefill (cycle {cycle})")
+            t_end = time.monotonic()
+            call(decode, "abort_request", {"abort_all": True})
+            wait_until(lambda: bootstrap_queue(prefill) == 0, 5, f"prefill's bootstrap queue to empty (cycle {cycle})",
+                       interval=0.05, on_timeout=lambda: str(prefill.resources()["queues"]))
+            emptied = time.monotonic() - t_end
+            assert emptied <= emptied_s, (cycle, emptied)
+            call(decode, "continue_generation")
+            go.set()
+            with lock:
+                stuck = [rid for rid, t0 in open_since.items() if time.monotonic() - t0 > unanswered_s]
+            assert not stuck, f"unanswered after {unanswered_s}s: {stuck}"
+    finally:
+        halt.set()
+        go.set()
+        for t in threads:
+            t.join(unanswered_s + 30)
+        for server in (prefill, decode):  # never leave a shared deployment paused
+            http_post_json(f"{server.url}/continue_generation", {}, timeout=60)
+    assert not [t for t in threads if t.is_alive()], "a request hangs"
+    assert max(r["latency_s"] for r in results) <= unanswered_s, sorted(r["latency_s"] for r in results)[-5:]
+    return results

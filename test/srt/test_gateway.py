@@ -261,3 +261,38 @@ def test_rl_pause_cycles_never_open_a_circuit(gateway_deployment, tiny_model):
     assert cb_states(cluster) == {"prefill": 0.0, "decode": 0.0}
     # What is left held: nothing.
     assert_idle(cluster, PD_ROLES)
+
+
+SKEW_CYCLES = 3
+SKEW_CLIENTS = 6
+
+
+def test_skewed_pause_windows_through_the_gateway_leave_nothing_waiting(gateway_deployment):
+    """Issue 13's hole 1 behind the Rust gateway: abort-mode pause cycles in which
+    prefill is continued before decode and decode then aborts the requests held at its
+    gate. Prefill's copies end within a second of decode's end, nothing is unanswered
+    after 10 s, every answer is a completion or upstream's abort answer, and the gateway
+    counts no failure against either engine."""
+    from testing.pd_checks import is_completion_or_abort_answer, skewed_abort_pause_cycles
+
+    cluster, _, _ = gateway_deployment
+    baseline = assert_idle(cluster, PD_ROLES)
+    opened = {role: cb_transitions_to_open(cluster, role) for role in PD_ROLES}
+    metrics = cluster.router_metrics()
+
+    def failures(m, role):
+        return m.get(f'smg_worker_cb_outcomes_total{{worker="{cluster[role].url}",outcome="failure"}}', 0.0)
+
+    failures_before = {role: failures(metrics, role) for role in PD_ROLES}
+    results = skewed_abort_pause_cycles(cluster["prefill"], cluster["decode"], cluster.url,
+                                        SKEW_CYCLES, SKEW_CLIENTS)
+    wrong = [(r["status"], str(r["error"])[:150]) for r in results if not is_completion_or_abort_answer(r)]
+    assert not wrong, wrong
+    finishes = Counter(r["meta"]["finish_reason"]["type"] for r in results)
+    assert finishes["abort"] >= SKEW_CYCLES and sum(finishes.values()) - finishes["abort"] >= SKEW_CYCLES, finishes
+    metrics = cluster.router_metrics()
+    for role in PD_ROLES:
+        assert failures(metrics, role) == failures_before[role], role
+        assert cb_transitions_to_open(cluster, role) == opened[role], role
+    assert cb_states(cluster) == {"prefill": 0.0, "decode": 0.0}
+    assert_idle(cluster, PD_ROLES, baseline)

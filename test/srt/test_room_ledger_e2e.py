@@ -22,6 +22,7 @@ import time
 import pytest
 
 from conftest import assert_idle
+from testing.pd_checks import is_completion_or_abort_answer, skewed_abort_pause_cycles
 from testing.pd_cluster import (
     HOST,
     PDCluster,
@@ -187,12 +188,9 @@ def _bootstrap_queue(server) -> int:
 
 
 def _gate_or_abort_answer(r) -> bool:
-    """What decode's pause gate answers an aborted request: today 499 naming the pause;
-    upstream's abort answer (200, finish_reason abort) once issue 14 changes it. The
-    load balancer may relay either."""
-    if r["status"] == 200:
-        return r["meta"]["finish_reason"]["type"] == "abort"
-    return r["status"] == 499 and "while the engine was paused" in str(r["error"])
+    """What decode's pause gate answers an aborted request, relayed by the load
+    balancer: upstream's abort answer (200, finish_reason abort; issue 14)."""
+    return r["status"] == 200 and r["meta"]["finish_reason"]["type"] == "abort"
 
 
 class Client(threading.Thread):
@@ -257,81 +255,16 @@ UNANSWERED_S = 10.0
 def test_skewed_abort_pause_cycles_leave_nothing_waiting(cluster):
     """The issue's soak, bounded: abort-mode pause cycles where prefill is paused and
     continued before decode, under closed-loop traffic through the load balancer (the
-    mini LB). No request is unanswered after 10 s; after each cycle prefill's
-    bootstrap queue empties within a second of decode's end."""
+    mini LB; the Rust gateway: test_gateway.py). No request is unanswered after 10 s;
+    after each cycle prefill's bootstrap queue empties within a second of decode's end;
+    every answer is a completion or upstream's abort answer."""
     prefill, decode = cluster["prefill"], cluster["decode"]
     warm = generate(cluster.url, "warm up", max_new_tokens=4)
     assert warm["status"] == 200, warm
     baseline = assert_idle(cluster, PD_ROLES)
-    halt, go = threading.Event(), threading.Event()
-    go.set()
-    results, lock = [], threading.Lock()
-    open_since: dict = {}
-
-    def client(k):
-        i = 0
-        while not halt.is_set():
-            go.wait()
-            if halt.is_set():
-                return
-            rid = f"skew-{k}-{i}-{random.getrandbits(32)}"
-            with lock:
-                open_since[rid] = time.monotonic()
-            r = generate(cluster.url, f"closed loop {k} {i}: hello world", max_new_tokens=16, timeout=120, rid=rid)
-            with lock:
-                r["latency_s"] = time.monotonic() - open_since.pop(rid)
-                results.append(r)
-            i += 1
-
-    threads = [threading.Thread(target=client, args=(k,), daemon=True) for k in range(SKEW_CLIENTS)]
-    for t in threads:
-        t.start()
-    try:
-        for cycle in range(SKEW_CYCLES):
-            served = len(results)
-            wait_until(lambda: len(results) >= served + 2, 60, f"traffic before cycle {cycle}")
-            _call(prefill, "pause_generation", {"mode": "abort"})
-            _call(decode, "pause_generation", {"mode": "abort"})
-            _call(prefill, "release_memory_occupation")
-            _call(decode, "release_memory_occupation")
-            _call(prefill, "resume_memory_occupation")
-            _call(decode, "resume_memory_occupation")
-            _call(prefill, "continue_generation")
-            # prefill serves again; decode still paused: new requests reach both,
-            # decode's copies wait at its gate. Abort them there (what the client or
-            # the gateway does when it gives up); prefill must end its copies at once.
-            wait_until(lambda: _bootstrap_queue(prefill) > 0, 30, f"prefill copies waiting (cycle {cycle})")
-            # no new request from here to decode's continue: the ones open now are
-            # exactly the copies prefill holds for decode (pacing, not a sleep)
-            go.clear()
-
-            def all_open_at_prefill():
-                with lock:
-                    n_open = len(open_since)
-                return n_open > 0 and _bootstrap_queue(prefill) == n_open
-
-            wait_until(all_open_at_prefill, 30, f"every open request waiting at prefill (cycle {cycle})")
-            t_end = time.monotonic()
-            _call(decode, "abort_request", {"abort_all": True})
-            wait_until(lambda: _bootstrap_queue(prefill) == 0, 5, f"prefill's bootstrap queue to empty (cycle {cycle})",
-                       interval=0.05, on_timeout=lambda: str(prefill.resources()["queues"]))
-            emptied = time.monotonic() - t_end
-            assert emptied <= 1.5, (cycle, emptied)
-            _call(decode, "continue_generation")
-            go.set()
-            with lock:
-                stuck = [rid for rid, t0 in open_since.items() if time.monotonic() - t0 > UNANSWERED_S]
-            assert not stuck, f"unanswered after {UNANSWERED_S}s: {stuck}"
-    finally:
-        halt.set()
-        go.set()
-        for t in threads:
-            t.join(UNANSWERED_S + 30)
-        for role in PD_ROLES:  # never leave the module's cluster paused
-            http_post_json(f"{cluster[role].url}/continue_generation", {}, timeout=60)
-    assert not [t for t in threads if t.is_alive()], "a request hangs"
-    assert max(r["latency_s"] for r in results) <= UNANSWERED_S, sorted(r["latency_s"] for r in results)[-5:]
-    for r in results:
-        assert r["status"] == 200 or _gate_or_abort_answer(r) or r["status"] in (499, 500, 503), r
-    assert sum(r["status"] == 200 and r["meta"]["finish_reason"]["type"] != "abort" for r in results) >= SKEW_CYCLES
+    results = skewed_abort_pause_cycles(prefill, decode, cluster.url, SKEW_CYCLES, SKEW_CLIENTS, UNANSWERED_S)
+    wrong = [(r["status"], r["error"]) for r in results if not is_completion_or_abort_answer(r)]
+    assert not wrong, wrong
+    assert sum(r["meta"]["finish_reason"]["type"] != "abort" for r in results) >= SKEW_CYCLES
+    assert sum(r["meta"]["finish_reason"]["type"] == "abort" for r in results) >= SKEW_CYCLES  # the gate's ends
     assert_idle(cluster, PD_ROLES, baseline)
