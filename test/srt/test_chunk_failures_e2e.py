@@ -147,7 +147,9 @@ def test_failed_write_to_a_frozen_decode_takes_its_session_out_until_it_answers(
     """A real failed write (the transfer worker's own failure path, not a stand-in
     nomination) to a frozen decode: the request ends 500 naming the write on both
     sides, the session is probed, gets no answer and is blacklisted; once decode runs
-    again the probe loop lifts it and requests flow again."""
+    again the probe loop lifts it and requests flow again, the first one included
+    (mooncake drops its connections to the frozen peer and fails the first transfer to
+    it after that: the probe's read must take that failure, not a request)."""
     cluster, _ = deployment
     prefill, decode = cluster["prefill"], cluster["decode"]
     baseline = assert_idle(cluster, PD_ROLES)
