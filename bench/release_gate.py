@@ -48,6 +48,7 @@ from typing import Dict, List, Optional, Sequence
 import psutil
 
 from bench import baseline
+from bench.readme_block import write_block
 from testing.pd_cluster import (
     PDCluster,
     Server,
@@ -563,15 +564,7 @@ def per_round(fork_runs: List[Dict[str, float]], up_runs: List[Dict[str, float]]
 
 
 def write_readme(block: str, begin: str = README_BEGIN, end: str = README_END, heading: str = "## Release gate") -> None:
-    text = README.read_text()
-    new = f"{begin}\n{block}\n{end}"
-    if begin in text and end in text:
-        head, rest = text.split(begin, 1)
-        _, tail = rest.split(end, 1)
-        text = head + new + tail
-    else:
-        text = text.rstrip("\n") + f"\n\n{heading}\n" + new + "\n"
-    README.write_text(text)
+    write_block(README, begin, end, block, heading)
 
 
 def run_hook_cost() -> str:

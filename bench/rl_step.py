@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Dict, List, Sequence, Tuple
 
 from bench import baseline
+from bench.readme_block import write_block
 from bench.release_gate import loadavg, machine
 from testing.pd_cluster import (
     PDCluster,
@@ -141,12 +142,7 @@ def table(results: Dict[Tuple[str, int], Dict[str, str]], inflight: Sequence[int
 
 
 def write_readme(block: str) -> None:
-    text = README.read_text()
-    if README_BEGIN not in text:
-        raise RuntimeError(f"README has no {README_BEGIN!r} marker")
-    head, rest = text.split(README_BEGIN, 1)
-    _, tail = rest.split(README_END, 1)
-    README.write_text(head + README_BEGIN + "\n" + block + "\n" + README_END + tail)
+    write_block(README, README_BEGIN, README_END, block)
 
 
 def main(argv=None) -> int:

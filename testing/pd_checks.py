@@ -1,6 +1,7 @@
 """What the fork's tests assert, written once: nothing held (a server's resource report
 back to its baseline), a client abort's answer, a leg of a PD request sent by the test
-itself, the end-cause counter by role/cause/stage, and a mooncake pair back to idle.
+itself, a control call on one or both servers, closed-loop clients, the end-cause
+counter by role/cause/stage, and a mooncake pair back to idle.
 
 Used by test/srt (conftest re-exports the idleness helpers under their old names).
 """
@@ -9,9 +10,11 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
-from testing.pd_cluster import HOST, http_post_json, wait_until
+from testing.pd_cluster import HOST, generate, http_post_json, prompts, wait_until
 
 IDLE_TIMEOUT = 60.0
 END_CAUSES = "sglang:num_pd_request_end_causes_total"
@@ -155,6 +158,94 @@ def start_legs(url: str, bodies) -> list:
     for leg in legs:
         leg.start()
     return legs
+
+
+# ----------------------------------------------------------------------------- control calls
+
+PD_ROLES = ("prefill", "decode")
+
+
+def post(server, endpoint: str, body=None, timeout: float = 60.0) -> Tuple[int, Any, float]:
+    """POST /endpoint (a control call: pause, release, update...) on one server:
+    (status, reply, seconds it took)."""
+    t0 = time.monotonic()
+    status, reply = http_post_json(f"{server.url}/{endpoint}", body if body is not None else {}, timeout=timeout)
+    return status, reply, time.monotonic() - t0
+
+
+def call(cluster, role: str, endpoint: str, body=None, timeout: float = 60.0) -> Tuple[int, Any, float]:
+    """`post` on the cluster's server of that role."""
+    return post(cluster[role], endpoint, body, timeout)
+
+
+def on_both(cluster, endpoint: str, body=None, log: Optional[list] = None, timeout: float = 60.0,
+            at_once: bool = True) -> Dict[str, Tuple[int, Any, float]]:
+    """The call on prefill and decode, at once (as a framework's ray.get over engines)
+    or one after the other (`at_once=False`); each must answer 200. `log` gets
+    (role, endpoint, status, seconds) per call."""
+    def one(role):
+        return call(cluster, role, endpoint, body, timeout)
+
+    if at_once:
+        with ThreadPoolExecutor(len(PD_ROLES)) as pool:
+            results = dict(zip(PD_ROLES, pool.map(one, PD_ROLES)))
+        checked = results.items()
+    else:
+        results = {}
+
+        def checked_in_turn():
+            for role in PD_ROLES:
+                results[role] = one(role)
+                yield role, results[role]
+
+        checked = checked_in_turn()
+    for role, (status, reply, took) in checked:
+        if log is not None:
+            log.append((role, endpoint, status, round(took, 2)))
+        assert status == 200, (role, endpoint, body, status, reply)
+    return results
+
+
+# ----------------------------------------------------------------------------- closed-loop clients
+
+
+class ClosedLoop:
+    """n clients, each sending its next greedy request as soon as the last one is
+    answered, until stop(); every answer is recorded (status, latency, finish type)."""
+
+    def __init__(self, url: str, n: int, max_new_tokens: int = 24, timeout: float = 120.0):
+        self.url, self.n, self.max_new_tokens, self.timeout = url, n, max_new_tokens, timeout
+        self.results = []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(n)]
+
+    def _run(self, i: int) -> None:
+        texts = prompts(64)
+        k = 0
+        while not self._stop.is_set() and k < 10_000:
+            r = generate(self.url, texts[(i * 7 + k) % len(texts)], self.max_new_tokens,
+                         timeout=self.timeout)
+            r["finish"] = (r["meta"] or {}).get("finish_reason", {}).get("type") if r["meta"] else None
+            r["t"] = time.monotonic()
+            self.results.append(r)
+            k += 1
+
+    def start(self) -> "ClosedLoop":
+        for t in self._threads:
+            t.start()
+        return self
+
+    def completed(self) -> int:
+        return sum(r["status"] == 200 and r["finish"] == "length" for r in self.results)
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(self.timeout + 10)
+        assert not any(t.is_alive() for t in self._threads), "a client is still waiting"
+
+    def summary(self) -> Counter:
+        return Counter((r["status"], r["finish"] or str(r["error"])[:90]) for r in self.results)
 
 
 # ----------------------------------------------------------------------------- counters

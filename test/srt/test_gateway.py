@@ -9,15 +9,13 @@ the deployment is idle.
 
 from __future__ import annotations
 
-import threading
 import time
-from collections import Counter
 
 import pytest
 
 from conftest import assert_idle, held
+from testing.pd_checks import ClosedLoop
 from testing.pd_cluster import (
-    generate,
     generate_concurrently,
     http_post_json,
     metric_sum,
@@ -37,45 +35,6 @@ BURST_DEADLINE_S = 90.0  # generous for a loaded 2-core machine (measured: 2-12 
 # the engines (the gateway's 5 attempts, each ended by the engines within seconds).
 ANSWER_BOUND_S = 30.0
 SERVING_AFTER_REGISTRATION_S = 15.0
-
-
-class ClosedLoop:
-    """n clients, each sending its next greedy request as soon as the last one is
-    answered, until stop(); every answer is recorded (status, latency, finish type)."""
-
-    def __init__(self, url: str, n: int, max_new_tokens: int = 24, timeout: float = 120.0):
-        self.url, self.n, self.max_new_tokens, self.timeout = url, n, max_new_tokens, timeout
-        self.results = []
-        self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(n)]
-
-    def _run(self, i: int) -> None:
-        texts = prompts(64)
-        k = 0
-        while not self._stop.is_set() and k < 10_000:
-            r = generate(self.url, texts[(i * 7 + k) % len(texts)], self.max_new_tokens,
-                         timeout=self.timeout)
-            r["finish"] = (r["meta"] or {}).get("finish_reason", {}).get("type") if r["meta"] else None
-            r["t"] = time.monotonic()
-            self.results.append(r)
-            k += 1
-
-    def start(self) -> "ClosedLoop":
-        for t in self._threads:
-            t.start()
-        return self
-
-    def completed(self) -> int:
-        return sum(r["status"] == 200 and r["finish"] == "length" for r in self.results)
-
-    def stop(self) -> None:
-        self._stop.set()
-        for t in self._threads:
-            t.join(self.timeout + 10)
-        assert not any(t.is_alive() for t in self._threads), "a client is still waiting"
-
-    def summary(self) -> Counter:
-        return Counter((r["status"], r["finish"] or str(r["error"])[:90]) for r in self.results)
 
 
 def cb_transitions_to_open(cluster, role: str) -> float:

@@ -10,15 +10,16 @@ from __future__ import annotations
 import os
 import threading
 import time
+from functools import partial
 
 import pytest
 
 from conftest import assert_idle, held
+from testing.pd_checks import call, on_both
 from testing.pd_cluster import (
     PDCluster,
     generate,
     generate_concurrently,
-    http_post_json,
     prompts,
     start_all,
     wait_until,
@@ -65,14 +66,8 @@ def control(cluster):
     return {t: r["output_ids"] for t, r in zip(texts, out)}
 
 
-def call(cluster, role: str, endpoint: str, body=None):
-    return http_post_json(f"{cluster[role].url}/{endpoint}", body or {}, timeout=60)
-
-
-def both(cluster, endpoint: str, body=None):
-    for role in PD_ROLES:
-        status, reply = call(cluster, role, endpoint, body)
-        assert status == 200, (role, endpoint, status, reply)
+# control calls: `call` gives (status, reply, seconds); `both` calls prefill then decode
+both = partial(on_both, at_once=False)
 
 
 def pause_report(cluster, role):
@@ -184,7 +179,7 @@ def test_calls_upstream_cannot_survive_get_409_naming_the_state(cluster, control
     for role in PD_ROLES:
         def rejected(endpoint, body, state):
             before = pause_report(cluster, role)
-            status, reply = call(cluster, role, endpoint, body)
+            status, reply, _ = call(cluster, role, endpoint, body)
             assert status == 409, (role, endpoint, status, reply)
             assert f"engine state is '{state}'" in str(reply), reply
             assert pause_report(cluster, role) == before, (role, endpoint)
@@ -192,7 +187,7 @@ def test_calls_upstream_cannot_survive_get_409_naming_the_state(cluster, control
         def unknown_mode(state):
             # rejected by request validation (400) before any handler: names the state
             before = pause_report(cluster, role)
-            status, reply = call(cluster, role, "pause_generation", {"mode": "sideways"})
+            status, reply, _ = call(cluster, role, "pause_generation", {"mode": "sideways"})
             assert status == 400, (role, state, status, reply)
             message = reply.get("message", "") if isinstance(reply, dict) else str(reply)
             assert f"engine state is '{state}'" in message and "mode" in message, reply

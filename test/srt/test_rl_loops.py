@@ -18,11 +18,12 @@ from __future__ import annotations
 import json
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import pytest
 
 from conftest import TINY_MODEL_DIR, assert_idle, held
+from testing import pd_checks
 from testing.pd_cluster import (
     PDCluster,
     SingleServer,
@@ -96,22 +97,9 @@ def reference(pd_deployment, checkpoints):
     return ref
 
 
-def call(cluster, role, endpoint, body=None):
-    t0 = time.monotonic()
-    status, reply = http_post_json(f"{cluster[role].url}/{endpoint}", body if body is not None else {},
-                                   timeout=CALL_TIMEOUT_S)
-    return status, reply, time.monotonic() - t0
-
-
-def on_both(cluster, endpoint, body=None, log=None):
-    """The call on both servers at once (as a framework's ray.get over engines)."""
-    with ThreadPoolExecutor(len(PD_ROLES)) as pool:
-        results = dict(zip(PD_ROLES, pool.map(lambda r: call(cluster, r, endpoint, body), PD_ROLES)))
-    for role, (status, reply, took) in results.items():
-        if log is not None:
-            log.append((role, endpoint, status, round(took, 2)))
-        assert status == 200, (role, endpoint, body, status, reply)
-    return results
+# the control calls, with the time a framework gives them
+call = partial(pd_checks.call, timeout=CALL_TIMEOUT_S)
+on_both = partial(pd_checks.on_both, timeout=CALL_TIMEOUT_S)
 
 
 def flush_until_ok(cluster, role, attempts=60):

@@ -22,7 +22,7 @@ import time
 import pytest
 
 from conftest import assert_idle
-from testing.pd_checks import cluster_end_causes, delta, is_completion_or_abort_answer, skewed_abort_pause_cycles
+from testing.pd_checks import cluster_end_causes, delta, is_completion_or_abort_answer, post, skewed_abort_pause_cycles
 from testing.pd_cluster import (
     HOST,
     PDCluster,
@@ -178,7 +178,7 @@ def test_prefill_killed_while_decode_awaits_drain_acks(cluster):
 
 
 def _call(server, endpoint: str, body=None):
-    status, reply = http_post_json(f"{server.url}/{endpoint}", body or {}, timeout=60)
+    status, reply, _ = post(server, endpoint, body)
     assert status == 200, (server.role, endpoint, status, reply)
     return reply
 

@@ -5,7 +5,8 @@ extra-state chunk fails, prefill marks the room Failed and tells decode (the tra
 worker's `conclude_failure`, which also speaks for a room already Failed locally);
 decode then ends the request with a 5xx naming the failure and frees its KV. The peer's
 session is taken out only once a probe shows it dead (`SessionBlacklist`), and the
-upstream probe loop brings it back when it answers again.
+upstream probe loop brings it back when it answers again -- a probe here being an answer
+to mooncake's probe and a completed read of the peer's memory (`probe_session`).
 
 Who calls: the mooncake transfer worker passes every write's return code through
 `checked()` and concludes a failed write through `conclude_failure` /
@@ -17,9 +18,12 @@ attribute read per write.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import functools
 import logging
 import threading
+import time
 from typing import Any, Dict, List, Optional, Set, Tuple
 
 from sglang.srt.disaggregation.base import KVPoll
@@ -223,8 +227,60 @@ def _expire_poison_later(mgr: Any, room: int) -> None:
 
 
 # ---------------------------------------------------------------------------
-# Session blacklist: only a peer shown dead is taken out
+# Session blacklist: only a peer shown dead is taken out, and it is let back in
+# only once a transfer to it completes
 # ---------------------------------------------------------------------------
+
+# mooncake's TCP transport drops its connections to a peer whose transfer made no
+# progress for 30 s (MC_TCP_PROGRESS_TIMEOUT_SEC: a frozen or stalled decode). The first
+# transfer submitted to that peer afterwards fails at once, without a connect attempt
+# (the dropped connections count as tried in the transport's current connect round, so
+# it fails the queued work and starts its 1 s reconnect cooldown); the next one, after
+# the cooldown, reconnects. A probe (mooncake's handshake port, not the data path) does
+# not see this: a session let back in on a probe alone lost its first request to it.
+RECONNECT_COOLDOWN_S = 1.0  # mooncake's kReconnectRoundCooldown
+READ_ATTEMPTS = 2
+READ_BYTES = 8
+
+
+def probe_session(mgr: Any, send_probe: Any, session_id: str) -> int:
+    """The manager's `_send_probe` (used by upstream's failed-session probe loop and by
+    `SessionBlacklist`): 0 only when the peer answers mooncake's probe and then a read
+    of READ_BYTES of its registered KV memory completes -- a READ, nothing of the
+    peer's changes -- within READ_ATTEMPTS tries a reconnect cooldown apart. The read
+    goes through the transport's data connections, so a session let back in has them
+    open again; a first read that fails is the one the transport fails after dropping
+    its connections. A peer with no registration to read answers on the probe alone."""
+    rc = send_probe(session_id)
+    if rc != 0:
+        return rc
+    with mgr.session_lock:
+        info = mgr.decode_kv_args_table.get(session_id)
+    peer_ptrs = [p for p in (getattr(info, "dst_kv_ptrs", None) or []) if p]
+    scratch = getattr(mgr, "fork_probe_scratch", None)
+    if not peer_ptrs or scratch is None:
+        return rc
+    engine = getattr(mgr.engine, "engine", mgr.engine)
+    for attempt in range(READ_ATTEMPTS):
+        if attempt:
+            time.sleep(RECONNECT_COOLDOWN_S + 0.2)  # the transport's cooldown, then a new round
+        rc = engine.transfer_sync_read(session_id, ctypes.addressof(scratch), peer_ptrs[0], READ_BYTES)
+        if rc == 0:
+            if attempt:
+                logger.warning("Session %s: a read failed once after it answered a probe (its data connections "
+                               "had been dropped); the next one completed", session_id)
+            return 0
+    logger.warning("Session %s answers a probe but a read of its memory fails (rc=%s)", session_id, rc)
+    return rc
+
+
+def _install_probe(mgr: Any) -> None:
+    """Give the manager `probe_session` as its `_send_probe` and the scratch buffer the
+    reads land in (registered with the engine once, kept for the manager's life)."""
+    scratch = ctypes.create_string_buffer(READ_BYTES)
+    mgr.engine.register(ctypes.addressof(scratch), READ_BYTES)
+    mgr.fork_probe_scratch = scratch
+    mgr._send_probe = functools.partial(probe_session, mgr, mgr._send_probe)
 
 
 class SessionBlacklist(set):
@@ -272,14 +328,15 @@ class SessionBlacklist(set):
 
 def on_prefill_manager_init(mgr: Any, queue: Any, *args: Any, **kwargs: Any) -> None:
     """AFTER `PrefillBootstrapQueue._init_kv_manager` (result: the manager): validate
-    and attach the fault switch, and give a mooncake manager the probing blacklist (no
-    request has been sent yet). Hooked here rather than on `MooncakeKVManager`, whose
+    and attach the fault switch, and give a mooncake manager the probing blacklist and
+    `probe_session` (no request has been sent yet). Hooked here rather than on `MooncakeKVManager`, whose
     module must not be imported when plugins load (it creates prometheus metrics)."""
     mgr.fork_chunk_faults = FaultPlan.parse(envs.SGLANG_TEST_DISAGG_FAIL_CHUNKS.get() or "")
     if isinstance(getattr(mgr, "failed_sessions", None), set):  # mooncake (prefill)
         with mgr.session_lock:
             assert not mgr.failed_sessions, "session blacklist swapped after first use"
             mgr.failed_sessions = SessionBlacklist(mgr)
+        _install_probe(mgr)
     return None
 
 

@@ -4,7 +4,8 @@ Invariant: each side watches the peers it has state for -- prefill the decode se
 that registered with it (`decode_kv_args_table`), decode the prefill bootstrap servers
 it fetched (`prefill_info_table`) -- with one TCP connect per peer per heartbeat
 interval. A refused connection (nobody listens: the process is gone), a session the
-transfer worker blacklisted after a failed write and a failed probe, or
+transfer worker blacklisted after a failed write and a failed probe (and still
+blacklisted at the next heartbeat), or
 `SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE` unanswered connects in a row declare the
 peer lost: every room bound to it is tagged `peer_failure` and moved to
 `KVPoll.Failed` with a reason naming the peer (HTTP 502 to the client), and everything
@@ -153,6 +154,8 @@ class PeerMonitor:
         # prefill: session -> rooms whose failed write left a poison mark (see
         # chunk_failures._expire_poison_later); dropped when that session is lost
         self.poisoned: Dict[str, set] = {}
+        # prefill: sessions seen blacklisted at the last tick (see _tick_prefill)
+        self.held_out: set = set()
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name=f"ForkPeerMonitor-{role}", daemon=True)
 
@@ -225,11 +228,19 @@ class PeerMonitor:
             for session in [s for s in self.known if s not in sessions]:
                 self.known.pop(session, None)  # dropped by someone else
                 self.misses.pop(session, None)
+        # A blacklisted session is lost when it is still blacklisted a tick later: the
+        # failed-session probe loop lets a session that answers again back in (its
+        # probe, chunk_failures.probe_session, includes a read that may wait out
+        # mooncake's 1 s reconnect cooldown); a live decode declared lost has its
+        # registration dropped, and requests to it fail while it is missing.
+        held_out = set()
         for session, (host, port) in sessions.items():
             self.registered(session, host, port)
             if session in blacklisted:
-                self.lose_decode(session, "a KV write failed and its transfer session does not answer a probe")
-                continue
+                if session in self.held_out:
+                    self.lose_decode(session, "a KV write failed and its transfer session does not answer a probe")
+                    continue
+                held_out.add(session)
             verdict = probe(host, port)
             if verdict == ALIVE:
                 self.misses[session] = 0
@@ -239,6 +250,7 @@ class PeerMonitor:
                 self.misses[session] = self.misses.get(session, 0) + 1
                 if self.misses[session] >= self.max_failures:
                     self.lose_decode(session, f"no answer to {self.misses[session]} heartbeats")
+        self.held_out = held_out
 
     def registered(self, session: str, host: str, port: int) -> None:
         """A decode session registered (bootstrap thread, at once) or is seen in the
