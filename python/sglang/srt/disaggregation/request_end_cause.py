@@ -10,7 +10,7 @@ abort), counts it, and forgets the tag, so nothing per-room outlives the request
 
 Counted in-process in `COUNTS[(role, cause, stage)]` (the queue harness reads it) and,
 when metrics are on, in the Prometheus counter `sglang:num_pd_request_end_causes_total`
-(labels: the scheduler's labels + role, cause, stage), created lazily on first use.
+(labels: the scheduler's labels + role, cause, stage; `fork_metrics`).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ TRANSPORT = "transport"
 PEER_FAILURE = "peer_failure"
 CAUSES = (CLIENT_ABORT, TIMEOUT, TRANSPORT, PEER_FAILURE)
 
-PROMETHEUS_NAME = "sglang:num_pd_request_end_causes_total"
+PROMETHEUS_NAME = "sglang:num_pd_request_end_causes_total"  # declared in fork_metrics
 
 # (role, cause, stage) -> requests ended so in this process.
 COUNTS: Counter = Counter()
@@ -39,8 +39,6 @@ MAX_TAGGED_ROOMS = 4096
 # Per request: (cause, peer) once known; and whether its end was already counted.
 _REQ_CAUSE = "fork_end_cause"
 _REQ_COUNTED = "fork_end_counted"
-
-_prom_counter = None
 
 
 def _check(cause: str) -> None:
@@ -125,35 +123,13 @@ def cause_of(req: Any, kv_manager: Any = None, default: str = TRANSPORT) -> Tupl
 # ----------------------------------------------------------------------------- count
 
 
-def _labels(scheduler: Any) -> dict:
-    collector = getattr(scheduler, "metrics_collector", None)
-    labels = getattr(collector, "labels", None)
-    return dict(labels) if isinstance(labels, dict) else {}
-
-
 def count(scheduler: Any, role: str, cause: str, stage: str) -> None:
     """Count one PD request that ended with `cause` in `stage` on `role`."""
+    from sglang.srt.disaggregation import fork_metrics
+
     _check(cause)
     COUNTS[(role, cause, stage)] += 1
-    reporter = getattr(scheduler, "metrics_reporter", None)
-    if reporter is None or not getattr(reporter, "enable_metrics", False):
-        return
-    global _prom_counter
-    labels = _labels(scheduler)
-    for key in ("role", "cause", "stage"):
-        labels.pop(key, None)
-    if _prom_counter is None:
-        from prometheus_client import Counter as PromCounter
-
-        _prom_counter = PromCounter(
-            name=PROMETHEUS_NAME,
-            documentation=(
-                "PD requests that ended without a completion, by role, cause "
-                "(client_abort, timeout, transport, peer_failure) and stage."
-            ),
-            labelnames=list(labels) + ["role", "cause", "stage"],
-        )
-    _prom_counter.labels(**labels, role=role, cause=cause, stage=stage).inc(1)
+    fork_metrics.inc("end_cause", fork_metrics.scheduler_labels(scheduler), role=role, cause=cause, stage=stage)
 
 
 def record_end(
