@@ -126,8 +126,9 @@ class RoomLedger:
             record = self.ended.get(room)
             if record is None or not record.answer or not record.reason:
                 return None
-            if pop:
-                del self.ended[room]
+            if pop:  # answered once; still remembered as ended (the peer's ABORT cancels nothing)
+                record.answer = False
+                record.expiry = min(record.expiry, engine_clock.now() + self.ttl_s)
             return record.reason
 
     def own(self, room: int) -> Optional[str]:
