@@ -16,6 +16,7 @@ when metrics are on, in the Prometheus counter `sglang:num_pd_request_end_causes
 from __future__ import annotations
 
 import logging
+import threading
 from collections import Counter, OrderedDict
 from typing import Any, Optional, Tuple
 
@@ -39,6 +40,9 @@ MAX_TAGGED_ROOMS = 4096
 # Per request: (cause, peer) once known; and whether its end was already counted.
 _REQ_CAUSE = "fork_end_cause"
 _REQ_COUNTED = "fork_end_counted"
+# Guards the per-manager room tags: written by whichever thread ends a room (scheduler,
+# transfer workers, the peer monitor), popped by the scheduler. A leaf lock.
+_lock = threading.Lock()
 
 
 def _check(cause: str) -> None:
@@ -54,12 +58,13 @@ def tag(kv_manager: Any, room: int, cause: str, peer: Optional[str] = None) -> N
     _check(cause)
     if kv_manager is None or room is None:
         return
-    rooms = kv_manager.__dict__.setdefault(_ROOMS_ATTR, OrderedDict())
-    if room in rooms:
-        return
-    rooms[room] = (cause, peer)
-    while len(rooms) > MAX_TAGGED_ROOMS:
-        rooms.popitem(last=False)
+    with _lock:
+        rooms = kv_manager.__dict__.setdefault(_ROOMS_ATTR, OrderedDict())
+        if room in rooms:
+            return
+        rooms[room] = (cause, peer)
+        while len(rooms) > MAX_TAGGED_ROOMS:
+            rooms.popitem(last=False)
 
 
 def tag_req(req: Any, cause: str, peer: Optional[str] = None) -> None:
@@ -80,7 +85,8 @@ def forget(kv_manager: Any, room: int) -> None:
     """Drop `room`'s tag (its state is being cleared)."""
     rooms = getattr(kv_manager, "__dict__", {}).get(_ROOMS_ATTR)
     if rooms:
-        rooms.pop(room, None)
+        with _lock:
+            rooms.pop(room, None)
 
 
 def tagged_rooms(kv_manager: Any) -> int:
