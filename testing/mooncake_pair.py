@@ -156,10 +156,17 @@ class _Worker:
             pd_pause._abort_all_and_drain(self.h.scheduler, message)
 
     def cancelled_rooms(self) -> Optional[int]:
-        """Peer cancellations this side remembers (disaggregation.cancelled_rooms)."""
-        from sglang.srt.disaggregation import cancelled_rooms
+        """Peer cancellations this side remembers (disaggregation.room_ledger)."""
+        from sglang.srt.disaggregation import room_ledger
 
-        return cancelled_rooms.report(self.h.kv_manager)
+        return room_ledger.report(self.h.kv_manager)
+
+    def late_answer(self, room: int) -> Optional[str]:
+        """The reason this side answers a late handshake for `room` with (the room
+        ledger's memory of ended rooms), or None."""
+        from sglang.srt.disaggregation import room_ledger
+
+        return room_ledger.ledger_of(self.h.kv_manager).late_answer(room)
 
     def status(self, room: int) -> Optional[int]:
         return self.h.outputs.status_code(self.reqs[room].rid)

@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+from sglang.srt.disaggregation import abort_retirement as ar
 from testing.pd_checks import is_client_abort, pair_fixture, pair_is_idle, wait_pair_idle
 from testing.pd_cluster import wait_until
 
@@ -136,7 +137,9 @@ def test_late_handshake_after_prefill_abort_is_refused(pair, before):
         assert time.monotonic() - t0 < 10
         pair.prefill.call("tick")
     assert _client_abort(pair.prefill, room)
-    assert pair.prefill.call("room_entries", room) == ["fork_expired_rooms"]
+    # only the room ledger's bounded memory of ended rooms holds it
+    assert pair.prefill.call("room_entries", room) == []
+    assert ar.ABORT_TAG in pair.prefill.call("late_answer", room)
 
     pair.decode.call("add", room, 12)  # now decode hands prefill its pages
     # decode's handshake crosses to prefill's bootstrap thread, which answers Failed at

@@ -54,7 +54,9 @@ IDLE_AFTER_LOSS_S = HEARTBEAT + 2.0
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model):
-    c = PDCluster(str(tiny_model), prefill_env=ENV, decode_env=ENV)
+    # decode's scheduler rejects a request that names a priority (hole 1, a rejection)
+    c = PDCluster(str(tiny_model), prefill_env=ENV, decode_env=ENV,
+                  decode_args=("--abort-on-priority-when-disabled",))
     c.start()
     try:
         yield c
@@ -245,6 +247,42 @@ def test_abort_at_decodes_gate_reaches_prefill_at_once(cluster):
     assert_idle(cluster, PD_ROLES, baseline)
     results = [generate(cluster.url, p, max_new_tokens=8) for p in prompts(4)]
     assert [r["status"] for r in results] == [200] * 4, [r["error"] for r in results]
+
+
+def test_request_decodes_scheduler_rejects_reaches_prefill_at_once(cluster):
+    """Hole 1, a rejection: decode's scheduler rejects the request before its room
+    exists (a priority while priority scheduling is off: 503). Prefill's copy, waiting
+    for decode's handshake, ends within about a second as decode's end (an abort), not
+    after its bootstrap timeout."""
+    prefill, decode = cluster["prefill"], cluster["decode"]
+    warm = generate(cluster.url, "warm up", max_new_tokens=4)
+    assert warm["status"] == 200, warm
+    baseline = assert_idle(cluster, PD_ROLES)
+    aborts = _metric(prefill, END_CAUSES, role="prefill", cause="client_abort")
+    failed = _metric(prefill, "sglang:num_bootstrap_failed_reqs_total")
+    room = random.getrandbits(62)
+    rid = f"rejected-{room}"
+    leg = Leg(prefill.url, _body("rejected by decode: hello", room, cluster, rid))
+    leg.start()
+    wait_until(lambda: _bootstrap_queue(prefill) == 1, 30, "prefill's copy waiting for decode's handshake")
+    t0 = time.monotonic()
+    status, reply = http_post_json(decode.url + "/generate", dict(_body("rejected by decode: hello", room, cluster, rid),
+                                                                   priority=1), timeout=30)
+    assert status == 503 and "priority" in str(reply), (status, reply)
+    wait_until(lambda: _bootstrap_queue(prefill) == 0, 5, "prefill's bootstrap queue to empty",
+               interval=0.05, on_timeout=lambda: str(prefill.resources()["queues"]))
+    emptied = time.monotonic() - t0
+    leg.join(10)
+    assert not leg.is_alive(), "prefill's leg hangs"
+    assert emptied <= 1.5, emptied  # "about a second" on two loaded cores
+    assert leg.ended_at - t0 <= 5.0, leg.ended_at - t0
+    assert leg.status == 200 and leg.body["meta_info"]["finish_reason"]["type"] == "abort", (leg.status, leg.body)
+    assert_idle(cluster, PD_ROLES, baseline, timeout=5)
+    # prefill ended its copy as decode's end (an abort), not as a bootstrap failure
+    assert _metric(prefill, END_CAUSES, role="prefill", cause="client_abort") == aborts + 1
+    assert _metric(prefill, "sglang:num_bootstrap_failed_reqs_total") == failed
+    results = [generate(cluster.url, p, max_new_tokens=8) for p in prompts(2)]
+    assert [r["status"] for r in results] == [200] * 2, [r["error"] for r in results]
 
 
 SKEW_CYCLES = 6

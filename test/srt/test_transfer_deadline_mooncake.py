@@ -59,8 +59,9 @@ def test_late_handshake_after_prefill_deadline_is_refused(pair):
     assert time.monotonic() - t0 >= DEADLINE  # not early
     assert pair.prefill.call("status", room) == 504
     assert "prefill_bootstrap" in pair.prefill.call("reason", room)
-    # only the bounded memory of expired rooms (MAX_REMEMBERED_ROOMS) holds it
-    assert pair.prefill.call("room_entries", room) == ["fork_expired_rooms"]
+    # only the room ledger's bounded memory of ended rooms holds it
+    assert pair.prefill.call("room_entries", room) == []
+    assert "prefill_bootstrap" in pair.prefill.call("late_answer", room)
 
     pair.decode.call("add", room, 12)  # now decode hands prefill its pages
     took = pair.run_until(lambda: pair.decode.call("status", room) is not None, timeout=30)

@@ -8,12 +8,11 @@ completes while the abort is pending (`to_finish` set, Success polled). It is co
 once under its cause (`request_end_cause`), never as a bootstrap/transfer failure. On
 prefill the decode peer is told Failed at once (decode already sends ABORT), the
 room's per-room transfer state is cleared, and a late handshake for the room is
-answered Failed (`transfer_deadline.around_update_status`) instead of re-creating it.
+answered Failed (`room_ledger.around_update_status`) instead of re-creating it.
 
 Called by: the BEFORE hook on `Scheduler.abort_request` (marks the requests), the
-AROUND hook on `prepare_abort` (the finish reason), AFTER hooks on prefill's retire
-paths (clear the room), the prefill manager-init hook (decode's ABORT carries a
-reason), and the patched lines of prefill.py / decode.py (`counts_as_failure`,
+verdict (`room_ledger.verdict`), AFTER hooks on prefill's retire paths (clear the
+room), and the patched lines of prefill.py / decode.py (`counts_as_failure`,
 `finish_transferred`).
 """
 
@@ -21,7 +20,7 @@ from __future__ import annotations
 
 import logging
 from http import HTTPStatus
-from typing import Any, Iterable, List, Optional, Tuple
+from typing import Any, Iterable, Optional, Tuple
 
 from sglang.srt.disaggregation import request_end_cause as end_cause, room_ledger
 from sglang.srt.disaggregation.base import KVPoll
@@ -35,7 +34,6 @@ CLIENT_ABORT_MESSAGE = "Aborted by the client."
 # Reasons a room carries when an abort ended it: ours, and the one upstream's
 # Common{Sender,Receiver}.abort() records (and the transfer worker may forward).
 UPSTREAM_ABORT_REASON = "Aborted by AbortReq"
-DECODE_ABORT_REASON = ABORT_TAG + " on decode: bootstrap_room={room} was aborted by the decode peer."
 ABORT_REASONS = (ABORT_TAG, UPSTREAM_ABORT_REASON)
 
 # Per request: (message, status) the abort asked for.
@@ -129,16 +127,10 @@ def _kv_mgr(req):
 
 
 def _tell_decode(kv_mgr, room: int, reason: str) -> None:
-    """Prefill -> decode: the room failed with `reason` (decode frees its
-    preallocation now). Decode's endpoints are known once its metadata arrived; a
-    handshake that comes later is answered Failed by `around_update_status`."""
-    from sglang.srt.disaggregation.transfer_deadline import _remember_expired
-
-    _remember_expired(kv_mgr, room, reason)
-    targets = kv_mgr._room_notify_targets(room) if hasattr(kv_mgr, "_room_notify_targets") else None
-    kv_mgr.send_kv_status_message(
-        targets=targets, bootstrap_room=room, status=KVPoll.Failed, failure_reason=reason
-    )
+    """Prefill -> decode: the room failed with `reason` (decode frees its preallocation
+    now); remembered, so a handshake that comes later is answered Failed. Upstream's
+    abort path marks the room Failed here."""
+    room_ledger.end_room(kv_mgr, room, None, reason, fail=False, remember=True)
 
 
 def _clear_prefill_room(req) -> None:
@@ -256,40 +248,3 @@ def around_pending_chunked_abort(original, scheduler, *args, **kwargs):
         _clear_prefill_room(req)
         end_cause.record_end(scheduler, req, "prefill", PREFILL_RUNNING, kv_mgr)
     return result
-
-
-# ----------------------------------------------------------------------------- decode's ABORT
-
-
-def on_prefill_manager_init(mgr: Any, queue: Any, *args: Any, **kwargs: Any):
-    """AFTER PrefillBootstrapQueue._init_kv_manager: decode's ABORT for an active room
-    records why (decode ended it: an abort there), so prefill ends the request as an
-    abort, not as a failure "for an unknown reason from another rank". An ABORT for a
-    room prefill does not have yet is `cancelled_rooms`' (its reason carries
-    `ABORT_TAG`, so that leg ends as an abort too)."""
-    handler = getattr(mgr, "_handle_abort_notification", None)
-    if handler is None or getattr(handler, "fork_wrapped", False):
-        return mgr
-
-    def handle_abort_notification(msg: List[bytes]) -> bool:
-        from sglang.srt.disaggregation.common.conn import ABORT_TAG as WIRE_ABORT
-
-        from sglang.srt.disaggregation.common.conn import AbortNotification
-
-        notification = AbortNotification.from_zmq(msg) if msg and msg[0] == WIRE_ABORT else None
-        if notification is not None:
-            room = notification.room
-            status = mgr.request_status.get(room)
-            if status is not None and status != KVPoll.Success:
-                with mgr.failure_lock:
-                    # Re-checked under the lock failure_exception() pops with: a
-                    # room cleared meanwhile must not get a record back.
-                    if room in mgr.request_status:
-                        mgr.failure_records.setdefault(room, DECODE_ABORT_REASON.format(room=room))
-        return handler(msg)
-
-    handle_abort_notification.fork_wrapped = True
-    mgr._handle_abort_notification = handle_abort_notification
-    return mgr
-
-

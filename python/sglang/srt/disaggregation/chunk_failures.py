@@ -27,31 +27,23 @@ import time
 from typing import Any, Dict, List, Optional, Set, Tuple
 
 from sglang.srt.disaggregation.base import KVPoll
+from sglang.srt.disaggregation.room_ledger import end_room
 from sglang.srt.environ import envs
 
 logger = logging.getLogger(__name__)
 
 KINDS = ("kv", "aux", "state")
 
-_counter = None
 
 
 def _chunk_failures_counter():
     """Next to upstream's per-request `sglang:num_transfer_failed_reqs_total`: failed
     chunk writes by kind, on prefill (where the write failed) and on decode (where a
-    room failed because of it). Created on first use, in a scheduler: importing
-    prometheus_client before the server has set PROMETHEUS_MULTIPROC_DIR (plugins load
-    first) would take every metric of that process out of multiprocess mode."""
-    global _counter
-    if _counter is None:
-        from prometheus_client import Counter
+    room failed because of it); declared in `fork_metrics`."""
+    from sglang.srt.disaggregation import fork_metrics
 
-        _counter = Counter(
-            "sglang:num_transfer_chunk_failures_total",
-            "Failed KV/aux/extra-state chunk writes of a PD transfer, by chunk kind and role.",
-            ["kind", "role"],
-        )
-    return _counter
+    return fork_metrics.counter("chunk_failure", {})
+
 
 # How upstream's transfer worker words each failure (mooncake/conn.py): decode receives
 # the reason with the Failed status and classifies by it.
@@ -160,9 +152,8 @@ def checked(mgr: Any, room: int, kind: str, rc: int) -> int:
     if plan is not None and rc == 0:
         fault = plan.take(room, kind)
         if fault is not None:
-            if fault.mark_failed_first:
-                mgr.record_failure(room, f"room {room} failed locally during its {kind} write (injected)")
-                mgr.update_status(room, KVPoll.Failed)
+            if fault.mark_failed_first:  # as a concurrent local abort would (the write tells decode)
+                end_room(mgr, room, None, f"room {room} failed locally during its {kind} write (injected)", tell=False)
             logger.warning("Injected %s chunk write failure for room %s", kind, room)
             rc = -1
     if rc != 0:
@@ -203,12 +194,7 @@ def conclude_transfer(
     if emitted is None and status == KVPoll.Failed:
         to = targets or fallback_targets or []
         logger.warning("Room %s was already concluded on prefill; telling decode %s of its failed write", bootstrap_room, to)
-        mgr.send_kv_status_message(
-            targets=to,
-            bootstrap_room=bootstrap_room,
-            status=KVPoll.Failed,
-            failure_reason=f"{failure_reason} (room already failed on prefill)",
-        )
+        end_room(mgr, bootstrap_room, None, f"{failure_reason} (room already failed on prefill)", targets=to)
     return emitted
 
 

@@ -22,6 +22,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 from sglang.srt.disaggregation import request_end_cause
 from sglang.srt.disaggregation.peer_liveness import TAG, monitor_of
+from sglang.srt.disaggregation.room_ledger import end_room
 from sglang.srt.disaggregation.transfer_deadline import _decides
 from sglang.srt.managers.engine_clock import engine_clock
 
@@ -118,8 +119,7 @@ def before_pop_bootstrapped(queue, *args, **kwargs):
         text = message(req, waited, lost, timeout)
         setattr(req, _ENDED, text)
         logger.warning(text)
-        request_end_cause.tag(kv_mgr, req.bootstrap_room, request_end_cause.PEER_FAILURE, lost[0])
-        kv_mgr.conclude_failure(bootstrap_room=req.bootstrap_room, failure_reason=text)
+        end_room(kv_mgr, req.bootstrap_room, request_end_cause.PEER_FAILURE, text, peer=lost[0])
 
 
 def validate_at_start(mgr: Any, queue: Any, *args: Any, **kwargs: Any) -> None:

@@ -18,11 +18,11 @@ One log line and one count per loss and per recovery (`sglang:num_pd_peer_losses
 Who calls: `fork_plugin` hooks start a `PeerMonitor` after each PD queue builds its kv
 manager (mooncake only), wrap decode's `_handle_node_failure` (upstream's heartbeat
 and ours end up there), `try_ensure_parallel_info` (a prefill seen again),
-`record_failure` (a peer-loss reason is kept), `conclude_transfer` (failed writes to a
-dead decode), `_send_multipart_locked` (no push to a lost decode: it would block 30 s)
-and the receiver's `ensure_abort_notified` (a lost prefill's drain is acked), and map
-the reason to 502 in `prepare_abort`. What cannot be observed (a room whose peer never
-handshook) is left to the transfer deadline.
+`conclude_transfer` (failed writes to a dead decode) and `_send_multipart_locked` (no
+push to a lost decode: it would block 30 s). Rooms end through `room_ledger.end`
+(which also keeps a peer-loss reason, acks a lost prefill's drains and maps the
+reason to 502). What cannot be observed (a room whose peer never handshook) is left
+to the transfer deadline.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from sglang.srt.disaggregation.base import KVPoll
 from sglang.srt.disaggregation.request_end_cause import PEER_FAILURE, tag
-from sglang.srt.disaggregation.room_ledger import ledger_of
+from sglang.srt.disaggregation.room_ledger import end_room, ledger_of
 from sglang.srt.environ import envs
 
 logger = logging.getLogger(__name__)
@@ -52,8 +52,6 @@ UPSTREAM_SESSION_DEAD = "Decode instance could be dead, remote mooncake session"
 # Opens the transfer worker's reasons for a failed write (and the one above).
 WRITE_FAILED = ("Failed to send", UPSTREAM_SESSION_DEAD)
 
-LOSSES = "sglang:num_pd_peer_losses_total"
-RECOVERIES = "sglang:num_pd_peer_recoveries_total"
 
 ALIVE, REFUSED, SILENT = "alive", "refused", "silent"
 CONNECT_TIMEOUT = 1.0
@@ -61,7 +59,6 @@ MAX_GONE = 256
 
 # (kind "loss"/"recovery", role, peer) -> count in this process (also in Prometheus).
 COUNTS: Counter = Counter()
-_prom: Dict[str, Any] = {}
 _MONITOR = "fork_peer_monitor"
 
 
@@ -109,25 +106,11 @@ def heartbeat_settings() -> Tuple[float, int]:
 
 
 def _count(monitor: "PeerMonitor", kind: str, peer: str) -> None:
-    COUNTS[(kind, monitor.role, peer)] += 1
-    if not monitor.metrics:
-        return
-    name = LOSSES if kind == "loss" else RECOVERIES
-    if name not in _prom:
-        # Created on first use, in the scheduler process: importing prometheus_client
-        # at plugin load would take the process's metrics out of multiprocess mode.
-        from prometheus_client import Counter as PromCounter
+    from sglang.srt.disaggregation import fork_metrics
 
-        _prom[name] = PromCounter(
-            name=name,
-            documentation=(
-                "PD peers declared lost (their requests failed, their state dropped)"
-                if kind == "loss"
-                else "PD peers seen again after a loss (a restarted incarnation accepted)"
-            ),
-            labelnames=list(monitor.labels) + ["role", "peer"],
-        )
-    _prom[name].labels(**monitor.labels, role=monitor.role, peer=peer).inc(1)
+    COUNTS[(kind, monitor.role, peer)] += 1
+    key = "peer_loss" if kind == "loss" else "peer_recovery"
+    fork_metrics.inc(key, monitor.labels if monitor.metrics else None, role=monitor.role, peer=peer)
 
 
 # ----------------------------------------------------------------------------- the monitor
@@ -299,15 +282,10 @@ class PeerMonitor:
         for room in rooms:
             if mgr.request_status.get(room) in (None, KVPoll.Success):
                 continue
+            # other decode ranks of the room wait for it too
             others = [t for t in mgr._room_notify_targets(room) if t != (host, port)]
-            tag(mgr, room, PEER_FAILURE, peer)
-            mgr.record_failure(room, reason)
-            mgr.update_status(room, KVPoll.Failed)
+            end_room(mgr, room, PEER_FAILURE, reason, peer=peer, targets=others)
             failed.append(room)
-            if others:  # other decode ranks of the room wait for it too
-                mgr.send_kv_status_message(
-                    targets=others, bootstrap_room=room, status=KVPoll.Failed, failure_reason=reason
-                )
         with self.lock:
             self.lost.setdefault(host, []).append(peer)
         self.mark_gone([session, peer])
@@ -428,27 +406,27 @@ def on_decode_manager_init(mgr: Any, queue: Any, *args: Any, **kwargs: Any) -> N
 
 def around_handle_node_failure(original, mgr, failed_bootstrap_addr, *args, **kwargs):
     """AROUND CommonKVManager._handle_node_failure (decode; upstream's heartbeat and our
-    monitor both call it). Records our reason (naming the peer; `around_record_failure`
-    keeps it over upstream's) and the tag before upstream fails the rooms, and logs and
-    counts the loss once."""
+    monitor both call it). Ends every room bound to the lost prefill through the ledger
+    (our reason naming the peer, kept over upstream's by the ledger's record_failure
+    hook; its drains settled) before upstream drops its connection info; logs and
+    counts the loss once. PeerMonitor.lock is held only to claim the loss."""
     monitor = monitor_of(mgr)
-    lock = monitor.lock if monitor is not None else threading.Lock()
     peer = failed_bootstrap_addr
     reason = loss_message("prefill", peer, "its bootstrap server does not answer")
-    with lock:
-        known = failed_bootstrap_addr in mgr.prefill_info_table
-        rooms = list(mgr.addr_to_rooms_tracker.get(failed_bootstrap_addr, ()))
-        failed = 0
-        for room in rooms:
-            if room in mgr.request_status and mgr.check_status(room) != KVPoll.Success:
-                tag(mgr, room, PEER_FAILURE, peer)
-                mgr.record_failure(room, reason)
-                failed += 1
-        result = original(mgr, failed_bootstrap_addr, *args, **kwargs)
-        if known and monitor is not None:
-            monitor.lost[failed_bootstrap_addr] = [peer]
+    known = failed_bootstrap_addr in mgr.prefill_info_table
+    if monitor is not None:
+        with monitor.lock:  # the first of two concurrent callers claims the loss
+            known = known and failed_bootstrap_addr not in monitor.lost
+            if known:
+                monitor.lost[failed_bootstrap_addr] = [peer]
+    failed = 0
+    for room in list(mgr.addr_to_rooms_tracker.get(failed_bootstrap_addr, ())):
+        if mgr.request_status.get(room) not in (None, KVPoll.Success):
+            end_room(mgr, room, PEER_FAILURE, reason, peer=peer, tell=False)
+            failed += 1
+    result = original(mgr, failed_bootstrap_addr, *args, **kwargs)
     # rooms decode ended before the loss and parked for this prefill's drain ack:
-    # nobody will ack (after the mark above, a room parked later is acked at once)
+    # nobody will ack (once `lost` is marked, a room parked later is acked at once)
     ledger = ledger_of(mgr)
     if ledger is not None and monitor is not None:
         ledger.settle_peer(failed_bootstrap_addr)
@@ -456,15 +434,6 @@ def around_handle_node_failure(original, mgr, failed_bootstrap_addr, *args, **kw
         logger.error("%s: %d requests failed, its connection info dropped", reason, failed)
         _count(monitor, "loss", peer)
     return result
-
-
-def around_record_failure(original, mgr, bootstrap_room, failure_reason, *args, **kwargs):
-    """AROUND CommonKVManager.record_failure: a room failed because its peer was lost
-    keeps that reason (the root cause) over a later, vaguer one."""
-    current = mgr.failure_records.get(bootstrap_room)
-    if current and current.startswith(TAG) and not (failure_reason or "").startswith(TAG):
-        return None
-    return original(mgr, bootstrap_room, failure_reason, *args, **kwargs)
 
 
 def after_try_ensure_parallel_info(result, mgr, bootstrap_addr, *args, **kwargs):
@@ -516,35 +485,6 @@ def around_conclude_transfer(original, mgr, *args, bootstrap_room=None, status=N
     return original(
         mgr, *args, bootstrap_room=bootstrap_room, status=status, failure_reason=failure_reason, **kwargs
     )
-
-
-def after_ensure_abort_notified(result, receiver, *args, **kwargs):
-    """AFTER CommonKVReceiver.ensure_abort_notified (decode). A failed room arms the
-    deferred release and waits for prefill's drain ack (up to
-    SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT, 30 s) before its pages
-    are freed. A lost prefill will never ack, and no write of it can still come: ack
-    on its behalf, so the pages are freed as promptly as prefill frees its own."""
-    mgr = receiver.kv_mgr
-    monitor = monitor_of(mgr)
-    if monitor is None or monitor.role != "decode":
-        return result
-    addr = getattr(receiver, "bootstrap_addr", None)
-    generation = getattr(receiver, "_abort_generation", None)
-    room = receiver.bootstrap_room
-    if generation is None or room not in mgr._deferred_abort_ack_tracker:
-        return result
-    ranks = len(receiver.bootstrap_infos or ())
-    if addr in monitor.lost:
-        for i in range(ranks):
-            mgr.note_abort_ack(room, -1 - i, generation)  # ranks no live prefill uses
-        logger.debug("Room %s: prefill peer %s is lost; its drain acked on its behalf", room, addr)
-    else:  # settled by the ledger if this prefill is lost before it acks
-        ledger = ledger_of(mgr)
-        if ledger is not None:
-            ledger.note_drain(room, addr, generation, ranks)
-            if addr in monitor.lost:  # lost meanwhile: settle_peer may have run already
-                ledger.settle_peer(addr)
-    return result
 
 
 def around_send_multipart_locked(original, mgr, endpoint, parts, *args, **kwargs):

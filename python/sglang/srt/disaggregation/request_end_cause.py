@@ -10,12 +10,13 @@ abort), counts it, and forgets the tag, so nothing per-room outlives the request
 
 Counted in-process in `COUNTS[(role, cause, stage)]` (the queue harness reads it) and,
 when metrics are on, in the Prometheus counter `sglang:num_pd_request_end_causes_total`
-(labels: the scheduler's labels + role, cause, stage), created lazily on first use.
+(labels: the scheduler's labels + role, cause, stage; `fork_metrics`).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections import Counter, OrderedDict
 from typing import Any, Optional, Tuple
 
@@ -27,7 +28,7 @@ TRANSPORT = "transport"
 PEER_FAILURE = "peer_failure"
 CAUSES = (CLIENT_ABORT, TIMEOUT, TRANSPORT, PEER_FAILURE)
 
-PROMETHEUS_NAME = "sglang:num_pd_request_end_causes_total"
+PROMETHEUS_NAME = "sglang:num_pd_request_end_causes_total"  # declared in fork_metrics
 
 # (role, cause, stage) -> requests ended so in this process.
 COUNTS: Counter = Counter()
@@ -39,8 +40,9 @@ MAX_TAGGED_ROOMS = 4096
 # Per request: (cause, peer) once known; and whether its end was already counted.
 _REQ_CAUSE = "fork_end_cause"
 _REQ_COUNTED = "fork_end_counted"
-
-_prom_counter = None
+# Guards the per-manager room tags: written by whichever thread ends a room (scheduler,
+# transfer workers, the peer monitor), popped by the scheduler. A leaf lock.
+_lock = threading.Lock()
 
 
 def _check(cause: str) -> None:
@@ -56,12 +58,13 @@ def tag(kv_manager: Any, room: int, cause: str, peer: Optional[str] = None) -> N
     _check(cause)
     if kv_manager is None or room is None:
         return
-    rooms = kv_manager.__dict__.setdefault(_ROOMS_ATTR, OrderedDict())
-    if room in rooms:
-        return
-    rooms[room] = (cause, peer)
-    while len(rooms) > MAX_TAGGED_ROOMS:
-        rooms.popitem(last=False)
+    with _lock:
+        rooms = kv_manager.__dict__.setdefault(_ROOMS_ATTR, OrderedDict())
+        if room in rooms:
+            return
+        rooms[room] = (cause, peer)
+        while len(rooms) > MAX_TAGGED_ROOMS:
+            rooms.popitem(last=False)
 
 
 def tag_req(req: Any, cause: str, peer: Optional[str] = None) -> None:
@@ -82,7 +85,8 @@ def forget(kv_manager: Any, room: int) -> None:
     """Drop `room`'s tag (its state is being cleared)."""
     rooms = getattr(kv_manager, "__dict__", {}).get(_ROOMS_ATTR)
     if rooms:
-        rooms.pop(room, None)
+        with _lock:
+            rooms.pop(room, None)
 
 
 def tagged_rooms(kv_manager: Any) -> int:
@@ -125,35 +129,13 @@ def cause_of(req: Any, kv_manager: Any = None, default: str = TRANSPORT) -> Tupl
 # ----------------------------------------------------------------------------- count
 
 
-def _labels(scheduler: Any) -> dict:
-    collector = getattr(scheduler, "metrics_collector", None)
-    labels = getattr(collector, "labels", None)
-    return dict(labels) if isinstance(labels, dict) else {}
-
-
 def count(scheduler: Any, role: str, cause: str, stage: str) -> None:
     """Count one PD request that ended with `cause` in `stage` on `role`."""
+    from sglang.srt.disaggregation import fork_metrics
+
     _check(cause)
     COUNTS[(role, cause, stage)] += 1
-    reporter = getattr(scheduler, "metrics_reporter", None)
-    if reporter is None or not getattr(reporter, "enable_metrics", False):
-        return
-    global _prom_counter
-    labels = _labels(scheduler)
-    for key in ("role", "cause", "stage"):
-        labels.pop(key, None)
-    if _prom_counter is None:
-        from prometheus_client import Counter as PromCounter
-
-        _prom_counter = PromCounter(
-            name=PROMETHEUS_NAME,
-            documentation=(
-                "PD requests that ended without a completion, by role, cause "
-                "(client_abort, timeout, transport, peer_failure) and stage."
-            ),
-            labelnames=list(labels) + ["role", "cause", "stage"],
-        )
-    _prom_counter.labels(**labels, role=role, cause=cause, stage=stage).inc(1)
+    fork_metrics.inc("end_cause", fork_metrics.scheduler_labels(scheduler), role=role, cause=cause, stage=stage)
 
 
 def record_end(

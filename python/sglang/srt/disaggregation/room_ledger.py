@@ -1,14 +1,22 @@
-"""The room ledger: one record per PD room a kv manager holds for the fork, one lock.
+"""The room ledger: the one way the fork ends a PD room, and its memory of ended rooms.
 
-Invariant: an end the fork decides reaches every party that holds the room, whatever
-its state: a room decode aborted and parked for prefill's drain ack is settled when
-that prefill is declared lost (nobody will ack; no write of it can still land), and a
-request decode ends before its scheduler created the room (tokenizer pause gate,
-client abort at the tokenizer, a room whose prefill info was never fetched) still
-tells prefill, which then ends its copy at once (`cancelled_rooms`).
-Who calls: the hook `on_manager_init` (AFTER each PD queue's `_init_kv_manager`)
-creates it as `mgr.fork_room_ledger`; peer_liveness notes drains and settles a lost
-peer; pd_pause_gate and the decode receiver's abort call `tell_prefill`.
+Invariant: an end the fork decides (deadline, abort, pause/release, peer loss, failed
+chunk, a decode-side end before decode's scheduler) goes through `RoomLedger.end`, which
+does, in this order: tag the cause (`request_end_cause`: the tag must be there when
+anyone sees the room Failed), remember the room (a late handshake or ABORT from the
+peer finds the record), record the failure and mark the room Failed (only while the
+room exists: a record for a cleared room would be adopted by the next request reusing
+the room number), tell the peer (prefill: Failed status to the room's decode endpoints;
+decode: the receiver's ABORT). A lost peer is `end` for each of its rooms, and the drain
+acks it owes decode are settled (`settle_peer`). A request decode ends before its
+scheduler created the room tells prefill through `tell_prefill`.
+Threads and locks: `RoomLedger.lock` guards only the ledger's tables (drains, ended
+rooms, owned rooms); it is a leaf lock, never held while calling upstream (which takes
+`failure_lock`, socket locks, `session_lock`) or another lock of ours.
+Who calls: the hook `on_manager_init` (AFTER each PD queue's `_init_kv_manager`) creates
+it as `mgr.fork_room_ledger` (prefill: also wraps the ABORT handler); transfer_deadline,
+abort_retirement, pd_pause, peer_liveness, chunk_failures and lost_decode_handshake
+call `end_room`; the hooks below answer late handshakes and fail cancelled rooms.
 """
 
 from __future__ import annotations
@@ -21,10 +29,19 @@ from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any, Dict, List, Optional, Tuple
 
+from sglang.srt.disaggregation import request_end_cause
+from sglang.srt.disaggregation.base import KVPoll
+from sglang.srt.managers.engine_clock import engine_clock
+
 logger = logging.getLogger(__name__)
 
 ATTR = "fork_room_ledger"
 MAX_RECORDS = 65536
+NEVER = float("inf")
+# Opens with abort_retirement.ABORT_TAG: decode ended the request (its ABORT carries no
+# cause), so prefill's leg ends as an abort, not as a bootstrap failure.
+CANCEL_REASON = "PD request aborted on decode: the decode peer {peer} aborted room {room} before prefill received the request"
+DECODE_ABORT_REASON = "PD request aborted on decode: bootstrap_room={room} was aborted by the decode peer."
 
 
 @dataclass
@@ -36,15 +53,136 @@ class Drain:
     ranks: int  # acks upstream waits for
 
 
+@dataclass
+class Ended:
+    """A room this side ended, or the peer cancelled before this side created it."""
+
+    reason: str
+    answer: bool  # a late handshake for it is answered Failed with `reason`
+    cancel: bool  # the peer ended it first: a sender created for it fails at once
+    expiry: float  # engine clock; the cancellation (or a bare record) is dropped then
+
+
 class RoomLedger:
-    """Per kv manager. Threads: the scheduler notes drains; the peer monitor (or
-    upstream's heartbeat thread) settles a lost peer. One lock guards `drains`;
-    upstream is never called while it is held."""
+    """Per kv manager: drains owed by peers (decode), ended/cancelled/owned rooms
+    (prefill). Threads: the scheduler, the bootstrap thread (ABORTs, handshakes), the
+    transfer workers, the peer monitor; one leaf lock."""
 
     def __init__(self, mgr: Any):
         self.mgr = mgr
         self.lock = threading.Lock()
         self.drains: "OrderedDict[int, Drain]" = OrderedDict()
+        self.ended: "OrderedDict[int, Ended]" = OrderedDict()
+        self.owned: set = set()  # rooms a live sender of this side owns
+        self.ttl_s = _ttl_s()
+
+    # -- the ender
+
+    def end(
+        self, room: int, cause: Optional[str], reason: str, *, peer: Optional[str] = None,
+        fail: bool = True, tell: bool = True, targets: Optional[list] = None,
+        receiver: Any = None, remember: bool = False, cancel: bool = False,
+    ) -> None:
+        """End `room` because of `cause` (None: the request carries its own) with
+        `reason`: tag, remember (`remember`: answer a late handshake; `cancel`: a new
+        sender for the room fails at creation), record + mark Failed (`fail`), tell the
+        peer (`tell`; `targets` on prefill, else the room's decode endpoints; on decode
+        `receiver`'s ABORT)."""
+        mgr = self.mgr
+        if room is None:
+            return
+        if cause is not None:
+            request_end_cause.tag(mgr, room, cause, peer)
+        if remember or cancel:
+            self.remember(room, reason, answer=remember, cancel=cancel)
+        if fail and room in getattr(mgr, "request_status", {}):
+            mgr.record_failure(room, reason)
+            mgr.update_status(room, KVPoll.Failed)
+        if not tell:
+            return
+        if receiver is not None:
+            receiver.ensure_abort_notified()
+        elif hasattr(mgr, "send_kv_status_message"):
+            if targets is None:
+                targets = mgr._room_notify_targets(room) if hasattr(mgr, "_room_notify_targets") else None
+            mgr.send_kv_status_message(
+                targets=targets, bootstrap_room=room, status=KVPoll.Failed, failure_reason=reason
+            )
+
+    # -- memory of ended rooms (prefill)
+
+    def remember(self, room: int, reason: str, *, answer: bool = True, cancel: bool = False) -> None:
+        now = engine_clock.now()
+        with self.lock:
+            old = self.ended.pop(room, None)
+            if old is not None and old.expiry > now:
+                answer, cancel = answer or old.answer, cancel or old.cancel
+            self.ended[room] = Ended(reason, answer, cancel, now + self.ttl_s if cancel or not answer else NEVER)
+            self._expire(now)
+
+    def late_answer(self, room: int, pop: bool = False) -> Optional[str]:
+        """The reason a late handshake for `room` is answered with, or None."""
+        with self.lock:
+            record = self.ended.get(room)
+            if record is None or not record.answer or not record.reason:
+                return None
+            if pop:  # answered once; still remembered as ended (the peer's ABORT cancels nothing)
+                record.answer = False
+                record.expiry = min(record.expiry, engine_clock.now() + self.ttl_s)
+            return record.reason
+
+    def own(self, room: int) -> Optional[str]:
+        """A sender of this side now owns `room`: the reason to fail it at once if the
+        peer cancelled it first (the cancellation is used up), else None."""
+        now = engine_clock.now()
+        with self.lock:
+            self.owned.add(room)
+            record = self.ended.get(room)
+            if record is None:
+                return None
+            if record.cancel and record.expiry > now:
+                record.cancel = False
+                if not record.answer:
+                    del self.ended[room]
+                return record.reason
+            if not record.answer:
+                del self.ended[room]  # a new lifecycle (decode re-bootstraps rooms)
+            return None
+
+    def disown(self, room: int, failed: bool) -> None:
+        with self.lock:
+            self.owned.discard(room)
+            if failed and room not in self.ended:  # decode's ABORT answering our Failed cancels nothing
+                self.ended[room] = Ended("", False, False, engine_clock.now() + self.ttl_s)
+
+    def note_abort(self, room: int, peer: str) -> bool:
+        """The peer's ABORT for `room`: kept as a cancellation unless this side owns the
+        room or remembers it already (ended here, or cancelled). Returns whether kept."""
+        with self.lock:
+            self._expire(engine_clock.now())
+            if room in self.owned or room in self.ended:
+                return False
+        self.remember(room, CANCEL_REASON.format(peer=peer, room=room), answer=False, cancel=True)
+        return True
+
+    def drop_cancel(self, room: int) -> None:
+        with self.lock:
+            record = self.ended.get(room)
+            if record is not None and record.cancel:
+                del self.ended[room]
+
+    def cancelled(self) -> int:
+        now = engine_clock.now()
+        with self.lock:
+            self._expire(now)
+            return sum(1 for r in self.ended.values() if r.cancel and r.expiry > now)
+
+    def _expire(self, now: float) -> None:  # caller holds the lock
+        while self.ended:
+            _, record = next(iter(self.ended.items()))
+            if record.expiry > now and len(self.ended) <= MAX_RECORDS:
+                break
+            self.ended.popitem(last=False)
 
     # -- drains (decode)
 
@@ -67,30 +205,164 @@ class RoomLedger:
             owed = [(room, d) for room, d in self.drains.items() if d.peer == peer]
             for room, _ in owed:
                 del self.drains[room]
-        settled = []
-        for room, drain in owed:
+        for room, drain in owed:  # the lock is released: upstream is called
             for i in range(max(drain.ranks, 1)):
                 self.mgr.note_abort_ack(room, -1 - i, drain.generation)  # ranks no live prefill uses
-            settled.append(room)
-        if settled:
-            logger.info("room_ledger: prefill peer %s lost; drains of %d rooms acked on its behalf", peer, len(settled))
-        return settled
+        if owed:
+            logger.info("room_ledger: prefill peer %s lost; drains of %d rooms acked on its behalf", peer, len(owed))
+        return [room for room, _ in owed]
 
     def report(self) -> Dict[str, int]:
         with self.lock:
-            return {"drains": len(self.drains)}
+            return {"drains": len(self.drains), "ended": len(self.ended)}
 
 
-def on_manager_init(mgr: Any, queue_: Any, *args: Any, **kwargs: Any) -> None:
-    """AFTER `PrefillBootstrapQueue/DecodePreallocQueue._init_kv_manager` (result: the
-    manager): the one place a ledger is created."""
-    if mgr is not None and ATTR not in getattr(mgr, "__dict__", {}):
-        mgr.__dict__[ATTR] = RoomLedger(mgr)
-    return None
+def _ttl_s() -> float:
+    from sglang.srt.environ import envs
+
+    return float(
+        envs.SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT.get() + envs.SGLANG_DISAGGREGATION_WAITING_TIMEOUT.get()
+    )
 
 
 def ledger_of(mgr: Any) -> Optional[RoomLedger]:
     return getattr(mgr, "__dict__", {}).get(ATTR)
+
+
+def end_room(mgr: Any, room: int, cause: Optional[str], reason: str, **kwargs: Any) -> None:
+    """`RoomLedger.end` on `mgr`'s ledger (made here if a hook-less manager has none)."""
+    ledger = ledger_of(mgr)
+    if ledger is None:
+        ledger = mgr.__dict__.setdefault(ATTR, RoomLedger(mgr))
+    ledger.end(room, cause, reason, **kwargs)
+
+
+def report(mgr: Any) -> Optional[int]:
+    """How many peer cancellations are remembered (bounded; held by no request)."""
+    ledger = ledger_of(mgr)
+    return None if ledger is None or not hasattr(mgr, "_handle_abort_notification") else ledger.cancelled()
+
+
+# ----------------------------------------------------------------------------- hooks
+
+
+def on_manager_init(mgr: Any, queue_: Any, *args: Any, **kwargs: Any) -> None:
+    """AFTER `PrefillBootstrapQueue/DecodePreallocQueue._init_kv_manager` (result: the
+    manager): the one place a ledger is created. On prefill it wraps the bootstrap
+    thread's ABORT handler on the instance (looked up per message)."""
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+
+    if mgr is None or ATTR in getattr(mgr, "__dict__", {}):
+        return None
+    ledger = mgr.__dict__[ATTR] = RoomLedger(mgr)
+    original = getattr(mgr, "_handle_abort_notification", None)
+    if original is not None and getattr(mgr, "disaggregation_mode", None) == DisaggregationMode.PREFILL:
+        mgr._handle_abort_notification = lambda msg: _handle_abort(ledger, original, msg)
+    return None
+
+
+def _handle_abort(ledger: RoomLedger, original: Any, msg: List[bytes]) -> bool:
+    """Decode's ABORT, before upstream's handler: for a room prefill has not created
+    yet it is kept (the room fails at creation); for a live room it records why (decode
+    ended it: an abort there), so prefill ends the request as an abort, not as a
+    failure "for an unknown reason from another rank"."""
+    from sglang.srt.disaggregation.common.conn import ABORT_TAG, AbortNotification
+
+    mgr = ledger.mgr
+    note = AbortNotification.from_zmq(msg) if msg and msg[0] == ABORT_TAG else None
+    kept = False
+    if note is not None:
+        room = note.room
+        peer = f"{note.decode_ip}:{note.decode_port}" if note.decode_ip else "(unknown)"
+        kept = ledger.note_abort(room, peer)
+        if kept:
+            # Decode's handshake may have created the room (WaitingForInput) though no
+            # sender owns it: nobody would clear that state, so drop it now.
+            for name in ("request_status", "transfer_infos", "req_to_decode_prefix_len", "failure_records"):
+                table = getattr(mgr, name, None)
+                if isinstance(table, dict):
+                    table.pop(room, None)  # one dict op: atomic
+        status = mgr.request_status.get(room)
+        if status is not None and status != KVPoll.Success:
+            with mgr.failure_lock:
+                # Re-checked under the lock failure_exception() pops with: a room
+                # cleared meanwhile must not get a record back.
+                if room in mgr.request_status:
+                    mgr.failure_records.setdefault(room, DECODE_ABORT_REASON.format(room=room))
+    handled = original(msg)
+    if kept and note.room in mgr.request_status:
+        ledger.drop_cancel(note.room)  # the sender appeared meanwhile; upstream failed it
+    return handled
+
+
+def on_prefill_create_sender(result: Any, queue_: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+    """AFTER `PrefillBootstrapQueue.create_sender`: a room decode already ended is
+    Failed before it waits for a handshake; pop_bootstrapped retires it next."""
+    mgr = queue_.kv_manager
+    ledger = ledger_of(mgr)
+    if not result or ledger is None or req.bootstrap_room is None or not hasattr(mgr, "_handle_abort_notification"):
+        return None
+    reason = ledger.own(req.bootstrap_room)
+    if reason is not None:
+        logger.info("room_ledger: %s (rid=%s)", reason, req.rid)
+        # the ABORT handler may have dropped the room the sender had just opened
+        mgr.request_status.setdefault(req.bootstrap_room, KVPoll.Bootstrapping)
+        ledger.end(req.bootstrap_room, None, reason, tell=False)
+    return None
+
+
+def on_sender_clear(result: Any, sender: Any, *args: Any, **kwargs: Any) -> None:
+    """AFTER `CommonKVSender.clear`: a room this prefill failed is remembered as ended
+    (decode answers our Failed with an ABORT, which cancels no room still to come)."""
+    ledger = ledger_of(sender.kv_mgr)
+    if ledger is not None:
+        ledger.disown(sender.bootstrap_room, sender.conclude_state == KVPoll.Failed)
+    return None
+
+
+def around_update_status(original, mgr, bootstrap_room, status, *args, **kwargs):
+    """AROUND CommonKVManager.update_status. Decode's handshake (WaitingForInput) for a
+    room prefill ended and cleared would re-create it and leak it: answer decode Failed
+    with the recorded reason at once and drop what the bootstrap thread stored. If the
+    room is Failed but not cleared yet, the handshake lands (clear() drops it) and
+    decode, which the failure could not reach before, is told now."""
+    ledger = ledger_of(mgr)
+    if status != KVPoll.WaitingForInput or ledger is None or not ledger.ended:
+        return original(mgr, bootstrap_room, status, *args, **kwargs)
+    current = mgr.request_status.get(bootstrap_room)
+    if current is not None and current != KVPoll.Failed:
+        return original(mgr, bootstrap_room, status, *args, **kwargs)
+    reason = ledger.late_answer(bootstrap_room, pop=current is None)
+    if reason is None:
+        return original(mgr, bootstrap_room, status, *args, **kwargs)
+    targets = mgr._room_notify_targets(bootstrap_room)
+    result = None
+    if current is None:
+        mgr.transfer_infos.pop(bootstrap_room, None)
+        mgr.req_to_decode_prefix_len.pop(bootstrap_room, None)
+    else:
+        result = original(mgr, bootstrap_room, status, *args, **kwargs)
+    mgr.send_kv_status_message(
+        targets=targets, bootstrap_room=bootstrap_room, status=KVPoll.Failed, failure_reason=reason
+    )
+    return result
+
+
+def around_record_failure(original, mgr, bootstrap_room, failure_reason, *args, **kwargs):
+    """AROUND CommonKVManager.record_failure (the one hook on it). Not recorded: on
+    decode, a failure for a room already ended and cleared (e.g. prefill's answer to a
+    late handshake: no receiver would ever pop it); anywhere, a vaguer reason over a
+    peer-loss one (the root cause, answered 502)."""
+    from sglang.srt.disaggregation.peer_liveness import TAG as PEER_LOST
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+
+    if getattr(mgr, "disaggregation_mode", None) == DisaggregationMode.DECODE and bootstrap_room not in mgr.request_status:
+        logger.debug("room_ledger: dropping failure for ended room %s: %s", bootstrap_room, failure_reason)
+        return None
+    current = mgr.failure_records.get(bootstrap_room)
+    if current and current.startswith(PEER_LOST) and not (failure_reason or "").startswith(PEER_LOST):
+        return None
+    return original(mgr, bootstrap_room, failure_reason, *args, **kwargs)
 
 
 # ----------------------------------------------------------------------------- the verdict
@@ -211,20 +483,48 @@ def ended_at_gate(role: Any, obj: Any, why: str) -> None:
         tell_prefill(host, port, room, why)
 
 
-def after_ensure_abort_notified(result: Any, receiver: Any, *args: Any, **kwargs: Any) -> Any:
-    """AFTER `CommonKVReceiver.ensure_abort_notified` (decode): a room decode ended
-    before it knew prefill's rank endpoints (the first request to that prefill) sent no
-    ABORT; tell prefill through its bootstrap server instead (once per receiver)."""
+def after_send_abort_output(result: Any, scheduler: Any, abort_req: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+    """AFTER `Scheduler.send_abort_output`: a request decode's scheduler rejected
+    before it entered the prealloc queue (its room never existed here: priority,
+    validation, a full queue) still ends prefill's copy at once."""
+    from sglang.srt.disaggregation.utils import DisaggregationMode, TransferBackend
+
     if (
-        receiver.abort_notified
-        or getattr(receiver, "bootstrap_infos", None) is not None
-        or getattr(receiver, "_fork_told_prefill", False)
-        or not getattr(receiver, "_owns_bootstrap_room", True)
+        scheduler.disaggregation_mode == DisaggregationMode.DECODE
+        and scheduler.transfer_backend != TransferBackend.FAKE
+        and not req.time_stats.decode_prealloc_queue_entry_time
     ):
+        tell_prefill(req.bootstrap_host, req.bootstrap_port, req.bootstrap_room, "rejected by decode's scheduler")
+    return result
+
+
+def after_ensure_abort_notified(result: Any, receiver: Any, *args: Any, **kwargs: Any) -> Any:
+    """AFTER `CommonKVReceiver.ensure_abort_notified` (decode; the one hook on it).
+    A room decode ended before it knew prefill's rank endpoints (the first request to
+    that prefill) sent no ABORT: tell prefill through its bootstrap server instead
+    (once per receiver). A room armed for prefill's drain ack is noted against that
+    prefill, so its loss settles it; a prefill already lost is acked for at once (it
+    will never ack, and no write of it can still land)."""
+    from sglang.srt.disaggregation.peer_liveness import monitor_of
+
+    addr = getattr(receiver, "bootstrap_addr", None)
+    if not (receiver.abort_notified or getattr(receiver, "bootstrap_infos", None) is not None
+            or getattr(receiver, "_fork_told_prefill", False)
+            or not getattr(receiver, "_owns_bootstrap_room", True)):
+        receiver._fork_told_prefill = True
+        host, _, port = str(addr).rpartition(":")
+        tell_prefill(host.strip("[]"), int(port), receiver.bootstrap_room,
+                     "ended on decode before prefill's info was fetched")
         return result
-    receiver._fork_told_prefill = True
-    host, _, port = str(receiver.bootstrap_addr).rpartition(":")
-    tell_prefill(host.strip("[]"), int(port), receiver.bootstrap_room, "ended on decode before prefill's info was fetched")
+    mgr = receiver.kv_mgr
+    monitor, ledger = monitor_of(mgr), ledger_of(mgr)
+    generation = getattr(receiver, "_abort_generation", None)
+    room = receiver.bootstrap_room
+    if monitor is None or ledger is None or generation is None or room not in mgr._deferred_abort_ack_tracker:
+        return result
+    ledger.note_drain(room, addr, generation, len(receiver.bootstrap_infos or ()))
+    if addr in monitor.lost:  # lost already, or meanwhile (settle_peer may have run)
+        ledger.settle_peer(addr)
     return result
 
 

@@ -17,11 +17,10 @@ through the all-reduce, so every rank drops the same requests in the same pass.
 from __future__ import annotations
 
 import logging
-from collections import Counter, OrderedDict
+from collections import Counter
 from typing import Any, List, Sequence, Tuple
 
 from sglang.srt.disaggregation import request_end_cause, room_ledger
-from sglang.srt.disaggregation.base import KVPoll
 from sglang.srt.disaggregation.transfer_deadline_knob import ARG, ENV, configured
 from sglang.srt.managers.engine_clock import engine_clock
 
@@ -48,7 +47,6 @@ MAX_SCAN_INTERVAL = 1.0
 COUNTS: Counter = Counter()
 _next_scan: dict = {}
 _NEVER = float("-inf")
-_prom_counter = None
 
 
 # ----------------------------------------------------------------------------- pure
@@ -102,43 +100,23 @@ def _decides() -> bool:
 
 
 def _count(scheduler, stage: str) -> None:
-    COUNTS[stage] += 1
-    reporter = getattr(scheduler, "metrics_reporter", None)
-    if reporter is None or not getattr(reporter, "enable_metrics", False):
-        return
-    global _prom_counter
-    labels = getattr(scheduler.metrics_collector, "labels", None)
-    labels = dict(labels) if isinstance(labels, dict) else {}
-    if _prom_counter is None:
-        from prometheus_client import Counter as PromCounter
+    from sglang.srt.disaggregation import fork_metrics
 
-        _prom_counter = PromCounter(
-            name="sglang:num_transfer_timeout_reqs_total",
-            documentation="PD requests aborted (HTTP 504) by the transfer deadline, by stage.",
-            labelnames=list(labels) + ["stage"],
-        )
-    _prom_counter.labels(**labels, stage=stage).inc(1)
+    COUNTS[stage] += 1
+    fork_metrics.inc("transfer_timeout", fork_metrics.scheduler_labels(scheduler), stage=stage)
 
 
 def _fail_room(endpoint, room: int, reason: str, side: str) -> None:
-    """Move the room to Failed with `reason` and tell the peer (best effort)."""
+    """End the room through the ledger: Failed with `reason`, the peer told (prefill:
+    a late handshake is answered Failed too); fake endpoints have no peer."""
     kv_mgr = endpoint.kv_mgr
-    request_end_cause.tag(kv_mgr, room, request_end_cause.TIMEOUT)
-    if side == "prefill" and hasattr(kv_mgr, "conclude_failure"):
-        # Records the reason, marks Failed, sends Failed to the room's decode
-        # endpoints (known once decode's metadata arrived); a handshake that comes
-        # later is answered by `before_update_status`.
-        _remember_expired(kv_mgr, room, reason)
-        kv_mgr.conclude_failure(bootstrap_room=room, failure_reason=reason)
+    if not hasattr(kv_mgr, "record_failure"):
+        endpoint.abort()
         return
-    if side == "decode" and hasattr(kv_mgr, "record_failure"):
-        kv_mgr.record_failure(room, reason)
-        kv_mgr.update_status(room, KVPoll.Failed)
-        # The receiver's abort notification to its prefill ranks (arms the drain
-        # ACK when prefill may already be writing into the preallocated pages).
-        endpoint.ensure_abort_notified()
-        return
-    endpoint.abort()  # fake-transfer endpoints: no peer, no room tables
+    room_ledger.end_room(
+        kv_mgr, room, request_end_cause.TIMEOUT, reason, remember=side == "prefill",
+        receiver=endpoint if side == "decode" else None,
+    )
 
 
 def _expire(scheduler, stage: str, queue: Sequence[Any], side: str, keep=None) -> None:
@@ -169,58 +147,6 @@ def _expire(scheduler, stage: str, queue: Sequence[Any], side: str, keep=None) -
         logger.warning(text)
         _fail_room(endpoint, req.bootstrap_room, text, side)
         _count(scheduler, stage)
-
-
-# ----------------------------------------------------------------------------- late handshakes
-
-# Prefill rooms this module failed, per kv manager, newest last; bounded.
-MAX_REMEMBERED_ROOMS = 4096
-
-
-def _remember_expired(kv_mgr, room: int, reason: str) -> None:
-    rooms = kv_mgr.__dict__.setdefault("fork_expired_rooms", OrderedDict())
-    rooms[room] = reason
-    rooms.move_to_end(room)
-    while len(rooms) > MAX_REMEMBERED_ROOMS:
-        rooms.popitem(last=False)
-
-
-def around_update_status(original, kv_mgr, bootstrap_room, status, *args, **kwargs):
-    """AROUND CommonKVManager.update_status. Decode's metadata for a room prefill
-    already expired or aborted (and cleared) would re-create the room
-    (WaitingForInput) and leak it: instead answer decode Failed with the recorded
-    reason at once and drop what the bootstrap thread stored for it. If the room is
-    Failed but not cleared yet, decode is answered Failed the same way."""
-    expired = kv_mgr.__dict__.get("fork_expired_rooms")
-    if (
-        expired
-        and status == KVPoll.WaitingForInput
-        and bootstrap_room in expired
-        and kv_mgr.request_status.get(bootstrap_room) == KVPoll.Failed
-    ):
-        # Failed here but not cleared yet: the handshake lands (clear() drops it),
-        # and decode, which the failure could not reach before, is told now.
-        result = original(kv_mgr, bootstrap_room, status, *args, **kwargs)
-        kv_mgr.send_kv_status_message(
-            targets=kv_mgr._room_notify_targets(bootstrap_room), bootstrap_room=bootstrap_room,
-            status=KVPoll.Failed, failure_reason=expired[bootstrap_room],
-        )
-        return result
-    if (
-        expired
-        and status == KVPoll.WaitingForInput
-        and bootstrap_room in expired
-        and bootstrap_room not in kv_mgr.request_status
-    ):
-        targets = kv_mgr._room_notify_targets(bootstrap_room)
-        kv_mgr.transfer_infos.pop(bootstrap_room, None)
-        kv_mgr.req_to_decode_prefix_len.pop(bootstrap_room, None)
-        kv_mgr.send_kv_status_message(
-            targets=targets, bootstrap_room=bootstrap_room, status=KVPoll.Failed,
-            failure_reason=expired.pop(bootstrap_room),
-        )
-        return None
-    return original(kv_mgr, bootstrap_room, status, *args, **kwargs)
 
 
 # ----------------------------------------------------------------------------- hooks

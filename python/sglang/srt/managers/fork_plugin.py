@@ -91,7 +91,8 @@ HOOKS: list[tuple[str, str, HookType]] = [
         "sglang.srt.managers.pd_pause_aborts:paused_loop_tick",
         HookType.AFTER,
     ),
-    # room_ledger: one per kv manager (drains owed by a peer, ends decode decided),
+    # room_ledger: one per kv manager, the one way a room ends (drains owed by a peer,
+    # ended rooms, ends decode decided before its scheduler),
     # and the one verdict on how a PD request that ends on a failure path is answered
     (
         "sglang.srt.disaggregation.utils.prepare_abort",
@@ -112,6 +113,33 @@ HOOKS: list[tuple[str, str, HookType]] = [
         "sglang.srt.disaggregation.common.conn.CommonKVReceiver.ensure_abort_notified",
         "sglang.srt.disaggregation.room_ledger:after_ensure_abort_notified",
         HookType.AFTER,
+    ),
+    (
+        "sglang.srt.managers.scheduler.Scheduler.send_abort_output",
+        "sglang.srt.disaggregation.room_ledger:after_send_abort_output",
+        HookType.AFTER,
+    ),
+    # its memory of ended rooms: a late handshake is answered Failed, a room decode
+    # cancelled first fails at creation; and the one hook on record_failure
+    (
+        "sglang.srt.disaggregation.common.conn.CommonKVManager.update_status",
+        "sglang.srt.disaggregation.room_ledger:around_update_status",
+        HookType.AROUND,
+    ),
+    (
+        "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue.create_sender",
+        "sglang.srt.disaggregation.room_ledger:on_prefill_create_sender",
+        HookType.AFTER,
+    ),
+    (
+        "sglang.srt.disaggregation.common.conn.CommonKVSender.clear",
+        "sglang.srt.disaggregation.room_ledger:on_sender_clear",
+        HookType.AFTER,
+    ),
+    (
+        "sglang.srt.disaggregation.common.conn.CommonKVManager.record_failure",
+        "sglang.srt.disaggregation.room_ledger:around_record_failure",
+        HookType.AROUND,
     ),
     # Transfer deadlines: expire overdue requests before each PD queue polls.
     (
@@ -159,12 +187,6 @@ HOOKS: list[tuple[str, str, HookType]] = [
         "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager",
         "sglang.srt.disaggregation.lost_decode_handshake:validate_at_start",
         HookType.AFTER,
-    ),
-    # Decode's late handshake for a room prefill's deadline expired: answer Failed.
-    (
-        "sglang.srt.disaggregation.common.conn.CommonKVManager.update_status",
-        "sglang.srt.disaggregation.transfer_deadline:around_update_status",
-        HookType.AROUND,
     ),
     # A transfer worker that raises fails its in-flight room and starts again
     # (installed on MooncakeKVManager when the prefill queue builds its manager).
@@ -217,11 +239,6 @@ HOOKS: list[tuple[str, str, HookType]] = [
         "sglang.srt.disaggregation.abort_retirement:around_pending_chunked_abort",
         HookType.AROUND,
     ),
-    (
-        "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager",
-        "sglang.srt.disaggregation.abort_retirement:on_prefill_manager_init",
-        HookType.AFTER,
-    ),
     # peer_liveness: a crashed peer is noticed at once, its requests end (502), and a
     # restarted peer is accepted without restarting this side.
     (
@@ -240,11 +257,6 @@ HOOKS: list[tuple[str, str, HookType]] = [
         HookType.AROUND,
     ),
     (
-        "sglang.srt.disaggregation.common.conn.CommonKVManager.record_failure",
-        "sglang.srt.disaggregation.peer_liveness:around_record_failure",
-        HookType.AROUND,
-    ),
-    (
         "sglang.srt.disaggregation.common.conn.CommonKVManager._send_multipart_locked",
         "sglang.srt.disaggregation.peer_liveness:around_send_multipart_locked",
         HookType.AROUND,
@@ -257,33 +269,6 @@ HOOKS: list[tuple[str, str, HookType]] = [
     (
         "sglang.srt.disaggregation.common.conn.CommonKVManager.conclude_transfer",
         "sglang.srt.disaggregation.peer_liveness:around_conclude_transfer",
-        HookType.AROUND,
-    ),
-    (
-        "sglang.srt.disaggregation.common.conn.CommonKVReceiver.ensure_abort_notified",
-        "sglang.srt.disaggregation.peer_liveness:after_ensure_abort_notified",
-        HookType.AFTER,
-    ),
-    # cancelled_rooms: decode's ABORT for a room prefill has not created yet is kept,
-    # and the room fails at creation instead of waiting out the bootstrap timeout.
-    (
-        "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager",
-        "sglang.srt.disaggregation.cancelled_rooms:on_prefill_manager_init",
-        HookType.AFTER,
-    ),
-    (
-        "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue.create_sender",
-        "sglang.srt.disaggregation.cancelled_rooms:on_prefill_create_sender",
-        HookType.AFTER,
-    ),
-    (
-        "sglang.srt.disaggregation.common.conn.CommonKVSender.clear",
-        "sglang.srt.disaggregation.cancelled_rooms:on_sender_clear",
-        HookType.AFTER,
-    ),
-    (
-        "sglang.srt.disaggregation.common.conn.CommonKVManager.record_failure",
-        "sglang.srt.disaggregation.cancelled_rooms:around_record_failure",
         HookType.AROUND,
     ),
 ]

@@ -242,9 +242,7 @@ def end_prefill_rooms(scheduler, reqs: List[Any], reason: Optional[str]) -> None
     ends its copy too, nothing re-bootstraps the room) the room is also remembered as
     ended, so decode's handshake still on the wire is answered Failed with `reason`
     instead of re-creating the room (transfer_deadline's late-handshake guard).
-    Overlaps issue 5's general clearing of aborted rooms; idempotent with it."""
-    from sglang.srt.disaggregation import transfer_deadline
-
+    The ending goes through the room ledger; sender.clear() is the lifecycle's."""
     held = {id(r) for r in held_reqs(scheduler)}
     mgr = scheduler.disagg_prefill_bootstrap_queue.kv_manager
     for req in reqs:
@@ -256,12 +254,10 @@ def end_prefill_rooms(scheduler, reqs: List[Any], reason: Optional[str]) -> None
             sender.clear()
             mgr.failure_records.pop(room, None)  # one dict op: atomic
         if reason is not None:
-            transfer_deadline._remember_expired(mgr, room, reason.format(room=room))
-            # and a new prefill copy of the room (decode's re-bootstrap) fails at
-            # creation, as decode's copy was answered Failed (disaggregation.cancelled_rooms)
-            cancelled = getattr(mgr, "fork_cancelled_rooms", None)
-            if cancelled is not None:
-                cancelled.add(room, reason.format(room=room))
+            # a new prefill copy of the room (decode's re-bootstrap) fails at creation,
+            # as decode's copy was answered Failed
+            room_ledger.end_room(mgr, room, None, reason.format(room=room),
+                                 fail=False, tell=False, remember=True, cancel=True)
 
 
 def _queue_lengths(scheduler) -> Dict[str, int]:

@@ -101,7 +101,7 @@ def _room_tables(kv_manager) -> Dict[str, int]:
 
 
 def build_report(scheduler) -> Dict[str, Any]:
-    from sglang.srt.disaggregation import cancelled_rooms, queue_memory
+    from sglang.srt.disaggregation import queue_memory, room_ledger
     from sglang.srt.managers import pd_pause
     from sglang.srt.disaggregation.peer_liveness import peer_tables
     from sglang.srt.managers.fork_plugin import hooks_applied
@@ -124,7 +124,7 @@ def build_report(scheduler) -> Dict[str, Any]:
             None if kv_manager is None else queue_memory.registration_report(kv_manager)
         ),
         # Peer cancellations kept for rooms not created yet (bounded; held by no request).
-        "cancelled_rooms": None if kv_manager is None else cancelled_rooms.report(kv_manager),
+        "cancelled_rooms": None if kv_manager is None else room_ledger.report(kv_manager),
     }
 
 
