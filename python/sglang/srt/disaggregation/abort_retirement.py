@@ -25,6 +25,7 @@ from typing import Any, Iterable, List, Optional, Tuple
 
 from sglang.srt.disaggregation import request_end_cause as end_cause, room_ledger
 from sglang.srt.disaggregation.base import KVPoll
+from sglang.srt.managers import fork_touch
 
 logger = logging.getLogger(__name__)
 
@@ -267,29 +268,31 @@ def on_prefill_manager_init(mgr: Any, queue: Any, *args: Any, **kwargs: Any):
     abort, not as a failure "for an unknown reason from another rank". An ABORT for a
     room prefill does not have yet is `cancelled_rooms`' (its reason carries
     `ABORT_TAG`, so that leg ends as an abort too)."""
-    handler = getattr(mgr, "_handle_abort_notification", None)
-    if handler is None or getattr(handler, "fork_wrapped", False):
+    if mgr is None or getattr(getattr(mgr, "_handle_abort_notification", None), "fork_wrapped", False):
         return mgr
 
-    def handle_abort_notification(msg: List[bytes]) -> bool:
-        from sglang.srt.disaggregation.common.conn import ABORT_TAG as WIRE_ABORT
+    def recording_why(handler):
+        def handle_abort_notification(msg: List[bytes]) -> bool:
+            from sglang.srt.disaggregation.common.conn import ABORT_TAG as WIRE_ABORT
 
-        from sglang.srt.disaggregation.common.conn import AbortNotification
+            from sglang.srt.disaggregation.common.conn import AbortNotification
 
-        notification = AbortNotification.from_zmq(msg) if msg and msg[0] == WIRE_ABORT else None
-        if notification is not None:
-            room = notification.room
-            status = mgr.request_status.get(room)
-            if status is not None and status != KVPoll.Success:
-                with mgr.failure_lock:
-                    # Re-checked under the lock failure_exception() pops with: a
-                    # room cleared meanwhile must not get a record back.
-                    if room in mgr.request_status:
-                        mgr.failure_records.setdefault(room, DECODE_ABORT_REASON.format(room=room))
-        return handler(msg)
+            notification = AbortNotification.from_zmq(msg) if msg and msg[0] == WIRE_ABORT else None
+            if notification is not None:
+                room = notification.room
+                status = mgr.request_status.get(room)
+                if status is not None and status != KVPoll.Success:
+                    with mgr.failure_lock:
+                        # Re-checked under the lock failure_exception() pops with: a
+                        # room cleared meanwhile must not get a record back.
+                        if room in mgr.request_status:
+                            mgr.failure_records.setdefault(room, DECODE_ABORT_REASON.format(room=room))
+            return handler(msg)
 
-    handle_abort_notification.fork_wrapped = True
-    mgr._handle_abort_notification = handle_abort_notification
+        handle_abort_notification.fork_wrapped = True
+        return handle_abort_notification
+
+    fork_touch.swap(mgr, "_handle_abort_notification", recording_why, by=__name__)
     return mgr
 
 

@@ -29,6 +29,7 @@ from collections import OrderedDict
 from typing import Any, List, Optional, Tuple
 
 from sglang.srt.disaggregation.base import KVPoll
+from sglang.srt.managers import fork_touch
 from sglang.srt.managers.engine_clock import engine_clock
 
 logger = logging.getLogger(__name__)
@@ -148,20 +149,23 @@ def on_prefill_manager_init(mgr: Any, queue: Any, *args: Any, **kwargs: Any) -> 
     bootstrap thread's ABORT handler on the instance (the thread looks it up per
     message); managers without one (fake, or upstream's deferred-bootstrap path,
     which keeps cancellations itself) are left as they are."""
-    original = getattr(mgr, "_handle_abort_notification", None)
-    if original is None or getattr(mgr, "fork_cancelled_rooms", None) is not None:
+    if mgr is None or getattr(mgr, "fork_cancelled_rooms", None) is not None:
         return None
-    mgr.fork_cancelled_rooms = CancelledRooms(_ttl_s())
 
-    def handle_abort_notification(msg: List[bytes]) -> bool:
-        room = note_abort(mgr, msg)
-        handled = original(msg)
-        if room is not None and room in mgr.request_status:
-            # The sender appeared meanwhile; upstream's handler has failed it.
-            mgr.fork_cancelled_rooms.discard(room)
-        return handled
+    def keeping_cancellations(original):
+        def handle_abort_notification(msg: List[bytes]) -> bool:
+            room = note_abort(mgr, msg)
+            handled = original(msg)
+            if room is not None and room in mgr.request_status:
+                # The sender appeared meanwhile; upstream's handler has failed it.
+                mgr.fork_cancelled_rooms.discard(room)
+            return handled
 
-    mgr._handle_abort_notification = handle_abort_notification
+        return handle_abort_notification
+
+    mgr.fork_cancelled_rooms = CancelledRooms(_ttl_s())  # before the bootstrap thread may use it
+    if fork_touch.swap(mgr, "_handle_abort_notification", keeping_cancellations, by=__name__) is None:
+        del mgr.fork_cancelled_rooms  # not a mooncake manager: nothing to keep
     return None
 
 

@@ -17,6 +17,7 @@ attribute read per write.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -24,6 +25,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 
 from sglang.srt.disaggregation.base import KVPoll
 from sglang.srt.environ import envs
+from sglang.srt.managers import fork_touch
 
 logger = logging.getLogger(__name__)
 
@@ -276,10 +278,12 @@ def on_prefill_manager_init(mgr: Any, queue: Any, *args: Any, **kwargs: Any) -> 
     request has been sent yet). Hooked here rather than on `MooncakeKVManager`, whose
     module must not be imported when plugins load (it creates prometheus metrics)."""
     mgr.fork_chunk_faults = FaultPlan.parse(envs.SGLANG_TEST_DISAGG_FAIL_CHUNKS.get() or "")
-    if isinstance(getattr(mgr, "failed_sessions", None), set):  # mooncake (prefill)
-        with mgr.session_lock:
-            assert not mgr.failed_sessions, "session blacklist swapped after first use"
-            mgr.failed_sessions = SessionBlacklist(mgr)
+    def probing(failed_sessions):
+        assert not failed_sessions, "session blacklist swapped after first use"
+        return SessionBlacklist(mgr)
+
+    with getattr(mgr, "session_lock", contextlib.nullcontext()):  # mooncake's (prefill)
+        fork_touch.swap(mgr, "failed_sessions", probing, by=__name__)
     return None
 
 

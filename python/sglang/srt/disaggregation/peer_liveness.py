@@ -38,6 +38,7 @@ from sglang.srt.disaggregation.base import KVPoll
 from sglang.srt.disaggregation.request_end_cause import PEER_FAILURE, tag
 from sglang.srt.disaggregation.room_ledger import ledger_of
 from sglang.srt.environ import envs
+from sglang.srt.managers import fork_touch
 
 logger = logging.getLogger(__name__)
 
@@ -388,17 +389,18 @@ def _start(queue: Any, mgr: Any, role: str) -> None:
     metrics = bool(getattr(reporter, "enable_metrics", False))
     monitor = PeerMonitor(mgr, role, dict(labels) if isinstance(labels, dict) else {}, metrics)
     mgr.__dict__[_MONITOR] = monitor
-    if role == "prefill" and hasattr(mgr, "_publish_peer_registration"):
+    if role == "prefill":
         # mooncake's bootstrap thread looks the method up per message: a registration
         # is seen at once (a restarted decode is recognised before its first request)
-        publish = mgr._publish_peer_registration
+        def watching(publish):
+            def publish_and_watch(session_id, decode_kv_args, *a, **kw):
+                result = publish(session_id, decode_kv_args, *a, **kw)
+                monitor.registered(session_id, decode_kv_args.endpoint, int(decode_kv_args.dst_port))
+                return result
 
-        def publish_and_watch(session_id, decode_kv_args, *a, **kw):
-            result = publish(session_id, decode_kv_args, *a, **kw)
-            monitor.registered(session_id, decode_kv_args.endpoint, int(decode_kv_args.dst_port))
-            return result
+            return publish_and_watch
 
-        mgr._publish_peer_registration = publish_and_watch
+        fork_touch.swap(mgr, "_publish_peer_registration", watching, by=__name__)
     monitor.start()
 
 

@@ -4,7 +4,9 @@ An AFTER hook on upstream's `SchedulerInternalStateController.get_internal_state
 (GET /server_info or /get_server_info -> internal_states[i]) adds: KV tokens (free,
 total, cached-evictable, protected, held by requests), request slots, PD
 metadata-buffer slots, PD queue lengths per role, per-room table sizes of the transfer
-kv_manager, its per-peer table sizes (`peers`, see peer_liveness), and `hooks_applied`. Tests compare it with an idle baseline; read-only.
+kv_manager, its per-peer table sizes (`peers`, see peer_liveness), `hooks_applied` and
+`swaps_applied` (fork_plugin.SWAPS on this kv manager). Tests compare it with an idle
+baseline; read-only.
 """
 
 from __future__ import annotations
@@ -104,6 +106,7 @@ def build_report(scheduler) -> Dict[str, Any]:
     from sglang.srt.disaggregation import cancelled_rooms, queue_memory
     from sglang.srt.managers import pd_pause
     from sglang.srt.disaggregation.peer_liveness import peer_tables
+    from sglang.srt.managers import fork_touch
     from sglang.srt.managers.fork_plugin import hooks_applied
 
     mode = scheduler.disaggregation_mode
@@ -118,6 +121,8 @@ def build_report(scheduler) -> Dict[str, Any]:
         "queues": _queues(scheduler),
         "transfer_rooms": None if kv_manager is None else _room_tables(kv_manager),
         "hooks_applied": hooks_applied(),
+        # fork_plugin.SWAPS made on this scheduler's kv manager, each still in place
+        "swaps_applied": fork_touch.swaps_applied(kv_manager, mode.value),
         "pause": pd_pause.report(scheduler),
         "peers": None if kv_manager is None else peer_tables(kv_manager),
         "te_registration": (
