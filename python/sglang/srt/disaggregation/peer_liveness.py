@@ -36,6 +36,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from sglang.srt.disaggregation.base import KVPoll
 from sglang.srt.disaggregation.request_end_cause import PEER_FAILURE, tag
+from sglang.srt.disaggregation import room_ledger
 from sglang.srt.disaggregation.room_ledger import ledger_of
 from sglang.srt.environ import envs
 from sglang.srt.managers import fork_touch
@@ -43,9 +44,9 @@ from sglang.srt.managers import fork_touch
 logger = logging.getLogger(__name__)
 
 # Opens every failure reason this module records; `prepare_abort` maps it to 502.
-TAG = "PD peer lost"
+TAG = room_ledger.PEER_LOST_TAG
 # How upstream's decode heartbeat words the loss of a prefill (common/conn.py).
-UPSTREAM_PREFILL_LOST = "Lost connection with prefill instance"
+UPSTREAM_PREFILL_LOST = room_ledger.UPSTREAM_PREFILL_LOST
 # How upstream's transfer worker fails a room whose decode session is blacklisted
 # (mooncake/conn.py); reworded by `around_conclude_transfer`.
 UPSTREAM_SESSION_DEAD = "Decode instance could be dead, remote mooncake session"

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Dict, List
 
+from sglang.srt.disaggregation import pd_queues
 from sglang.srt.managers import pd_pause
 
 logger = logging.getLogger(__name__)
@@ -79,10 +80,8 @@ ROOM_TABLES = (
 
 
 def _live_rooms(scheduler) -> set:
-    reqs = pd_pause.queued_reqs(scheduler) + list(scheduler.running_batch.reqs)
-    if pd_pause.pd_role(scheduler) == "decode":
-        reqs += list(scheduler.disagg_decode_prealloc_queue.held_rebootstrap_reqs)
-        reqs += list(scheduler.disagg_decode_prealloc_queue.retracted_queue)
+    reqs = pd_queues.queued_reqs(scheduler) + list(scheduler.running_batch.reqs)
+    reqs += pd_queues.parked_reqs(scheduler)
     return {getattr(r, "bootstrap_room", None) for r in reqs}
 
 

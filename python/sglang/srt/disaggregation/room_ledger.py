@@ -95,6 +95,18 @@ def ledger_of(mgr: Any) -> Optional[RoomLedger]:
 
 # ----------------------------------------------------------------------------- the verdict
 
+# How a failure reason names its cause, when it crossed the wire or came from upstream.
+# Declared here, where the verdict reads them; the modules that write them use these
+# names (so the verdict imports none of them: no import circle).
+DEADLINE_TAG = "PD transfer deadline exceeded"  # transfer_deadline.TAG
+PEER_LOST_TAG = "PD peer lost"  # peer_liveness.TAG
+UPSTREAM_PREFILL_LOST = "Lost connection with prefill instance"  # upstream's decode heartbeat
+ABORT_TAG = "PD request aborted"  # abort_retirement.ABORT_TAG
+UPSTREAM_ABORT_REASON = "Aborted by AbortReq"  # upstream's Common{Sender,Receiver}.abort()
+ABORT_REASONS = (ABORT_TAG, UPSTREAM_ABORT_REASON)
+CLIENT_ABORT_MESSAGE = "Aborted by the client."
+RELEASE_MARKER = "engine memory released"  # pd_pause.RELEASE_MARKER
+
 # Per request, set by the module that decided its end (read only here).
 PAUSE_ABORT = "_fork_pause_abort"  # pd_pause: the pause/release message
 REQUESTED_ABORT = "fork_abort_verdict"  # abort_retirement: (message, status) the AbortReq asked for
@@ -130,19 +142,17 @@ MESSAGE_STATUS = (("deadline_tag", HTTPStatus.GATEWAY_TIMEOUT), ("release", None
 
 
 def _markers():
-    from sglang.srt.disaggregation import abort_retirement, peer_liveness, transfer_deadline
-
     return {
-        "deadline_tag": (transfer_deadline.TAG,),
-        "release": ("engine memory released",),  # pd_pause.RELEASE_MARKER
-        "peer_abort": abort_retirement.ABORT_REASONS,
-        "peer_lost": (peer_liveness.TAG, peer_liveness.UPSTREAM_PREFILL_LOST),
+        "deadline_tag": (DEADLINE_TAG,),
+        "release": (RELEASE_MARKER,),
+        "peer_abort": ABORT_REASONS,
+        "peer_lost": (PEER_LOST_TAG, UPSTREAM_PREFILL_LOST),
     }
 
 
 def verdict(req: Any, error_message: str, status_code: Any) -> Tuple[str, Any]:
     """(message, status) `prepare_abort` reports for `req`, by VERDICT_TABLE."""
-    from sglang.srt.disaggregation import abort_retirement, request_end_cause
+    from sglang.srt.disaggregation import request_end_cause
 
     text = str(error_message or "")
     markers = _markers()
@@ -164,7 +174,7 @@ def verdict(req: Any, error_message: str, status_code: Any) -> Tuple[str, Any]:
             message, status = found[cause]
         elif cause == "peer_abort":
             request_end_cause.tag_req(req, request_end_cause.CLIENT_ABORT)
-            message, status = abort_retirement.CLIENT_ABORT_MESSAGE, None
+            message, status = CLIENT_ABORT_MESSAGE, None
         else:
             message = error_message
             if any(t in text for t in markers["peer_lost"]):

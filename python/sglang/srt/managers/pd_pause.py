@@ -19,14 +19,14 @@ import logging
 import time
 from typing import Any, Dict, List, Optional
 
-from sglang.srt.disaggregation import room_ledger
+from sglang.srt.disaggregation import pd_queues, room_ledger
 from sglang.srt.managers.engine_clock import engine_clock
 
 logger = logging.getLogger(__name__)
 
 RELEASE_ABORT_MESSAGE = "Aborted: engine memory released during pause (mode={mode})."
 RELEASE_NO_PAUSE_MESSAGE = "Aborted: engine memory released without a pause."
-RELEASE_MARKER = "engine memory released"
+RELEASE_MARKER = room_ledger.RELEASE_MARKER
 # The status of an abort the pause path decides: none, i.e. upstream's abort answer
 # (HTTP 200, finish_reason "abort" with the message). RL clients recycle exactly that.
 PAUSE_ABORT_STATUS = None
@@ -57,15 +57,7 @@ def scheduler_pause(scheduler) -> _SchedulerPause:
     return sp
 
 
-def pd_role(scheduler):
-    from sglang.srt.disaggregation.utils import DisaggregationMode
-
-    mode = scheduler.disaggregation_mode
-    return (
-        "prefill"
-        if mode == DisaggregationMode.PREFILL
-        else "decode" if mode == DisaggregationMode.DECODE else None
-    )
+pd_role = pd_queues.role
 
 
 def scheduler_pause_generation(original, scheduler, recv_req):
@@ -97,20 +89,7 @@ def scheduler_continue_generation(result, scheduler, recv_req, *args, **kwargs):
     return result
 
 
-def _transfer_endpoints(scheduler) -> List[Any]:
-    """Live KV senders/receivers of every request in this scheduler's PD queues."""
-    out = []
-    role = pd_role(scheduler)
-    if role == "prefill":
-        reqs = list(scheduler.disagg_prefill_bootstrap_queue.queue)
-        reqs += list(scheduler.disagg_prefill_inflight_queue)
-        reqs += list(scheduler.waiting_queue)
-        out = [getattr(r, "disagg_kv_sender", None) for r in reqs]
-    elif role == "decode":
-        entries = list(scheduler.disagg_decode_prealloc_queue.queue)
-        entries += list(scheduler.disagg_decode_transfer_queue.queue)
-        out = [getattr(e, "kv_receiver", None) for e in entries]
-    return [x for x in out if x is not None]
+_transfer_endpoints = pd_queues.transfer_endpoints
 
 
 def shift_upstream_timers(scheduler, paused_seconds: float) -> int:
@@ -212,27 +191,8 @@ def _abort_all_and_drain(scheduler, message: str) -> None:
         )
 
 
-def queued_reqs(scheduler) -> List[Any]:
-    """Requests in this scheduler's PD queues (not the running batch)."""
-    role = pd_role(scheduler)
-    reqs = list(scheduler.waiting_queue)
-    if role == "prefill":
-        reqs += list(scheduler.disagg_prefill_bootstrap_queue.queue)
-        reqs += list(scheduler.disagg_prefill_inflight_queue)
-        if scheduler.chunked_req is not None:
-            reqs.append(scheduler.chunked_req)
-    elif role == "decode":
-        reqs += [e.req for e in scheduler.disagg_decode_prealloc_queue.queue]
-        reqs += [e.req for e in scheduler.disagg_decode_transfer_queue.queue]
-    return reqs
-
-
-def held_reqs(scheduler) -> List[Any]:
-    """Every request this scheduler holds: PD queues, running batch, last batch."""
-    reqs = queued_reqs(scheduler) + list(scheduler.running_batch.reqs)
-    if scheduler.last_batch is not None:
-        reqs += list(scheduler.last_batch.reqs)
-    return reqs
+queued_reqs = pd_queues.queued_reqs
+held_reqs = pd_queues.held_reqs
 
 
 def end_prefill_rooms(scheduler, reqs: List[Any], reason: Optional[str]) -> None:
@@ -264,10 +224,7 @@ def end_prefill_rooms(scheduler, reqs: List[Any], reason: Optional[str]) -> None
                 cancelled.add(room, reason.format(room=room))
 
 
-def _queue_lengths(scheduler) -> Dict[str, int]:
-    from sglang.srt.managers.pd_resource_report import _queues
-
-    return _queues(scheduler)
+_queue_lengths = pd_queues.lengths
 
 
 def end_in_flight(scheduler) -> None:

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional
 
+from sglang.srt.disaggregation import pd_queues
+
 # Per-room (or per-peer-of-a-room) tables of upstream's Common/MooncakeKVManager in
 # 0.5.23; a table a given role/backend does not have is simply not reported.
 KV_MANAGER_ROOM_TABLES = (
@@ -53,36 +55,8 @@ def _slots(allocator) -> Optional[Dict[str, int]]:
     return {"free": int(allocator.available_size()), "total": int(total)}
 
 
-def _queues(scheduler) -> Dict[str, int]:
-    queues = {
-        "waiting": len(scheduler.waiting_queue),
-        "running": len(scheduler.running_batch.reqs),
-    }
-    bootstrap = scheduler.disagg_prefill_bootstrap_queue
-    if bootstrap is not None:
-        queues["prefill_bootstrap"] = len(bootstrap.queue)
-        queues["prefill_inflight"] = len(scheduler.disagg_prefill_inflight_queue)
-        queues["prefill_pending_chunks"] = len(
-            scheduler.disagg_prefill_pending_chunk_rids
-        )
-    prealloc = scheduler.disagg_decode_prealloc_queue
-    if prealloc is not None:
-        queues["decode_prealloc"] = len(prealloc.queue)
-        queues["decode_prealloc_pending"] = len(prealloc.pending_reqs)
-        queues["decode_retracted"] = len(prealloc.retracted_queue)
-        queues["decode_held_rebootstrap"] = len(prealloc.held_rebootstrap_reqs)
-        queues["decode_transfer"] = len(scheduler.disagg_decode_transfer_queue.queue)
-    return queues
-
-
-def _kv_manager(scheduler):
-    for queue in (
-        scheduler.disagg_prefill_bootstrap_queue,
-        scheduler.disagg_decode_prealloc_queue,
-    ):
-        if queue is not None:
-            return queue.kv_manager
-    return None
+_queues = pd_queues.lengths
+_kv_manager = pd_queues.kv_manager
 
 
 def _room_tables(kv_manager) -> Dict[str, int]:
