@@ -23,6 +23,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 from sglang.srt.disaggregation import request_end_cause
 from sglang.srt.disaggregation.peer_liveness import TAG, monitor_of
 from sglang.srt.disaggregation.transfer_deadline import _decides
+from sglang.srt.managers import fork_touch
 from sglang.srt.managers.engine_clock import engine_clock
 
 logger = logging.getLogger(__name__)
@@ -113,7 +114,7 @@ def before_pop_bootstrapped(queue, *args, **kwargs):
         return
     infos = kv_mgr.transfer_infos
     for req, waited in orphans(queue.queue, lambda room: room in infos, now, timeout):
-        if getattr(req, "disagg_kv_sender", None) is None:
+        if fork_touch.upstream(req, "disagg_kv_sender") is None:
             continue
         text = message(req, waited, lost, timeout)
         setattr(req, _ENDED, text)

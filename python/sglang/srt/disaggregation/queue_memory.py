@@ -16,7 +16,7 @@ import logging
 from typing import Any, Dict, List
 
 from sglang.srt.disaggregation import pd_queues
-from sglang.srt.managers import pd_pause
+from sglang.srt.managers import fork_touch, pd_pause
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ def refresh_addresses(queue) -> bool:
     kv_args = queue.kv_manager.kv_args
     changed = False
     pools = [queue.token_to_kv_pool]
-    draft = getattr(queue, "draft_token_to_kv_pool", None)
+    draft = fork_touch.upstream(queue, "draft_token_to_kv_pool")
     ptrs: List[int] = list(get_kv_transfer_buf_infos(queue.token_to_kv_pool)[0])
     if draft is not None:
         ptrs += list(draft.get_contiguous_buf_infos()[0])

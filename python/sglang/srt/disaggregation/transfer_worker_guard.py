@@ -59,7 +59,7 @@ def around_transfer_worker(original, kv_mgr, queue, *args, **kwargs):
         try:
             return original(kv_mgr, queue, *args, **kwargs)
         except Exception as exc:
-            if getattr(kv_mgr, "_stopped", False):
+            if fork_touch.upstream(kv_mgr, "_stopped"):
                 raise
             fail_stranded_rooms(kv_mgr, queue, exc)
 

@@ -20,6 +20,7 @@ import time
 from typing import Any, Dict, List, Optional
 
 from sglang.srt.disaggregation import pd_queues, room_ledger
+from sglang.srt.managers import fork_touch
 from sglang.srt.managers.engine_clock import engine_clock
 
 logger = logging.getLogger(__name__)
@@ -236,7 +237,7 @@ def end_in_flight(scheduler) -> None:
         return
     sp = scheduler_pause(scheduler)
     paused = sp.mode is not None
-    if not getattr(scheduler, "_engine_paused", False):
+    if not fork_touch.upstream(scheduler, "_engine_paused"):
         # Release without a pause (upstream's colocated RL loop): the tokenizer let it
         # through only with nothing in flight, and holds new requests at its gate.
         # Settle what the queues still hold (decode's pending drain acks); anything
@@ -268,7 +269,7 @@ def not_idle_reasons(scheduler) -> List[str]:
         "chunked_req": scheduler.chunked_req is not None,
         "last_batch": scheduler.last_batch is not None
         and not scheduler.last_batch.is_empty(),
-        "result_queue": bool(getattr(scheduler, "result_queue", None)),
+        "result_queue": bool(fork_touch.upstream(scheduler, "result_queue")),
         "waiting_with_kv": any(r.kv.holds_kv for r in scheduler.waiting_queue),
         "grammar_queue": bool(scheduler.grammar_manager.grammar_queue),
         "deferred_kv_releases": pd_role(scheduler) == "decode"
@@ -290,7 +291,7 @@ def weight_updater_release(original, weight_updater, recv_req, *args, **kwargs):
     scheduler = weight_updater.scheduler
     if scheduler is not None:
         end_in_flight(scheduler)
-        paused = getattr(scheduler, "_engine_paused", False)
+        paused = fork_touch.upstream(scheduler, "_engine_paused")
         if not weight_updater.is_fully_idle(ignore_waiting=paused):
             logger.error("pd_pause: not idle before release: %s", not_idle_reasons(scheduler))
     return original(weight_updater, recv_req, *args, **kwargs)
@@ -299,7 +300,7 @@ def weight_updater_release(original, weight_updater, recv_req, *args, **kwargs):
 def report(scheduler) -> Dict[str, Any]:
     sp = scheduler_pause(scheduler)
     return {
-        "paused": bool(getattr(scheduler, "_engine_paused", False)),
+        "paused": bool(fork_touch.upstream(scheduler, "_engine_paused")),
         "mode": sp.mode,
         "clock_paused": engine_clock.paused,
     }
