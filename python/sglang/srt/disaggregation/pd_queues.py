@@ -3,14 +3,17 @@
 Invariant: the role of a scheduler, the names of the stages a PD request goes through,
 and where each stage's requests sit in upstream's scheduler are declared here once;
 the fork's modules that walk the queues (pd_pause, queue_memory, the resource report,
-abort_retirement, transfer_deadline, lost_decode_handshake) ask this module. Read-only:
-it never changes a queue. A leaf: it imports no other fork module.
+abort_retirement, transfer_deadline) ask this module. Read-only: it never changes a
+queue. It imports no fork module but `fork_touch` (upstream attributes read through
+`upstream()`, so a rename fails loudly).
 Threads: the scheduler's (the queues are the event loop's).
 """
 
 from __future__ import annotations
 
 from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+from sglang.srt.managers.fork_touch import upstream
 
 PREFILL, DECODE = "prefill", "decode"
 
@@ -31,11 +34,11 @@ STAGES = (
 
 def role(scheduler: Any) -> Optional[str]:
     """"prefill" / "decode" for a PD scheduler whose queues exist, else None."""
-    mode = getattr(scheduler, "disaggregation_mode", None)
-    mode = str(getattr(mode, "value", mode))
-    if mode == PREFILL and getattr(scheduler, "disagg_prefill_bootstrap_queue", None) is not None:
+    mode = upstream(scheduler, "disaggregation_mode")
+    mode = str(getattr(mode, "value", mode))  # the enum, or its value
+    if mode == PREFILL and upstream(scheduler, "disagg_prefill_bootstrap_queue") is not None:
         return PREFILL
-    if mode == DECODE and getattr(scheduler, "disagg_decode_prealloc_queue", None) is not None:
+    if mode == DECODE and upstream(scheduler, "disagg_decode_prealloc_queue") is not None:
         return DECODE
     return None
 
@@ -72,7 +75,7 @@ def walk(scheduler: Any) -> Iterator[Tuple[str, Any]]:
         if scheduler.chunked_req is not None:
             yield PREFILL_RUNNING, scheduler.chunked_req
         last = scheduler.last_batch
-        for req in getattr(last, "reqs", None) or ():
+        for req in (last.reqs if last is not None else None) or ():
             yield PREFILL_RUNNING, req
         for req in _reqs_of(scheduler, PREFILL_INFLIGHT):
             yield PREFILL_INFLIGHT, req
@@ -124,10 +127,10 @@ def transfer_endpoints(scheduler: Any) -> List[Any]:
         reqs = []
         for stage in (PREFILL_BOOTSTRAP, PREFILL_INFLIGHT, PREFILL_WAITING):
             reqs += _reqs_of(scheduler, stage)
-        out = [getattr(req, "disagg_kv_sender", None) for req in reqs]
+        out = [upstream(req, "disagg_kv_sender") for req in reqs]
     elif r == DECODE:
         entries = queue_entries(scheduler, DECODE_PREALLOC) + queue_entries(scheduler, DECODE_TRANSFER)
-        out = [getattr(e, "kv_receiver", None) for e in entries]
+        out = [upstream(e, "kv_receiver") for e in entries]
     else:
         out = []
     return [x for x in out if x is not None]
