@@ -15,11 +15,13 @@ from testing.mooncake_pair import RENAME_ENV, Side, _free_port
 from testing.pd_checks import pair_fixture
 
 MOONCAKE = "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager"
-SWAPPED = {
-    f"{MOONCAKE}._publish_peer_registration",
-    f"{MOONCAKE}._handle_abort_notification",
-    f"{MOONCAKE}.failed_sessions",
-    f"{MOONCAKE}.transfer_worker",
+D = "sglang.srt.disaggregation"
+SWAPPED = {  # "target <- the hook that makes the swap"
+    f"{MOONCAKE}._publish_peer_registration <- {D}.peer_liveness:on_prefill_manager_init",
+    f"{MOONCAKE}._handle_abort_notification <- {D}.cancelled_rooms:on_prefill_manager_init",
+    f"{MOONCAKE}._handle_abort_notification <- {D}.abort_retirement:on_prefill_manager_init",
+    f"{MOONCAKE}.failed_sessions <- {D}.chunk_failures:on_prefill_manager_init",
+    f"{MOONCAKE}.transfer_worker <- {D}.transfer_worker_guard:install",
 }
 SIZES = dict(kv_tokens=512, req_slots=4, metadata_slots=4, max_context_len=64)
 

@@ -317,9 +317,15 @@ SWAPS: list[tuple[str, str, str, str]] = [
         "instance",
         "prefill",
     ),
-    # decode's ABORT for a room prefill has not created yet is kept
+    # decode's ABORT for a room prefill has not created yet is kept (mooncake and nixl)
     (
         "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager._handle_abort_notification",
+        "sglang.srt.disaggregation.cancelled_rooms:on_prefill_manager_init",
+        "instance",
+        "prefill",
+    ),
+    (
+        "sglang.srt.disaggregation.nixl.conn.NixlKVManager._handle_abort_notification",
         "sglang.srt.disaggregation.cancelled_rooms:on_prefill_manager_init",
         "instance",
         "prefill",
@@ -327,6 +333,12 @@ SWAPS: list[tuple[str, str, str, str]] = [
     # decode's ABORT for a live room records why (an abort, not a failure)
     (
         "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager._handle_abort_notification",
+        "sglang.srt.disaggregation.abort_retirement:on_prefill_manager_init",
+        "instance",
+        "prefill",
+    ),
+    (
+        "sglang.srt.disaggregation.nixl.conn.NixlKVManager._handle_abort_notification",
         "sglang.srt.disaggregation.abort_retirement:on_prefill_manager_init",
         "instance",
         "prefill",

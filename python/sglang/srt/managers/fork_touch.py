@@ -53,12 +53,24 @@ def _swaps() -> List[Tuple[str, str, str, str]]:
     return SWAPS
 
 
-def _declared(by: str, attr: str, kind: str) -> Tuple[str, str, str]:
-    """(target, owner class, role) of the SWAPS entry for `by` swapping `attr`."""
-    for target, ref, k, role in _swaps():
+def key(target: str, ref: str) -> str:
+    """How a SWAPS entry is named in `swaps_applied` (two modules may swap one target)."""
+    return f"{target} <- {ref}"
+
+
+def _declared(obj: Any, by: str, attr: str, kind: str) -> Optional[str]:
+    """The key of the SWAPS entry for `by` swapping `attr` on `obj` (whose class is the
+    declared owner), None if `obj` is of none of the declared classes; raises if
+    undeclared."""
+    owners = []
+    for target, ref, k, _ in _swaps():
         owner, _, name = target.rpartition(".")
         if name == attr and ref.partition(":")[0] == by and k == kind:
-            return target, owner, role
+            if _is_a(obj, owner):
+                return key(target, ref)
+            owners.append(owner)
+    if owners:
+        return None
     raise UpstreamChanged(
         f"{by} swaps {attr!r} ({kind}) but fork_plugin.SWAPS does not declare it: "
         "every swap of an upstream attribute is declared there"
@@ -70,7 +82,7 @@ def _is_a(obj: Any, owner: str) -> bool:
     return any(_qualname(c) == owner for c in classes)
 
 
-# target -> [(weak ref to the object swapped on, what was put there)]
+# key(target, ref) -> [(weak ref to the object swapped on, what was put there)]
 _APPLIED: Dict[str, List[Tuple[Any, Any]]] = {}
 _lock = threading.Lock()
 
@@ -80,10 +92,10 @@ def swap(obj: Any, attr: str, make: Callable[[Any], Any], *, by: str, kind: str 
     `by` (pass `__name__`). `kind` "instance" swaps on the object, "class" patches the
     class `obj`. Returns what was put in place, or None when `obj` is not of the declared
     class (another transfer backend: nothing to swap)."""
-    target, owner, _ = _declared(by, attr, kind)
     if kind == "class" and not isinstance(obj, type):
-        raise TypeError(f"{target}: a class patch needs the class, got {obj!r}")
-    if not _is_a(obj, owner):
+        raise TypeError(f"a class patch of {attr!r} needs the class, got {obj!r}")
+    entry = _declared(obj, by, attr, kind)
+    if entry is None:
         return None
     original = upstream(obj, attr)
     new = make(original)
@@ -98,7 +110,7 @@ def swap(obj: Any, attr: str, make: Callable[[Any], Any], *, by: str, kind: str 
     except TypeError:
         ref = lambda obj=obj: obj  # noqa: E731
     with _lock:
-        _APPLIED.setdefault(target, []).append((ref, new))
+        _APPLIED.setdefault(entry, []).append((ref, new))
     return new
 
 
@@ -114,11 +126,12 @@ def _in_place(obj: Any, attr: str, new: Any) -> bool:
     return False
 
 
-def applied_on(obj: Any, target: str) -> bool:
-    """Whether the swap `target` was made on `obj` (or its class) and is still there."""
+def applied_on(obj: Any, target: str, ref: str) -> bool:
+    """Whether the SWAPS entry (target, ref) was made on `obj` (or its class) and is
+    still there."""
     attr = target.rpartition(".")[2]
     with _lock:
-        records = list(_APPLIED.get(target, ()))
+        records = list(_APPLIED.get(key(target, ref), ()))
     for ref, new in records:
         o = ref()
         if o is not None and (o is obj or (isinstance(o, type) and isinstance(obj, o))) and _in_place(o, attr, new):
@@ -127,15 +140,15 @@ def applied_on(obj: Any, target: str) -> bool:
 
 
 def swaps_applied(obj: Any, role: Optional[str] = None) -> Dict[str, bool]:
-    """Target -> applied, for each SWAPS entry that applies to `obj` (its class is the
-    declared owner) in `role`; {} for an object none applies to (fake backend)."""
+    """"target <- ref" -> applied, for each SWAPS entry that applies to `obj` (its class
+    is the declared owner) in `role`; {} for an object none applies to (fake backend)."""
     if obj is None:
         return {}
     out = {}
-    for target, _, _, r in _swaps():
+    for target, ref, _, r in _swaps():
         owner = target.rpartition(".")[0]
         if (role is None or r in (role, "both")) and _is_a(obj, owner):
-            out[target] = applied_on(obj, target)
+            out[key(target, ref)] = applied_on(obj, target, ref)
     return out
 
 
