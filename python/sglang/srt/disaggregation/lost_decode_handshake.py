@@ -105,7 +105,7 @@ def before_pop_bootstrapped(queue, *args, **kwargs):
         return
     _next_scan[0] = now + SCAN_INTERVAL
     timeout = configured()
-    kv_mgr = getattr(queue, "kv_manager", None)
+    kv_mgr = fork_touch.upstream(queue, "kv_manager")
     lost = lost_decodes(monitor_of(kv_mgr))
     if not lost or timeout == 0 or not hasattr(kv_mgr, "conclude_failure"):
         for req in queue.queue:  # nothing is lost: forget the stamps

@@ -82,7 +82,7 @@ ROOM_TABLES = (
 def _live_rooms(scheduler) -> set:
     reqs = pd_queues.queued_reqs(scheduler) + list(scheduler.running_batch.reqs)
     reqs += pd_queues.parked_reqs(scheduler)
-    return {getattr(r, "bootstrap_room", None) for r in reqs}
+    return {fork_touch.upstream(r, "bootstrap_room") for r in reqs}
 
 
 def forget_orphan_rooms(scheduler, kv_manager) -> int:

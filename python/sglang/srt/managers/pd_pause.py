@@ -209,7 +209,7 @@ def end_prefill_rooms(scheduler, reqs: List[Any], reason: Optional[str]) -> None
     held = {id(r) for r in held_reqs(scheduler)}
     mgr = scheduler.disagg_prefill_bootstrap_queue.kv_manager
     for req in reqs:
-        sender = getattr(req, "disagg_kv_sender", None)
+        sender = fork_touch.upstream(req, "disagg_kv_sender")
         room = req.bootstrap_room
         if sender is None or id(req) in held or room is None:
             continue
