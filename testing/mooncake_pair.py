@@ -293,6 +293,12 @@ class _Worker:
 
         return {"/".join(k): v for k, v in COUNTS.items()}
 
+    def swaps_applied(self) -> dict:
+        """fork_plugin.SWAPS made on this side's kv manager, each still in place."""
+        from sglang.srt.managers import fork_touch
+
+        return fork_touch.swaps_applied(self.h.kv_manager, self.role)
+
     def break_transfer_engine_once(self) -> None:
         """The next mooncake batch transfer raises in the transfer worker's thread (as
         an unexpected error in a send path does), killing upstream's worker loop."""
@@ -304,6 +310,23 @@ class _Worker:
             raise RuntimeError("injected transfer engine error")
 
         mgr._transfer_data = broken
+
+
+# Test-only: "module.Class.attr" renamed to attr + "_renamed" in the child before
+# anything is built, as an upstream release that renamed it would leave it.
+RENAME_ENV = "FORK_TEST_RENAME_UPSTREAM_ATTR"
+
+
+def _rename_upstream(target: Optional[str]) -> None:
+    if not target:
+        return
+    import importlib
+
+    path, attr = target.rsplit(".", 1)
+    module, cls_name = path.rsplit(".", 1)
+    cls = getattr(importlib.import_module(module), cls_name)
+    setattr(cls, attr + "_renamed", cls.__dict__[attr])
+    delattr(cls, attr)
 
 
 def _kv_poll_name(status: Any) -> str:
@@ -324,6 +347,7 @@ def _serve(
     os.environ.update(CHILD_ENV)
     os.environ.update(env)
     try:
+        _rename_upstream(os.environ.get(RENAME_ENV))
         worker = _Worker(role, bootstrap_port, http_port, sizes)
         conn.send(("ok", None))
     except BaseException:

@@ -22,30 +22,27 @@ import logging
 from http import HTTPStatus
 from typing import Any, Iterable, Optional, Tuple
 
-from sglang.srt.disaggregation import request_end_cause as end_cause, room_ledger
+from sglang.srt.disaggregation import pd_queues, request_end_cause as end_cause, room_ledger
 from sglang.srt.disaggregation.base import KVPoll
+from sglang.srt.disaggregation.pd_queues import (  # the stages, declared once
+    DECODE_PREALLOC, DECODE_RUNNING, DECODE_TRANSFER, PREFILL_BOOTSTRAP, PREFILL_INFLIGHT,
+    PREFILL_RUNNING, PREFILL_WAITING,
+)
 
 logger = logging.getLogger(__name__)
 
 # Opens the reason a room carries to the peer when its request was aborted; the peer's
 # prepare_abort recognises it and ends the request as an abort, not a failure.
-ABORT_TAG = "PD request aborted"
-CLIENT_ABORT_MESSAGE = "Aborted by the client."
+ABORT_TAG = room_ledger.ABORT_TAG
+CLIENT_ABORT_MESSAGE = room_ledger.CLIENT_ABORT_MESSAGE
 # Reasons a room carries when an abort ended it: ours, and the one upstream's
 # Common{Sender,Receiver}.abort() records (and the transfer worker may forward).
-UPSTREAM_ABORT_REASON = "Aborted by AbortReq"
-ABORT_REASONS = (ABORT_TAG, UPSTREAM_ABORT_REASON)
+UPSTREAM_ABORT_REASON = room_ledger.UPSTREAM_ABORT_REASON
+ABORT_REASONS = room_ledger.ABORT_REASONS
 
 # Per request: (message, status) the abort asked for.
 _ABORT = room_ledger.REQUESTED_ABORT
 
-PREFILL_BOOTSTRAP = "prefill_bootstrap"
-PREFILL_WAITING = "prefill_waiting"
-PREFILL_RUNNING = "prefill_running"
-PREFILL_INFLIGHT = "prefill_inflight"
-DECODE_PREALLOC = "decode_prealloc"
-DECODE_TRANSFER = "decode_transfer"
-DECODE_RUNNING = "decode_running"
 
 
 # ----------------------------------------------------------------------------- pure
@@ -71,51 +68,8 @@ def peer_reason(rid: str, room: int, side: str) -> str:
     return f"{ABORT_TAG} on {side}: request {rid} (bootstrap_room={room}) was aborted."
 
 
-def _prefill_reqs(scheduler) -> Iterable[Tuple[str, Any]]:
-    queue = getattr(scheduler, "disagg_prefill_bootstrap_queue", None)
-    for req in getattr(queue, "queue", ()):
-        yield PREFILL_BOOTSTRAP, req
-    for req in scheduler.waiting_queue:
-        yield PREFILL_WAITING, req
-    if getattr(scheduler, "chunked_req", None) is not None:
-        yield PREFILL_RUNNING, scheduler.chunked_req
-    last = getattr(scheduler, "last_batch", None)
-    for req in getattr(last, "reqs", None) or ():
-        yield PREFILL_RUNNING, req
-    for req in getattr(scheduler, "disagg_prefill_inflight_queue", ()):
-        yield PREFILL_INFLIGHT, req
-
-
-def _decode_reqs(scheduler) -> Iterable[Tuple[str, Any]]:
-    prealloc = scheduler.disagg_decode_prealloc_queue
-    for entry in prealloc.queue:
-        yield DECODE_PREALLOC, entry.req
-    for entry in scheduler.disagg_decode_transfer_queue.queue:
-        yield DECODE_TRANSFER, entry.req
-    for req in scheduler.waiting_queue:
-        yield DECODE_RUNNING, req
-    for req in getattr(scheduler.running_batch, "reqs", ()):
-        yield DECODE_RUNNING, req
-
-
-def _role(scheduler) -> Optional[str]:
-    if getattr(scheduler, "disagg_prefill_bootstrap_queue", None) is not None:
-        return "prefill"
-    if getattr(scheduler, "disagg_decode_prealloc_queue", None) is not None:
-        return "decode"
-    return None
-
-
-def prefill_stage(scheduler, req) -> str:
-    """Which prefill stage `req` is in (for the count)."""
-    queue = getattr(scheduler, "disagg_prefill_bootstrap_queue", None)
-    if req in getattr(queue, "queue", ()):
-        return PREFILL_BOOTSTRAP
-    if req in scheduler.waiting_queue:
-        return PREFILL_WAITING
-    if req in getattr(scheduler, "disagg_prefill_inflight_queue", ()):
-        return PREFILL_INFLIGHT
-    return PREFILL_RUNNING
+_role = pd_queues.role
+prefill_stage = pd_queues.prefill_stage
 
 
 # ----------------------------------------------------------------------------- side effects
@@ -157,9 +111,8 @@ def before_abort_request(scheduler, recv_req, *args, **kwargs) -> None:
     if role is None:
         return
     message, status, cause = requested_verdict(recv_req)
-    reqs = _prefill_reqs(scheduler) if role == "prefill" else _decode_reqs(scheduler)
     seen = set()
-    for stage, req in reqs:
+    for stage, req in pd_queues.walk(scheduler):
         if id(req) in seen or not _matches(recv_req, req.rid) or req.finished():
             continue
         seen.add(id(req))

@@ -19,6 +19,7 @@ attribute read per write.
 from __future__ import annotations
 
 import ctypes
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -29,6 +30,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 from sglang.srt.disaggregation.base import KVPoll
 from sglang.srt.disaggregation.room_ledger import end_room
 from sglang.srt.environ import envs
+from sglang.srt.managers import fork_touch
 
 logger = logging.getLogger(__name__)
 
@@ -266,7 +268,8 @@ def _install_probe(mgr: Any) -> None:
     scratch = ctypes.create_string_buffer(READ_BYTES)
     mgr.engine.register(ctypes.addressof(scratch), READ_BYTES)
     mgr.fork_probe_scratch = scratch
-    mgr._send_probe = functools.partial(probe_session, mgr, mgr._send_probe)
+    fork_touch.swap(mgr, "_send_probe", lambda send_probe: functools.partial(probe_session, mgr, send_probe),
+                    by=__name__)
 
 
 class SessionBlacklist(set):
@@ -318,10 +321,13 @@ def on_prefill_manager_init(mgr: Any, queue: Any, *args: Any, **kwargs: Any) -> 
     `probe_session` (no request has been sent yet). Hooked here rather than on `MooncakeKVManager`, whose
     module must not be imported when plugins load (it creates prometheus metrics)."""
     mgr.fork_chunk_faults = FaultPlan.parse(envs.SGLANG_TEST_DISAGG_FAIL_CHUNKS.get() or "")
-    if isinstance(getattr(mgr, "failed_sessions", None), set):  # mooncake (prefill)
-        with mgr.session_lock:
-            assert not mgr.failed_sessions, "session blacklist swapped after first use"
-            mgr.failed_sessions = SessionBlacklist(mgr)
+    def probing(failed_sessions):
+        assert not failed_sessions, "session blacklist swapped after first use"
+        return SessionBlacklist(mgr)
+
+    with getattr(mgr, "session_lock", contextlib.nullcontext()):  # mooncake's (prefill)
+        swapped = fork_touch.swap(mgr, "failed_sessions", probing, by=__name__)
+    if swapped is not None:
         _install_probe(mgr)
     return None
 

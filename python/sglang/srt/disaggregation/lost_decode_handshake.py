@@ -24,6 +24,7 @@ from sglang.srt.disaggregation import request_end_cause
 from sglang.srt.disaggregation.peer_liveness import TAG, monitor_of
 from sglang.srt.disaggregation.room_ledger import end_room
 from sglang.srt.disaggregation.transfer_deadline import _decides
+from sglang.srt.managers import fork_touch
 from sglang.srt.managers.engine_clock import engine_clock
 
 logger = logging.getLogger(__name__)
@@ -105,7 +106,7 @@ def before_pop_bootstrapped(queue, *args, **kwargs):
         return
     _next_scan[0] = now + SCAN_INTERVAL
     timeout = configured()
-    kv_mgr = getattr(queue, "kv_manager", None)
+    kv_mgr = fork_touch.upstream(queue, "kv_manager")
     lost = lost_decodes(monitor_of(kv_mgr))
     if not lost or timeout == 0 or not hasattr(kv_mgr, "conclude_failure"):
         for req in queue.queue:  # nothing is lost: forget the stamps
@@ -114,7 +115,7 @@ def before_pop_bootstrapped(queue, *args, **kwargs):
         return
     infos = kv_mgr.transfer_infos
     for req, waited in orphans(queue.queue, lambda room: room in infos, now, timeout):
-        if getattr(req, "disagg_kv_sender", None) is None:
+        if fork_touch.upstream(req, "disagg_kv_sender") is None:
             continue
         text = message(req, waited, lost, timeout)
         setattr(req, _ENDED, text)

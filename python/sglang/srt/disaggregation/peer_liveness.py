@@ -37,15 +37,17 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from sglang.srt.disaggregation.base import KVPoll
 from sglang.srt.disaggregation.request_end_cause import PEER_FAILURE, tag
+from sglang.srt.disaggregation import room_ledger
 from sglang.srt.disaggregation.room_ledger import end_room, ledger_of
 from sglang.srt.environ import envs
+from sglang.srt.managers import fork_touch
 
 logger = logging.getLogger(__name__)
 
 # Opens every failure reason this module records; `prepare_abort` maps it to 502.
-TAG = "PD peer lost"
+TAG = room_ledger.PEER_LOST_TAG
 # How upstream's decode heartbeat words the loss of a prefill (common/conn.py).
-UPSTREAM_PREFILL_LOST = "Lost connection with prefill instance"
+UPSTREAM_PREFILL_LOST = room_ledger.UPSTREAM_PREFILL_LOST
 # How upstream's transfer worker fails a room whose decode session is blacklisted
 # (mooncake/conn.py); reworded by `around_conclude_transfer`.
 UPSTREAM_SESSION_DEAD = "Decode instance could be dead, remote mooncake session"
@@ -59,7 +61,7 @@ MAX_GONE = 256
 
 # (kind "loss"/"recovery", role, peer) -> count in this process (also in Prometheus).
 COUNTS: Counter = Counter()
-_MONITOR = "fork_peer_monitor"
+_MONITOR = room_ledger.PEER_MONITOR_ATTR
 
 
 # ----------------------------------------------------------------------------- pure
@@ -378,17 +380,18 @@ def _start(queue: Any, mgr: Any, role: str) -> None:
     metrics = bool(getattr(reporter, "enable_metrics", False))
     monitor = PeerMonitor(mgr, role, dict(labels) if isinstance(labels, dict) else {}, metrics)
     mgr.__dict__[_MONITOR] = monitor
-    if role == "prefill" and hasattr(mgr, "_publish_peer_registration"):
+    if role == "prefill":
         # mooncake's bootstrap thread looks the method up per message: a registration
         # is seen at once (a restarted decode is recognised before its first request)
-        publish = mgr._publish_peer_registration
+        def watching(publish):
+            def publish_and_watch(session_id, decode_kv_args, *a, **kw):
+                result = publish(session_id, decode_kv_args, *a, **kw)
+                monitor.registered(session_id, decode_kv_args.endpoint, int(decode_kv_args.dst_port))
+                return result
 
-        def publish_and_watch(session_id, decode_kv_args, *a, **kw):
-            result = publish(session_id, decode_kv_args, *a, **kw)
-            monitor.registered(session_id, decode_kv_args.endpoint, int(decode_kv_args.dst_port))
-            return result
+            return publish_and_watch
 
-        mgr._publish_peer_registration = publish_and_watch
+        fork_touch.swap(mgr, "_publish_peer_registration", watching, by=__name__)
     monitor.start()
 
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 import logging
 from typing import Any, Dict, List
 
-from sglang.srt.managers import pd_pause
+from sglang.srt.disaggregation import pd_queues
+from sglang.srt.managers import fork_touch, pd_pause
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +31,7 @@ def refresh_addresses(queue) -> bool:
     kv_args = queue.kv_manager.kv_args
     changed = False
     pools = [queue.token_to_kv_pool]
-    draft = getattr(queue, "draft_token_to_kv_pool", None)
+    draft = fork_touch.upstream(queue, "draft_token_to_kv_pool")
     ptrs: List[int] = list(get_kv_transfer_buf_infos(queue.token_to_kv_pool)[0])
     if draft is not None:
         ptrs += list(draft.get_contiguous_buf_infos()[0])
@@ -79,11 +80,9 @@ ROOM_TABLES = (
 
 
 def _live_rooms(scheduler) -> set:
-    reqs = pd_pause.queued_reqs(scheduler) + list(scheduler.running_batch.reqs)
-    if pd_pause.pd_role(scheduler) == "decode":
-        reqs += list(scheduler.disagg_decode_prealloc_queue.held_rebootstrap_reqs)
-        reqs += list(scheduler.disagg_decode_prealloc_queue.retracted_queue)
-    return {getattr(r, "bootstrap_room", None) for r in reqs}
+    reqs = pd_queues.queued_reqs(scheduler) + list(scheduler.running_batch.reqs)
+    reqs += pd_queues.parked_reqs(scheduler)
+    return {fork_touch.upstream(r, "bootstrap_room") for r in reqs}
 
 
 def forget_orphan_rooms(scheduler, kv_manager) -> int:

@@ -36,6 +36,7 @@ from sglang.srt.managers.engine_clock import engine_clock
 logger = logging.getLogger(__name__)
 
 ATTR = "fork_room_ledger"
+PEER_MONITOR_ATTR = "fork_peer_monitor"  # peer_liveness._MONITOR
 MAX_RECORDS = 65536
 NEVER = float("inf")
 # Opens with abort_retirement.ABORT_TAG: decode ended the request (its ABORT carries no
@@ -255,9 +256,12 @@ def on_manager_init(mgr: Any, queue_: Any, *args: Any, **kwargs: Any) -> None:
     if mgr is None or ATTR in getattr(mgr, "__dict__", {}):
         return None
     ledger = mgr.__dict__[ATTR] = RoomLedger(mgr)
-    original = getattr(mgr, "_handle_abort_notification", None)
-    if original is not None and getattr(mgr, "disaggregation_mode", None) == DisaggregationMode.PREFILL:
-        mgr._handle_abort_notification = lambda msg: _handle_abort(ledger, original, msg)
+    if getattr(mgr, "disaggregation_mode", None) == DisaggregationMode.PREFILL:
+        from sglang.srt.managers import fork_touch
+
+        # declared in fork_plugin.SWAPS for mooncake and nixl; other managers: no-op
+        fork_touch.swap(mgr, "_handle_abort_notification",
+                        lambda original: lambda msg: _handle_abort(ledger, original, msg), by=__name__)
     return None
 
 
@@ -353,9 +357,9 @@ def around_record_failure(original, mgr, bootstrap_room, failure_reason, *args, 
     decode, a failure for a room already ended and cleared (e.g. prefill's answer to a
     late handshake: no receiver would ever pop it); anywhere, a vaguer reason over a
     peer-loss one (the root cause, answered 502)."""
-    from sglang.srt.disaggregation.peer_liveness import TAG as PEER_LOST
     from sglang.srt.disaggregation.utils import DisaggregationMode
 
+    PEER_LOST = PEER_LOST_TAG
     if getattr(mgr, "disaggregation_mode", None) == DisaggregationMode.DECODE and bootstrap_room not in mgr.request_status:
         logger.debug("room_ledger: dropping failure for ended room %s: %s", bootstrap_room, failure_reason)
         return None
@@ -366,6 +370,18 @@ def around_record_failure(original, mgr, bootstrap_room, failure_reason, *args, 
 
 
 # ----------------------------------------------------------------------------- the verdict
+
+# How a failure reason names its cause, when it crossed the wire or came from upstream.
+# Declared here, where the verdict reads them; the modules that write them use these
+# names (so the verdict imports none of them: no import circle).
+DEADLINE_TAG = "PD transfer deadline exceeded"  # transfer_deadline.TAG
+PEER_LOST_TAG = "PD peer lost"  # peer_liveness.TAG
+UPSTREAM_PREFILL_LOST = "Lost connection with prefill instance"  # upstream's decode heartbeat
+ABORT_TAG = "PD request aborted"  # abort_retirement.ABORT_TAG
+UPSTREAM_ABORT_REASON = "Aborted by AbortReq"  # upstream's Common{Sender,Receiver}.abort()
+ABORT_REASONS = (ABORT_TAG, UPSTREAM_ABORT_REASON)
+CLIENT_ABORT_MESSAGE = "Aborted by the client."
+RELEASE_MARKER = "engine memory released"  # pd_pause.RELEASE_MARKER
 
 # Per request, set by the module that decided its end (read only here).
 PAUSE_ABORT = "_fork_pause_abort"  # pd_pause: the pause/release message
@@ -402,19 +418,17 @@ MESSAGE_STATUS = (("deadline_tag", HTTPStatus.GATEWAY_TIMEOUT), ("release", None
 
 
 def _markers():
-    from sglang.srt.disaggregation import abort_retirement, peer_liveness, transfer_deadline
-
     return {
-        "deadline_tag": (transfer_deadline.TAG,),
-        "release": ("engine memory released",),  # pd_pause.RELEASE_MARKER
-        "peer_abort": abort_retirement.ABORT_REASONS,
-        "peer_lost": (peer_liveness.TAG, peer_liveness.UPSTREAM_PREFILL_LOST),
+        "deadline_tag": (DEADLINE_TAG,),
+        "release": (RELEASE_MARKER,),
+        "peer_abort": ABORT_REASONS,
+        "peer_lost": (PEER_LOST_TAG, UPSTREAM_PREFILL_LOST),
     }
 
 
 def verdict(req: Any, error_message: str, status_code: Any) -> Tuple[str, Any]:
     """(message, status) `prepare_abort` reports for `req`, by VERDICT_TABLE."""
-    from sglang.srt.disaggregation import abort_retirement, request_end_cause
+    from sglang.srt.disaggregation import request_end_cause
 
     text = str(error_message or "")
     markers = _markers()
@@ -436,7 +450,7 @@ def verdict(req: Any, error_message: str, status_code: Any) -> Tuple[str, Any]:
             message, status = found[cause]
         elif cause == "peer_abort":
             request_end_cause.tag_req(req, request_end_cause.CLIENT_ABORT)
-            message, status = abort_retirement.CLIENT_ABORT_MESSAGE, None
+            message, status = CLIENT_ABORT_MESSAGE, None
         else:
             message = error_message
             if any(t in text for t in markers["peer_lost"]):
@@ -505,8 +519,6 @@ def after_ensure_abort_notified(result: Any, receiver: Any, *args: Any, **kwargs
     (once per receiver). A room armed for prefill's drain ack is noted against that
     prefill, so its loss settles it; a prefill already lost is acked for at once (it
     will never ack, and no write of it can still land)."""
-    from sglang.srt.disaggregation.peer_liveness import monitor_of
-
     addr = getattr(receiver, "bootstrap_addr", None)
     if not (receiver.abort_notified or getattr(receiver, "bootstrap_infos", None) is not None
             or getattr(receiver, "_fork_told_prefill", False)
@@ -517,7 +529,8 @@ def after_ensure_abort_notified(result: Any, receiver: Any, *args: Any, **kwargs
                      "ended on decode before prefill's info was fetched")
         return result
     mgr = receiver.kv_mgr
-    monitor, ledger = monitor_of(mgr), ledger_of(mgr)
+    # peer_liveness' monitor, read by its attribute (peer_liveness imports this module)
+    monitor, ledger = mgr.__dict__.get(PEER_MONITOR_ATTR), ledger_of(mgr)
     generation = getattr(receiver, "_abort_generation", None)
     room = receiver.bootstrap_room
     if monitor is None or ledger is None or generation is None or room not in mgr._deferred_abort_ack_tracker:

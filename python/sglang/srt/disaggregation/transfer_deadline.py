@@ -21,16 +21,15 @@ from collections import Counter
 from typing import Any, List, Sequence, Tuple
 
 from sglang.srt.disaggregation import request_end_cause, room_ledger
+from sglang.srt.disaggregation.pd_queues import (
+    DECODE_PREALLOC, DECODE_TRANSFER, PREFILL_BOOTSTRAP, PREFILL_INFLIGHT, PREFILL_WAITING,
+)
 from sglang.srt.disaggregation.transfer_deadline_knob import ARG, ENV, configured
 from sglang.srt.managers.engine_clock import engine_clock
 
 logger = logging.getLogger(__name__)
 
-PREFILL_BOOTSTRAP = "prefill_bootstrap"
-PREFILL_WAITING = "prefill_waiting"
-PREFILL_INFLIGHT = "prefill_inflight"
-DECODE_PREALLOC = "decode_prealloc"
-DECODE_TRANSFER = "decode_transfer"
+# The stages a deadline watches (names declared in pd_queues).
 STAGES = (PREFILL_BOOTSTRAP, PREFILL_WAITING, PREFILL_INFLIGHT, DECODE_PREALLOC, DECODE_TRANSFER)
 
 # Per request: (stage, entered_at on engine_clock) and, once expired, the message.
@@ -74,7 +73,7 @@ def overdue(stage: str, reqs: Sequence[Any], now: float, deadline: float) -> Lis
 
 
 # Opens every deadline message; it travels to the peer as the room's failure reason.
-TAG = "PD transfer deadline exceeded"
+TAG = room_ledger.DEADLINE_TAG
 
 
 def message(stage: str, req: Any, elapsed: float, deadline: float) -> str:

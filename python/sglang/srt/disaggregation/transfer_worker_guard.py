@@ -18,6 +18,7 @@ import functools
 import logging
 
 from sglang.srt.disaggregation.base import KVPoll
+from sglang.srt.managers import fork_touch
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +59,7 @@ def around_transfer_worker(original, kv_mgr, queue, *args, **kwargs):
         try:
             return original(kv_mgr, queue, *args, **kwargs)
         except Exception as exc:
-            if getattr(kv_mgr, "_stopped", False):
+            if fork_touch.upstream(kv_mgr, "_stopped"):
                 raise
             fail_stranded_rooms(kv_mgr, queue, exc)
 
@@ -68,13 +69,15 @@ def install(*args, **kwargs) -> None:
     once (the workers' thread targets are bound when the manager is built)."""
     from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
 
-    original = MooncakeKVManager.transfer_worker
-    if getattr(original, "fork_guarded", False):
+    if getattr(fork_touch.upstream(MooncakeKVManager, "transfer_worker"), "fork_guarded", False):
         return
 
-    @functools.wraps(original)
-    def guarded(kv_mgr, queue, *a, **kw):
-        return around_transfer_worker(original, kv_mgr, queue, *a, **kw)
+    def guarding(original):
+        @functools.wraps(original)
+        def guarded(kv_mgr, queue, *a, **kw):
+            return around_transfer_worker(original, kv_mgr, queue, *a, **kw)
 
-    guarded.fork_guarded = True
-    MooncakeKVManager.transfer_worker = guarded
+        guarded.fork_guarded = True
+        return guarded
+
+    fork_touch.swap(MooncakeKVManager, "transfer_worker", guarding, by=__name__, kind="class")

@@ -1,8 +1,14 @@
-"""The fork's `sglang.srt.plugins` entry point.
+"""The fork's `sglang.srt.plugins` entry point, and the table of every way the fork
+touches upstream (docs/layout.md "Ways the fork touches upstream").
 
-Every hook the fork applies through upstream's HookRegistry is listed once in
-HOOKS. Upstream only logs a hook that fails to apply, so `hooks_applied()` lets
-tests (and the resource dump) assert that each target really was patched.
+HOOKS: every hook applied through upstream's HookRegistry. Upstream only logs a hook
+that fails to apply, so `hooks_applied()` lets tests (and the resource report) assert
+that each target really was patched.
+SWAPS: every instance-attribute swap and class patch, made (inside the hook named) through
+`fork_touch.swap()`, which refuses an undeclared swap and fails loudly on a missing
+target; `fork_touch.swaps_applied()` tells per live object whether each is in place
+(resource report `swaps_applied`), and `fork_touch.check_at_start` stops a scheduler
+whose kv manager lacks one. `tools/fork check` resolves both tables against upstream.
 """
 
 import importlib
@@ -270,6 +276,67 @@ HOOKS: list[tuple[str, str, HookType]] = [
         "sglang.srt.disaggregation.common.conn.CommonKVManager.conclude_transfer",
         "sglang.srt.disaggregation.peer_liveness:around_conclude_transfer",
         HookType.AROUND,
+    ),
+    # The start-up check of SWAPS: registered last, so it runs after every AFTER hook
+    # above that makes a swap on the new kv manager.
+    (
+        "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager",
+        "sglang.srt.managers.fork_touch:check_at_start",
+        HookType.AFTER,
+    ),
+    (
+        "sglang.srt.disaggregation.decode.DecodePreallocQueue._init_kv_manager",
+        "sglang.srt.managers.fork_touch:check_at_start",
+        HookType.AFTER,
+    ),
+]
+
+# (upstream "module.Class.attribute", "our_module:function making the swap", kind
+# "instance" (on each object of that class) or "class" (the class itself), role whose
+# kv manager gets it). Made through fork_touch.swap(obj, attribute, make, by=__name__).
+SWAPS: list[tuple[str, str, str, str]] = [
+    # the bootstrap thread looks it up per message: a decode registration is seen at once
+    (
+        "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager._publish_peer_registration",
+        "sglang.srt.disaggregation.peer_liveness:on_prefill_manager_init",
+        "instance",
+        "prefill",
+    ),
+    # decode's ABORT, before upstream's handler: kept for a room prefill has not created
+    # yet, the reason recorded for a live one (an abort, not a failure); mooncake and nixl
+    (
+        "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager._handle_abort_notification",
+        "sglang.srt.disaggregation.room_ledger:on_manager_init",
+        "instance",
+        "prefill",
+    ),
+    (
+        "sglang.srt.disaggregation.nixl.conn.NixlKVManager._handle_abort_notification",
+        "sglang.srt.disaggregation.room_ledger:on_manager_init",
+        "instance",
+        "prefill",
+    ),
+    # a failed write nominates a session; only a failed probe blacklists it
+    (
+        "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.failed_sessions",
+        "sglang.srt.disaggregation.chunk_failures:on_prefill_manager_init",
+        "instance",
+        "prefill",
+    ),
+    # a session comes back only once a read from it completes (mooncake's TCP transport
+    # fails the first transfer after it dropped a stalled peer's connections)
+    (
+        "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager._send_probe",
+        "sglang.srt.disaggregation.chunk_failures:on_prefill_manager_init",
+        "instance",
+        "prefill",
+    ),
+    # a transfer worker that raises fails its in-flight room and starts again
+    (
+        "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.transfer_worker",
+        "sglang.srt.disaggregation.transfer_worker_guard:install",
+        "class",
+        "prefill",
     ),
 ]
 

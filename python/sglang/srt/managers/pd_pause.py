@@ -19,14 +19,15 @@ import logging
 import time
 from typing import Any, Dict, List, Optional
 
-from sglang.srt.disaggregation import room_ledger
+from sglang.srt.disaggregation import pd_queues, room_ledger
+from sglang.srt.managers import fork_touch
 from sglang.srt.managers.engine_clock import engine_clock
 
 logger = logging.getLogger(__name__)
 
 RELEASE_ABORT_MESSAGE = "Aborted: engine memory released during pause (mode={mode})."
 RELEASE_NO_PAUSE_MESSAGE = "Aborted: engine memory released without a pause."
-RELEASE_MARKER = "engine memory released"
+RELEASE_MARKER = room_ledger.RELEASE_MARKER
 # The status of an abort the pause path decides: none, i.e. upstream's abort answer
 # (HTTP 200, finish_reason "abort" with the message). RL clients recycle exactly that.
 PAUSE_ABORT_STATUS = None
@@ -57,15 +58,7 @@ def scheduler_pause(scheduler) -> _SchedulerPause:
     return sp
 
 
-def pd_role(scheduler):
-    from sglang.srt.disaggregation.utils import DisaggregationMode
-
-    mode = scheduler.disaggregation_mode
-    return (
-        "prefill"
-        if mode == DisaggregationMode.PREFILL
-        else "decode" if mode == DisaggregationMode.DECODE else None
-    )
+pd_role = pd_queues.role
 
 
 def scheduler_pause_generation(original, scheduler, recv_req):
@@ -97,20 +90,7 @@ def scheduler_continue_generation(result, scheduler, recv_req, *args, **kwargs):
     return result
 
 
-def _transfer_endpoints(scheduler) -> List[Any]:
-    """Live KV senders/receivers of every request in this scheduler's PD queues."""
-    out = []
-    role = pd_role(scheduler)
-    if role == "prefill":
-        reqs = list(scheduler.disagg_prefill_bootstrap_queue.queue)
-        reqs += list(scheduler.disagg_prefill_inflight_queue)
-        reqs += list(scheduler.waiting_queue)
-        out = [getattr(r, "disagg_kv_sender", None) for r in reqs]
-    elif role == "decode":
-        entries = list(scheduler.disagg_decode_prealloc_queue.queue)
-        entries += list(scheduler.disagg_decode_transfer_queue.queue)
-        out = [getattr(e, "kv_receiver", None) for e in entries]
-    return [x for x in out if x is not None]
+_transfer_endpoints = pd_queues.transfer_endpoints
 
 
 def shift_upstream_timers(scheduler, paused_seconds: float) -> int:
@@ -212,27 +192,8 @@ def _abort_all_and_drain(scheduler, message: str) -> None:
         )
 
 
-def queued_reqs(scheduler) -> List[Any]:
-    """Requests in this scheduler's PD queues (not the running batch)."""
-    role = pd_role(scheduler)
-    reqs = list(scheduler.waiting_queue)
-    if role == "prefill":
-        reqs += list(scheduler.disagg_prefill_bootstrap_queue.queue)
-        reqs += list(scheduler.disagg_prefill_inflight_queue)
-        if scheduler.chunked_req is not None:
-            reqs.append(scheduler.chunked_req)
-    elif role == "decode":
-        reqs += [e.req for e in scheduler.disagg_decode_prealloc_queue.queue]
-        reqs += [e.req for e in scheduler.disagg_decode_transfer_queue.queue]
-    return reqs
-
-
-def held_reqs(scheduler) -> List[Any]:
-    """Every request this scheduler holds: PD queues, running batch, last batch."""
-    reqs = queued_reqs(scheduler) + list(scheduler.running_batch.reqs)
-    if scheduler.last_batch is not None:
-        reqs += list(scheduler.last_batch.reqs)
-    return reqs
+queued_reqs = pd_queues.queued_reqs
+held_reqs = pd_queues.held_reqs
 
 
 def end_prefill_rooms(scheduler, reqs: List[Any], reason: Optional[str]) -> None:
@@ -246,7 +207,7 @@ def end_prefill_rooms(scheduler, reqs: List[Any], reason: Optional[str]) -> None
     held = {id(r) for r in held_reqs(scheduler)}
     mgr = scheduler.disagg_prefill_bootstrap_queue.kv_manager
     for req in reqs:
-        sender = getattr(req, "disagg_kv_sender", None)
+        sender = fork_touch.upstream(req, "disagg_kv_sender")
         room = req.bootstrap_room
         if sender is None or id(req) in held or room is None:
             continue
@@ -260,10 +221,7 @@ def end_prefill_rooms(scheduler, reqs: List[Any], reason: Optional[str]) -> None
                                  fail=False, tell=False, remember=True, cancel=True)
 
 
-def _queue_lengths(scheduler) -> Dict[str, int]:
-    from sglang.srt.managers.pd_resource_report import _queues
-
-    return _queues(scheduler)
+_queue_lengths = pd_queues.lengths
 
 
 def end_in_flight(scheduler) -> None:
@@ -275,7 +233,7 @@ def end_in_flight(scheduler) -> None:
         return
     sp = scheduler_pause(scheduler)
     paused = sp.mode is not None
-    if not getattr(scheduler, "_engine_paused", False):
+    if not fork_touch.upstream(scheduler, "_engine_paused"):
         # Release without a pause (upstream's colocated RL loop): the tokenizer let it
         # through only with nothing in flight, and holds new requests at its gate.
         # Settle what the queues still hold (decode's pending drain acks); anything
@@ -307,7 +265,7 @@ def not_idle_reasons(scheduler) -> List[str]:
         "chunked_req": scheduler.chunked_req is not None,
         "last_batch": scheduler.last_batch is not None
         and not scheduler.last_batch.is_empty(),
-        "result_queue": bool(getattr(scheduler, "result_queue", None)),
+        "result_queue": bool(fork_touch.upstream(scheduler, "result_queue")),
         "waiting_with_kv": any(r.kv.holds_kv for r in scheduler.waiting_queue),
         "grammar_queue": bool(scheduler.grammar_manager.grammar_queue),
         "deferred_kv_releases": pd_role(scheduler) == "decode"
@@ -329,7 +287,7 @@ def weight_updater_release(original, weight_updater, recv_req, *args, **kwargs):
     scheduler = weight_updater.scheduler
     if scheduler is not None:
         end_in_flight(scheduler)
-        paused = getattr(scheduler, "_engine_paused", False)
+        paused = fork_touch.upstream(scheduler, "_engine_paused")
         if not weight_updater.is_fully_idle(ignore_waiting=paused):
             logger.error("pd_pause: not idle before release: %s", not_idle_reasons(scheduler))
     return original(weight_updater, recv_req, *args, **kwargs)
@@ -338,7 +296,7 @@ def weight_updater_release(original, weight_updater, recv_req, *args, **kwargs):
 def report(scheduler) -> Dict[str, Any]:
     sp = scheduler_pause(scheduler)
     return {
-        "paused": bool(getattr(scheduler, "_engine_paused", False)),
+        "paused": bool(fork_touch.upstream(scheduler, "_engine_paused")),
         "mode": sp.mode,
         "clock_paused": engine_clock.paused,
     }

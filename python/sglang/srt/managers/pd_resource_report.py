@@ -4,12 +4,16 @@ An AFTER hook on upstream's `SchedulerInternalStateController.get_internal_state
 (GET /server_info or /get_server_info -> internal_states[i]) adds: KV tokens (free,
 total, cached-evictable, protected, held by requests), request slots, PD
 metadata-buffer slots, PD queue lengths per role, per-room table sizes of the transfer
-kv_manager, its per-peer table sizes (`peers`, see peer_liveness), and `hooks_applied`. Tests compare it with an idle baseline; read-only.
+kv_manager, its per-peer table sizes (`peers`, see peer_liveness), `hooks_applied` and
+`swaps_applied` (fork_plugin.SWAPS on this kv manager). Tests compare it with an idle
+baseline; read-only.
 """
 
 from __future__ import annotations
 
 from typing import Any, Dict, Optional
+
+from sglang.srt.disaggregation import pd_queues
 
 # Per-room (or per-peer-of-a-room) tables of upstream's Common/MooncakeKVManager in
 # 0.5.23; a table a given role/backend does not have is simply not reported.
@@ -51,36 +55,8 @@ def _slots(allocator) -> Optional[Dict[str, int]]:
     return {"free": int(allocator.available_size()), "total": int(total)}
 
 
-def _queues(scheduler) -> Dict[str, int]:
-    queues = {
-        "waiting": len(scheduler.waiting_queue),
-        "running": len(scheduler.running_batch.reqs),
-    }
-    bootstrap = scheduler.disagg_prefill_bootstrap_queue
-    if bootstrap is not None:
-        queues["prefill_bootstrap"] = len(bootstrap.queue)
-        queues["prefill_inflight"] = len(scheduler.disagg_prefill_inflight_queue)
-        queues["prefill_pending_chunks"] = len(
-            scheduler.disagg_prefill_pending_chunk_rids
-        )
-    prealloc = scheduler.disagg_decode_prealloc_queue
-    if prealloc is not None:
-        queues["decode_prealloc"] = len(prealloc.queue)
-        queues["decode_prealloc_pending"] = len(prealloc.pending_reqs)
-        queues["decode_retracted"] = len(prealloc.retracted_queue)
-        queues["decode_held_rebootstrap"] = len(prealloc.held_rebootstrap_reqs)
-        queues["decode_transfer"] = len(scheduler.disagg_decode_transfer_queue.queue)
-    return queues
-
-
-def _kv_manager(scheduler):
-    for queue in (
-        scheduler.disagg_prefill_bootstrap_queue,
-        scheduler.disagg_decode_prealloc_queue,
-    ):
-        if queue is not None:
-            return queue.kv_manager
-    return None
+_queues = pd_queues.lengths
+_kv_manager = pd_queues.kv_manager
 
 
 def _room_tables(kv_manager) -> Dict[str, int]:
@@ -104,6 +80,7 @@ def build_report(scheduler) -> Dict[str, Any]:
     from sglang.srt.disaggregation import queue_memory, room_ledger
     from sglang.srt.managers import pd_pause
     from sglang.srt.disaggregation.peer_liveness import peer_tables
+    from sglang.srt.managers import fork_touch
     from sglang.srt.managers.fork_plugin import hooks_applied
 
     mode = scheduler.disaggregation_mode
@@ -118,6 +95,8 @@ def build_report(scheduler) -> Dict[str, Any]:
         "queues": _queues(scheduler),
         "transfer_rooms": None if kv_manager is None else _room_tables(kv_manager),
         "hooks_applied": hooks_applied(),
+        # fork_plugin.SWAPS made on this scheduler's kv manager, each still in place
+        "swaps_applied": fork_touch.swaps_applied(kv_manager, mode.value),
         "pause": pd_pause.report(scheduler),
         "peers": None if kv_manager is None else peer_tables(kv_manager),
         "te_registration": (

@@ -1,0 +1,177 @@
+"""A scheduler's PD queues and the requests in them, by stage: the one walker.
+
+Invariant: the role of a scheduler, the names of the stages a PD request goes through,
+and where each stage's requests sit in upstream's scheduler are declared here once;
+the fork's modules that walk the queues (pd_pause, queue_memory, the resource report,
+abort_retirement, transfer_deadline) ask this module. Read-only: it never changes a
+queue. It imports no fork module but `fork_touch` (upstream attributes read through
+`upstream()`, so a rename fails loudly).
+Threads: the scheduler's (the queues are the event loop's).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+from sglang.srt.managers.fork_touch import upstream
+
+PREFILL, DECODE = "prefill", "decode"
+
+# Stages (names also label counters: `sglang:num_transfer_timeout_reqs_total{stage}`,
+# the end-cause counter's stage).
+PREFILL_BOOTSTRAP = "prefill_bootstrap"  # PrefillBootstrapQueue.queue
+PREFILL_WAITING = "prefill_waiting"  # waiting_queue (bootstrapped, not yet run)
+PREFILL_RUNNING = "prefill_running"  # chunked_req, last batch
+PREFILL_INFLIGHT = "prefill_inflight"  # disagg_prefill_inflight_queue (KV being sent)
+DECODE_PREALLOC = "decode_prealloc"  # DecodePreallocQueue.queue (DecodeRequest)
+DECODE_TRANSFER = "decode_transfer"  # DecodeTransferQueue.queue (DecodeRequest)
+DECODE_RUNNING = "decode_running"  # waiting_queue (transferred), running batch
+STAGES = (
+    PREFILL_BOOTSTRAP, PREFILL_WAITING, PREFILL_RUNNING, PREFILL_INFLIGHT,
+    DECODE_PREALLOC, DECODE_TRANSFER, DECODE_RUNNING,
+)
+
+
+def role(scheduler: Any) -> Optional[str]:
+    """"prefill" / "decode" for a PD scheduler whose queues exist, else None."""
+    mode = upstream(scheduler, "disaggregation_mode")
+    mode = str(getattr(mode, "value", mode))  # the enum, or its value
+    if mode == PREFILL and upstream(scheduler, "disagg_prefill_bootstrap_queue") is not None:
+        return PREFILL
+    if mode == DECODE and upstream(scheduler, "disagg_decode_prealloc_queue") is not None:
+        return DECODE
+    return None
+
+
+def queue_entries(scheduler: Any, stage: str) -> List[Any]:
+    """What the container of a queue stage holds: `Req` on prefill, `DecodeRequest`
+    (`.req`, `.kv_receiver`) in decode's prealloc and transfer queues."""
+    if stage == PREFILL_BOOTSTRAP:
+        return list(scheduler.disagg_prefill_bootstrap_queue.queue)
+    if stage == PREFILL_WAITING:
+        return list(scheduler.waiting_queue)
+    if stage == PREFILL_INFLIGHT:
+        return list(scheduler.disagg_prefill_inflight_queue)
+    if stage == DECODE_PREALLOC:
+        return list(scheduler.disagg_decode_prealloc_queue.queue)
+    if stage == DECODE_TRANSFER:
+        return list(scheduler.disagg_decode_transfer_queue.queue)
+    raise ValueError(f"{stage!r} is not a queue stage")
+
+
+def _reqs_of(scheduler: Any, stage: str) -> List[Any]:
+    entries = queue_entries(scheduler, stage)
+    return [e.req for e in entries] if stage in (DECODE_PREALLOC, DECODE_TRANSFER) else entries
+
+
+def walk(scheduler: Any) -> Iterator[Tuple[str, Any]]:
+    """(stage, req) for every request this scheduler holds in a PD stage, queues first,
+    then what runs (a request may appear twice: the running batch and the last batch)."""
+    r = role(scheduler)
+    if r == PREFILL:
+        for stage in (PREFILL_BOOTSTRAP, PREFILL_WAITING):
+            for req in _reqs_of(scheduler, stage):
+                yield stage, req
+        if scheduler.chunked_req is not None:
+            yield PREFILL_RUNNING, scheduler.chunked_req
+        last = scheduler.last_batch
+        for req in (last.reqs if last is not None else None) or ():
+            yield PREFILL_RUNNING, req
+        for req in _reqs_of(scheduler, PREFILL_INFLIGHT):
+            yield PREFILL_INFLIGHT, req
+    elif r == DECODE:
+        for stage in (DECODE_PREALLOC, DECODE_TRANSFER):
+            for req in _reqs_of(scheduler, stage):
+                yield stage, req
+        for req in list(scheduler.waiting_queue) + list(scheduler.running_batch.reqs):
+            yield DECODE_RUNNING, req
+
+
+def queued_reqs(scheduler: Any) -> List[Any]:
+    """Requests in this scheduler's PD queues (not the running batch): the waiting
+    queue, and prefill's bootstrap/inflight queues and chunked request, or decode's
+    prealloc/transfer queues."""
+    r = role(scheduler)
+    reqs = list(scheduler.waiting_queue)
+    if r == PREFILL:
+        reqs += _reqs_of(scheduler, PREFILL_BOOTSTRAP) + _reqs_of(scheduler, PREFILL_INFLIGHT)
+        if scheduler.chunked_req is not None:
+            reqs.append(scheduler.chunked_req)
+    elif r == DECODE:
+        reqs += _reqs_of(scheduler, DECODE_PREALLOC) + _reqs_of(scheduler, DECODE_TRANSFER)
+    return reqs
+
+
+def held_reqs(scheduler: Any) -> List[Any]:
+    """Every request this scheduler holds: PD queues, running batch, last batch."""
+    reqs = queued_reqs(scheduler) + list(scheduler.running_batch.reqs)
+    if scheduler.last_batch is not None:
+        reqs += list(scheduler.last_batch.reqs)
+    return reqs
+
+
+def parked_reqs(scheduler: Any) -> List[Any]:
+    """Decode's requests kept outside the queues across a retract: held for
+    re-bootstrap and retracted (they own a room, no KV)."""
+    if role(scheduler) != DECODE:
+        return []
+    prealloc = scheduler.disagg_decode_prealloc_queue
+    return list(prealloc.held_rebootstrap_reqs) + list(prealloc.retracted_queue)
+
+
+def transfer_endpoints(scheduler: Any) -> List[Any]:
+    """Live KV senders (prefill: bootstrap, inflight, waiting) or receivers (decode:
+    prealloc, transfer) of the requests in the PD queues."""
+    r = role(scheduler)
+    if r == PREFILL:
+        reqs = []
+        for stage in (PREFILL_BOOTSTRAP, PREFILL_INFLIGHT, PREFILL_WAITING):
+            reqs += _reqs_of(scheduler, stage)
+        out = [upstream(req, "disagg_kv_sender") for req in reqs]
+    elif r == DECODE:
+        entries = queue_entries(scheduler, DECODE_PREALLOC) + queue_entries(scheduler, DECODE_TRANSFER)
+        out = [upstream(e, "kv_receiver") for e in entries]
+    else:
+        out = []
+    return [x for x in out if x is not None]
+
+
+def prefill_stage(scheduler: Any, req: Any) -> str:
+    """Which prefill stage `req` is in (running: none of the queues)."""
+    bootstrap = scheduler.disagg_prefill_bootstrap_queue
+    if bootstrap is not None and req in bootstrap.queue:
+        return PREFILL_BOOTSTRAP
+    if req in scheduler.waiting_queue:
+        return PREFILL_WAITING
+    if req in scheduler.disagg_prefill_inflight_queue:
+        return PREFILL_INFLIGHT
+    return PREFILL_RUNNING
+
+
+def lengths(scheduler: Any) -> Dict[str, int]:
+    """Queue lengths (the resource report's `queues`)."""
+    queues = {
+        "waiting": len(scheduler.waiting_queue),
+        "running": len(scheduler.running_batch.reqs),
+    }
+    bootstrap = scheduler.disagg_prefill_bootstrap_queue
+    if bootstrap is not None:
+        queues["prefill_bootstrap"] = len(bootstrap.queue)
+        queues["prefill_inflight"] = len(scheduler.disagg_prefill_inflight_queue)
+        queues["prefill_pending_chunks"] = len(scheduler.disagg_prefill_pending_chunk_rids)
+    prealloc = scheduler.disagg_decode_prealloc_queue
+    if prealloc is not None:
+        queues["decode_prealloc"] = len(prealloc.queue)
+        queues["decode_prealloc_pending"] = len(prealloc.pending_reqs)
+        queues["decode_retracted"] = len(prealloc.retracted_queue)
+        queues["decode_held_rebootstrap"] = len(prealloc.held_rebootstrap_reqs)
+        queues["decode_transfer"] = len(scheduler.disagg_decode_transfer_queue.queue)
+    return queues
+
+
+def kv_manager(scheduler: Any) -> Any:
+    """The transfer kv manager of this scheduler's PD queue, or None."""
+    for queue in (scheduler.disagg_prefill_bootstrap_queue, scheduler.disagg_decode_prealloc_queue):
+        if queue is not None:
+            return queue.kv_manager
+    return None

@@ -1,0 +1,56 @@
+"""How the fork touches upstream outside HookRegistry (fork_plugin.SWAPS, fork_touch), on
+real mooncake managers over TCP loopback (testing/mooncake_pair.py):
+- every declared swap is in place on a live prefill kv manager, and none is declared
+  for decode;
+- an upstream release that renamed a swapped attribute stops the prefill at start-up
+  with an error naming that attribute (instead of a silent no-op), for an instance
+  swap and for the class patch.
+"""
+
+import time
+
+import pytest
+
+from testing.mooncake_pair import RENAME_ENV, Side, _free_port
+from testing.pd_checks import pair_fixture
+
+MOONCAKE = "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager"
+D = "sglang.srt.disaggregation"
+SWAPPED = {  # "target <- the hook that makes the swap"
+    f"{MOONCAKE}._publish_peer_registration <- {D}.peer_liveness:on_prefill_manager_init",
+    f"{MOONCAKE}._handle_abort_notification <- {D}.room_ledger:on_manager_init",
+    f"{MOONCAKE}.failed_sessions <- {D}.chunk_failures:on_prefill_manager_init",
+    f"{MOONCAKE}._send_probe <- {D}.chunk_failures:on_prefill_manager_init",
+    f"{MOONCAKE}.transfer_worker <- {D}.transfer_worker_guard:install",
+}
+SIZES = dict(kv_tokens=512, req_slots=4, metadata_slots=4, max_context_len=64)
+
+pair = pair_fixture(**SIZES)
+
+
+def test_every_declared_swap_is_in_place_on_live_managers(pair):
+    applied = pair.prefill.call("swaps_applied")
+    assert set(applied) == SWAPPED
+    assert all(applied.values()), applied
+    assert pair.decode.call("swaps_applied") == {}
+    # and the swapped paths serve: a request transfers
+    room = pair.submit(prompt_len=12)
+    pair.run_until(lambda: pair.decode.call("transferred", room), timeout=60)
+    assert pair.decode.call("kv_bytes", room) == pair.prefill.call("kv_sent", room)
+    pair.decode.call("finish", room)
+
+
+@pytest.mark.parametrize("attr", ["_publish_peer_registration", "transfer_worker"])
+def test_renamed_upstream_attribute_stops_prefill_at_start(attr):
+    target = f"{MOONCAKE}.{attr}"
+    t0 = time.monotonic()
+    side = Side("prefill", _free_port(), SIZES, {RENAME_ENV: target})
+    try:
+        with pytest.raises(RuntimeError) as failed:
+            side.ready(120)
+    finally:
+        side.close()
+    assert time.monotonic() - t0 < 120
+    text = str(failed.value)
+    assert "UpstreamChanged" in text, text[-2000:]
+    assert f"upstream attribute {target} does not exist" in text, text[-2000:]
