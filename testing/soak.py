@@ -4,7 +4,8 @@ Clients send greedy requests through the deployment's balancer, each its next on
 soon as the last is answered. Meanwhile a seeded schedule applies one fault at a time,
 each with the calls reaching the two servers at different moments: pause cycles in
 every mode with the servers continued in either order, aborts of single requests by
-rid on both servers, `abort_all`, a frozen decode, a frozen prefill. Every fault is a
+rid on both servers, `abort_all`, aborts of requests held at one paused server's gate
+while the other serves them, a frozen decode, a frozen prefill. Every fault is a
 window [start, end] in time.
 
 Every answer is judged against the windows its request overlapped (sent before the
@@ -33,8 +34,8 @@ from typing import Dict, List, Optional, Sequence
 from testing.pd_cluster import generate, http_post_json, prompts, wait_until
 
 FAULTS = ("abort_pause", "in_place_pause", "retract_pause", "rid_aborts", "abort_all", "freeze_decode",
-          "freeze_prefill")
-ABORTING = {"abort_pause", "abort_all"}  # may end any request they overlap as an abort
+          "freeze_prefill", "abort_at_gate")
+ABORTING = {"abort_pause", "abort_all", "abort_at_gate"}  # may end any request they overlap as an abort
 FREEZE_S = 1.5
 
 
@@ -143,6 +144,26 @@ class Soak:
             for rid in rids:
                 for role in self.rng.sample(["prefill", "decode"], 2):
                     self._call(role, "abort_request", {"rid": rid})
+        elif fault == "abort_at_gate":
+            # one server paused (either), requests pile up at its gate while the other
+            # serves them; then everything on the paused one is aborted and it continues
+            role = self.rng.choice(["prefill", "decode"])
+            self._call(role, "pause_generation", {"mode": "abort"})
+            other = self.cluster["decode" if role == "prefill" else "prefill"]
+
+            def every_client_waits_at_the_gate():
+                # each open request's other copy waits in the serving server's PD
+                # queues (for the paused one's handshake or KV): all are at the gate
+                with self._lock:
+                    n_open = len(self._open)
+                q = other.resources()["queues"]
+                waiting = q["prefill_bootstrap"] if role == "decode" else q["decode_prealloc"] + q["decode_transfer"]
+                return n_open == self.clients and waiting == n_open
+
+            wait_until(every_client_waits_at_the_gate, 30, f"requests held at {role}'s gate",
+                       on_timeout=lambda: str(other.resources()["queues"]))
+            self._call(role, "abort_request", {"abort_all": True})
+            self._call(role, "continue_generation")
         elif fault == "abort_all":
             for role in self.rng.sample(["prefill", "decode"], 2):
                 self._call(role, "abort_request", {"abort_all": True})
