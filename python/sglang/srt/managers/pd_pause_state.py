@@ -260,6 +260,20 @@ def pause_reason(tokenizer_manager) -> Optional[str]:
     return None
 
 
+def alive_while_held(tokenizer_manager) -> bool:
+    """/health and /health_generate during a pause or a release: the engine holds new
+    requests on purpose (an RL step: pause, weight update, continue), so the probe's
+    one-token generation would wait at the pause gate until upstream's 20 s health
+    timeout, then answer 503 and mark the server UnHealthy; the gateway (5 s probe
+    timeout) and RL supervisors would take a live engine for a dead one. While held,
+    the probe is answered 200 at once without a generation (a scheduler that dies is
+    upstream's SubprocessWatchdog's: it takes the server down); a probe that was
+    already waiting when the pause began is answered on its next check. Readiness
+    stays upstream's `/ready` (503 while the gate is closed). Called by the
+    http_server patch (the health route and its wait loop)."""
+    return bool(tokenizer_manager.is_pause) or pause_reason(tokenizer_manager) is not None
+
+
 PAUSE_CALLS = ("/pause_generation",)
 
 
