@@ -84,9 +84,9 @@ ABORT_REASONS = {
     # mode -> what an abort answer's message may name (docs/pause-release-resume.md,
     # "Using the fork from an RL framework"): every abort is upstream's answer, HTTP
     # 200 with finish_reason "abort" and no error status.
-    # abort mode: the tokenizer's own abort_all ends what runs with upstream's
-    # client-abort message; what the scheduler's drain ends names the pause.
-    "abort": ("pause_generation(mode=abort)", "Aborted", RELEASE_MESSAGE),
+    # abort mode: whatever the pause ends (running or queued, on either server) names
+    # the pause, never the client-abort message.
+    "abort": ("pause_generation(mode=abort)", RELEASE_MESSAGE),
     "in_place": (RELEASE_MESSAGE,),
     "retract": (RELEASE_MESSAGE,),
 }

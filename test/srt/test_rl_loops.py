@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import random
 import select
 import signal
 import threading
@@ -37,6 +38,7 @@ from testing.pd_cluster import (
     start_all,
     wait_until,
 )
+from testing.pd_checks import Leg, cluster_end_causes, delta, leg_body
 from testing.tiny_model import ensure_tiny_model
 
 pytestmark = pytest.mark.e2e
@@ -300,7 +302,7 @@ def test_partial_rollout_abort_pause_with_12_clients(cluster, checkpoints, refer
         reason = r["meta"]["finish_reason"]
         if reason["type"] == "abort":
             assert reason.get("status_code") is None, r
-            assert reason["message"].startswith("Aborted"), r
+            assert "pause_generation(mode=abort)" in reason["message"], r  # not the client's
             counts["aborted"] += 1
         else:
             assert r["output_ids"] in (reference["A"][text], reference["B"][text]), r
@@ -323,6 +325,7 @@ def test_release_during_in_place_pause_ends_queued_requests_as_aborts(cluster, r
     prefill, decode = cluster["prefill"], cluster["decode"]
     for mode in ("in_place", "retract"):
         out = {}
+        before = cluster_end_causes(cluster)
 
         def run():
             out["r"] = generate_concurrently(cluster.url, texts, max_new_tokens=64,
@@ -355,6 +358,8 @@ def test_release_during_in_place_pause_ends_queued_requests_as_aborts(cluster, r
                 aborted += 1
         assert aborted == len(texts), (mode, [r["meta"]["finish_reason"] for r in out["r"]])
         assert_idle(cluster, PD_ROLES, baseline=baseline)
+        moved = delta(before, cluster_end_causes(cluster))  # counted as the pause's ends
+        assert moved and not [k for k in moved if k[1] != "pause"], (mode, moved)
     rollout(cluster, reference, loaded)
 
 
@@ -451,5 +456,82 @@ def test_health_probe_waiting_when_the_pause_begins_answers(cluster, reference):
     status, reply, _ = call(cluster, "prefill", "continue_generation", {})
     assert status == 200, reply
     assert_alive(cluster, "after the cycle", [])
+    assert_idle(cluster, PD_ROLES, baseline=baseline)
+    rollout(cluster, reference, loaded)
+
+
+# ----------------------------------------------------------------------------- pause aborts
+
+PAUSE_ANSWER_S = 15.0  # every aborted leg answered within this of the pause (2 loaded cores)
+OTHER_CAUSES = ("client_abort", "timeout", "transport", "peer_failure")
+
+
+def _pairs(cluster, n, tag, max_new_tokens):
+    """n PD requests sent leg by leg (the test plays the load balancer), so both
+    servers' answers are seen."""
+    bodies = []
+    for i in range(n):
+        room = random.getrandbits(62)
+        body = leg_body(cluster, room, f"{tag} {i}: tell me a long story", max_new_tokens,
+                        rid=f"{tag}-{i}-{room}")
+        body["sampling_params"]["ignore_eos"] = True
+        bodies.append(body)
+    legs = []
+    for body in bodies:
+        legs += [Leg(cluster["prefill"].url, body), Leg(cluster["decode"].url, dict(body))]
+    for leg in legs:
+        leg.start()
+    return legs
+
+
+def _pause_abort_answer(leg) -> bool:
+    body = leg.response
+    reason = body.get("meta_info", {}).get("finish_reason", {}) if isinstance(body, dict) else {}
+    return (leg.status == 200 and reason.get("type") == "abort" and reason.get("status_code") is None
+            and "pause_generation(mode=abort)" in reason.get("message", ""))
+
+
+def test_abort_pause_answers_name_the_pause_and_count_as_pause(cluster, reference):
+    """pause_generation {} (abort) with PD requests running on decode and others just
+    sent: every leg the pause ends, on prefill and on decode, is answered 200,
+    finish_reason abort, no status, a message naming the pause (not the client-abort
+    message), within PAUSE_ANSWER_S; the end-cause counter moves only under "pause";
+    nothing is held; after continue the engine serves. Prefill is paused first (the
+    pause of decode then cannot reach prefill's copies first: upstream's ABORT from
+    decode carries no reason, see docs/pause-release-resume.md)."""
+    baseline = assert_idle(cluster, PD_ROLES)
+    loaded = _loaded(cluster, reference)
+    before = cluster_end_causes(cluster)
+    decode = cluster["decode"]
+    running = _pairs(cluster, 6, "pa-run", 800)
+    wait_until(lambda: held(decode.resources())["queue.running"] >= 6, 60, "6 requests running on decode")
+    queued = _pairs(cluster, 6, "pa-new", 800)
+    for role in PD_ROLES:
+        status, reply, _ = call(cluster, role, "pause_generation", {})
+        assert status == 200, (role, reply)
+    t_paused = time.monotonic()
+    for leg in running:
+        leg.join(PAUSE_ANSWER_S)
+    assert all(leg.done() for leg in running), [leg.out for leg in running if not leg.done()]
+    late = [leg.ended_at - t_paused for leg in running if leg.ended_at > t_paused]
+    assert max(late, default=0.0) <= PAUSE_ANSWER_S, late
+    decode_legs = running[1::2]
+    assert all(_pause_abort_answer(leg) for leg in decode_legs), [leg.out for leg in decode_legs]
+    for leg in running[0::2]:  # prefill's legs had finished their part before the pause
+        assert leg.status == 200, leg.out
+    answered = [leg for leg in queued if leg.done()]
+    assert all(_pause_abort_answer(leg) for leg in answered), [leg.out for leg in answered]
+    for role in PD_ROLES:
+        status, reply, _ = call(cluster, role, "continue_generation", {})
+        assert status == 200, (role, reply)
+    for leg in queued:  # held at a pause gate: served after continue
+        leg.join(REQUEST_DEADLINE_S)
+        assert leg.done() and leg.status == 200, leg.out
+        reason = leg.response["meta_info"]["finish_reason"]
+        assert reason["type"] == "length" or _pause_abort_answer(leg), leg.out
+    moved = delta(before, cluster_end_causes(cluster))
+    print("end causes moved:", moved, "answered during the pause:", len(answered))
+    assert not [k for k in moved if k[1] in OTHER_CAUSES], moved
+    assert sum(v for k, v in moved.items() if k[1] == "pause") > 0, moved
     assert_idle(cluster, PD_ROLES, baseline=baseline)
     rollout(cluster, reference, loaded)

@@ -111,7 +111,7 @@ DEADLINE_EXPIRED = "fork_transfer_deadline_message"  # transfer_deadline: its me
 #  - requested abort (the AbortReq's own): a client abort (200 abort), an SLA abort
 #    (503): the failure of its room is the abort's consequence.
 #  - peer abort (client abort answer): the peer ended the room because its request was
-#    aborted there.
+#    aborted there (a pause or release there: its message, counted "pause").
 #  - the failure itself: its message; status 504 / 503 / 502 if the reason names a
 #    deadline (504), a lost peer (502) or a release (the abort answer: the peer's
 #    reason crossed the wire), else the caller's (500).
@@ -131,10 +131,11 @@ MESSAGE_STATUS = (("deadline_tag", HTTPStatus.GATEWAY_TIMEOUT), ("release", None
 
 def _markers():
     from sglang.srt.disaggregation import abort_retirement, peer_liveness, transfer_deadline
+    from sglang.srt.managers import pd_pause
 
     return {
         "deadline_tag": (transfer_deadline.TAG,),
-        "release": ("engine memory released",),  # pd_pause.RELEASE_MARKER
+        "release": pd_pause.PAUSE_MARKERS,  # the pause's or a release's message
         "peer_abort": abort_retirement.ABORT_REASONS,
         "peer_lost": (peer_liveness.TAG, peer_liveness.UPSTREAM_PREFILL_LOST),
     }
@@ -162,6 +163,8 @@ def verdict(req: Any, error_message: str, status_code: Any) -> Tuple[str, Any]:
             message, status = found[cause], status
         elif cause == "requested_abort":
             message, status = found[cause]
+        elif cause == "peer_abort" and any(t in text for t in markers["release"]):
+            message, status = error_message, None  # the peer's pause or release ended it
         elif cause == "peer_abort":
             request_end_cause.tag_req(req, request_end_cause.CLIENT_ABORT)
             message, status = abort_retirement.CLIENT_ABORT_MESSAGE, None
@@ -173,6 +176,8 @@ def verdict(req: Any, error_message: str, status_code: Any) -> Tuple[str, Any]:
                 status = status_code
         for name, by_message in MESSAGE_STATUS:
             if any(t in str(message or "") for t in markers[name]):
+                if name == "release":  # counted as the pause's end, not a failure
+                    request_end_cause.tag_req(req, request_end_cause.PAUSE)
                 return message, by_message
         return message, status
     raise AssertionError("VERDICT_TABLE ends with the failure row")

@@ -244,6 +244,24 @@ async def _continue_scheduler(tokenizer_manager) -> None:
     )
 
 
+def tm_pause_abort_first(tokenizer_manager, rid: str = "", abort_all: bool = False, *args, **kwargs):
+    """BEFORE TokenizerManager.abort_request: the abort_all that upstream's abort-mode
+    pause_generation repeats carries no reason, so the scheduler would end what runs
+    as a client abort ("Aborted", end cause client_abort). The pause's own abort_all
+    goes first: what it reaches ends with the pause's message and end cause "pause";
+    upstream's then finds it aborted already."""
+    state = _state_of(tokenizer_manager)
+    if not abort_all or state.busy != "pause_generation" or state.busy_mode != "abort":
+        return None
+    from sglang.srt.managers.io_struct import AbortReq
+    from sglang.srt.managers.pd_pause import pause_finish_reason
+
+    tokenizer_manager._dispatch_to_scheduler(
+        AbortReq(abort_all=True, finished_reason=pause_finish_reason())
+    )
+    return None
+
+
 tm_pause_generation = _guarded("pause_generation", lambda obj: obj.mode)
 tm_continue_generation = _guarded("continue_generation")
 tm_release_memory_occupation = _guarded("release_memory_occupation")
