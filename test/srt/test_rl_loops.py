@@ -535,3 +535,65 @@ def test_abort_pause_answers_name_the_pause_and_count_as_pause(cluster, referenc
     assert sum(v for k, v in moved.items() if k[1] == "pause") > 0, moved
     assert_idle(cluster, PD_ROLES, baseline=baseline)
     rollout(cluster, reference, loaded)
+
+
+# ----------------------------------------------------------------------------- weights from tensors
+
+
+def _tensor_payload(checkpoint_dir):
+    """The checkpoint's weights as upstream's /update_weights_from_tensor payload, built
+    the way RL frameworks build it: MultiprocessingSerializer over (name, tensor) pairs,
+    one entry per TP rank, base64. Returns (tensors, payload): the tensors must outlive
+    the call. On CPU the tensors travel in shared memory; torch's default sharing
+    strategy ('file_descriptor') hands descriptors over a connection authenticated with
+    this process's multiprocessing authkey, which a server process does not share
+    (AuthenticationError in its scheduler), so the sender uses 'file_system' (named
+    shared memory), as any CPU client must."""
+    from safetensors.torch import load_file
+
+    from sglang.srt.utils.common import MultiprocessingSerializer
+
+    named = sorted(load_file(f"{checkpoint_dir}/model.safetensors").items())
+    return named, [MultiprocessingSerializer.serialize(named, output_str=True)]
+
+
+@pytest.fixture
+def file_system_sharing():
+    import torch.multiprocessing
+
+    old = torch.multiprocessing.get_sharing_strategy()
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    yield
+    torch.multiprocessing.set_sharing_strategy(old)
+
+
+def test_colocated_loop_weights_from_tensor(cluster, checkpoints, reference, file_system_sharing):
+    """The colocated loop with the weight update from tensors (upstream 0.5.23's API:
+    begin_weight_update -> update_weights_from_tensor with weight_version ->
+    end_weight_update), on both servers, swapping the checkpoints twice: every call
+    200, both servers report the version, and the next rollout's outputs are the new
+    checkpoint's on prefill and decode."""
+    baseline = assert_idle(cluster, PD_ROLES)
+    loaded = _loaded(cluster, reference)
+    log = []
+    for step in range(2):
+        target = "B" if loaded == "A" else "A"
+        for role in PD_ROLES:
+            flush_until_ok(cluster, role)
+        on_both(cluster, "release_memory_occupation", {}, log)
+        on_both(cluster, "resume_memory_occupation", {"tags": ["weights"]}, log)
+        on_both(cluster, "begin_weight_update", {}, log)
+        tensors, payload = _tensor_payload(checkpoints[target])
+        body = {"serialized_named_tensors": payload, "flush_cache": True,
+                "weight_version": f"tensor-{step}"}
+        results = on_both(cluster, "update_weights_from_tensor", body, log)
+        del tensors
+        for role, (_, reply, _) in results.items():
+            assert reply["success"], (role, reply)
+        on_both(cluster, "end_weight_update", {}, log)
+        assert weight_versions(cluster) == {r: f"tensor-{step}" for r in PD_ROLES}
+        on_both(cluster, "resume_memory_occupation", {"tags": ["kv_cache"]}, log)
+        rollout(cluster, reference, target)
+        loaded = target
+    assert_idle(cluster, PD_ROLES, baseline=baseline)
+    print("colocated loop with tensors (role, call, status, s):", log)
