@@ -386,6 +386,13 @@ def assert_alive(cluster, what, log):
             assert status == 200 and took <= HEALTH_BOUND_S, log[-1]
 
 
+def _back_to_running(cluster):
+    """After a failed test: whatever it left paused or released serves again."""
+    for role in PD_ROLES:
+        call(cluster, role, "resume_memory_occupation", {})  # 409 when nothing is released
+        call(cluster, role, "continue_generation", {})
+
+
 def test_health_answers_at_once_during_pause_and_release(cluster, reference):
     """/health_generate and /health (the gateway's probe) answer 200 within the
     gateway's probe timeout on both servers in every state an RL step passes through:
@@ -394,20 +401,24 @@ def test_health_answers_at_once_during_pause_and_release(cluster, reference):
     baseline = assert_idle(cluster, PD_ROLES)
     loaded = _loaded(cluster, reference)
     log = []
-    for mode in ("abort", "in_place", "retract"):
-        on_both(cluster, "pause_generation", {"mode": mode})
-        assert_alive(cluster, f"paused ({mode})", log)
+    try:
+        for mode in ("abort", "in_place", "retract"):
+            on_both(cluster, "pause_generation", {"mode": mode})
+            assert_alive(cluster, f"paused ({mode})", log)
+            on_both(cluster, "release_memory_occupation", {})
+            assert_alive(cluster, f"released in pause ({mode})", log)
+            on_both(cluster, "resume_memory_occupation", {})
+            assert_alive(cluster, f"resumed in pause ({mode})", log)
+            on_both(cluster, "continue_generation", {})
         on_both(cluster, "release_memory_occupation", {})
-        assert_alive(cluster, f"released in pause ({mode})", log)
-        on_both(cluster, "resume_memory_occupation", {})
-        assert_alive(cluster, f"resumed in pause ({mode})", log)
-        on_both(cluster, "continue_generation", {})
-    on_both(cluster, "release_memory_occupation", {})
-    assert_alive(cluster, "released without a pause", log)
-    on_both(cluster, "resume_memory_occupation", {"tags": ["weights"]})
-    assert_alive(cluster, "weights resumed", log)
-    on_both(cluster, "resume_memory_occupation", {"tags": ["kv_cache"]})
-    assert_alive(cluster, "running", log)
+        assert_alive(cluster, "released without a pause", log)
+        on_both(cluster, "resume_memory_occupation", {"tags": ["weights"]})
+        assert_alive(cluster, "weights resumed", log)
+        on_both(cluster, "resume_memory_occupation", {"tags": ["kv_cache"]})
+        assert_alive(cluster, "running", log)
+    except BaseException:
+        _back_to_running(cluster)
+        raise
     assert_idle(cluster, PD_ROLES, baseline=baseline)
     rollout(cluster, reference, loaded)
     print("health probes (state, role, path, status, s):", log)
@@ -452,9 +463,9 @@ def test_health_probe_waiting_when_the_pause_begins_answers(cluster, reference):
     finally:
         scheduler.send_signal(signal.SIGCONT)
         conn.close()
-    assert response.status == 200 and answered_after <= HEALTH_BOUND_S, (response.status, answered_after)
-    status, reply, _ = call(cluster, "prefill", "continue_generation", {})
+        status, reply, _ = call(cluster, "prefill", "continue_generation", {})
     assert status == 200, reply
+    assert response.status == 200 and answered_after <= HEALTH_BOUND_S, (response.status, answered_after)
     assert_alive(cluster, "after the cycle", [])
     assert_idle(cluster, PD_ROLES, baseline=baseline)
     rollout(cluster, reference, loaded)
