@@ -521,20 +521,21 @@ def test_abort_pause_answers_name_the_pause_and_count_as_pause(cluster, referenc
         status, reply, _ = call(cluster, role, "pause_generation", {})
         assert status == 200, (role, reply)
     t_paused = time.monotonic()
-    for leg in running:
-        leg.join(PAUSE_ANSWER_S)
-    assert all(leg.done() for leg in running), [leg.out for leg in running if not leg.done()]
-    late = [leg.ended_at - t_paused for leg in running if leg.ended_at > t_paused]
-    assert max(late, default=0.0) <= PAUSE_ANSWER_S, late
-    decode_legs = running[1::2]
-    assert all(_pause_abort_answer(leg) for leg in decode_legs), [leg.out for leg in decode_legs]
-    for leg in running[0::2]:  # prefill's legs had finished their part before the pause
-        assert leg.status == 200, leg.out
-    answered = [leg for leg in queued if leg.done()]
-    assert all(_pause_abort_answer(leg) for leg in answered), [leg.out for leg in answered]
-    for role in PD_ROLES:
-        status, reply, _ = call(cluster, role, "continue_generation", {})
-        assert status == 200, (role, reply)
+    try:
+        for leg in running:
+            leg.join(PAUSE_ANSWER_S)
+        assert all(leg.done() for leg in running), [leg.out for leg in running if not leg.done()]
+        late = [leg.ended_at - t_paused for leg in running if leg.ended_at > t_paused]
+        assert max(late, default=0.0) <= PAUSE_ANSWER_S, late
+        decode_legs = running[1::2]
+        assert all(_pause_abort_answer(leg) for leg in decode_legs), [leg.out for leg in decode_legs]
+        for leg in running[0::2]:  # prefill's legs had finished their part before the pause
+            assert leg.status == 200, leg.out
+        answered = [leg for leg in queued if leg.done()]
+        assert all(_pause_abort_answer(leg) for leg in answered), [leg.out for leg in answered]
+    finally:
+        continued = [call(cluster, role, "continue_generation", {})[0] for role in PD_ROLES]
+    assert continued == [200, 200], continued
     for leg in queued:  # held at a pause gate: served after continue
         leg.join(REQUEST_DEADLINE_S)
         assert leg.done() and leg.status == 200, leg.out
