@@ -310,7 +310,7 @@ def test_decode_ends_a_room_prefills_pause_ended_as_a_pause_abort(decode):
     h.tick()
     final = h.outputs.final(req.rid)
     assert final is not None and final.reason["type"] == "abort", final
-    assert pd_pause.PAUSE_ABORT_MESSAGE in final.reason["message"], final
+    assert final.reason["message"] == pd_pause.PAUSE_ABORT_MESSAGE, final
     assert h.outputs.status_code(req.rid) is None, final
     counts, causes = h.before
     for name in FAILURE_COUNTERS:

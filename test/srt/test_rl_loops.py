@@ -302,7 +302,7 @@ def test_partial_rollout_abort_pause_with_12_clients(cluster, checkpoints, refer
         reason = r["meta"]["finish_reason"]
         if reason["type"] == "abort":
             assert reason.get("status_code") is None, r
-            assert reason["message"].startswith("Abort"), r
+            assert reason["message"].startswith("Abort"), r  # "Aborted …" / upstream's "Abort in …"
             counts["aborted"] += 1
             counts["naming the pause"] += "pause_generation(mode=abort)" in reason["message"]
         else:

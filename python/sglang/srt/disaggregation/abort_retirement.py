@@ -80,8 +80,11 @@ def _names_pause(message) -> bool:
 def peer_reason(rid: str, room: int, side: str, why: Optional[str] = None) -> str:
     """What the peer is told; `why` (the abort's message) only for a pause or release
     end, so the peer ends its copy as that too (room_ledger.verdict)."""
-    said = f": {why}" if why and _names_pause(why) else "."
-    return f"{ABORT_TAG} on {side}: request {rid} (bootstrap_room={room}) was aborted{said}"
+    said = f"{PEER_WHY}{why}" if why and _names_pause(why) else " was aborted."
+    return f"{ABORT_TAG} on {side}: request {rid} (bootstrap_room={room}){said}"
+
+
+PEER_WHY = " was aborted: "
 
 
 def _prefill_reqs(scheduler) -> Iterable[Tuple[str, Any]]:

@@ -164,7 +164,8 @@ def verdict(req: Any, error_message: str, status_code: Any) -> Tuple[str, Any]:
         elif cause == "requested_abort":
             message, status = found[cause]
         elif cause == "peer_abort" and any(t in text for t in markers["release"]):
-            message, status = error_message, None  # the peer's pause or release ended it
+            # the peer's pause or release ended it: its message (abort_retirement.peer_reason)
+            message, status = text.rsplit(abort_retirement.PEER_WHY, 1)[-1], None
         elif cause == "peer_abort":
             request_end_cause.tag_req(req, request_end_cause.CLIENT_ABORT)
             message, status = abort_retirement.CLIENT_ABORT_MESSAGE, None
