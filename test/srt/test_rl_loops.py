@@ -533,7 +533,8 @@ def test_abort_pause_answers_name_the_pause_and_count_as_pause(cluster, referenc
         for leg in running[0::2]:  # prefill's legs had finished their part before the pause
             assert leg.status == 200, leg.out
         answered = [leg for leg in queued if leg.done()]
-        assert all(_pause_abort_answer(leg) for leg in answered), [leg.out for leg in answered]
+        decode_answered = [leg for leg in queued[1::2] if leg.done()]  # prefill's: see below
+        assert all(_pause_abort_answer(leg) for leg in decode_answered), [leg.out for leg in decode_answered]
     finally:
         continued = [call(cluster, role, "continue_generation", {})[0] for role in PD_ROLES]
     assert continued == [200, 200], continued
