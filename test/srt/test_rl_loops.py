@@ -548,7 +548,10 @@ def test_abort_pause_answers_name_the_pause_and_count_as_pause(cluster, referenc
             assert reason["type"] in ("length", "abort") and reason.get("status_code") is None, leg.out
     moved = delta(before, cluster_end_causes(cluster))
     print("end causes moved:", moved, "answered during the pause:", len(answered))
-    assert not [k for k in moved if k[1] in OTHER_CAUSES], moved
+    # prefill copies held at prefill's gate hear of decode's pause only through
+    # upstream's ABORT (no why): client_abort there is the documented limit
+    limit = ("prefill", "client_abort", "prefill_bootstrap")
+    assert not [k for k in moved if k[1] in OTHER_CAUSES and k != limit], moved
     assert sum(v for k, v in moved.items() if k[1] == "pause") > 0, moved
     assert_idle(cluster, PD_ROLES, baseline=baseline)
     rollout(cluster, reference, loaded)
