@@ -83,6 +83,36 @@ def test_prefill_bootstrap_queue_abort(prefill):
     assert_room_gone(h, room)
 
 
+def test_prefill_bootstrap_queue_pause_abort(prefill):
+    """The abort_all of an abort-mode pause (its finish reason names the pause) ends the
+    request with the pause's message, counts it under "pause" (neither client_abort
+    nor a failure) and tells decode why."""
+    from sglang.srt.managers import pd_pause
+    from sglang.srt.managers.io_struct import AbortReq
+
+    h = prefill
+    req = h.add(h.make_req())
+    room = req.bootstrap_room
+    h.faults.set(room, KVPoll.Bootstrapping)
+    h.tick()
+    with h.active():
+        h.scheduler.abort_request(AbortReq(abort_all=True, finished_reason=pd_pause.pause_finish_reason()))
+    h.faults.release(room)
+    h.tick()
+    final = h.outputs.final(req.rid)
+    assert final is not None and final.reason["type"] == "abort", final
+    assert final.reason["message"] == pd_pause.PAUSE_ABORT_MESSAGE, final
+    assert h.outputs.status_code(req.rid) is None, final
+    counts, causes = h.before
+    for name in FAILURE_COUNTERS:
+        assert h.counters.counts[name] == counts.get(name, 0), name
+    new = {k: v - causes.get(k, 0) for k, v in ec.COUNTS.items() if v != causes.get(k, 0)}
+    assert new == {("prefill", ec.PAUSE, ar.PREFILL_BOOTSTRAP): 1}, new
+    notices = told_decode(h, room)
+    assert len(notices) == 1 and pd_pause.PAUSE_ABORT_MESSAGE in notices[0].reason, notices
+    assert_room_gone(h, room)
+
+
 def test_prefill_waiting_queue_abort(prefill):
     h = prefill
     h.hold_admission = True
@@ -260,6 +290,33 @@ def test_decode_ends_a_room_prefill_aborted_as_an_abort(decode, stage):
     assert_client_abort(h, req)
     assert h.outputs.final(req.rid).output_ids == ()
     assert_counted(h, "decode", ar.DECODE_PREALLOC if stage == "prealloc" else ar.DECODE_TRANSFER)
+    assert h.room_entries(room) == []
+    h.assert_baseline(h.idle)
+    h.faults.release(room)
+
+
+def test_decode_ends_a_room_prefills_pause_ended_as_a_pause_abort(decode):
+    """Prefill's Failed naming its pause: decode's copy ends with that message, counted
+    under "pause" (not client_abort, not a transfer failure)."""
+    from sglang.srt.managers import pd_pause
+
+    h = decode
+    req = h.add(h.make_req())
+    room = req.bootstrap_room
+    h.faults.hold_transfer(room)
+    h.run_until(lambda: len(h.transfer_queue.queue) == 1)
+    h.kv_manager.record_failure(room, ar.peer_reason(req.rid, room, "prefill", pd_pause.PAUSE_ABORT_MESSAGE))
+    h.faults.set(room, KVPoll.Failed)
+    h.tick()
+    final = h.outputs.final(req.rid)
+    assert final is not None and final.reason["type"] == "abort", final
+    assert final.reason["message"] == pd_pause.PAUSE_ABORT_MESSAGE, final
+    assert h.outputs.status_code(req.rid) is None, final
+    counts, causes = h.before
+    for name in FAILURE_COUNTERS:
+        assert h.counters.counts[name] == counts.get(name, 0), name
+    new = {k: v - causes.get(k, 0) for k, v in ec.COUNTS.items() if v != causes.get(k, 0)}
+    assert new == {("decode", ec.PAUSE, ar.DECODE_TRANSFER): 1}, new
     assert h.room_entries(room) == []
     h.assert_baseline(h.idle)
     h.faults.release(room)

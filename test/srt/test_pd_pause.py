@@ -79,9 +79,11 @@ ABORT_REASONS = {
     # mode -> what an abort answer's message may name (docs/pause-release-resume.md,
     # "Using the fork from an RL framework"): every abort is upstream's answer, HTTP
     # 200 with finish_reason "abort" and no error status.
-    # abort mode: the tokenizer's own abort_all ends what runs with upstream's
-    # client-abort message; what the scheduler's drain ends names the pause.
-    "abort": ("pause_generation(mode=abort)", "Aborted", RELEASE_MESSAGE),
+    # abort mode: what the pause ends names the pause; with both servers paused at once
+    # a request whose decode copy finished its transfer between the pause's abort_all
+    # and upstream's own is still answered by upstream's ("Abort in waiting queue" /
+    # the client message; docs/pause-release-resume.md, known limits).
+    "abort": ("pause_generation(mode=abort)", "Abort", RELEASE_MESSAGE),
     "in_place": (RELEASE_MESSAGE,),
     "retract": (RELEASE_MESSAGE,),
 }

@@ -55,17 +55,31 @@ def _matches(recv_req: Any, rid: str) -> bool:
 def requested_verdict(recv_req: Any) -> Tuple[str, Optional[int], str]:
     """(message, status, cause) an AbortReq asks for: a client abort has no status;
     an SLA abort (`abort_message`) is a 503 timeout; a finish reason the sender
-    attached (pause) is kept as is."""
+    attached is kept as is (one naming the pause or release: end cause "pause")."""
     if recv_req.abort_message:
         return recv_req.abort_message, HTTPStatus.SERVICE_UNAVAILABLE, end_cause.TIMEOUT
     reason = recv_req.finished_reason or {}
     if reason.get("status_code") is not None:
         return reason.get("message") or "Aborted", reason["status_code"], end_cause.CLIENT_ABORT
+    if _names_pause(reason.get("message")):  # pause_generation(abort) or a release
+        return reason["message"], None, end_cause.PAUSE
     return CLIENT_ABORT_MESSAGE, None, end_cause.CLIENT_ABORT
 
 
-def peer_reason(rid: str, room: int, side: str) -> str:
-    return f"{ABORT_TAG} on {side}: request {rid} (bootstrap_room={room}) was aborted."
+def _names_pause(message) -> bool:
+    from sglang.srt.managers.pd_pause import names_pause
+
+    return names_pause(message)
+
+
+def peer_reason(rid: str, room: int, side: str, why: Optional[str] = None) -> str:
+    """What the peer is told; `why` (the abort's message) only for a pause or release
+    end, so the peer ends its copy as that too (room_ledger.verdict)."""
+    said = f"{PEER_WHY}{why}" if why and _names_pause(why) else " was aborted."
+    return f"{ABORT_TAG} on {side}: request {rid} (bootstrap_room={room}){said}"
+
+
+PEER_WHY = room_ledger.PEER_WHY
 
 
 _role = pd_queues.role
@@ -125,7 +139,7 @@ def before_abort_request(scheduler, recv_req, *args, **kwargs) -> None:
             room = req.bootstrap_room
             if kv_mgr is not None and room is not None and hasattr(kv_mgr, "send_kv_status_message"):
                 if getattr(kv_mgr, "request_status", {}).get(room) != KVPoll.Success:
-                    _tell_decode(kv_mgr, room, peer_reason(req.rid, room, "prefill"))
+                    _tell_decode(kv_mgr, room, peer_reason(req.rid, room, "prefill", message))
 
 
 def counts_as_failure(scheduler, req, role: str, stage: Optional[str] = None, kv_mgr=None) -> bool:
@@ -138,7 +152,7 @@ def counts_as_failure(scheduler, req, role: str, stage: Optional[str] = None, kv
     cause = end_cause.record_end(scheduler, req, role, stage, kv_mgr)
     if cause is None:
         cause = end_cause.cause_of(req, kv_mgr)[0]
-    return cause != end_cause.CLIENT_ABORT
+    return cause not in (end_cause.CLIENT_ABORT, end_cause.PAUSE)
 
 
 def finish_transferred(scheduler, req) -> bool:
@@ -166,7 +180,8 @@ def finish_transferred(scheduler, req) -> bool:
     end_cause.record_end(scheduler, req, "prefill", PREFILL_INFLIGHT, kv_mgr)
     if kv_mgr is not None and hasattr(kv_mgr, "send_kv_status_message"):
         # Decode may still hold the room: it must not run a request aborted here.
-        _tell_decode(kv_mgr, req.bootstrap_room, peer_reason(req.rid, req.bootstrap_room, "prefill"))
+        _tell_decode(kv_mgr, req.bootstrap_room,
+                     peer_reason(req.rid, req.bootstrap_room, "prefill", getattr(req, _ABORT)[0]))
     return True
 
 

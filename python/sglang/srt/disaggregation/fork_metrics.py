@@ -17,7 +17,7 @@ COUNTERS = {
     "end_cause": (
         "sglang:num_pd_request_end_causes_total",
         "PD requests that ended without a completion, by role, cause "
-        "(client_abort, timeout, transport, peer_failure) and stage.",
+        "(client_abort, pause, timeout, transport, peer_failure) and stage.",
         ("role", "cause", "stage"),
     ),
     "transfer_timeout": (

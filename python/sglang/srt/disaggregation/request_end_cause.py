@@ -1,7 +1,8 @@
 """Why a PD request ended without a completion, and the count of it: one place.
 
 Invariant: every PD request that ends without a completion is counted exactly once,
-under exactly one cause -- "client_abort", "timeout", "transport" or "peer_failure" --
+under exactly one cause -- "client_abort", "pause" (pause_generation in abort mode or a
+memory release ended it), "timeout", "transport" or "peer_failure" --
 by role ("prefill"/"decode") and stage. A failure site `tag()`s the room with its
 cause *before* it moves the room to `KVPoll.Failed`; the first tag wins (a client
 abort that later sees the transport fail stays a client abort). The queue that
@@ -26,7 +27,8 @@ CLIENT_ABORT = "client_abort"
 TIMEOUT = "timeout"
 TRANSPORT = "transport"
 PEER_FAILURE = "peer_failure"
-CAUSES = (CLIENT_ABORT, TIMEOUT, TRANSPORT, PEER_FAILURE)
+PAUSE = "pause"
+CAUSES = (CLIENT_ABORT, TIMEOUT, TRANSPORT, PEER_FAILURE, PAUSE)
 
 PROMETHEUS_NAME = "sglang:num_pd_request_end_causes_total"  # declared in fork_metrics
 

@@ -382,6 +382,10 @@ UPSTREAM_ABORT_REASON = "Aborted by AbortReq"  # upstream's Common{Sender,Receiv
 ABORT_REASONS = (ABORT_TAG, UPSTREAM_ABORT_REASON)
 CLIENT_ABORT_MESSAGE = "Aborted by the client."
 RELEASE_MARKER = "engine memory released"  # pd_pause.RELEASE_MARKER
+# A message that names the pause or the release ends the request as a pause abort
+# (end cause "pause"), never as a client abort or a failure (pd_pause.PAUSE_MARKERS).
+PAUSE_MARKERS = ("pause_generation", RELEASE_MARKER)
+PEER_WHY = " was aborted: "  # abort_retirement.peer_reason: what the peer is told, then why
 
 # Per request, set by the module that decided its end (read only here).
 PAUSE_ABORT = "_fork_pause_abort"  # pd_pause: the pause/release message
@@ -399,7 +403,7 @@ DEADLINE_EXPIRED = "fork_transfer_deadline_message"  # transfer_deadline: its me
 #  - requested abort (the AbortReq's own): a client abort (200 abort), an SLA abort
 #    (503): the failure of its room is the abort's consequence.
 #  - peer abort (client abort answer): the peer ended the room because its request was
-#    aborted there.
+#    aborted there (a pause or release there: its message, counted "pause").
 #  - the failure itself: its message; status 504 / 503 / 502 if the reason names a
 #    deadline (504), a lost peer (502) or a release (the abort answer: the peer's
 #    reason crossed the wire), else the caller's (500).
@@ -420,7 +424,7 @@ MESSAGE_STATUS = (("deadline_tag", HTTPStatus.GATEWAY_TIMEOUT), ("release", None
 def _markers():
     return {
         "deadline_tag": (DEADLINE_TAG,),
-        "release": (RELEASE_MARKER,),
+        "release": PAUSE_MARKERS,  # the pause's or a release's message
         "peer_abort": ABORT_REASONS,
         "peer_lost": (PEER_LOST_TAG, UPSTREAM_PREFILL_LOST),
     }
@@ -448,6 +452,9 @@ def verdict(req: Any, error_message: str, status_code: Any) -> Tuple[str, Any]:
             message, status = found[cause], status
         elif cause == "requested_abort":
             message, status = found[cause]
+        elif cause == "peer_abort" and any(t in text for t in markers["release"]):
+            # the peer's pause or release ended it: its message (abort_retirement.peer_reason)
+            message, status = text.rsplit(PEER_WHY, 1)[-1], None
         elif cause == "peer_abort":
             request_end_cause.tag_req(req, request_end_cause.CLIENT_ABORT)
             message, status = CLIENT_ABORT_MESSAGE, None
@@ -459,6 +466,8 @@ def verdict(req: Any, error_message: str, status_code: Any) -> Tuple[str, Any]:
                 status = status_code
         for name, by_message in MESSAGE_STATUS:
             if any(t in str(message or "") for t in markers[name]):
+                if name == "release":  # counted as the pause's end, not a failure
+                    request_end_cause.tag_req(req, request_end_cause.PAUSE)
                 return message, by_message
         return message, status
     raise AssertionError("VERDICT_TABLE ends with the failure row")

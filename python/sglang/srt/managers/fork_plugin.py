@@ -53,6 +53,11 @@ HOOKS: list[tuple[str, str, HookType]] = [
         HookType.AFTER,
     ),
     (
+        "sglang.srt.managers.tokenizer_manager.TokenizerManager.abort_request",
+        "sglang.srt.managers.pd_pause_state:tm_pause_abort_first",
+        HookType.BEFORE,
+    ),
+    (
         "sglang.srt.managers.scheduler.Scheduler.pause_generation",
         "sglang.srt.managers.pd_pause:scheduler_pause_generation",
         HookType.AROUND,

@@ -28,6 +28,10 @@ logger = logging.getLogger(__name__)
 RELEASE_ABORT_MESSAGE = "Aborted: engine memory released during pause (mode={mode})."
 RELEASE_NO_PAUSE_MESSAGE = "Aborted: engine memory released without a pause."
 RELEASE_MARKER = room_ledger.RELEASE_MARKER
+PAUSE_ABORT_MESSAGE = "Aborted by pause_generation(mode=abort)."
+# A message that names the pause or the release ends the request as a pause abort
+# (end cause "pause"), never as a client abort or a failure.
+PAUSE_MARKERS = room_ledger.PAUSE_MARKERS
 # The status of an abort the pause path decides: none, i.e. upstream's abort answer
 # (HTTP 200, finish_reason "abort" with the message). RL clients recycle exactly that.
 PAUSE_ABORT_STATUS = None
@@ -37,6 +41,19 @@ DRAIN_DEADLINE_S = 10.0
 # Start times (time.time()) that upstream's transfer senders/receivers measure their
 # bootstrap and waiting timeouts from (disaggregation/common/conn.py).
 UPSTREAM_TIMER_ATTRS = ("init_time", "_prefill_complete_time", "_prefill_wait_start")
+
+
+def names_pause(message) -> bool:
+    """Whether an abort's message says a pause or a release ended the request."""
+    return any(m in str(message or "") for m in PAUSE_MARKERS)
+
+
+def pause_finish_reason(message: str = PAUSE_ABORT_MESSAGE) -> Dict[str, Any]:
+    """The finish reason an abort the pause path decides carries (upstream's abort
+    answer: HTTP 200, finish_reason "abort" with the message)."""
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+    return FINISH_ABORT(message, PAUSE_ABORT_STATUS).to_json()
 
 
 class _SchedulerPause:
@@ -69,7 +86,7 @@ def scheduler_pause_generation(original, scheduler, recv_req):
         scheduler._engine_paused = True
         if scheduler._pause_started_at is None:
             scheduler._pause_started_at = time.monotonic()
-        _abort_all_and_drain(scheduler, "Aborted by pause_generation(mode=abort).")
+        _abort_all_and_drain(scheduler, PAUSE_ABORT_MESSAGE)
     else:
         original(scheduler, recv_req)
     if sp.mode is None or recv_req.mode == "retract":
@@ -160,9 +177,8 @@ def pump_pd_queues(scheduler) -> None:
 def _abort_all_and_drain(scheduler, message: str) -> None:
     """Abort everything in the PD queues and pump until upstream has retired it."""
     from sglang.srt.managers.io_struct import AbortReq
-    from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
-    reason = FINISH_ABORT(message, PAUSE_ABORT_STATUS).to_json()
+    reason = pause_finish_reason(message)
     deadline = time.monotonic() + DRAIN_DEADLINE_S
     sp = scheduler_pause(scheduler)
     sp.draining = True

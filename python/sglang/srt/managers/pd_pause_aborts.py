@@ -8,6 +8,8 @@ prefill's unprocessed overlap result (upstream's retract path settles the batch)
 `ABORT_PUMP_WINDOW_S` after an abort the paused loop keeps retiring what concludes
 late. A prefill room retired this way is cleared and remembered as ended, so decode's
 late handshake cannot revive it.
+A running request the pause or a release aborted keeps that abort's message
+(`keep_pause_verdict`).
 Who calls: AROUND Scheduler.abort_request and AFTER
 Scheduler._record_scheduler_state_for_paused_engine (fork_plugin.HOOKS).
 """
@@ -31,7 +33,10 @@ def abort_while_paused(original, scheduler, recv_req, *args, **kwargs):
     sp = pd_pause.scheduler_pause(scheduler)
     role = pd_pause.pd_role(scheduler)
     if not getattr(scheduler, "_engine_paused", False) or role is None or sp.pumping or sp.draining:
-        return original(scheduler, recv_req, *args, **kwargs)
+        result = original(scheduler, recv_req, *args, **kwargs)
+        if role is not None:
+            keep_pause_verdict(scheduler)
+        return result
     places = _where(scheduler, recv_req)
     matched = [r for r in pd_pause.held_reqs(scheduler) if _matches(recv_req, r.rid)]
     logger.info("pd_pause: abort while paused (rid=%r, all=%s) found in %s",
@@ -48,12 +53,30 @@ def abort_while_paused(original, scheduler, recv_req, *args, **kwargs):
         _retract_keeping_mode(scheduler)
     if role == "decode":
         _abort_held_rebootstrap(scheduler, recv_req)
+    keep_pause_verdict(scheduler)
     pd_pause.pump_pd_queues(scheduler)
     if role == "prefill":
         pd_pause.end_prefill_rooms(
             scheduler, matched, "Aborted by AbortReq while prefill was paused (room {room})"
         )
     return result
+
+
+def keep_pause_verdict(scheduler) -> None:
+    """Upstream ends a running request an abort reaches with a bare FINISH_ABORT()
+    ("Aborted"), whatever the abort asked for, and each repeat of the abort-mode
+    pause's abort_all sets it again. A running request the pause or a release ended
+    (its verdict, `room_ledger.REQUESTED_ABORT`, names it) ends with that message:
+    upstream's abort answer naming the pause, end cause "pause"."""
+    from sglang.srt.disaggregation.room_ledger import REQUESTED_ABORT
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+    for req in scheduler.collect_inflight_reqs():
+        verdict = getattr(req, REQUESTED_ABORT, None)
+        pending = req.to_finish
+        if (verdict is not None and pd_pause.names_pause(verdict[0])
+                and isinstance(pending, FINISH_ABORT) and pending.message != verdict[0]):
+            req.to_finish = FINISH_ABORT(verdict[0], verdict[1])
 
 
 def paused_loop_tick(result, scheduler, *args, **kwargs):

@@ -244,6 +244,24 @@ async def _continue_scheduler(tokenizer_manager) -> None:
     )
 
 
+def tm_pause_abort_first(tokenizer_manager, rid: str = "", abort_all: bool = False, *args, **kwargs):
+    """BEFORE TokenizerManager.abort_request: the abort_all that upstream's abort-mode
+    pause_generation repeats carries no reason, so the scheduler would end what runs
+    as a client abort ("Aborted", end cause client_abort). The pause's own abort_all
+    goes first: what it reaches ends with the pause's message and end cause "pause";
+    upstream's then finds it aborted already."""
+    state = _state_of(tokenizer_manager)
+    if not abort_all or state.busy != "pause_generation" or state.busy_mode != "abort":
+        return None
+    from sglang.srt.managers.io_struct import AbortReq
+    from sglang.srt.managers.pd_pause import pause_finish_reason
+
+    tokenizer_manager._dispatch_to_scheduler(
+        AbortReq(abort_all=True, finished_reason=pause_finish_reason())
+    )
+    return None
+
+
 tm_pause_generation = _guarded("pause_generation", lambda obj: obj.mode)
 tm_continue_generation = _guarded("continue_generation")
 tm_release_memory_occupation = _guarded("release_memory_occupation")
@@ -258,6 +276,20 @@ def pause_reason(tokenizer_manager) -> Optional[str]:
     if state.released or state.gate_closed_by_release:
         return "release"
     return None
+
+
+def alive_while_held(tokenizer_manager) -> bool:
+    """/health and /health_generate during a pause or a release: the engine holds new
+    requests on purpose (an RL step: pause, weight update, continue), so the probe's
+    one-token generation would wait at the pause gate until upstream's 20 s health
+    timeout, then answer 503 and mark the server UnHealthy; the gateway (5 s probe
+    timeout) and RL supervisors would take a live engine for a dead one. While held,
+    the probe is answered 200 at once without a generation (a scheduler that dies is
+    upstream's SubprocessWatchdog's: it takes the server down); a probe that was
+    already waiting when the pause began is answered on its next check. Readiness
+    stays upstream's `/ready` (503 while the gate is closed). Called by the
+    http_server patch (the health route and its wait loop)."""
+    return bool(tokenizer_manager.is_pause) or pause_reason(tokenizer_manager) is not None
 
 
 PAUSE_CALLS = ("/pause_generation",)
