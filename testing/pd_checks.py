@@ -385,9 +385,14 @@ def skewed_abort_pause_cycles(prefill, decode, url: str, cycles: int, clients: i
     for t in threads:
         t.start()
     try:
+        def completions():
+            with lock:
+                return sum(r["status"] == 200 and r["meta"]["finish_reason"]["type"] != "abort" for r in results)
+
         for cycle in range(cycles):
-            served = len(results)
-            wait_until(lambda: len(results) >= served + 2, 60, f"traffic before cycle {cycle}")
+            served = completions()
+            # serving again before each cycle: completions, not the last cycle's aborts
+            wait_until(lambda: completions() >= served + 2, 60, f"completions before cycle {cycle}")
             call(prefill, "pause_generation", {"mode": "abort"})
             call(decode, "pause_generation", {"mode": "abort"})
             call(prefill, "release_memory_occupation")
