@@ -10,6 +10,7 @@ the deployment is idle.
 from __future__ import annotations
 
 import time
+from collections import Counter
 
 import pytest
 
