@@ -66,6 +66,22 @@ def told_decode(h, room):
 # ----------------------------------------------------------------------------- prefill
 
 
+def _assert_ended_as_pause(h, req, key) -> None:
+    """Answered as the pause's abort (200, its message), no failure counted, one end
+    counted under `key` (role, "pause", stage)."""
+    from sglang.srt.managers import pd_pause
+
+    final = h.outputs.final(req.rid)
+    assert final is not None and final.reason["type"] == "abort", final
+    assert final.reason["message"] == pd_pause.PAUSE_ABORT_MESSAGE, final
+    assert h.outputs.status_code(req.rid) is None, final
+    counts, causes = h.before
+    for name in FAILURE_COUNTERS:
+        assert h.counters.counts[name] == counts.get(name, 0), name
+    new = {k: v - causes.get(k, 0) for k, v in ec.COUNTS.items() if v != causes.get(k, 0)}
+    assert new == {key: 1}, new
+
+
 def test_prefill_bootstrap_queue_abort(prefill):
     h = prefill
     req = h.add(h.make_req())
@@ -99,15 +115,7 @@ def test_prefill_bootstrap_queue_pause_abort(prefill):
         h.scheduler.abort_request(AbortReq(abort_all=True, finished_reason=pd_pause.pause_finish_reason()))
     h.faults.release(room)
     h.tick()
-    final = h.outputs.final(req.rid)
-    assert final is not None and final.reason["type"] == "abort", final
-    assert final.reason["message"] == pd_pause.PAUSE_ABORT_MESSAGE, final
-    assert h.outputs.status_code(req.rid) is None, final
-    counts, causes = h.before
-    for name in FAILURE_COUNTERS:
-        assert h.counters.counts[name] == counts.get(name, 0), name
-    new = {k: v - causes.get(k, 0) for k, v in ec.COUNTS.items() if v != causes.get(k, 0)}
-    assert new == {("prefill", ec.PAUSE, ar.PREFILL_BOOTSTRAP): 1}, new
+    _assert_ended_as_pause(h, req, ("prefill", ec.PAUSE, ar.PREFILL_BOOTSTRAP))
     notices = told_decode(h, room)
     assert len(notices) == 1 and pd_pause.PAUSE_ABORT_MESSAGE in notices[0].reason, notices
     assert_room_gone(h, room)
@@ -308,15 +316,7 @@ def test_decode_ends_a_room_prefills_pause_ended_as_a_pause_abort(decode):
     h.kv_manager.record_failure(room, ar.peer_reason(req.rid, room, "prefill", pd_pause.PAUSE_ABORT_MESSAGE))
     h.faults.set(room, KVPoll.Failed)
     h.tick()
-    final = h.outputs.final(req.rid)
-    assert final is not None and final.reason["type"] == "abort", final
-    assert final.reason["message"] == pd_pause.PAUSE_ABORT_MESSAGE, final
-    assert h.outputs.status_code(req.rid) is None, final
-    counts, causes = h.before
-    for name in FAILURE_COUNTERS:
-        assert h.counters.counts[name] == counts.get(name, 0), name
-    new = {k: v - causes.get(k, 0) for k, v in ec.COUNTS.items() if v != causes.get(k, 0)}
-    assert new == {("decode", ec.PAUSE, ar.DECODE_TRANSFER): 1}, new
+    _assert_ended_as_pause(h, req, ("decode", ec.PAUSE, ar.DECODE_TRANSFER))
     assert h.room_entries(room) == []
     h.assert_baseline(h.idle)
     h.faults.release(room)
