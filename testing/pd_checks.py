@@ -432,3 +432,14 @@ def skewed_abort_pause_cycles(prefill, decode, url: str, cycles: int, clients: i
     assert not [t for t in threads if t.is_alive()], "a request hangs"
     assert max(r["latency_s"] for r in results) <= unanswered_s, sorted(r["latency_s"] for r in results)[-5:]
     return results
+
+
+def assert_pair_serves(pair, rooms) -> None:
+    """Submitted rooms transfer intact and end 200 on both sides of a mooncake pair."""
+    pair.run_until(
+        lambda: all(pair.decode.call("transferred", r) and pair.prefill.call("status", r) == 200 for r in rooms),
+        timeout=60,
+    )
+    for r in rooms:
+        assert pair.decode.call("kv_bytes", r) == pair.prefill.call("kv_sent", r)
+        pair.decode.call("finish", r)

@@ -8,7 +8,7 @@ the loss and the recovery are counted. Fast counterpart of test_peer_liveness_e2
 
 import time
 
-from testing.pd_checks import pair_fixture, stable_peer_tables
+from testing.pd_checks import assert_pair_serves, pair_fixture, stable_peer_tables
 
 HEARTBEAT = 2.0
 ENV = {
@@ -67,14 +67,7 @@ def _tick_until_all_ended(side, rooms, timeout: float) -> float:
 
 
 def _serve_new_requests(pair, n: int = 3) -> None:
-    rooms = [pair.submit() for _ in range(n)]
-    pair.run_until(
-        lambda: all(pair.decode.call("transferred", r) and pair.prefill.call("status", r) == 200 for r in rooms),
-        timeout=60,
-    )
-    for r in rooms:
-        assert pair.decode.call("kv_bytes", r) == pair.prefill.call("kv_sent", r)
-        pair.decode.call("finish", r)
+    assert_pair_serves(pair, [pair.submit() for _ in range(n)])
 
 
 def test_decode_killed_prefill_fails_bound_rooms_and_accepts_restart(pair):
