@@ -262,6 +262,7 @@ def _skewed_cycles(cluster, control, mode, first, cycles):
     baseline = assert_idle(cluster, PD_ROLES)
     outcomes = {"completed": 0, "diverged_after_retraction": 0, "aborted": 0}
     in_flight_at_pause = []
+    gate_ends = []  # abort mode: copies `first` held when `second` aborted its gate
     for cycle in range(cycles):
         early = Burst(cluster, f"skew-{mode}-{first}-{cycle}-a")
         wait_until(lambda: requests_held(cluster) or all(early.ended), 30, "requests in flight")
@@ -272,7 +273,15 @@ def _skewed_cycles(cluster, control, mode, first, cycles):
         assert call(cluster, second, "pause_generation", {"mode": mode})[0] == 200
         assert call(cluster, first, "continue_generation")[0] == 200
         after = Burst(cluster, f"skew-{mode}-{first}-{cycle}-c")  # one server still paused
-        _poll(lambda: requests_held(cluster) > 0, 2.0)
+        if mode == "abort":
+            # issue 13 hole 1: the copies `first` serves wait for the peer's handshake
+            # or KV while the other copies wait at `second`'s pause gate; `second`
+            # aborts those (abort_all: a client or gateway giving up): `first` must
+            # hear of it at once, whatever the pause order
+            ended_at_gate = _end_at_gate(cluster, first, second, after, cycle)
+            gate_ends.append(ended_at_gate)
+        else:
+            _poll(lambda: requests_held(cluster) > 0, 2.0)
         assert call(cluster, second, "continue_generation")[0] == 200
         for b in (early, late, after):
             b.join(ANSWER_AFTER_CONTINUE_S + 30)
@@ -280,7 +289,44 @@ def _skewed_cycles(cluster, control, mode, first, cycles):
         assert_baseline(cluster, baseline)
     busy = sum(1 for n in in_flight_at_pause if n)
     assert busy >= MIN_CYCLES_IN_FLIGHT * cycles, in_flight_at_pause
-    print(f"skewed {mode} ({first} first): {outcomes}, held at each pause {in_flight_at_pause}")
+    if mode == "abort":
+        # every cycle ended requests at the gate while their copies waited on `first`
+        assert all(gate_ends), gate_ends
+    print(f"skewed {mode} ({first} first): {outcomes}, held at each pause {in_flight_at_pause}, "
+          f"copies waiting on {first} when {second}'s gate was aborted {gate_ends}")
+
+
+GATE_END_TOLD_S = 1.5  # the issue's "within a second" of the end, with a margin for 2 loaded cores
+
+
+def waiting_for_peer(cluster, role) -> int:
+    """Copies `role` holds in the PD queues where they wait for the other server."""
+    q = cluster.resources(role)["queues"]
+    if role == "prefill":
+        return q["prefill_bootstrap"]
+    return q["decode_prealloc"] + q["decode_transfer"]
+
+
+def _end_at_gate(cluster, first, second, burst, cycle) -> int:
+    """`burst` was sent while `first` runs and `second` is paused: wait until each of
+    its copies on `first` waits for `second` (the others are at `second`'s gate), abort
+    everything on `second`, and assert `first` let go of those copies within
+    GATE_END_TOLD_S. Returns how many copies were waiting."""
+    def all_waiting():
+        open_now = sum(1 for e in burst.ended if e is None)
+        return open_now > 0 and waiting_for_peer(cluster, first) >= open_now
+
+    wait_until(all_waiting, 30, f"the burst's copies waiting on {first} (cycle {cycle})",
+               on_timeout=lambda: str(cluster.resources(first)["queues"]))
+    waiting = waiting_for_peer(cluster, first)
+    t_end = time.monotonic()
+    assert call(cluster, second, "abort_request", {"abort_all": True})[0] == 200
+    wait_until(lambda: waiting_for_peer(cluster, first) == 0, 10,
+               f"{first} to let go of the copies ended at {second}'s gate (cycle {cycle})",
+               interval=0.05, on_timeout=lambda: str(cluster.resources(first)["queues"]))
+    told = time.monotonic() - t_end
+    assert told <= GATE_END_TOLD_S, (cycle, first, told)
+    return waiting
 
 
 def _poll(predicate, timeout: float) -> bool:

@@ -273,6 +273,9 @@ def _handle_abort(ledger: RoomLedger, original: Any, msg: List[bytes]) -> bool:
     from sglang.srt.disaggregation.common.conn import ABORT_TAG, AbortNotification
 
     mgr = ledger.mgr
+    if msg and msg[0] == ABORT_TAG and len(msg) >= 4 and msg[2] == ENDED_ON_PREFILL:
+        _ended_on_prefill(ledger, int(msg[1].decode("ascii")), msg[3].decode("utf-8", "replace"))
+        return True
     note = AbortNotification.from_zmq(msg) if msg and msg[0] == ABORT_TAG else None
     kept = False
     if note is not None:
@@ -495,15 +498,58 @@ def tell_prefill(host: Optional[str], port: Optional[int], room: Optional[int], 
 
 
 def ended_at_gate(role: Any, obj: Any, why: str) -> None:
-    """A request decode's tokenizer ended before sending it to the scheduler (pause
-    gate): its prefill copy must not wait for a handshake that will never come."""
-    if str(getattr(role, "value", role)) != "decode":
+    """A request one side's tokenizer ended before sending it to its scheduler (pause
+    gate). Decode: its prefill copy must not wait for a handshake that will never come
+    (`tell_prefill`). Prefill: its decode copy must not wait for KV that will never
+    come: prefill's own bootstrap thread is told (the request's bootstrap address is
+    prefill's own), which answers decode's handshake Failed, now or when it arrives
+    (`_ended_on_prefill`)."""
+    role = str(getattr(role, "value", role))
+    if role not in ("decode", "prefill"):
         return
     rooms = obj.bootstrap_room if isinstance(obj.bootstrap_room, list) else [obj.bootstrap_room]
     hosts = obj.bootstrap_host if isinstance(obj.bootstrap_host, list) else [obj.bootstrap_host] * len(rooms)
     ports = obj.bootstrap_port if isinstance(obj.bootstrap_port, list) else [obj.bootstrap_port] * len(rooms)
-    for host, port, room in zip(hosts, ports, rooms):
-        tell_prefill(host, port, room, why)
+    rids = obj.rid if isinstance(obj.rid, list) else [obj.rid] * len(rooms)
+    for host, port, room, rid in zip(hosts, ports, rooms, rids):
+        if role == "decode":
+            tell_prefill(host, port, room, why)
+        elif host is not None and port is not None and room is not None:
+            _teller().submit(f"{host}:{port}", int(room), why, reason=gate_reason(rid, room, why))
+
+
+# A prefill-side end sent to prefill's own bootstrap thread: [ABORT_TAG, room, mark,
+# reason]. A manager without our ABORT wrapper parses it as upstream's ABORT with a bad
+# return address (logged) and only fails the room.
+ENDED_ON_PREFILL = b"~fork-ended-on-prefill"
+
+
+def gate_reason(rid: Any, room: int, why: str) -> str:
+    """What decode is told of a request prefill's gate ended (abort_retirement.peer_reason's
+    form: decode's verdict answers a pause/release as its message, else a client abort)."""
+    said = f"{PEER_WHY}{why}" if any(m in str(why) for m in PAUSE_MARKERS) else " was aborted."
+    return f"{ABORT_TAG} on prefill: request {rid} (bootstrap_room={room}){said}"
+
+
+def _ended_on_prefill(ledger: "RoomLedger", room: int, reason: str) -> None:
+    """Prefill's bootstrap thread (the one that stores decode's handshakes, so none
+    races this): a request prefill's tokenizer ended before its scheduler saw it. A
+    handshake already here is answered Failed now and dropped; one still to come is
+    answered when it lands (`around_update_status`)."""
+    mgr = ledger.mgr
+    with ledger.lock:
+        if room in ledger.owned:  # a live sender owns the number: not this request's room
+            return
+    targets = mgr._room_notify_targets(room)
+    ledger.end(room, None, reason, fail=False, tell=bool(targets), targets=targets,
+               remember=not targets, cancel=True)
+    if targets:
+        for name in ("request_status", "transfer_infos", "req_to_decode_prefix_len", "failure_records"):
+            table = getattr(mgr, name, None)
+            if isinstance(table, dict):
+                table.pop(room, None)
+    logger.info("room_ledger: room %s ended on prefill before its scheduler saw it (%s); decode %s",
+                room, reason, "told" if targets else "will be told at its handshake")
 
 
 def after_send_abort_output(result: Any, scheduler: Any, abort_req: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
@@ -559,29 +605,34 @@ class _Teller:
         self.thread = threading.Thread(target=self._run, name="ForkRoomLedgerTeller", daemon=True)
         self.thread.start()
 
-    def submit(self, addr: str, room: int, why: str) -> None:
+    def submit(self, addr: str, room: int, why: str, reason: Optional[str] = None) -> None:
+        """`reason` None: decode's ABORT for `room`; else prefill's own end of it."""
         try:
-            self.q.put_nowait((addr, room, why))
+            self.q.put_nowait((addr, room, why, reason))
         except queue.Full:
             logger.warning("room_ledger: cannot tell prefill %s that room %s ended (queue full)", addr, room)
 
     def _run(self) -> None:
         while True:
-            addr, room, why = self.q.get()
+            addr, room, why, reason = self.q.get()
             try:
-                self._send(addr, room)
-                logger.info("room_ledger: told prefill %s that room %s ended on decode (%s)", addr, room, why)
+                self._send(addr, room, reason)
+                logger.info("room_ledger: told prefill %s that room %s ended on %s (%s)",
+                            addr, room, "decode" if reason is None else "prefill", why)
             except Exception as e:  # best effort: prefill's deadline remains the fallback
                 self.endpoints.pop(addr, None)
                 logger.warning("room_ledger: could not tell prefill %s that room %s ended: %r", addr, room, e)
 
-    def _send(self, addr: str, room: int) -> None:
-        from sglang.srt.disaggregation.common.conn import AbortNotification, CommonKVReceiver
+    def _send(self, addr: str, room: int, reason: Optional[str]) -> None:
+        from sglang.srt.disaggregation.common.conn import ABORT_TAG, AbortNotification, CommonKVReceiver
 
         infos = self.endpoints.get(addr)
         if infos is None:
             infos = self.endpoints[addr] = _rank_endpoints(addr)
-        message = AbortNotification(room=room).to_zmq()
+        if reason is None:
+            message = AbortNotification(room=room).to_zmq()
+        else:
+            message = [ABORT_TAG, str(room).encode("ascii"), ENDED_ON_PREFILL, reason.encode("utf-8")]
         for info in infos:
             sock, lock = CommonKVReceiver._connect_to_bootstrap_server(info)
             with lock:
