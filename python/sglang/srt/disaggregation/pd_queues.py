@@ -30,6 +30,11 @@ STAGES = (
     PREFILL_BOOTSTRAP, PREFILL_WAITING, PREFILL_RUNNING, PREFILL_INFLIGHT,
     DECODE_PREALLOC, DECODE_TRANSFER, DECODE_RUNNING,
 )
+# The kv manager's tables keyed by bootstrap room that a concluded room leaves behind
+# (upstream's Common/MooncakeKVManager in 0.5.23; a backend may lack some).
+ROOM_TABLES = (
+    "request_status", "failure_records", "transfer_infos", "req_to_decode_prefix_len", "_staging_outstanding",
+)
 
 
 def role(scheduler: Any) -> Optional[str]:
