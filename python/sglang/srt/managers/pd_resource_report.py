@@ -23,7 +23,8 @@ KV_MANAGER_ROOM_TABLES = pd_queues.ROOM_TABLES + (
 )
 
 
-def _kv_tokens(scheduler) -> Dict[str, int]:
+def kv_tokens(scheduler) -> Dict[str, int]:
+    """KV tokens: total, free, evictable cache, protected, held by requests."""
     allocator = scheduler.token_to_kv_pool_allocator
     tree_cache = scheduler.tree_cache
     total = int(scheduler.max_total_num_tokens)
@@ -39,7 +40,8 @@ def _kv_tokens(scheduler) -> Dict[str, int]:
     }
 
 
-def _slots(allocator) -> Optional[Dict[str, int]]:
+def slots(allocator) -> Optional[Dict[str, int]]:
+    """Free and total slots of a request or metadata-buffer allocator."""
     if allocator is None:
         return None
     # The decode req pool has pre_alloc_size extra slots beyond size.
@@ -75,9 +77,9 @@ def build_report(scheduler) -> Dict[str, Any]:
     kv_manager = pd_queues.kv_manager(scheduler)
     return {
         "disaggregation_mode": mode.value,
-        "kv_tokens": _kv_tokens(scheduler),
-        "req_slots": _slots(scheduler.req_to_token_pool),
-        "metadata_slots": _slots(getattr(scheduler, "req_to_metadata_buffer_idx_allocator", None)),
+        "kv_tokens": kv_tokens(scheduler),
+        "req_slots": slots(scheduler.req_to_token_pool),
+        "metadata_slots": slots(getattr(scheduler, "req_to_metadata_buffer_idx_allocator", None)),
         "queues": pd_queues.lengths(scheduler),
         "transfer_rooms": None if kv_manager is None else _room_tables(kv_manager),
         "hooks_applied": hooks_applied(),
