@@ -357,8 +357,8 @@ def skewed_abort_pause_cycles(prefill, decode, url: str, cycles: int, clients: i
     dicts with `latency_s`); the caller asserts what they must be."""
     from testing.pd_cluster import generate
 
-    def call(server, endpoint, body=None):
-        status, reply = http_post_json(f"{server.url}/{endpoint}", body or {}, timeout=60)
+    def ok(server, endpoint, body=None):
+        status, reply, _ = post(server, endpoint, body)
         assert status == 200, (server.role, endpoint, status, reply)
 
     halt, go = threading.Event(), threading.Event()
@@ -393,13 +393,13 @@ def skewed_abort_pause_cycles(prefill, decode, url: str, cycles: int, clients: i
             served = completions()
             # serving again before each cycle: completions, not the last cycle's aborts
             wait_until(lambda: completions() >= served + 2, 60, f"completions before cycle {cycle}")
-            call(prefill, "pause_generation", {"mode": "abort"})
-            call(decode, "pause_generation", {"mode": "abort"})
-            call(prefill, "release_memory_occupation")
-            call(decode, "release_memory_occupation")
-            call(prefill, "resume_memory_occupation")
-            call(decode, "resume_memory_occupation")
-            call(prefill, "continue_generation")
+            ok(prefill, "pause_generation", {"mode": "abort"})
+            ok(decode, "pause_generation", {"mode": "abort"})
+            ok(prefill, "release_memory_occupation")
+            ok(decode, "release_memory_occupation")
+            ok(prefill, "resume_memory_occupation")
+            ok(decode, "resume_memory_occupation")
+            ok(prefill, "continue_generation")
             wait_until(lambda: bootstrap_queue(prefill) > 0, 30, f"prefill copies waiting (cycle {cycle})")
             # no new request from here to decode's continue: the ones open now are
             # exactly the copies prefill holds for decode (pacing, not a sleep)
@@ -412,12 +412,12 @@ def skewed_abort_pause_cycles(prefill, decode, url: str, cycles: int, clients: i
 
             wait_until(all_open_at_prefill, 30, f"every open request waiting at prefill (cycle {cycle})")
             t_end = time.monotonic()
-            call(decode, "abort_request", {"abort_all": True})
+            ok(decode, "abort_request", {"abort_all": True})
             wait_until(lambda: bootstrap_queue(prefill) == 0, 5, f"prefill's bootstrap queue to empty (cycle {cycle})",
                        interval=0.05, on_timeout=lambda: str(prefill.resources()["queues"]))
             emptied = time.monotonic() - t_end
             assert emptied <= emptied_s, (cycle, emptied)
-            call(decode, "continue_generation")
+            ok(decode, "continue_generation")
             go.set()
             with lock:
                 stuck = [rid for rid, t0 in open_since.items() if time.monotonic() - t0 > unanswered_s]

@@ -28,31 +28,17 @@ prefill), `h.hold_admission` (requests wait in the waiting queue), `h.during_for
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import itertools
 from array import array
-from collections import Counter
 from types import SimpleNamespace
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
-import sglang.srt.disaggregation.fake as fake_backend
 from sglang.srt.disaggregation.base import KVPoll
-from sglang.srt.disaggregation.common.conn import KVTransferError
-from sglang.srt.disaggregation.decode import (
-    DecodePreallocQueue,
-    DecodeReqToTokenPool,
-    DecodeTransferQueue,
-    SchedulerDisaggregationDecodeMixin,
-)
-from sglang.srt.disaggregation.fake import FakeKVManager, FakeKVReceiver, FakeKVSender
-from sglang.srt.disaggregation.prefill import (
-    PrefillBootstrapQueue,
-    SchedulerDisaggregationPrefillMixin,
-)
+from sglang.srt.disaggregation.decode import DecodePreallocQueue, DecodeReqToTokenPool, DecodeTransferQueue
+from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue
 from sglang.srt.disaggregation.utils import (
     FAKE_BOOTSTRAP_HOST,
     DisaggregationMode,
@@ -60,9 +46,9 @@ from sglang.srt.disaggregation.utils import (
     ReqToMetadataIdxAllocator,
     TransferBackend,
 )
+from sglang.srt.managers import pd_resource_report
 from sglang.srt.managers.io_struct import AbortReq
 from sglang.srt.managers.schedule_batch import FINISH_LENGTH, Req, ScheduleBatch
-from sglang.srt.managers.scheduler import Scheduler
 from sglang.srt.managers.utils import GenerationBatchResult
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
 from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
@@ -80,520 +66,25 @@ from sglang.srt.runtime_context import (
 )
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.server_args import ServerArgs
-from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
-POLL_NAMES = {v: k for k, v in vars(KVPoll).items() if isinstance(v, int)}
-
-
-def poll_name(state: Optional[int]) -> str:
-    return "None" if state is None else POLL_NAMES.get(int(state), str(state))
-
-
-def free_port() -> int:
-    """A port reserved for this process, outside the ephemeral range (pd_cluster.free_ports)."""
-    from testing.pd_cluster import free_ports
-
-    return free_ports(1)[0]
-
-
-# ---------------------------------------------------------------------------
-# Scripted transfer backend
-# ---------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Call:
-    side: str  # "prefill" (sender) or "decode" (receiver)
-    room: int
-    name: str  # init, send, send_metadata, abort, clear, failure_exception
-    detail: Dict[str, Any]
-
-
-@dataclasses.dataclass(frozen=True)
-class Notice:
-    """A message the real backend would put on the wire to the other side."""
-
-    room: int
-    to: str  # "decode" or "prefill"
-    status: int  # KVPoll value the peer is told
-    reason: Optional[str]
-
-
-CHUNK_KINDS = ("kv", "last", "state", "any")
-
-
-class Faults:
-    """The script for every bootstrap room of one harness, and the record of what happened.
-
-    Script: `set(room, state)` makes `poll()` answer `state` (Failed is terminal, like a
-    real conclude; other states hold until `release(room)`); `hold_transfer(room)` keeps
-    a sent room at Transferring until `release(room)` (never released: a transfer worker
-    that died); `raise_on_send(room)` makes the next `send()` / `send_metadata()` raise
-    in the scheduler's thread; `fail_chunk(room, kind)` (prefill) makes the send of that
-    chunk kind ("kv" = a non-last chunk, "last" = the last chunk's KV, "state" = the
-    extra-state part that rides with the last chunk, "any") fail the room the way a
-    transfer worker does: Failed, reason recorded, decode told unless
-    `notify_peer=False`.
-    Record: `calls`, `notices` (what the peer would receive), `endpoints` (the
-    sender/receiver per room), `state(room)` (as the queues last polled it).
-    """
-
-    def __init__(self) -> None:
-        self._forced: Dict[int, int] = {}
-        self._held: set = set()
-        self._raise_on_send: Dict[int, BaseException] = {}
-        self._chunk_faults: Dict[int, Tuple[str, str, bool]] = {}
-        self.calls: List[Call] = []
-        self.notices: List[Notice] = []
-        self.endpoints: Dict[int, Any] = {}
-        self.last_poll: Dict[int, int] = {}
-
-    # -- script --
-    def set(self, room: int, state: int) -> None:
-        self._forced[room] = int(state)
-
-    def hold_transfer(self, room: int) -> None:
-        """Let the room bootstrap and send normally, but report Transferring instead of
-        Success until `release(room)`: a transfer that is slow or stuck on the wire."""
-        self._held.add(room)
-
-    def release(self, room: int) -> None:
-        """Drop `set` / `hold_transfer`: the room follows the fake backend again."""
-        self._forced.pop(room, None)
-        self._held.discard(room)
-
-    def raise_on_send(self, room: int, exc: Optional[BaseException] = None) -> None:
-        self._raise_on_send[room] = exc or RuntimeError(f"injected send error room={room}")
-
-    def fail_chunk(
-        self,
-        room: int,
-        kind: str = "last",
-        reason: Optional[str] = None,
-        notify_peer: bool = True,
-    ) -> None:
-        assert kind in CHUNK_KINDS, kind
-        self._chunk_faults[room] = (kind, reason or f"injected {kind} chunk failure", notify_peer)
-
-    # -- record --
-    def calls_for(self, room: int, name: Optional[str] = None) -> List[Call]:
-        return [c for c in self.calls if c.room == room and (name is None or c.name == name)]
-
-    def notices_for(self, room: int) -> List[Notice]:
-        return [n for n in self.notices if n.room == room]
-
-    def state(self, room: int) -> Optional[int]:
-        """The room's state as the queues last polled it (None if never polled)."""
-        return self.last_poll.get(room)
-
-    # -- used by the endpoints --
-    def _record(self, side: str, room: int, name: str, **detail: Any) -> None:
-        self.calls.append(Call(side, room, name, detail))
-
-    def _notify(self, room: int, to: str, status: int, reason: Optional[str]) -> None:
-        self.notices.append(Notice(room, to, int(status), reason))
-
-
-class FaultyKVManager(FakeKVManager):
-    """Upstream's fake manager plus the per-room bookkeeping of `CommonKVManager`.
-
-    `request_status` / `failure_records` follow Common's semantics (set on creation and
-    status changes, popped by the endpoint's `clear()`), so a leaked room shows up the
-    same way it would on mooncake. `update_status`, `record_failure`, `conclude_failure`
-    and `send_kv_status_message` have Common's names, so code written against the real
-    manager can run here; the last two record a `Notice` to decode.
-    """
-
-    faults: Faults  # attached by the harness right after the queue builds the manager
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.request_status: Dict[int, int] = {}
-        self.failure_records: Dict[int, str] = {}
-
-    def update_status(self, bootstrap_room: int, status: int) -> None:
-        if self.request_status.get(bootstrap_room) == KVPoll.Failed:
-            return  # Failed is sticky in Common too
-        self.request_status[bootstrap_room] = int(status)
-
-    def record_failure(self, bootstrap_room: int, failure_reason: str) -> None:
-        self.failure_records[bootstrap_room] = failure_reason
-
-    def send_kv_status_message(
-        self,
-        targets=None,
-        bootstrap_room: int = 0,
-        status: int = KVPoll.Failed,
-        failure_reason: Optional[str] = None,
-    ) -> None:
-        self.faults._notify(bootstrap_room, "decode", status, failure_reason)
-
-    def conclude_failure(self, *, bootstrap_room: int, failure_reason: str, targets=None):
-        self.record_failure(bootstrap_room, failure_reason)
-        self.update_status(bootstrap_room, KVPoll.Failed)
-        self.send_kv_status_message(targets, bootstrap_room, KVPoll.Failed, failure_reason)
-        return KVPoll.Failed
-
-
-class _Scripted:
-    """Shared by both endpoints: forced states, Common-like clear/failure_exception."""
-
-    side: str
-    kv_mgr: FaultyKVManager
-    bootstrap_room: int
-
-    def _attach(self) -> None:
-        self.faults = self.kv_mgr.faults
-        self.faults.endpoints[self.bootstrap_room] = self
-        self.kv_mgr.request_status[self.bootstrap_room] = KVPoll.Bootstrapping
-
-    def _fake_poll(self) -> int:  # the fake backend's own answer
-        raise NotImplementedError
-
-    def poll(self) -> int:
-        room = self.bootstrap_room
-        forced = self.faults._forced.get(room)
-        if self.conclude_state is None and self.kv_mgr.request_status.get(room) == KVPoll.Failed:
-            self.conclude_state = KVPoll.Failed  # failed by update_status, as Common polls it
-        if self.conclude_state is None and forced is not None:
-            state = forced
-            if forced == KVPoll.Failed:
-                self.conclude_state = KVPoll.Failed
-        else:
-            state = int(self._fake_poll())
-        if state == KVPoll.Success and room in self.faults._held:
-            self.conclude_state = None  # not concluded while held: a later set() applies
-            state = KVPoll.Transferring
-        self.faults.last_poll[room] = state
-        if self.bootstrap_room in self.kv_mgr.request_status:
-            self.kv_mgr.request_status[self.bootstrap_room] = state
-        return state
-
-    def clear(self) -> None:
-        self.faults._record(self.side, self.bootstrap_room, "clear")
-        self.kv_mgr.request_status.pop(self.bootstrap_room, None)
-
-    def failure_exception(self):
-        # As CommonKV{Sender,Receiver}: conclude, clear, raise with the recorded reason.
-        self.faults._record(self.side, self.bootstrap_room, "failure_exception")
-        self.conclude_state = KVPoll.Failed
-        self.clear()
-        reason = self.kv_mgr.failure_records.pop(self.bootstrap_room, None)
-        raise KVTransferError(
-            self.bootstrap_room,
-            reason or "Failed due to an unknown reason from another rank",
-            is_from_another_rank=reason is None,
-        )
-
-
-class FaultySender(_Scripted, FakeKVSender):
-    """Prefill side. Natural progression is `FakeKVSender`'s (WaitingForInput right away,
-    Success once the last chunk is sent); `abort()` behaves as `CommonKVSender.abort`:
-    the room goes Failed locally and decode is *not* told."""
-
-    side = "prefill"
-
-    def __init__(self, mgr, bootstrap_addr, bootstrap_room, req_has_disagg_prefill_dp_rank=False):
-        super().__init__(mgr, bootstrap_addr, bootstrap_room, req_has_disagg_prefill_dp_rank)
-        self._attach()
-        self.num_pages = 0
-        self.sent_pages = 0
-
-    def _fake_poll(self) -> int:
-        return FakeKVSender.poll(self)
-
-    def init(self, num_kv_indices: int, aux_index: Optional[int] = None):
-        self.faults._record(self.side, self.bootstrap_room, "init", num_pages=num_kv_indices, aux_index=aux_index)
-        self.num_pages = num_kv_indices
-        super().init(num_kv_indices, aux_index)
-
-    def send(self, kv_indices, state_indices=None, num_kv_tokens=None, **kwargs):
-        room = self.bootstrap_room
-        self.sent_pages += len(kv_indices)
-        last = state_indices is not None or self.sent_pages >= self.num_pages
-        self.faults._record(
-            self.side, room, "send", pages=list(np.asarray(kv_indices).tolist()), last=last,
-            state=state_indices,
-        )
-        exc = self.faults._raise_on_send.pop(room, None)
-        if exc is not None:
-            raise exc
-        fault = self.faults._chunk_faults.get(room)
-        if fault is not None:
-            kind, reason, notify = fault
-            hit = kind == "any" or (kind == "kv" and not last) or (kind in ("last", "state") and last)
-            if hit:
-                del self.faults._chunk_faults[room]
-                self.kv_mgr.record_failure(room, reason)
-                self.kv_mgr.update_status(room, KVPoll.Failed)
-                if notify:
-                    self.kv_mgr.send_kv_status_message(None, room, KVPoll.Failed, reason)
-                return
-        if last:
-            FakeKVSender.send(self, kv_indices, state_indices, num_kv_tokens)
-
-    def abort(self):
-        self.faults._record(self.side, self.bootstrap_room, "abort")
-        self.kv_mgr.record_failure(self.bootstrap_room, "Aborted by AbortReq.")
-        self.kv_mgr.update_status(self.bootstrap_room, KVPoll.Failed)
-        self.conclude_state = KVPoll.Failed
-
-
-class FaultyReceiver(_Scripted, FakeKVReceiver):
-    """Decode side. Natural progression is `FakeKVReceiver`'s (Bootstrapping until
-    `init`, WaitingForInput until `send_metadata`, then Success); `abort()` behaves as
-    `CommonKVReceiver.abort`: Failed locally and prefill is told (a `Notice`)."""
-
-    side = "decode"
-
-    def __init__(self, mgr, bootstrap_addr, bootstrap_room=None):
-        super().__init__(mgr, bootstrap_addr, bootstrap_room)
-        self.bootstrap_room = bootstrap_room
-        self._attach()
-
-    def _fake_poll(self) -> int:
-        return FakeKVReceiver.poll(self)
-
-    def init(self, prefill_dp_rank: int):
-        self.faults._record(self.side, self.bootstrap_room, "init", prefill_dp_rank=prefill_dp_rank)
-        super().init(prefill_dp_rank)
-
-    def send_metadata(self, kv_indices, aux_index=None, state_indices=None, decode_prefix_len=None, **kwargs):
-        self.faults._record(
-            self.side, self.bootstrap_room, "send_metadata",
-            pages=list(np.asarray(kv_indices).tolist()), aux_index=aux_index,
-        )
-        exc = self.faults._raise_on_send.pop(self.bootstrap_room, None)
-        if exc is not None:
-            raise exc
-        super().send_metadata(kv_indices, aux_index, state_indices, decode_prefix_len)
-
-    def abort(self):
-        self.faults._record(self.side, self.bootstrap_room, "abort")
-        if self.conclude_state != KVPoll.Failed:
-            self.kv_mgr.record_failure(self.bootstrap_room, "Aborted by AbortReq.")
-            self.kv_mgr.update_status(self.bootstrap_room, KVPoll.Failed)
-            self.conclude_state = KVPoll.Failed
-        self.ensure_abort_notified()
-
-    def ensure_abort_notified(self, *, force_arm: bool = False) -> None:
-        if not self.abort_notified:
-            self.abort_notified = True
-            self.faults._notify(self.bootstrap_room, "prefill", KVPoll.Failed, "abort")
-
-
-_backend_users = 0
-_upstream_fake_classes = (FakeKVManager, FakeKVSender, FakeKVReceiver)
-
-
-def _install_faulty_backend() -> None:
-    """Point upstream's `fake` backend at the scripted classes.
-
-    `get_kv_class(FAKE, ...)` imports the classes from `sglang.srt.disaggregation.fake`
-    at call time, so swapping the package attributes reaches every caller (upstream's
-    queues and any module of the fork) without touching them. Reference-counted.
-    """
-    global _backend_users
-    _backend_users += 1
-    fake_backend.FakeKVManager = FaultyKVManager
-    fake_backend.FakeKVSender = FaultySender
-    fake_backend.FakeKVReceiver = FaultyReceiver
-
-
-def _uninstall_faulty_backend() -> None:
-    global _backend_users
-    _backend_users -= 1
-    if _backend_users == 0:
-        (
-            fake_backend.FakeKVManager,
-            fake_backend.FakeKVSender,
-            fake_backend.FakeKVReceiver,
-        ) = _upstream_fake_classes
-
-
-# ---------------------------------------------------------------------------
-# What the client saw, what was counted
-# ---------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Streamed:
-    rid: str
-    finished: bool
-    reason: Optional[Dict[str, Any]]  # finished_reason.to_json()
-    output_ids: Tuple[int, ...]
-    via: str = "stream"  # "stream" (output streamer) or "abort_req" (send_abort_output)
-
-
-class Outputs:
-    """What the client would receive: `output_streamer.stream_output` calls and the
-    `AbortReq`s the scheduler sends to the tokenizer (`send_abort_output`)."""
-
-    def __init__(self) -> None:
-        self.items: List[Streamed] = []
-
-    def stream_output(self, reqs, return_logprob=False, *args, **kwargs) -> None:
-        for req in reqs:
-            reason = req.finished_reason
-            self.items.append(
-                Streamed(
-                    req.rid,
-                    req.finished(),
-                    None if reason is None else reason.to_json(),
-                    tuple(req.output_ids),
-                )
-            )
-
-    def send_output(self, abort_req, req) -> None:  # ipc_channels.send_to_tokenizer
-        reason = dict(abort_req.finished_reason or {"type": "abort", "status_code": None})
-        self.items.append(Streamed(req.rid, True, reason, tuple(req.output_ids), "abort_req"))
-
-    def of(self, rid: str) -> List[Streamed]:
-        return [s for s in self.items if s.rid == rid]
-
-    def final(self, rid: str) -> Optional[Streamed]:
-        done = [s for s in self.of(rid) if s.finished]
-        return done[-1] if done else None
-
-    def status_code(self, rid: str) -> Optional[int]:
-        """Status an abort carries (None if it carries none); 200 for a normal finish;
-        None while unfinished."""
-        final = self.final(rid)
-        if final is None:
-            return None
-        if final.reason and final.reason.get("type") == "abort":
-            code = final.reason.get("status_code")
-            return None if code is None else int(code)
-        return 200
-
-
-class Counters:
-    """A metrics collector that counts every call by method name (`increment_*` by the
-    amount passed, if any)."""
-
-    def __init__(self) -> None:
-        self.counts: Counter = Counter()
-
-    def __getattr__(self, name: str) -> Callable[..., None]:
-        if name.startswith("_"):
-            raise AttributeError(name)
-
-        def record(*args, **kwargs) -> None:
-            self.counts[name] += args[0] if args and isinstance(args[0], int) else 1
-
-        return record
-
-
-# ---------------------------------------------------------------------------
-# The scheduler stand-in
-# ---------------------------------------------------------------------------
-
-
-def _borrowed(name: str) -> Callable[..., Any]:
-    """`Scheduler.<name>`, looked up at call time so that a hook the fork's plugin put
-    on it applies to the stand-in too."""
-
-    def method(self, *args, **kwargs):
-        return getattr(Scheduler, name)(self, *args, **kwargs)
-
-    method.__name__ = name
-    return method
-
-
-class SchedulerStandIn(SchedulerDisaggregationPrefillMixin, SchedulerDisaggregationDecodeMixin):
-    """The one stand-in: a `Scheduler` without a model, a GPU or sockets.
-
-    The PD mixins are upstream's own (inherited, not copied), and the `Scheduler`
-    methods the queues call back into, plus `abort_request`, are borrowed below.
-    Class attributes: features that are off for a plain CPU MHA model. Instance
-    attributes, set by `_Harness.__init__` and each side's `_build`: the real pools,
-    cache and queues, and stubs only for what needs a model (`tp_worker`,
-    `model_config`), the tokenizer link (`output_streamer` / `ipc_channels` ->
-    `Outputs`) and metrics (`metrics_collector` -> `Counters`).
-    To exercise another `Scheduler` method, borrow it here the same way.
-    """
-
-    _release_aborted_request = _borrowed("_release_aborted_request")
-    retire_unadmitted_request = _borrowed("retire_unadmitted_request")
-    abort_request = _borrowed("abort_request")
-    collect_inflight_reqs = _borrowed("collect_inflight_reqs")
-    _collect_inflight_batches = _borrowed("_collect_inflight_batches")
-    send_abort_output = _borrowed("send_abort_output")
-    process_pending_chunked_abort = _borrowed("process_pending_chunked_abort")
-
-    # features that are off
-    enable_overlap = False
-    enable_staging = False
-    enable_lora = False
-    enable_hisparse = False
-    enable_decode_hicache = False
-    enable_priority_scheduling = False
-    hisparse_coordinator = None
-    decode_offload_manager = None
-    rust_server = None
-    pp_group = None
-    chunked_req = None
-    _pending_chunked_abort_req = None
-    last_batch = None
-    _engine_paused = False  # set True to stand for a paused event loop
-    kv_checksum_computer = None
-    sliding_window_size = None
-    scheduler_stage_metrics = None
-    return_health_check_ipcs = None
-    kv_shard_widening = 1
-    random_seed = 0
-    spec_algorithm = SpeculativeAlgorithm.NONE
-    enable_continuous_input_polling = False
-    # components the borrowed methods touch, with nothing to do here
-    result_queue = ()
-    mm_receiver = None
-    dllm_config = None
-    beam_coordinator = SimpleNamespace(retire_group=lambda req: None)
-    grammar_manager = SimpleNamespace(abort_requests=lambda recv_req: None)
-
-    def maybe_send_health_check_signal(self) -> None:
-        pass
-
-
-def _model_stub(num_layers: int, num_kv_heads: int, vocab_size: int) -> SimpleNamespace:
-    return SimpleNamespace(
-        num_hidden_layers=num_layers,
-        num_key_value_heads=num_kv_heads,
-        get_total_num_kv_heads=lambda: num_kv_heads,
-        vocab_size=vocab_size,
-        is_encoder_decoder=False,
-        hf_config=SimpleNamespace(),
-        hf_text_config=SimpleNamespace(),
-    )
-
-
-# ---------------------------------------------------------------------------
-# Snapshots
-# ---------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Snapshot:
-    """Everything a request can hold, at one instant. `kv_evictable` is cache content,
-    not a hold, so `held()` leaves it out."""
-
-    kv_held: int  # KV tokens neither free nor evictable cache
-    kv_evictable: int
-    req_slots_held: int
-    metadata_held: int
-    queues: Tuple[Tuple[str, int], ...]
-    rooms: Tuple[int, ...]  # rooms the transfer manager still tracks
-
-    def held(self) -> Dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d.pop("kv_evictable")
-        d["queues"] = dict(self.queues)
-        return d
-
-    def diff(self, other: "Snapshot") -> Dict[str, Tuple[Any, Any]]:
-        a, b = self.held(), other.held()
-        return {k: (a[k], b[k]) for k in a if a[k] != b[k]}
-
+# The harness's parts, one module each (re-exported: tests import them from here).
+from testing.harness_backend import (  # noqa: F401  the scripted transfer backend
+    CHUNK_KINDS,
+    POLL_NAMES,
+    Call,
+    Faults,
+    FaultyKVManager,
+    FaultyReceiver,
+    FaultySender,
+    Notice,
+    _install_faulty_backend,
+    _uninstall_faulty_backend,
+    free_port,
+    poll_name,
+)
+from testing.harness_client import Counters, Outputs, Streamed  # noqa: F401  what the client saw, counted
+from testing.harness_scheduler import SchedulerStandIn, _model_stub  # noqa: F401  the scheduler stand-in
+from testing.harness_snapshot import Snapshot  # what a harness holds
 
 # ---------------------------------------------------------------------------
 # Harnesses
@@ -701,6 +192,7 @@ class _Harness:
                     report_prefill_stats=lambda **kw: None,
                 ),
                 token_to_kv_pool_allocator=self.allocator,
+                max_total_num_tokens=kv_tokens,
                 req_to_metadata_buffer_idx_allocator=self.meta_alloc,
                 disagg_metadata_buffers=self.meta_bufs,
                 waiting_queue=[],
@@ -776,14 +268,16 @@ class _Harness:
 
     # -- resources --
     def snapshot(self) -> Snapshot:
+        """Counted as the server's resource report counts (pd_resource_report)."""
         with self.active():
-            free = self.allocator.available_size()
-            evictable = self.tree_cache.evictable_size()
+            kv = pd_resource_report.kv_tokens(self.scheduler)
+            req_slots = pd_resource_report.slots(self.req_to_token_pool)
+            metadata = pd_resource_report.slots(self.meta_alloc)
             return Snapshot(
-                kv_held=self.kv_tokens - free - evictable,
-                kv_evictable=evictable,
-                req_slots_held=self._req_slots_total - self.req_to_token_pool.available_size(),
-                metadata_held=self.meta_alloc.size - self.meta_alloc.available_size(),
+                kv_held=kv["held"],
+                kv_evictable=kv["evictable"],
+                req_slots_held=req_slots["total"] - req_slots["free"],
+                metadata_held=metadata["total"] - metadata["free"],
                 queues=tuple(self._queue_lengths().items()),
                 rooms=tuple(sorted(self.kv_manager.request_status)),
             )
@@ -881,7 +375,6 @@ class PrefillHarness(_Harness):
         self.req_to_token_pool = ReqToTokenPool(
             size=req_slots, max_context_len=max_context_len, device="cpu", enable_memory_saver=False
         )
-        self._req_slots_total = self.req_to_token_pool.available_size()
         self.tree_cache = RadixCache(
             CacheInitParams(
                 disable=False, req_to_token_pool=self.req_to_token_pool,
@@ -1036,7 +529,6 @@ class DecodeHarness(_Harness):
             size=req_slots, max_context_len=max_context_len, device="cpu",
             enable_memory_saver=False, pre_alloc_size=req_slots,
         )
-        self._req_slots_total = self.req_to_token_pool.available_size()
         # Decode runs without a radix cache by default (disaggregation_decode_enable_radix_cache).
         self.tree_cache = RadixCache(
             CacheInitParams(
@@ -1116,3 +608,4 @@ __all__ = [
     "Snapshot",
     "poll_name",
 ]
+

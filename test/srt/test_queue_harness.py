@@ -129,6 +129,21 @@ def test_decode_happy_path(decode):
     h.assert_baseline(h.idle)
 
 
+def test_decode_fake_transfer_without_host(decode):
+    """A request sent to a fake-backend decode without bootstrap_host is served as the
+    fake transfer upstream intends (pd_queues.fake_bootstrap_addr; upstream's
+    _bootstrap_addr raised on NetworkAddress(None, ...) and killed the scheduler)."""
+    h = decode
+    req = h.make_req(prompt_len=6)
+    req.bootstrap_host = None
+    h.add(req)
+    h.run_until(lambda: req in h.waiting)
+    assert len(req.output_ids) == 1
+    h.finish(req)
+    assert h.outputs.status_code(req.rid) == 200
+    h.assert_baseline(h.idle)
+
+
 def test_decode_transfer_failed(decode):
     h = decode
     req = h.add(h.make_req())

@@ -206,17 +206,24 @@ class Client(threading.Thread):
         self.ended_at = time.monotonic()
 
 
+def _warm_baseline_counts(cluster):
+    """Warm up; the idle baseline and prefill's client-abort / bootstrap-failure counts
+    before a hole-1 case (it ends prefill's copies as aborts, never as failures)."""
+    prefill = cluster["prefill"]
+    warm = generate(cluster.url, "warm up", max_new_tokens=4)
+    assert warm["status"] == 200, warm
+    baseline = assert_idle(cluster, PD_ROLES)
+    aborts = _metric(prefill, END_CAUSES, role="prefill", cause="client_abort")
+    return baseline, aborts, _metric(prefill, "sglang:num_bootstrap_failed_reqs_total")
+
+
 def test_abort_at_decodes_gate_reaches_prefill_at_once(cluster):
     """Hole 1: decode paused (abort mode), prefill serving. A request reaches both;
     prefill's copy waits for decode's handshake, decode's copy waits at its pause gate.
     /abort_request at decode ends it there -- and prefill's copy within about a second,
     not after its bootstrap timeout."""
     prefill, decode = cluster["prefill"], cluster["decode"]
-    warm = generate(cluster.url, "warm up", max_new_tokens=4)
-    assert warm["status"] == 200, warm
-    baseline = assert_idle(cluster, PD_ROLES)
-    aborts = _metric(prefill, END_CAUSES, role="prefill", cause="client_abort")
-    failed = _metric(prefill, "sglang:num_bootstrap_failed_reqs_total")
+    baseline, aborts, failed = _warm_baseline_counts(cluster)
 
     _call(decode, "pause_generation", {"mode": "abort"})
     try:
@@ -255,11 +262,7 @@ def test_request_decodes_scheduler_rejects_reaches_prefill_at_once(cluster):
     for decode's handshake, ends within about a second as decode's end (an abort), not
     after its bootstrap timeout."""
     prefill, decode = cluster["prefill"], cluster["decode"]
-    warm = generate(cluster.url, "warm up", max_new_tokens=4)
-    assert warm["status"] == 200, warm
-    baseline = assert_idle(cluster, PD_ROLES)
-    aborts = _metric(prefill, END_CAUSES, role="prefill", cause="client_abort")
-    failed = _metric(prefill, "sglang:num_bootstrap_failed_reqs_total")
+    baseline, aborts, failed = _warm_baseline_counts(cluster)
     room = random.getrandbits(62)
     rid = f"rejected-{room}"
     leg = Leg(prefill.url, _body("rejected by decode: hello", room, cluster, rid))

@@ -18,6 +18,7 @@ room), and the patched lines of prefill.py / decode.py (`counts_as_failure`,
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from http import HTTPStatus
 from typing import Any, Iterable, Optional, Tuple
@@ -33,16 +34,9 @@ logger = logging.getLogger(__name__)
 
 # Opens the reason a room carries to the peer when its request was aborted; the peer's
 # prepare_abort recognises it and ends the request as an abort, not a failure.
-ABORT_TAG = room_ledger.ABORT_TAG
+ABORT_TAG, PEER_WHY = room_ledger.ABORT_TAG, room_ledger.PEER_WHY
 CLIENT_ABORT_MESSAGE = room_ledger.CLIENT_ABORT_MESSAGE
-# Reasons a room carries when an abort ended it: ours, and the one upstream's
-# Common{Sender,Receiver}.abort() records (and the transfer worker may forward).
-UPSTREAM_ABORT_REASON = room_ledger.UPSTREAM_ABORT_REASON
-ABORT_REASONS = room_ledger.ABORT_REASONS
-
-# Per request: (message, status) the abort asked for.
-_ABORT = room_ledger.REQUESTED_ABORT
-
+_ABORT = room_ledger.REQUESTED_ABORT  # per request: (message, status) the abort asked for
 
 
 # ----------------------------------------------------------------------------- pure
@@ -79,13 +73,6 @@ def peer_reason(rid: str, room: int, side: str, why: Optional[str] = None) -> st
     return f"{ABORT_TAG} on {side}: request {rid} (bootstrap_room={room}){said}"
 
 
-PEER_WHY = room_ledger.PEER_WHY
-
-
-_role = pd_queues.role
-prefill_stage = pd_queues.prefill_stage
-
-
 # ----------------------------------------------------------------------------- side effects
 
 
@@ -101,27 +88,22 @@ def _tell_decode(kv_mgr, room: int, reason: str) -> None:
     room_ledger.end_room(kv_mgr, room, None, reason, fail=False, remember=True)
 
 
-def _clear_prefill_room(req) -> None:
-    """Drop what the transfer manager keeps for `req`'s room (it has ended here)."""
-    sender = getattr(req, "disagg_kv_sender", None)
-    if sender is None:
-        return
-    kv_mgr = sender.kv_mgr
-    room = req.bootstrap_room
-    sender.clear()
-    failure_lock = getattr(kv_mgr, "failure_lock", None)
-    if failure_lock is not None:
-        with failure_lock:
-            kv_mgr.failure_records.pop(room, None)
-    else:
-        getattr(kv_mgr, "failure_records", {}).pop(room, None)
+def _retire_prefill_room(scheduler, req, stage: str) -> None:
+    """`req` ended here at `stage`: drop what the transfer manager keeps for its room,
+    count its end."""
+    kv_mgr = _kv_mgr(req)
+    if kv_mgr is not None:
+        req.disagg_kv_sender.clear()
+        with getattr(kv_mgr, "failure_lock", None) or contextlib.nullcontext():  # fake: neither
+            getattr(kv_mgr, "failure_records", {}).pop(req.bootstrap_room, None)
+    end_cause.record_end(scheduler, req, "prefill", stage, kv_mgr)
 
 
 def before_abort_request(scheduler, recv_req, *args, **kwargs) -> None:
     """BEFORE Scheduler.abort_request: mark each PD request the abort reaches with the
     verdict it asked for; on prefill, tell decode at once for each room not yet
     transferred."""
-    role = _role(scheduler)
+    role = pd_queues.role(scheduler)
     if role is None:
         return
     message, status, cause = requested_verdict(recv_req)
@@ -146,7 +128,7 @@ def counts_as_failure(scheduler, req, role: str, stage: Optional[str] = None, kv
     """Count `req`'s end under its cause (once); whether upstream's failure counter
     should count it too (not for an abort). Called by the patched failure paths."""
     if stage is None:
-        stage = prefill_stage(scheduler, req) if role == "prefill" else DECODE_TRANSFER
+        stage = pd_queues.prefill_stage(scheduler, req) if role == "prefill" else DECODE_TRANSFER
     if kv_mgr is None and role == "prefill":
         kv_mgr = _kv_mgr(req)
     cause = end_cause.record_end(scheduler, req, role, stage, kv_mgr)
@@ -189,18 +171,14 @@ def after_retire_aborted(result, scheduler, req, *args, **kwargs):
     """AFTER SchedulerDisaggregationPrefillMixin._retire_aborted_prefill_result: an
     aborted request retired before its KV was exposed; its room ends here."""
     if result:
-        kv_mgr = _kv_mgr(req)
-        _clear_prefill_room(req)
-        end_cause.record_end(scheduler, req, "prefill", PREFILL_RUNNING, kv_mgr)
+        _retire_prefill_room(scheduler, req, PREFILL_RUNNING)
     return result
 
 
 def after_release_aborted_waiting(result, scheduler, req, *args, **kwargs):
     """AFTER SchedulerDisaggregationPrefillMixin.release_aborted_prefill_waiting_req:
     upstream aborts the sender but never clears its room."""
-    kv_mgr = _kv_mgr(req)
-    _clear_prefill_room(req)
-    end_cause.record_end(scheduler, req, "prefill", PREFILL_WAITING, kv_mgr)
+    _retire_prefill_room(scheduler, req, PREFILL_WAITING)
     return result
 
 
@@ -211,8 +189,6 @@ def around_pending_chunked_abort(original, scheduler, *args, **kwargs):
     req = getattr(scheduler, "_pending_chunked_abort_req", None)
     retiring = req is not None and scheduler.chunked_req is req
     result = original(scheduler, *args, **kwargs)
-    if retiring and scheduler.chunked_req is not req and _role(scheduler) == "prefill":
-        kv_mgr = _kv_mgr(req)
-        _clear_prefill_room(req)
-        end_cause.record_end(scheduler, req, "prefill", PREFILL_RUNNING, kv_mgr)
+    if retiring and scheduler.chunked_req is not req and pd_queues.role(scheduler) == "prefill":
+        _retire_prefill_room(scheduler, req, PREFILL_RUNNING)
     return result

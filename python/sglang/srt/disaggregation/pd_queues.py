@@ -30,6 +30,11 @@ STAGES = (
     PREFILL_BOOTSTRAP, PREFILL_WAITING, PREFILL_RUNNING, PREFILL_INFLIGHT,
     DECODE_PREALLOC, DECODE_TRANSFER, DECODE_RUNNING,
 )
+# The kv manager's tables keyed by bootstrap room that a concluded room leaves behind
+# (upstream's Common/MooncakeKVManager in 0.5.23; a backend may lack some).
+ROOM_TABLES = (
+    "request_status", "failure_records", "transfer_infos", "req_to_decode_prefix_len", "_staging_outstanding",
+)
 
 
 def role(scheduler: Any) -> Optional[str]:
@@ -175,3 +180,16 @@ def kv_manager(scheduler: Any) -> Any:
         if queue is not None:
             return queue.kv_manager
     return None
+
+
+def fake_bootstrap_addr(original: Any, req: Any) -> str:
+    """AROUND `decode._bootstrap_addr`: a request sent to a fake-backend decode without
+    a bootstrap_host is the fake transfer upstream intends (`utils._is_fake_transfer`;
+    the tokenizer hands it a fake room), addressed at the fake host: upstream built
+    NetworkAddress(None, ...), and one such /generate killed the scheduler."""
+    from sglang.srt.disaggregation.utils import FAKE_BOOTSTRAP_HOST, _is_fake_transfer
+    from sglang.srt.utils.network import NetworkAddress
+
+    if req.bootstrap_host is None and _is_fake_transfer(req):
+        return NetworkAddress(FAKE_BOOTSTRAP_HOST, req.bootstrap_port).to_host_port_str()
+    return original(req)

@@ -21,7 +21,6 @@ from sglang.srt.managers import fork_touch, pd_pause
 logger = logging.getLogger(__name__)
 
 
-
 def refresh_addresses(queue) -> bool:
     """BEFORE a PD queue's resume_memory_occupation: re-read the KV and metadata
     buffer addresses (they may have moved while released) into the kv_manager's
@@ -69,16 +68,6 @@ def queue_release(original, queue, *args, **kwargs):
     return result
 
 
-# kv_manager tables keyed by bootstrap room that a concluded room leaves behind.
-ROOM_TABLES = (
-    "request_status",
-    "failure_records",
-    "transfer_infos",
-    "req_to_decode_prefix_len",
-    "_staging_outstanding",
-)
-
-
 def _live_rooms(scheduler) -> set:
     reqs = pd_queues.queued_reqs(scheduler) + list(scheduler.running_batch.reqs)
     reqs += pd_queues.parked_reqs(scheduler)
@@ -90,7 +79,7 @@ def forget_orphan_rooms(scheduler, kv_manager) -> int:
     room state that no live request owns is dropped, not carried across the cycle."""
     live = _live_rooms(scheduler)
     dropped = 0
-    for name in ROOM_TABLES:
+    for name in pd_queues.ROOM_TABLES:
         table = getattr(kv_manager, name, None)
         if not isinstance(table, dict):
             continue
@@ -102,19 +91,18 @@ def forget_orphan_rooms(scheduler, kv_manager) -> int:
     return dropped
 
 
+def _regions(kv_manager) -> int:
+    regions = getattr(kv_manager, "_registerable_regions", None)  # mooncake's; none on fake
+    return len(regions()) if regions is not None else 0
+
+
 def _note_registration(kv_manager, registered: bool) -> None:
-    regions = getattr(kv_manager, "_registerable_regions", None)
-    n = len(regions()) if (registered and regions is not None) else 0
-    kv_manager._fork_registered_regions = n
+    kv_manager._fork_registered_regions = _regions(kv_manager) if registered else 0
 
 
 def registration_report(kv_manager) -> Dict[str, Any]:
     """Regions this kv_manager has registered with the transfer engine right now."""
-    regions = getattr(kv_manager, "_registerable_regions", None)
     n = getattr(kv_manager, "_fork_registered_regions", None)
     if n is None:  # never released: upstream registered everything at start-up
-        n = len(regions()) if regions is not None else 0
-    return {
-        "registered_regions": n,
-        "kv_data_ptrs": list(kv_manager.kv_args.kv_data_ptrs),
-    }
+        n = _regions(kv_manager)
+    return {"registered_regions": n, "kv_data_ptrs": list(kv_manager.kv_args.kv_data_ptrs)}

@@ -362,12 +362,11 @@ def around_record_failure(original, mgr, bootstrap_room, failure_reason, *args, 
     peer-loss one (the root cause, answered 502)."""
     from sglang.srt.disaggregation.utils import DisaggregationMode
 
-    PEER_LOST = PEER_LOST_TAG
     if getattr(mgr, "disaggregation_mode", None) == DisaggregationMode.DECODE and bootstrap_room not in mgr.request_status:
         logger.debug("room_ledger: dropping failure for ended room %s: %s", bootstrap_room, failure_reason)
         return None
     current = mgr.failure_records.get(bootstrap_room)
-    if current and current.startswith(PEER_LOST) and not (failure_reason or "").startswith(PEER_LOST):
+    if current and current.startswith(PEER_LOST_TAG) and not (failure_reason or "").startswith(PEER_LOST_TAG):
         return None
     return original(mgr, bootstrap_room, failure_reason, *args, **kwargs)
 
@@ -424,21 +423,19 @@ VERDICT_TABLE = (
 MESSAGE_STATUS = (("deadline_tag", HTTPStatus.GATEWAY_TIMEOUT), ("release", None))
 
 
-def _markers():
-    return {
-        "deadline_tag": (DEADLINE_TAG,),
-        "release": PAUSE_MARKERS,  # the pause's or a release's message
-        "peer_abort": ABORT_REASONS,
-        "peer_lost": (PEER_LOST_TAG, UPSTREAM_PREFILL_LOST),
-    }
+# What a message says, by the texts that say it.
+MARKERS = {
+    "deadline_tag": (DEADLINE_TAG,),
+    "release": PAUSE_MARKERS,  # the pause's or a release's message
+    "peer_abort": ABORT_REASONS,
+    "peer_lost": (PEER_LOST_TAG, UPSTREAM_PREFILL_LOST),
+}
 
 
 def verdict(req: Any, error_message: str, status_code: Any) -> Tuple[str, Any]:
     """(message, status) `prepare_abort` reports for `req`, by VERDICT_TABLE."""
-    from sglang.srt.disaggregation import request_end_cause
-
     text = str(error_message or "")
-    markers = _markers()
+    markers = MARKERS
     found = {
         "deadline": getattr(req, DEADLINE_EXPIRED, None),
         "pause": getattr(req, PAUSE_ABORT, None),

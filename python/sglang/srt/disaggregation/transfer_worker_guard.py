@@ -1,8 +1,8 @@
 """A prefill transfer worker that dies does not strand its rooms.
 
 Invariant: when a mooncake transfer worker thread raises, the room whose chunk it was
-sending is moved to `KVPoll.Failed` through `conclude_failure` (the reason names the
-exception; decode is told), its in-flight count is dropped (the drain ACK stays
+sending is ended through the room ledger (`room_ledger.end_room`: recorded, Failed,
+decode told, with a reason naming the exception), its in-flight count is dropped (the drain ACK stays
 poisoned, as upstream leaves it, because a write may still be running), and the worker
 loop starts again on the same queue, so later chunks of that shard are served. The
 scheduler's next inflight poll sees Failed and retires the request (upstream's path).
@@ -18,6 +18,7 @@ import functools
 import logging
 
 from sglang.srt.disaggregation.base import KVPoll
+from sglang.srt.disaggregation.room_ledger import end_room
 from sglang.srt.managers import fork_touch
 
 logger = logging.getLogger(__name__)
@@ -47,7 +48,7 @@ def fail_stranded_rooms(kv_mgr, queue, exc: BaseException) -> list:
         reason = f"KV transfer worker raised while sending room {room}: {exc!r}; restarted"
         logger.error(reason)
         if kv_mgr.request_status.get(room) not in (None, KVPoll.Success):
-            kv_mgr.conclude_failure(bootstrap_room=room, failure_reason=reason)
+            end_room(kv_mgr, room, None, reason)
         kv_mgr._staging_outstanding.pop(room, None)
     return rooms
 

@@ -102,6 +102,12 @@ HOOKS: list[tuple[str, str, HookType]] = [
         "sglang.srt.managers.pd_pause_aborts:paused_loop_tick",
         HookType.AFTER,
     ),
+    # A fake-backend decode serves a request sent without bootstrap_host (upstream crashed).
+    (
+        "sglang.srt.disaggregation.decode._bootstrap_addr",
+        "sglang.srt.disaggregation.pd_queues:fake_bootstrap_addr",
+        HookType.AROUND,
+    ),
     # room_ledger: one per kv manager, the one way a room ends (drains owed by a peer,
     # ended rooms, ends decode decided before its scheduler),
     # and the one verdict on how a PD request that ends on a failure path is answered

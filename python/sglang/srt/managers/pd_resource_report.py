@@ -17,21 +17,14 @@ from sglang.srt.disaggregation import pd_queues
 
 # Per-room (or per-peer-of-a-room) tables of upstream's Common/MooncakeKVManager in
 # 0.5.23; a table a given role/backend does not have is simply not reported.
-KV_MANAGER_ROOM_TABLES = (
-    "request_status",
-    "failure_records",
-    "transfer_infos",
-    "req_to_decode_prefix_len",
-    "required_prefill_response_num_table",
-    "prefill_response_tracker",
-    "_staging_outstanding",
-    "_deferred_ack_targets",
-    "_deferred_ack_poisoned_rooms",
-    "_deferred_abort_ack_tracker",
+KV_MANAGER_ROOM_TABLES = pd_queues.ROOM_TABLES + (
+    "required_prefill_response_num_table", "prefill_response_tracker",
+    "_deferred_ack_targets", "_deferred_ack_poisoned_rooms", "_deferred_abort_ack_tracker",
 )
 
 
-def _kv_tokens(scheduler) -> Dict[str, int]:
+def kv_tokens(scheduler) -> Dict[str, int]:
+    """KV tokens: total, free, evictable cache, protected, held by requests."""
     allocator = scheduler.token_to_kv_pool_allocator
     tree_cache = scheduler.tree_cache
     total = int(scheduler.max_total_num_tokens)
@@ -47,16 +40,13 @@ def _kv_tokens(scheduler) -> Dict[str, int]:
     }
 
 
-def _slots(allocator) -> Optional[Dict[str, int]]:
+def slots(allocator) -> Optional[Dict[str, int]]:
+    """Free and total slots of a request or metadata-buffer allocator."""
     if allocator is None:
         return None
     # The decode req pool has pre_alloc_size extra slots beyond size.
     total = allocator.size + getattr(allocator, "pre_alloc_size", 0)
     return {"free": int(allocator.available_size()), "total": int(total)}
-
-
-_queues = pd_queues.lengths
-_kv_manager = pd_queues.kv_manager
 
 
 def _room_tables(kv_manager) -> Dict[str, int]:
@@ -84,24 +74,20 @@ def build_report(scheduler) -> Dict[str, Any]:
     from sglang.srt.managers.fork_plugin import hooks_applied
 
     mode = scheduler.disaggregation_mode
-    kv_manager = _kv_manager(scheduler)
+    kv_manager = pd_queues.kv_manager(scheduler)
     return {
         "disaggregation_mode": mode.value,
-        "kv_tokens": _kv_tokens(scheduler),
-        "req_slots": _slots(scheduler.req_to_token_pool),
-        "metadata_slots": _slots(
-            getattr(scheduler, "req_to_metadata_buffer_idx_allocator", None)
-        ),
-        "queues": _queues(scheduler),
+        "kv_tokens": kv_tokens(scheduler),
+        "req_slots": slots(scheduler.req_to_token_pool),
+        "metadata_slots": slots(getattr(scheduler, "req_to_metadata_buffer_idx_allocator", None)),
+        "queues": pd_queues.lengths(scheduler),
         "transfer_rooms": None if kv_manager is None else _room_tables(kv_manager),
         "hooks_applied": hooks_applied(),
         # fork_plugin.SWAPS made on this scheduler's kv manager, each still in place
         "swaps_applied": fork_touch.swaps_applied(kv_manager, mode.value),
         "pause": pd_pause.report(scheduler),
         "peers": None if kv_manager is None else peer_tables(kv_manager),
-        "te_registration": (
-            None if kv_manager is None else queue_memory.registration_report(kv_manager)
-        ),
+        "te_registration": None if kv_manager is None else queue_memory.registration_report(kv_manager),
         # Peer cancellations kept for rooms not created yet (bounded; held by no request).
         "cancelled_rooms": None if kv_manager is None else room_ledger.report(kv_manager),
     }
