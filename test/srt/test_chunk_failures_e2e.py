@@ -12,7 +12,6 @@ prefix: the mini load balancer draws bootstrap rooms itself, rids pass through.
 from __future__ import annotations
 
 import json
-import os
 import random
 import threading
 import time
@@ -38,9 +37,15 @@ PROBE_ENV = {
     "SGLANG_FAILED_SESSION_PROBE_INTERVAL_S": "0.5",
     "SGLANG_FAILED_SESSION_PROBE_MAX_INTERVAL_S": "1",
 }
-# A write to, or a probe of, a frozen peer fails on mooncake's own timeout (the probe
-# measured ~61 s in test_chunk_failures_pair.py).
-FROZEN_PEER_S = 150.0
+# A write to a frozen peer fails on mooncake's own timeout (30 s); a probe of it gets
+# no answer within chunk_failures' bound (SGLANG_FORK_SESSION_PROBE_TIMEOUT, 5 s).
+FROZEN_PEER_S = 75.0
+PROBE_BOUND_S = 5.0
+# prefill's peer monitor: a session still blacklisted a heartbeat later is a lost decode
+HEARTBEAT_S = 2.0
+HEARTBEAT_ENV = {"SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": str(HEARTBEAT_S)}
+LOSSES = "sglang:num_pd_peer_losses_total"
+RECOVERIES = "sglang:num_pd_peer_recoveries_total"
 REASON = {"kv": "Failed to send kv chunk", "aux": "Failed to send aux data"}
 BURST_DEADLINE_S = 90.0
 # The failed request ends when its failed write is seen (the transfer worker's next
@@ -54,7 +59,7 @@ CHUNK_FAILURES = "sglang:num_transfer_chunk_failures_total"
 @pytest.fixture(scope="module")
 def deployment(deployments):
     return deployments.pd_and_single(
-        prefill_env={"SGLANG_TEST_DISAGG_FAIL_CHUNKS": FAULTS, **RELEASE_ENV, **PROBE_ENV},
+        prefill_env={"SGLANG_TEST_DISAGG_FAIL_CHUNKS": FAULTS, **RELEASE_ENV, **PROBE_ENV, **HEARTBEAT_ENV},
         decode_env=RELEASE_ENV,
     )
 
@@ -144,29 +149,26 @@ def test_one_failed_chunk_among_16_fails_only_that_request(deployment, kind):
     })  # the request after ended nothing
 
 
-@pytest.mark.skipif(
-    os.environ.get("CI") == "true",
-    reason="known bug (issue 16): a decode frozen past a write timeout whose session then "
-    "fails a probe is declared lost by peer_liveness while still frozen; resumed (not "
-    "restarted) it never registers again, so prefill keeps failing its requests. Runs in "
-    "`make test` outside CI until fixed",
-)
 def test_failed_write_to_a_frozen_decode_takes_its_session_out_until_it_answers(deployment):
     """A real failed write (the transfer worker's own failure path, not a stand-in
     nomination) to a frozen decode: the request ends 500 naming the write on both
-    sides, the session is probed, gets no answer and is blacklisted; once decode runs
-    again the probe loop lifts it and requests flow again, the first one included
-    (mooncake drops its connections to the frozen peer and fails the first transfer to
-    it after that: the probe's read must take that failure, not a request)."""
+    sides, the session is probed, gets no answer within the probe's bound and is
+    blacklisted; a heartbeat later the decode is declared lost (still frozen) but its
+    identity is kept. Once decode runs again -- resumed, not restarted -- it answers,
+    is let back in and requests flow again, the first one included (mooncake drops its
+    connections to the frozen peer and fails the first transfer to it after that: the
+    probe's read must take that failure, not a request)."""
     cluster, _ = deployment
     prefill, decode = cluster["prefill"], cluster["decode"]
     baseline = assert_idle(cluster, PD_ROLES)
     assert prefill.resources()["peers"]["failed_sessions"] == 0
     before = _counters(cluster, "kv")
     causes = cluster_end_causes(cluster)
+    losses = metric_sum(cluster.metrics("prefill"), LOSSES)
+    recoveries = metric_sum(cluster.metrics("prefill"), RECOVERIES)
     body = leg_body(cluster, random.randint(1, 2**62), "the quick brown fox " * 10,
                     rid="e2e-fail-kv-frozen-decode")
-    decode_leg = Leg(decode.url, body, timeout=FROZEN_PEER_S + 60)
+    decode_leg = Leg(decode.url, body, timeout=FROZEN_PEER_S + 120)
     decode_leg.start()
     wait_until(lambda: decode.resources()["queues"]["decode_transfer"] == 1, 60, "decode handshake")
     decode.freeze()
@@ -176,19 +178,32 @@ def test_failed_write_to_a_frozen_decode_takes_its_session_out_until_it_answers(
         wait_until(prefill_leg.done, FROZEN_PEER_S, "prefill's answer")
         assert prefill_leg.status == 500, prefill_leg.out
         assert REASON["kv"] in json.dumps(prefill_leg.response), prefill_leg.out
-        # the worker nominated decode's session; the probe gets no answer: out
-        wait_until(lambda: prefill.resources()["peers"]["failed_sessions"] == 1, FROZEN_PEER_S,
+        # the worker nominated decode's session; the probe gets no answer within its
+        # bound (not mooncake's 60 s): out
+        t_answer = time.monotonic()
+        wait_until(lambda: prefill.resources()["peers"]["failed_sessions"] == 1, PROBE_BOUND_S + 10,
                    "the frozen decode's session to be blacklisted",
                    on_timeout=lambda: str(prefill.resources()["peers"]))
+        assert time.monotonic() - t_answer <= PROBE_BOUND_S + 5
+        # still out at the next heartbeat: the decode is declared lost, once, while frozen;
+        # its registration is kept and its session held out
+        wait_until(lambda: metric_sum(cluster.metrics("prefill"), LOSSES) == losses + 1, 2 * HEARTBEAT_S + 10,
+                   "the frozen decode to be declared lost", on_timeout=lambda: str(prefill.resources()["peers"]))
+        peers = prefill.resources()["peers"]
+        assert (peers["decode_kv_args_table"], peers["failed_sessions"], peers["monitor_held_out"]) == (1, 1, 1), peers
         assert_idle(cluster, ("prefill",), baseline, timeout=30)
     finally:
         decode.resume()
     t_resume = time.monotonic()
     wait_until(decode_leg.done, 30, "decode's answer after resume")
     assert decode_leg.status == 500 and REASON["kv"] in json.dumps(decode_leg.response), decode_leg.out
-    # the probe loop finds decode answering again and lifts the blacklist
+    # decode answers again: its session is let back in and the recovery counted, once
     wait_until(lambda: prefill.resources()["peers"]["failed_sessions"] == 0, 15, "the session back")
     assert time.monotonic() - t_resume < 15
+    wait_until(lambda: metric_sum(cluster.metrics("prefill"), RECOVERIES) == recoveries + 1, 10,
+               "the recovery to be counted")
+    assert metric_sum(cluster.metrics("prefill"), LOSSES) == losses + 1
+    assert prefill.resources()["peers"]["monitor_held_out"] == 0
     assert_idle(cluster, PD_ROLES, baseline=baseline, timeout=60)
     after = _counters(cluster, "kv")
     for role in PD_ROLES:
@@ -198,4 +213,9 @@ def test_failed_write_to_a_frozen_decode_takes_its_session_out_until_it_answers(
         ("prefill", "transport", "prefill_inflight"): 1,
         ("decode", "transport", "decode_transfer"): 1,
     })
+    # served again by the same (resumed) decode: 200s, nothing more ended
     _assert_serving_continues(cluster, baseline, [(None, p) for p in prompts(3)])
+    wait_end_causes(cluster, causes, {
+        ("prefill", "transport", "prefill_inflight"): 1,
+        ("decode", "transport", "decode_transfer"): 1,
+    })

@@ -3,9 +3,13 @@ harness on each side, upstream's managers, engine and bootstrap server): the sur
 notices the SIGKILLed peer within one heartbeat, ends every request bound to it with
 502 naming it, holds nothing afterwards and forgets the dead incarnation; the peer
 started again (new process, new buffers, new transfer session) is served at once, and
-the loss and the recovery are counted. Fast counterpart of test_peer_liveness_e2e.py.
+the loss and the recovery are counted. A decode lost while merely frozen (SIGSTOP) is
+held out, not forgotten: once it runs again it is served again, without a restart.
+Fast counterpart of test_peer_liveness_e2e.py.
 """
 
+import os
+import signal
 import time
 
 from testing.pd_checks import assert_pair_serves, pair_fixture, stable_peer_tables
@@ -26,6 +30,13 @@ SIZES = dict(kv_tokens=2048, req_slots=N + 4, metadata_slots=N + 4, max_context_
 
 
 pair = pair_fixture(scope="function", prefill_env=ENV, decode_env=ENV, **SIZES)
+
+# chunk_failures' SGLANG_FORK_SESSION_PROBE_TIMEOUT default: a probe of a frozen peer
+# gets no answer within it (mooncake's own wait is 60 s)
+PROBE_TIMEOUT = 5.0
+# a failed room's decode pages wait for prefill's drain ack or this (30 s by default)
+FROZEN_ENV = {**ENV, "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT": "3"}
+frozen_pair = pair_fixture(scope="function", prefill_env=FROZEN_ENV, decode_env=FROZEN_ENV, **SIZES)
 
 
 def _decode_handshakes(pair, n: int) -> list:
@@ -166,3 +177,96 @@ def test_prefill_killed_decode_fails_bound_rooms_and_accepts_restart(pair):
     _wait_equal(lambda: stable_peer_tables(pair.decode.call("peers")), stable_peer_tables(peers), HEARTBEAT + 5)
     assert pair.decode.call("peer_counts") == {f"loss/decode/{addr}": 1, f"recovery/decode/{addr}": 1}
     assert _new_causes(pair.decode, causes) == {"decode/peer_failure/decode_transfer": N}
+
+
+def _wait_blacklist(pair, want: list, timeout: float) -> float:
+    """Seconds until prefill's session blacklist, with no nomination probe in flight,
+    equals `want`."""
+    t0 = time.monotonic()
+    while pair.prefill.call("failed_sessions") != want:
+        assert time.monotonic() - t0 < timeout, pair.prefill.call("failed_sessions")
+        time.sleep(0.1)
+    return time.monotonic() - t0
+
+
+def test_decode_lost_while_frozen_is_served_again_once_it_runs(frozen_pair):
+    """A frozen decode whose session does not answer a probe is declared lost: its rooms
+    end at once, 502 naming it, and prefill holds nothing of them; its identity is kept
+    (registration, session held out). Resumed -- not restarted -- it answers the
+    monitor's probe within a heartbeat and is served again; the loss and the recovery
+    are counted once; decode ends its rooms too (it was told) and holds nothing."""
+    pair = frozen_pair
+    _serve_new_requests(pair)
+    p_idle, d_idle = pair.prefill.call("snapshot"), pair.decode.call("snapshot")
+    peers = pair.prefill.call("peers")
+    assert peers["decode_kv_args_table"] == 1, peers
+    p_causes, d_causes = pair.prefill.call("end_causes"), pair.decode.call("end_causes")
+    session = pair.decode.call("session_id")
+    rooms = _decode_handshakes(pair, N)
+
+    os.kill(pair.decode.proc.pid, signal.SIGSTOP)
+    try:
+        # what the transfer worker does after a failed write to it: the probe gets no
+        # answer within its bound (not mooncake's 60 s), so the session is taken out
+        pair.prefill.call("nominate_failed_session", session)
+        assert _wait_blacklist(pair, [session], PROBE_TIMEOUT + 5) <= PROBE_TIMEOUT + 3
+        # still out at the next heartbeat: lost
+        t_out = time.monotonic()
+        while not (counts := pair.prefill.call("peer_counts")):
+            assert time.monotonic() - t_out <= 2 * HEARTBEAT + 6, counts
+            time.sleep(0.1)
+        [(loss, n)] = counts.items()
+        assert loss.startswith("loss/prefill/") and n == 1, counts
+        host = loss.split("/")[2]
+        # every room bound to it ends at once, 502 naming it
+        for room in rooms:
+            pair.prefill.call("add", room, 12, None)
+        _tick_until_all_ended(pair.prefill, rooms, 10)
+        reasons = {room: pair.prefill.call("reason", room) for room in rooms}
+        peer = reasons[rooms[0]].split("decode peer ")[1].split(" ")[0]
+        assert peer.split(":")[0] == host, (peer, host)
+        for room in rooms:
+            assert pair.prefill.call("status", room) == 502, reasons[room]
+            assert (f"PD peer lost: decode peer {peer} lost (a KV write failed and its transfer session "
+                    f"does not answer a probe; mooncake session {session})") in reasons[room], reasons[room]
+        # prefill holds nothing of them; the peer's identity is kept, its session held out
+        while any(_room_entries(pair.prefill, room) for room in rooms) or pair.prefill.call("snapshot") != p_idle:
+            assert time.monotonic() - t_out <= 30, pair.prefill.call("snapshot")
+            pair.prefill.call("tick")
+        held = pair.prefill.call("peers")
+        assert (held["decode_kv_args_table"], held["failed_sessions"], held["monitor_held_out"]) == (1, 1, 1), held
+        ended = _new_causes(pair.prefill, p_causes)  # each room once, as a peer failure
+        assert {k.rsplit("/", 1)[0] for k in ended} == {"prefill/peer_failure"}, ended
+        assert all(k.rsplit("/", 1)[1] in STAGES for k in ended) and sum(ended.values()) == N, ended
+        # no answer, no recovery: still out a heartbeat later
+        time_left = time.monotonic() + HEARTBEAT + 1
+        while time.monotonic() < time_left:
+            assert pair.prefill.call("failed_sessions") == [session]
+            time.sleep(0.2)
+    finally:
+        os.kill(pair.decode.proc.pid, signal.SIGCONT)
+
+    # it runs again: the monitor's probe finds it answering within a heartbeat (upstream's
+    # own probe loop waits 30 s here), it is let back in and the recovery is counted
+    t_resume = time.monotonic()
+    _wait_blacklist(pair, [], HEARTBEAT + PROBE_TIMEOUT + 10)
+    assert pair.prefill.call("peer_counts") == {f"loss/prefill/{host}": 1, f"recovery/prefill/{host}": 1}
+    assert time.monotonic() - t_resume <= HEARTBEAT + PROBE_TIMEOUT + 5
+    # decode was told while frozen: its rooms end, 502 naming itself as the lost peer
+    _tick_until_all_ended(pair.decode, rooms, 30)
+    for room in rooms:
+        assert pair.decode.call("status", room) == 502, pair.decode.call("final_reason", room)
+        assert f"PD peer lost: decode peer {peer} lost" in pair.decode.call("reason", room)
+    # served again, without a restart, and neither side keeps anything of the loss
+    _serve_new_requests(pair)
+    deadline = time.monotonic() + 20
+    while (pair.prefill.call("snapshot"), pair.decode.call("snapshot")) != (p_idle, d_idle):
+        assert time.monotonic() < deadline, (pair.prefill.call("snapshot"), pair.decode.call("snapshot"))
+        pair.decode.call("tick")
+        pair.prefill.call("tick")
+    for room in rooms:
+        assert _room_entries(pair.decode, room) == [] and _room_entries(pair.prefill, room) == []
+    _wait_equal(lambda: stable_peer_tables(pair.prefill.call("peers")), stable_peer_tables(peers), HEARTBEAT + 5)
+    assert pair.decode.call("session_id") == session  # the same process and session
+    assert _new_causes(pair.decode, d_causes) == {"decode/peer_failure/decode_transfer": N}
+    assert _new_causes(pair.prefill, p_causes) == ended  # the served requests ended nothing

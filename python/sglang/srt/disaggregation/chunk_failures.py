@@ -18,11 +18,13 @@ attribute read per write.
 
 from __future__ import annotations
 
-import ctypes
+import concurrent.futures
 import contextlib
+import ctypes
 import dataclasses
-import functools
 import logging
+import math
+import os
 import threading
 import time
 from typing import Any, Dict, List, Optional, Set, Tuple
@@ -232,8 +234,9 @@ READ_BYTES = 8
 
 
 def probe_session(mgr: Any, send_probe: Any, session_id: str) -> int:
-    """The manager's `_send_probe` (used by upstream's failed-session probe loop and by
-    `SessionBlacklist`): 0 only when the peer answers mooncake's probe and then a read
+    """What the manager's `_send_probe` does (bounded by `SessionProbe`; called by
+    upstream's failed-session probe loop, `SessionBlacklist` and peer_liveness for a
+    decode held out as lost): 0 only when the peer answers mooncake's probe and then a read
     of READ_BYTES of its registered KV memory completes -- a READ, nothing of the
     peer's changes -- within READ_ATTEMPTS tries a reconnect cooldown apart. The read
     goes through the transport's data connections, so a session let back in has them
@@ -262,14 +265,83 @@ def probe_session(mgr: Any, send_probe: Any, session_id: str) -> int:
     return rc
 
 
+# A probe of a frozen peer would block for mooncake's own timeouts: `send_probe` waits
+# for the handshake answer up to its socket's 60 s receive timeout (a stopped process's
+# kernel still accepts the connection; nobody reads it), a read up to MC_TRANSFER_TIMEOUT
+# (30 s). Seen: ~155 s before a frozen decode's session was taken out.
+PROBE_TIMEOUT_ENV = "SGLANG_FORK_SESSION_PROBE_TIMEOUT"
+PROBE_TIMEOUT_DEFAULT = 5.0
+PROBE_TIMEOUT_ACCEPTED = "a finite number of seconds > 0 (e.g. 5)"
+
+
+def probe_timeout() -> float:
+    """`SGLANG_FORK_SESSION_PROBE_TIMEOUT` in seconds (default 5); ValueError naming
+    the knob when it is not valid (checked when prefill's kv manager starts)."""
+    value = os.environ.get(PROBE_TIMEOUT_ENV)
+    if value is None:
+        return PROBE_TIMEOUT_DEFAULT
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise ValueError(f"{PROBE_TIMEOUT_ENV}={value!r} is not valid: expected {PROBE_TIMEOUT_ACCEPTED}.")
+    return seconds
+
+
+class SessionProbe:
+    """The manager's `_send_probe`: `probe_session` run in a thread of its own and
+    waited for at most `timeout` seconds (no answer in time: -1, the peer does not
+    answer). One probe per session at a time: a caller arriving while one runs waits
+    for that one (its answer is as fresh), so a frozen peer holds at most one thread
+    per session, for mooncake's own timeouts."""
+
+    def __init__(self, mgr: Any, send_probe: Any, timeout: float):
+        self.mgr = mgr
+        self.send_probe = send_probe
+        self.timeout = timeout
+        self._lock = threading.Lock()
+        self._running: Dict[str, concurrent.futures.Future] = {}
+
+    def __call__(self, session_id: str) -> int:
+        with self._lock:
+            future = self._running.get(session_id)
+            if future is None:
+                future = self._running[session_id] = concurrent.futures.Future()
+                threading.Thread(target=self._run, args=(session_id, future), name="ForkSessionProbeIO",
+                                 daemon=True).start()
+        try:
+            return future.result(timeout=self.timeout)
+        except concurrent.futures.TimeoutError:
+            logger.warning("Session %s: no answer to a probe within %gs (%s)", session_id, self.timeout,
+                           PROBE_TIMEOUT_ENV)
+            return -1
+
+    def _run(self, session_id: str, future: concurrent.futures.Future) -> None:
+        rc = -1
+        try:
+            rc = probe_session(self.mgr, self.send_probe, session_id)
+        except Exception:
+            logger.exception("Session %s: the probe raised; counted as no answer", session_id)
+        finally:
+            with self._lock:
+                self._running.pop(session_id, None)
+            future.set_result(rc)
+
+    def running(self) -> int:
+        with self._lock:
+            return len(self._running)
+
+
 def _install_probe(mgr: Any) -> None:
-    """Give the manager `probe_session` as its `_send_probe` and the scratch buffer the
-    reads land in (registered with the engine once, kept for the manager's life)."""
+    """Give the manager a bounded `probe_session` as its `_send_probe` and the scratch
+    buffer the reads land in (registered with the engine once, kept for the manager's
+    life)."""
+    timeout = probe_timeout()
     scratch = ctypes.create_string_buffer(READ_BYTES)
     mgr.engine.register(ctypes.addressof(scratch), READ_BYTES)
     mgr.fork_probe_scratch = scratch
-    fork_touch.swap(mgr, "_send_probe", lambda send_probe: functools.partial(probe_session, mgr, send_probe),
-                    by=__name__)
+    fork_touch.swap(mgr, "_send_probe", lambda send_probe: SessionProbe(mgr, send_probe, timeout), by=__name__)
 
 
 class SessionBlacklist(set):

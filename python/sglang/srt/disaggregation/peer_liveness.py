@@ -8,10 +8,14 @@ transfer worker blacklisted after a failed write and a failed probe (and still
 blacklisted at the next heartbeat), or
 `SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE` unanswered connects in a row declare the
 peer lost: every room bound to it is tagged `peer_failure` and moved to
-`KVPoll.Failed` with a reason naming the peer (HTTP 502 to the client), and everything
-cached about that incarnation (registration, session blacklist entries, sockets,
-connection info) is dropped, so a restarted peer -- new session, new buffers -- is
-taken as new. Upstream's Failed paths of the queues release what the rooms held.
+`KVPoll.Failed` with a reason naming the peer (HTTP 502 to the client). A gone peer's
+incarnation (registration, session blacklist entries, sockets, connection info) is
+dropped, so a restarted peer -- new session, new buffers -- is taken as new. A decode
+lost while it may still be alive (frozen, stalled, cut off) keeps its registration;
+its session is held in the blacklist (its requests fail at once, 502) and probed every
+heartbeat until it answers -- then it is served again, without a restart -- or
+refuses connections (gone). Upstream's Failed paths of the queues release what the
+rooms held.
 One log line and one count per loss and per recovery (`sglang:num_pd_peer_losses_total`,
 `sglang:num_pd_peer_recoveries_total`, labels role and peer).
 
@@ -141,6 +145,11 @@ class PeerMonitor:
         self.poisoned: Dict[str, set] = {}
         # prefill: sessions seen blacklisted at the last tick (see _tick_prefill)
         self.held_out: set = set()
+        # prefill: session -> host:port of each decode lost while it may be alive
+        # (frozen, stalled, cut off): registration kept, session held in the blacklist
+        # until it answers a probe or refuses connections (see _watch_held)
+        self.held: Dict[str, str] = {}
+        self._probing: set = set()  # held sessions with a probe running
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name=f"ForkPeerMonitor-{role}", daemon=True)
 
@@ -213,17 +222,23 @@ class PeerMonitor:
             for session in [s for s in self.known if s not in sessions]:
                 self.known.pop(session, None)  # dropped by someone else
                 self.misses.pop(session, None)
+                self.held.pop(session, None)
         # A blacklisted session is lost when it is still blacklisted a tick later: the
         # failed-session probe loop lets a session that answers again back in (its
         # probe, chunk_failures.probe_session, includes a read that may wait out
-        # mooncake's 1 s reconnect cooldown); a live decode declared lost has its
-        # registration dropped, and requests to it fail while it is missing.
+        # mooncake's 1 s reconnect cooldown). Such a decode, and a silent one, may be
+        # alive: it is held out (registration kept) until it answers again.
         held_out = set()
         for session, (host, port) in sessions.items():
             self.registered(session, host, port)
+            if session in self.held:
+                self._watch_held(session, host, port)
+                continue
             if session in blacklisted:
                 if session in self.held_out:
-                    self.lose_decode(session, "a KV write failed and its transfer session does not answer a probe")
+                    self.lose_decode(
+                        session, "a KV write failed and its transfer session does not answer a probe", keep=True
+                    )
                     continue
                 held_out.add(session)
             verdict = probe(host, port)
@@ -234,7 +249,7 @@ class PeerMonitor:
             else:
                 self.misses[session] = self.misses.get(session, 0) + 1
                 if self.misses[session] >= self.max_failures:
-                    self.lose_decode(session, f"no answer to {self.misses[session]} heartbeats")
+                    self.lose_decode(session, f"no answer to {self.misses[session]} heartbeats", keep=True)
         self.held_out = held_out
 
     def registered(self, session: str, host: str, port: int) -> None:
@@ -250,6 +265,10 @@ class PeerMonitor:
             old = waiting.pop(0) if waiting else None
             if waiting is not None and not waiting:
                 self.lost.pop(host, None)
+            # a decode held out as lost whose address a new process took is gone
+            stale = [s for s, peer in self.held.items() if peer == f"{host}:{port}"]
+        for s in stale:
+            self._drop_held(s, "a new decode registered at its address", addr_gone=False)
         if old is not None:
             logger.warning(
                 "PD peer recovered: decode peer %s:%s registered (session %s), replacing lost %s",
@@ -257,43 +276,127 @@ class PeerMonitor:
             )
             _count(self, "recovery", host)
 
-    def lose_decode(self, session: str, why: str) -> List[int]:
-        """Fail every room bound to the decode `session`, drop what is cached about it."""
+    def lose_decode(self, session: str, why: str, keep: bool = False) -> List[int]:
+        """Fail every room bound to the decode `session` (502 naming it); count the loss.
+        `keep` (the peer may be alive: frozen, stalled, cut off): its registration
+        stays and its session is held in the blacklist -- requests bound to it fail at
+        once -- until it answers a probe (served again) or refuses connections
+        (`_watch_held`); its rooms' failure is pushed to it too (a frozen decode reads
+        it when it runs again). Else (nothing listens: the process is gone) everything
+        cached about that incarnation is dropped first."""
         mgr = self.mgr
         with self.lock:
-            host, port = self.known.pop(session, (None, None))
+            host, port = self.known.get(session, (None, None))
+            if host is None or session in self.held:
+                return []
+            if keep:
+                self.held[session] = f"{host}:{port}"
         self.misses.pop(session, None)
-        if host is None:
-            return []
         peer = f"{host}:{port}"
         reason = loss_message("decode", peer, f"{why}; mooncake session {session}")
-        # 1. drop the incarnation first: no new chunk is sent to it from here on
-        with mgr.session_lock:
-            mgr.decode_kv_args_table.pop(session, None)
-            _forget_session(mgr, session)
-        _drop_socket(mgr, f"tcp://{peer}")
-        # a poison mark keeps a drain ack from a peer whose pages a write may still
-        # reach; nobody is left to ack or to be written to
-        with self.lock:
-            poisoned = self.poisoned.pop(session, set())
-        for room in poisoned:
-            mgr._deferred_ack_poisoned_rooms.discard(room)
-        # 2. fail its rooms (tag first: the tag must be there when the room is seen Failed)
+        if keep:
+            with mgr.session_lock:  # it was probed already: straight in
+                set.add(mgr.failed_sessions, session)
+        else:
+            # no new chunk is sent to it from here on
+            self._drop_incarnation(session, host, port)
+        # fail its rooms (tag first: the tag must be there when the room is seen Failed)
         rooms = [room for room, infos in list(mgr.transfer_infos.items()) if session in infos]
         failed = []
         for room in rooms:
             if mgr.request_status.get(room) in (None, KVPoll.Success):
                 continue
             # other decode ranks of the room wait for it too
-            others = [t for t in mgr._room_notify_targets(room) if t != (host, port)]
-            end_room(mgr, room, PEER_FAILURE, reason, peer=peer, targets=others)
+            targets = None if keep else [t for t in mgr._room_notify_targets(room) if t != (host, port)]
+            end_room(mgr, room, PEER_FAILURE, reason, peer=peer, targets=targets)
             failed.append(room)
         with self.lock:
             self.lost.setdefault(host, []).append(peer)
-        self.mark_gone([session, peer])
-        logger.error("%s: %d requests failed, its session state dropped", reason, len(failed))
+        if not keep:
+            self.mark_gone([session, peer])
+        logger.error("%s: %d requests failed, %s", reason, len(failed),
+                     "its session held out until it answers a probe" if keep else "its session state dropped")
         _count(self, "loss", host)
         return failed
+
+    def _drop_incarnation(self, session: str, host: str, port: int) -> None:
+        """Forget a gone decode session: registration, blacklist and layout entries,
+        push socket, poison marks (nobody is left to ack or to be written to)."""
+        mgr = self.mgr
+        with self.lock:
+            self.known.pop(session, None)
+        with mgr.session_lock:
+            mgr.decode_kv_args_table.pop(session, None)
+            _forget_session(mgr, session)
+        _drop_socket(mgr, f"tcp://{host}:{port}")
+        with self.lock:
+            poisoned = self.poisoned.pop(session, set())
+        for room in poisoned:
+            mgr._deferred_ack_poisoned_rooms.discard(room)
+
+    # -- prefill: decodes held out as lost
+
+    def _watch_held(self, session: str, host: str, port: int) -> None:
+        """A decode held out as lost (monitor thread, each heartbeat): gone once nothing
+        listens at its address; else its transfer session is probed (in the
+        background, bounded by SGLANG_FORK_SESSION_PROBE_TIMEOUT)."""
+        if probe(host, port) == REFUSED:
+            self._drop_held(session, "refuses connections")
+            return
+        with self.lock:
+            if session in self._probing:
+                return
+            self._probing.add(session)
+        threading.Thread(target=self._probe_held, args=(session,), name="ForkPeerProbe", daemon=True).start()
+
+    def _probe_held(self, session: str) -> None:
+        mgr = self.mgr
+        try:
+            rc = mgr._send_probe(session)  # chunk_failures.probe_session, bounded
+        finally:
+            with self.lock:
+                self._probing.discard(session)
+        with mgr.session_lock:
+            with self.lock:
+                held = session in self.held
+            if not held or session not in mgr.decode_kv_args_table:
+                return  # dropped meanwhile
+            if rc != 0:
+                # still out (upstream's probe loop drops a session no request asked
+                # for in a while from its blacklist without an answer)
+                set.add(mgr.failed_sessions, session)
+                return
+            mgr._unblacklist_session(session)
+        self._back(session)
+
+    def _back(self, session: str) -> None:
+        """A decode held out as lost answers again: it is served again."""
+        with self.lock:
+            peer = self.held.pop(session, None)
+            if peer is None:
+                return
+            host = peer.rpartition(":")[0]
+            waiting = self.lost.get(host, [])
+            counted = peer in waiting  # else a new decode on its host counted it already
+            if counted:
+                waiting.remove(peer)
+                if not waiting:
+                    self.lost.pop(host, None)
+        logger.warning("PD peer recovered: decode peer %s answers again (session %s); served again", peer, session)
+        if counted:
+            _count(self, "recovery", host)
+
+    def _drop_held(self, session: str, why: str, addr_gone: bool = True) -> None:
+        """A decode held out as lost is gone (its loss was counted already)."""
+        with self.lock:
+            peer = self.held.pop(session, None)
+            host, port = self.known.get(session, (None, None))
+        if peer is None or host is None:
+            return
+        self._drop_incarnation(session, host, port)
+        self.mark_gone([session, peer] if addr_gone else [session])
+        logger.warning("PD peer gone: decode peer %s, lost earlier (session %s), %s; its session state dropped",
+                       peer, session, why)
 
     # -- decode: prefill bootstrap servers
 
@@ -313,7 +416,10 @@ class PeerMonitor:
     def report(self) -> Dict[str, Any]:
         with self.lock:
             lost = sum(len(v) for v in self.lost.values())
-        return {"watched": len(self.known) if self.role == "prefill" else None, "lost_unrecovered": lost}
+            held = len(self.held)
+        prefill = self.role == "prefill"
+        return {"watched": len(self.known) if prefill else None, "lost_unrecovered": lost,
+                "held_out": held if prefill else None}
 
 
 def _forget_session(mgr: Any, session: str) -> None:

@@ -359,12 +359,16 @@ def around_record_failure(original, mgr, bootstrap_room, failure_reason, *args, 
     """AROUND CommonKVManager.record_failure (the one hook on it). Not recorded: on
     decode, a failure for a room already ended and cleared (e.g. prefill's answer to a
     late handshake: no receiver would ever pop it); anywhere, a vaguer reason over a
-    peer-loss one (the root cause, answered 502)."""
+    peer-loss one (the root cause, answered 502). On decode, prefill's word that it
+    lost this decode (a frozen one hears it once it runs again) tags a peer failure."""
     from sglang.srt.disaggregation.utils import DisaggregationMode
 
-    if getattr(mgr, "disaggregation_mode", None) == DisaggregationMode.DECODE and bootstrap_room not in mgr.request_status:
-        logger.debug("room_ledger: dropping failure for ended room %s: %s", bootstrap_room, failure_reason)
-        return None
+    if getattr(mgr, "disaggregation_mode", None) == DisaggregationMode.DECODE:
+        if bootstrap_room not in mgr.request_status:
+            logger.debug("room_ledger: dropping failure for ended room %s: %s", bootstrap_room, failure_reason)
+            return None
+        if (failure_reason or "").startswith(PEER_LOST_TAG):  # prefill lost this decode (it was frozen)
+            request_end_cause.tag(mgr, bootstrap_room, request_end_cause.PEER_FAILURE)
     current = mgr.failure_records.get(bootstrap_room)
     if current and current.startswith(PEER_LOST_TAG) and not (failure_reason or "").startswith(PEER_LOST_TAG):
         return None
