@@ -308,7 +308,8 @@ def test_frozen_prefill_decode_leg_gets_504(cluster, frozen):
         for part in (stage, f"bootstrap_room={room}", "SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT"):
             assert part in detail, (part, detail)
         assert leg.out["seconds"] >= EARLIEST, leg.out["seconds"]
-        assert leg.ended_at - t_stage <= DEADLINE + MARGIN, leg.ended_at - t_stage
+        print(f"{frozen}: 504 after {leg.ended_at - t_stage:.2f}s")
+        assert leg.ended_at - t_stage <= DEADLINE + FROZEN_PREFILL_MARGIN, leg.ended_at - t_stage
         assert _stage_count(decode.metrics(), stage) == before + 1
         wait_end_causes(cluster, causes, {("decode", "timeout", stage): 1}, roles=("decode",))
     finally:
