@@ -83,6 +83,79 @@ def _serving(cluster, baseline, n: int = 20) -> None:
     assert_idle(cluster, PD_ROLES, baseline)
 
 
+# Decode's answer to a leg whose prefill is frozen comes within the deadline plus the
+# stage scan interval and a few scheduler ticks. Upstream fetched prefill's info on
+# decode's scheduler thread in HTTP calls with a 5 s timeout, so the answer came after
+# 5.0 s (prefill known) or ~10 s (first contact) for a 3 s deadline.
+FROZEN_PREFILL_MARGIN = 1.5
+# A scheduler that is not blocked answers a control request (its resource report)
+# within a tick; upstream's blocked scheduler answered after up to 5 s.
+TICK_BOUND_S = 2.0
+FAKE_BOOTSTRAP_HOST = "2.2.2.2"  # upstream's: decode runs the request without a prefill
+
+
+def _fake_transfer_leg(decode, max_new_tokens: int = 16) -> Leg:
+    """A request decode serves on its own (upstream's fake transfer, as /health_generate
+    uses): it only completes if decode's scheduler keeps running batches."""
+    return Leg(decode.url, {
+        "text": "decode keeps serving", "bootstrap_host": FAKE_BOOTSTRAP_HOST, "bootstrap_room": 0,
+        "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens, "ignore_eos": True},
+    })
+
+
+def test_first_contact_with_frozen_prefill_does_not_block_decode(cluster):
+    """Decode has never talked to the prefill, and the prefill is frozen: fetching its
+    info (bootstrap server /route) hangs. Decode's scheduler keeps serving meanwhile
+    (its resource report answers within a tick, a request it runs on its own completes),
+    the leg waiting in decode_prealloc ends with 504 at the deadline, nothing is held,
+    and once prefill runs again the fetch completes and serving continues. Runs first
+    in the module: the other tests make decode know the prefill."""
+    stage = "decode_prealloc"
+    baseline = assert_idle(cluster, PD_ROLES)
+    prefill, decode = cluster["prefill"], cluster["decode"]
+    assert baseline["decode"]["peers"]["prefill_info_table"] == 0, "decode already knows the prefill"
+    before = _stage_count(decode.metrics(), stage)
+    causes = cluster_end_causes(cluster)
+    room = random.randint(1, 2**62)
+    prefill.freeze()
+    try:
+        leg = Leg(decode.url, leg_body(cluster, room, "the quick brown fox " * 40))
+        t_stage = time.monotonic()
+        leg.start()
+        wait_until(lambda: decode.resources()["queues"][stage] == 1, 10, "the leg in decode_prealloc")
+        # while the leg waits for prefill's info: decode's scheduler answers at once,
+        # and runs another request to completion
+        other = _fake_transfer_leg(decode)
+        other.start()
+        report_s = []
+        while not leg.done() and time.monotonic() - t_stage < DEADLINE + 30:
+            t0 = time.monotonic()
+            decode.resources()
+            report_s.append(time.monotonic() - t0)
+        assert report_s and max(report_s) <= TICK_BOUND_S, report_s
+        assert other.done() and other.status == 200, other.out
+        assert other.out["ended"] < leg.out["ended"], (other.out, leg.out)
+        assert len(other.response["output_ids"]) == 16, other.response
+
+        assert leg.status == 504, leg.out
+        detail = json.dumps(leg.response)
+        for part in (stage, f"bootstrap_room={room}", "SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT"):
+            assert part in detail, (part, detail)
+        assert leg.out["seconds"] >= EARLIEST, leg.out["seconds"]
+        assert leg.ended_at - t_stage <= DEADLINE + FROZEN_PREFILL_MARGIN, leg.ended_at - t_stage
+        assert _stage_count(decode.metrics(), stage) == before + 1
+        wait_end_causes(cluster, causes, {("decode", "timeout", stage): 1}, roles=("decode",))
+        assert_idle(cluster, ("decode",), baseline, timeout=10)
+    finally:
+        prefill.resume()
+    print(f"504 after {leg.ended_at - t_stage:.2f}s; resource report max {max(report_s):.2f}s "
+          f"over {len(report_s)} calls; other request {other.out['seconds']:.2f}s")
+    assert_idle(cluster, PD_ROLES, baseline, timeout=30)
+    assert delta(causes, cluster_end_causes(cluster)) == {("decode", "timeout", stage): 1}
+    _serving(cluster, baseline, n=3)
+    assert decode.resources()["peers"]["prefill_info_table"] == 1
+
+
 def test_frozen_decode_gets_504_releases_and_recovers(cluster):
     baseline = assert_idle(cluster, PD_ROLES)
     prefill, decode = cluster["prefill"], cluster["decode"]
@@ -235,7 +308,8 @@ def test_frozen_prefill_decode_leg_gets_504(cluster, frozen):
         for part in (stage, f"bootstrap_room={room}", "SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT"):
             assert part in detail, (part, detail)
         assert leg.out["seconds"] >= EARLIEST, leg.out["seconds"]
-        assert leg.ended_at - t_stage <= DEADLINE + MARGIN, leg.ended_at - t_stage
+        print(f"{frozen}: 504 after {leg.ended_at - t_stage:.2f}s")
+        assert leg.ended_at - t_stage <= DEADLINE + FROZEN_PREFILL_MARGIN, leg.ended_at - t_stage
         assert _stage_count(decode.metrics(), stage) == before + 1
         wait_end_causes(cluster, causes, {("decode", "timeout", stage): 1}, roles=("decode",))
     finally:

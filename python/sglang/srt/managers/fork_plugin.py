@@ -288,6 +288,28 @@ HOOKS: list[tuple[str, str, HookType]] = [
         "sglang.srt.disaggregation.peer_liveness:around_conclude_transfer",
         HookType.AROUND,
     ),
+    # bootstrap_fetch: decode fetches a prefill's info and rank endpoints on its own
+    # pool, never on the scheduler thread (a frozen prefill blocked it 5 s per call)
+    (
+        "sglang.srt.disaggregation.decode.DecodePreallocQueue._ensure_prefill_info",
+        "sglang.srt.disaggregation.bootstrap_fetch:around_ensure_prefill_info",
+        HookType.AROUND,
+    ),
+    (
+        "sglang.srt.disaggregation.common.conn.CommonKVManager.try_ensure_parallel_info",
+        "sglang.srt.disaggregation.bootstrap_fetch:around_try_ensure_parallel_info",
+        HookType.AROUND,
+    ),
+    (
+        "sglang.srt.disaggregation.decode.DecodePreallocQueue._init_receiver",
+        "sglang.srt.disaggregation.bootstrap_fetch:around_init_receiver",
+        HookType.AROUND,
+    ),
+    (
+        "sglang.srt.disaggregation.common.conn.CommonKVReceiver._get_bootstrap_info_from_server",
+        "sglang.srt.disaggregation.bootstrap_fetch:around_get_bootstrap_info_from_server",
+        HookType.AROUND,
+    ),
     # The start-up check of SWAPS: registered last, so it runs after every AFTER hook
     # above that makes a swap on the new kv manager.
     (

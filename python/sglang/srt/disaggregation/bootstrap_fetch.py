@@ -1,0 +1,253 @@
+"""Decode's scheduler never waits on a prefill's bootstrap server.
+
+Invariant: the HTTP fetches decode makes before a request's first handshake with a
+prefill -- its parallel info (upstream's `try_ensure_parallel_info`: /route, 5 s timeout,
+retried up to 15 times) and its rank endpoints (`_get_bootstrap_info_from_server`: /route
+per rank, 5 s) -- run on this module's pool (`ForkBootstrapFetch_<n>`), at most one at
+a time per prefill (info) and per prefill dp rank (endpoints). Meanwhile the request waits
+in the prealloc queue's `pending_reqs` (stage decode_prealloc, where the transfer
+deadline bounds it) and the scheduler keeps ticking; the next pass after the fetch
+completes hands upstream its outcome, so upstream's own code counts the attempt, fails
+the request on a failed fetch (same message and status as before) or initialises the
+receiver (which then finds the endpoints here instead of fetching them).
+
+Threads: AROUND hooks (fork_plugin.HOOKS) on the scheduler thread start fetches and take
+their outcomes; the pool threads run upstream's fetch functions (which write
+`prefill_info_table`, as upstream's heartbeat thread also does). `BootstrapFetch.lock`
+(a leaf) guards `running` and `outcomes` only; no upstream call is made holding it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
+
+from sglang.srt.managers import fork_touch
+
+logger = logging.getLogger(__name__)
+
+ATTR = "fork_bootstrap_fetch"  # the one attribute on a decode kv manager
+WORKERS = 4  # fetches in flight at once (one per prefill, or per prefill dp rank)
+# An outcome nobody collected by then (its requests ended meanwhile) is dropped: a new
+# request to that prefill starts a fresh fetch instead of inheriting an old failure.
+STALE_S = 10.0
+
+Key = Tuple[Any, ...]  # ("info", addr) or ("routes", addr, prefill_dp_rank)
+
+
+class Outcome(NamedTuple):
+    value: Any  # info: upstream's bool; routes: {(addr, dp, cp, tp, pp): route or None}
+    error: Optional[BaseException]
+    done_at: float
+    info: Any  # routes: the PrefillServerInfo they were fetched for
+
+
+_local = threading.local()  # .routes: the endpoints served during one _init_receiver
+
+
+class BootstrapFetch:
+    """Per decode kv manager: fetches running (`running`) and their uncollected
+    outcomes (`outcomes`), and totals for the resource report."""
+
+    def __init__(self, mgr: Any):
+        self.mgr = mgr
+        self.lock = threading.Lock()
+        self.running: Dict[Key, float] = {}
+        self.outcomes: Dict[Key, Outcome] = {}
+        self.totals: Counter = Counter()
+        self.pool = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="ForkBootstrapFetch")
+
+    def start(self, key: Key, job: Callable[[], Any], info: Any = None) -> bool:
+        """Run `job` on the pool unless a fetch for `key` runs or its outcome waits."""
+        with self.lock:
+            if key in self.running or key in self.outcomes:
+                return False
+            self.running[key] = time.monotonic()
+            self.totals[f"{key[0]}_started"] += 1
+        self.pool.submit(self._run, key, job, info)
+        return True
+
+    def _run(self, key: Key, job: Callable[[], Any], info: Any) -> None:
+        """Pool thread: the fetch itself, then its outcome recorded for the scheduler."""
+        _local.fetching = True
+        try:
+            value, error = job(), None
+        except BaseException as e:  # handed to the scheduler thread, which raises it
+            value, error = None, e
+        finally:
+            _local.fetching = False
+        if error is not None or not value:
+            logger.warning("bootstrap_fetch: %s from prefill %s failed: %r", key[0], key[1], error or value)
+        with self.lock:
+            self.running.pop(key, None)
+            self.outcomes[key] = Outcome(value, error, time.monotonic(), info)
+            if error is not None or not value:
+                self.totals[f"{key[0]}_failed"] += 1
+
+    def ready(self, key: Key) -> bool:
+        """An outcome for `key` waits to be taken (a stale one is dropped)."""
+        with self.lock:
+            outcome = self.outcomes.get(key)
+            if outcome is not None and time.monotonic() - outcome.done_at > STALE_S:
+                del self.outcomes[key]
+                return False
+            return outcome is not None
+
+    def take(self, key: Key) -> Optional[Outcome]:
+        with self.lock:
+            return self.outcomes.pop(key, None)
+
+    def report(self) -> Dict[str, int]:
+        with self.lock:
+            return {"running": len(self.running), "outcomes": len(self.outcomes), **self.totals}
+
+
+def fetch_of(mgr: Any, create: bool = False) -> Optional[BootstrapFetch]:
+    """The manager's BootstrapFetch (made on the scheduler thread by the first hook that
+    needs it); None for a manager that fetches nothing from prefills (not decode)."""
+    fetch = getattr(mgr, "__dict__", {}).get(ATTR)
+    if fetch is None and create and "prefill_info_table" in getattr(mgr, "__dict__", {}):
+        fetch = mgr.__dict__.setdefault(ATTR, BootstrapFetch(mgr))
+    return fetch
+
+
+def report(mgr: Any) -> Optional[Dict[str, int]]:
+    fetch = fetch_of(mgr)
+    return None if fetch is None else fetch.report()
+
+
+def _on_pool() -> bool:
+    return getattr(_local, "fetching", False)
+
+
+# ----------------------------------------------------------------------------- jobs (pool threads)
+
+
+def _fetch_info(mgr: Any, addr: str) -> bool:
+    # upstream's fetch, through its hooks (peer_liveness notes a recovered prefill)
+    return mgr.try_ensure_parallel_info(addr)
+
+
+class _Peer:
+    """What upstream's `_get_bootstrap_info_from_server` reads of its receiver (only the
+    address): the endpoints are fetched before any receiver of the room is initialised."""
+
+    def __init__(self, bootstrap_addr: str):
+        self.bootstrap_addr = bootstrap_addr
+
+
+def _fetch_routes(receiver_cls: type, addr: str, dp: int, info: Any) -> Dict[Key, Optional[dict]]:
+    """Every rank endpoint `receiver.init` will ask for, in upstream's order, stopping at
+    the first that fails (as init does)."""
+    get = receiver_cls._get_bootstrap_info_from_server
+    peer, routes = _Peer(addr), {}
+    for cp in info.target_cp_ranks:
+        for tp in info.target_tp_ranks:
+            for pp in reversed(info.target_pp_ranks):
+                route = routes[(addr, dp, cp, tp, pp)] = get(peer, dp, cp, tp, pp)
+                if route is None:
+                    return routes
+    return routes
+
+
+def _connected(mgr: Any, addr: str, dp: int, info: Any) -> bool:
+    """Whether upstream's connection pool has this prefill dp rank's endpoints (then
+    `receiver.init` fetches nothing). Keys as upstream's `_setup_bootstrap_infos`."""
+    keys = [f"{addr}_{dp}_{cp}_{info.target_tp_rank}" for cp in info.target_cp_ranks]
+    pool = fork_touch.upstream(mgr, "connection_pool")
+    with fork_touch.upstream(mgr, "connection_lock"):
+        return all(k in pool for k in keys)
+
+
+# ----------------------------------------------------------------------------- hooks (scheduler thread)
+
+
+def around_ensure_prefill_info(original, queue, addr_to_reqs, *args, **kwargs):
+    """AROUND DecodePreallocQueue._ensure_prefill_info. Upstream sees only prefills whose
+    info is known or whose fetch completed (it counts the attempt and fails the requests
+    after its last one); for the others a fetch starts (paced by upstream's retry
+    interval) and their requests stay pending."""
+    mgr = queue.kv_manager
+    fetch = fetch_of(mgr, create=True)
+    if fetch is None:
+        return original(queue, addr_to_reqs, *args, **kwargs)
+    table = fork_touch.upstream(mgr, "prefill_info_table")
+    last_attempt = fork_touch.upstream(queue, "_ensure_last_attempt_time")
+    interval = fork_touch.upstream(queue, "_ensure_retry_interval")
+    now = time.monotonic()
+    asked, waiting = {}, []
+    for addr, reqs in addr_to_reqs.items():
+        if addr in table or fetch.ready(("info", addr)):
+            asked[addr] = reqs
+            continue
+        if now - last_attempt.get(addr, float("-inf")) >= interval:
+            fetch.start(("info", addr), lambda addr=addr: _fetch_info(mgr, addr))
+        waiting.extend(reqs)
+    if not asked:
+        return {}, waiting
+    ready, remaining = original(queue, asked, *args, **kwargs)
+    return ready, remaining + waiting
+
+
+def around_try_ensure_parallel_info(original, mgr, bootstrap_addr, *args, **kwargs):
+    """AROUND CommonKVManager.try_ensure_parallel_info: on the scheduler thread, a
+    completed fetch's outcome instead of a new fetch (its error raised, as upstream's
+    would be); the pool's own call goes through."""
+    fetch = fetch_of(mgr)
+    if fetch is None or _on_pool():
+        return original(mgr, bootstrap_addr, *args, **kwargs)
+    outcome = fetch.take(("info", bootstrap_addr))
+    if outcome is None:
+        return original(mgr, bootstrap_addr, *args, **kwargs)
+    if outcome.error is not None:
+        raise outcome.error
+    # the info may have been dropped since (upstream's heartbeat lost the prefill)
+    return bool(outcome.value) and bootstrap_addr in mgr.prefill_info_table
+
+
+def around_init_receiver(original, queue, decode_req, prefill_dp_rank, *args, **kwargs):
+    """AROUND DecodePreallocQueue._init_receiver: a receiver whose prefill rank endpoints
+    are not in upstream's connection pool waits (pending) until they are fetched here;
+    then upstream's init runs and is served them."""
+    mgr = queue.kv_manager
+    fetch = fetch_of(mgr, create=True)
+    receiver = decode_req.kv_receiver
+    addr = getattr(receiver, "bootstrap_addr", None)
+    info = None if fetch is None else fork_touch.upstream(mgr, "prefill_info_table").get(addr)
+    if (
+        info is None
+        or fork_touch.upstream(receiver, "conclude_state") is not None  # failed already: init returns
+        or _connected(mgr, addr, prefill_dp_rank, info)
+    ):
+        return original(queue, decode_req, prefill_dp_rank, *args, **kwargs)
+    key = ("routes", addr, prefill_dp_rank)
+    outcome = fetch.take(key) if fetch.ready(key) else None
+    if outcome is None or outcome.info is not info:  # none yet, or for a prefill since replaced
+        fetch.start(key, lambda: _fetch_routes(type(receiver), addr, prefill_dp_rank, info), info)
+        queue.pending_reqs.append(decode_req)
+        return None
+    if outcome.error is not None:
+        logger.warning("bootstrap_fetch: endpoints of prefill %s: %r; upstream fetches them", addr, outcome.error)
+        return original(queue, decode_req, prefill_dp_rank, *args, **kwargs)
+    _local.routes = outcome.value
+    try:
+        return original(queue, decode_req, prefill_dp_rank, *args, **kwargs)
+    finally:
+        _local.routes = None
+
+
+def around_get_bootstrap_info_from_server(original, receiver, prefill_dp_rank, prefill_cp_rank,
+                                          target_tp_rank, target_pp_rank, *args, **kwargs):
+    """AROUND CommonKVReceiver._get_bootstrap_info_from_server: inside an
+    `around_init_receiver`, the endpoint fetched on the pool (a copy: init adds keys)."""
+    routes = getattr(_local, "routes", None)
+    key = (receiver.bootstrap_addr, prefill_dp_rank, prefill_cp_rank, target_tp_rank, target_pp_rank)
+    if routes is not None and key in routes:
+        route = routes[key]
+        return None if route is None else dict(route)
+    return original(receiver, prefill_dp_rank, prefill_cp_rank, target_tp_rank, target_pp_rank,
+                    *args, **kwargs)
