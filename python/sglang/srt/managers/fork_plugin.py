@@ -294,6 +294,13 @@ HOOKS: list[tuple[str, str, HookType]] = [
         "sglang.srt.managers.fork_touch:check_at_start",
         HookType.AFTER,
     ),
+    # decode's ABORT for a room the pause or a release ended names it (prefill's copy then
+    # ends as that pause's abort, end cause "pause"; room_ledger strips the frames)
+    (
+        "sglang.srt.disaggregation.common.conn.AbortNotification.to_zmq",
+        "sglang.srt.managers.pd_pause_aborts:abort_notification_with_why",
+        HookType.AROUND,
+    ),
 ]
 
 # (upstream "module.Class.attribute", "our_module:function making the swap", kind

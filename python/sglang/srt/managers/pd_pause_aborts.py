@@ -9,15 +9,20 @@ prefill's unprocessed overlap result (upstream's retract path settles the batch)
 late. A prefill room retired this way is cleared and remembered as ended, so decode's
 late handshake cannot revive it.
 A running request the pause or a release aborted keeps that abort's message
-(`keep_pause_verdict`).
-Who calls: AROUND Scheduler.abort_request and AFTER
-Scheduler._record_scheduler_state_for_paused_engine (fork_plugin.HOOKS).
+(`keep_pause_verdict`). Decode's ABORT for a room the pause or a release ended carries
+that message to prefill (`note_why` / `abort_notification_with_why`), so prefill's copy
+ends as the pause's abort too, not as a client abort.
+Who calls: AROUND Scheduler.abort_request, AFTER
+Scheduler._record_scheduler_state_for_paused_engine and AROUND AbortNotification.to_zmq
+(fork_plugin.HOOKS).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from collections import OrderedDict
 from typing import List
 
 from sglang.srt.managers import pd_pause
@@ -32,6 +37,8 @@ def abort_while_paused(original, scheduler, recv_req, *args, **kwargs):
     the request sits, and return what it held."""
     sp = pd_pause.scheduler_pause(scheduler)
     role = pd_pause.pd_role(scheduler)
+    if role == "decode":
+        note_why(scheduler, recv_req)
     if not getattr(scheduler, "_engine_paused", False) or role is None or sp.pumping or sp.draining:
         result = original(scheduler, recv_req, *args, **kwargs)
         if role is not None:
@@ -159,3 +166,54 @@ def _abort_held_rebootstrap(scheduler, recv_req) -> None:
         else:
             kept.append(req)
     prealloc.held_rebootstrap_reqs = kept
+
+
+# ----------------------------------------------------------------------------- why, to prefill
+
+# Decode -> prefill: upstream's ABORT names only the room, so prefill ended its copy of a
+# request decode's pause (or release) ended as a client abort. Decode appends
+# [room_ledger.WHY_FRAME, message] to the ABORT of such a room; prefill's ABORT handler
+# (room_ledger) strips the two frames before upstream's parser and records the message.
+# room -> (message, until), set by the scheduler before upstream's abort sends the ABORT
+# (one per prefill rank), read by whichever thread sends it (scheduler, the room
+# ledger's teller); bounded, and only for WHY_TTL_S (a room re-bootstrapped after a
+# retract pause and aborted later by its client must not carry the pause's message).
+MAX_WHY_ROOMS = 4096
+WHY_TTL_S = 30.0
+_why: "OrderedDict[int, tuple]" = OrderedDict()
+_why_lock = threading.Lock()
+
+
+def note_why(scheduler, recv_req) -> None:
+    """Decode, before upstream handles an abort that names the pause or a release: the
+    ABORT of each room it reaches in the PD queues will carry the abort's message."""
+    reason = recv_req.finished_reason or {}
+    message = reason.get("message")
+    if not pd_pause.names_pause(message) or reason.get("status_code") is not None:
+        return
+    prealloc = scheduler.disagg_decode_prealloc_queue
+    transfer = scheduler.disagg_decode_transfer_queue
+    until = time.monotonic() + WHY_TTL_S
+    with _why_lock:
+        for entry in list(prealloc.queue) + list(transfer.queue):
+            room = entry.req.bootstrap_room
+            if room is not None and _matches(recv_req, entry.req.rid):
+                _why.pop(room, None)
+                _why[room] = (message, until)
+        while len(_why) > MAX_WHY_ROOMS:
+            _why.popitem(last=False)
+
+
+def abort_notification_with_why(original, note, *args, **kwargs):
+    """AROUND AbortNotification.to_zmq (decode's ABORT to prefill): append the message
+    of the pause or release that ended the room, if one did."""
+    frames = original(note, *args, **kwargs)
+    if not _why:
+        return frames
+    with _why_lock:
+        message, until = _why.get(note.room, (None, 0.0))
+    if message is None or time.monotonic() > until:
+        return frames
+    from sglang.srt.disaggregation.room_ledger import WHY_FRAME
+
+    return list(frames) + [WHY_FRAME, message.encode("utf-8")]
