@@ -534,6 +534,12 @@ def test_abort_pause_answers_name_the_pause_and_count_as_pause(cluster, referenc
         # either leg: served after continue, or ended by a pause (prefill's copy of a
         # request decode's pause ended is told why with decode's ABORT)
         assert reason["type"] == "length" or _pause_abort_answer(leg), leg.out
+    # decode's legs that were running when the pause ended them count there, under
+    # "pause" at stage decode_running (the scheduler exports a moment after the answer)
+    running_key = ("decode", "pause", "decode_running")
+    wait_until(lambda: delta(before, cluster_end_causes(cluster)).get(running_key, 0) >= len(decode_legs),
+               10, f"{len(decode_legs)} running decode requests counted under {running_key}",
+               on_timeout=lambda: str(delta(before, cluster_end_causes(cluster))))
     moved = delta(before, cluster_end_causes(cluster))
     print("end causes moved:", moved, "answered during the pause:", len(answered))
     assert not [k for k in moved if k[1] in OTHER_CAUSES], moved
