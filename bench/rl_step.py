@@ -8,7 +8,14 @@ the RL framework makes it (one engine after the other: prefill, then decode):
 
 - partial rollout, per pause mode (abort with an empty body = upstream's default,
   retract, in_place): pause_generation -> update_weights_from_disk -> continue_generation;
-- colocated step, once the rollout has ended: flush_cache -> release_memory_occupation {}
+  after a retract or in_place pause the update passes `flush_cache: false`, as RL
+  frameworks do there (upstream refuses to flush a cache that held requests still use:
+  with the default the update answers 400 "Weights were updated, but the cache was not
+  flushed", on upstream and the fork alike);
+- colocated step, once the rollout has ended: flush_cache until it answers 200 (as
+  frameworks poll it: it answers 400 while the engine still settles what the ended
+  rollout held, e.g. decode's KV awaiting prefill's drain acks; timed to the 200, the
+  number of calls in brackets when more than one) -> release_memory_occupation {}
   -> resume_memory_occupation ["weights"] -> update_weights_from_disk ->
   resume_memory_occupation ["kv_cache"] (no continue).
 
@@ -91,11 +98,31 @@ class Rollout:
         return not any(t.is_alive() for t in self.threads)
 
 
+FLUSH_POLLS = 60  # frameworks poll /flush_cache up to 60 times
+FLUSH_POLL_S = 0.05
+
+
 def both(cluster, path: str, payload, row: Dict[str, str], name: str) -> None:
     """The call on prefill then decode, each timed."""
     for role in ROLES:
         status, seconds = timed(cluster[role], path, payload)
         row[f"{name} ({role})"] = f"{seconds:.3f}" if status == "ok" else status
+
+
+def flush_until_200(cluster, row: Dict[str, str]) -> None:
+    """GET /flush_cache on prefill then decode until it answers 200, as frameworks do
+    before a release; the time to the 200 (and the number of calls if more than one),
+    or the last status after FLUSH_POLLS calls."""
+    for role in ROLES:
+        t0 = time.monotonic()
+        for calls in range(1, FLUSH_POLLS + 1):
+            status, _ = timed(cluster[role], "/flush_cache")
+            if status == "ok" or status in ("dead", "error"):
+                break
+            time.sleep(FLUSH_POLL_S)
+        seconds = time.monotonic() - t0
+        shown = f"{seconds:.3f}" + (f" ({calls} calls)" if calls > 1 else "")
+        row[f"flush_cache until 200 ({role})"] = shown if status == "ok" else status
 
 
 def settle(cluster, rollout: Rollout) -> None:
@@ -112,14 +139,16 @@ def one_side(cluster, model: str, inflight: int, max_new_tokens: int) -> Dict[st
         time.sleep(2.0)  # the requests reach both servers (this is load, not a sync)
         payload = {} if mode == "abort" else {"mode": mode}
         both(cluster, "/pause_generation", payload, row, f"pause {mode}")
-        both(cluster, "/update_weights_from_disk", update, row, f"update_weights_from_disk after pause {mode}")
+        # requests held by a retract/in_place pause still use the cache: no flush
+        held = update if mode == "abort" else {**update, "flush_cache": False}
+        both(cluster, "/update_weights_from_disk", held, row, f"update_weights_from_disk after pause {mode}")
         both(cluster, "/continue_generation", {}, row, f"continue after pause {mode}")
         settle(cluster, rollout)
     # colocated: the rollout ended (requests aborted), engine idle, no pause
     rollout = Rollout(cluster.url, inflight, max_new_tokens)
     time.sleep(2.0)
     settle(cluster, rollout)
-    both(cluster, "/flush_cache", None, row, "flush_cache")
+    flush_until_200(cluster, row)
     both(cluster, "/release_memory_occupation", {}, row, "release {}")
     both(cluster, "/resume_memory_occupation", {"tags": ["weights"]}, row, "resume [weights]")
     both(cluster, "/update_weights_from_disk", update, row, "update_weights_from_disk after resume")

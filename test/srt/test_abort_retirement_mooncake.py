@@ -229,3 +229,64 @@ def test_decode_abort_before_prefill_leg_registered(pair, before):
     _assert_no_failure_counted(pair, before)
     _wait_idle_and_clean(pair, room)
     assert set(pair.prefill.call("room_entries", room)) <= TOMBSTONES
+
+
+def _pause_answer(reason) -> bool:
+    from sglang.srt.managers import pd_pause
+
+    return (reason is not None and reason.get("type") == "abort" and reason.get("status_code") is None
+            and reason.get("message") == pd_pause.PAUSE_ABORT_MESSAGE)
+
+
+def test_decode_pause_abort_tells_prefill_why(pair, before):
+    """Decode's abort-mode pause (its scheduler side: abort everything queued with the
+    pause's message and drain) ends a room prefill is waiting on: decode's ABORT names
+    the pause, so prefill's copy answers the pause's message and counts "pause", not a
+    client abort -- over real mooncake, told at once."""
+    from sglang.srt.managers import pd_pause
+
+    room = pair.new_room()
+    pair.prefill.call("add", room, 12)
+    pair.decode.call("add", room, 12)
+    t0 = time.monotonic()
+    while pair.decode.call("snapshot")["queues"]["transfer"] != 1:
+        assert time.monotonic() - t0 < 30
+        pair.decode.call("tick")
+    pair.decode.call("end_queued", pd_pause.PAUSE_ABORT_MESSAGE)
+    assert _pause_answer(pair.decode.call("final_reason", room)), pair.decode.call("final_reason", room)
+    wait_until(lambda: pair.prefill.call("kv_status", room) == "Failed", TRANSIT_S,
+               "prefill to hear decode's ABORT", interval=0.01)
+    pair.ticks_until(pair.prefill, lambda: _ended(pair.prefill, room), END_TICKS)
+    assert _pause_answer(pair.prefill.call("final_reason", room)), pair.prefill.call("final_reason", room)
+    assert pair.prefill.call("finals", room) == pair.decode.call("finals", room) == 1
+    _assert_no_failure_counted(pair, before)
+    assert _new_causes(pair.prefill, before["prefill"]) == {"prefill/pause/prefill_bootstrap": 1}
+    assert _new_causes(pair.decode, before["decode"]) == {"decode/pause/decode_transfer": 1}
+    _wait_idle_and_clean(pair, room)
+
+
+def test_decode_pause_abort_before_prefill_leg_tells_it_why(pair, before):
+    """Decode's pause ends a room before prefill's leg exists (held at prefill's pause
+    gate): prefill remembers the ABORT with the pause's message, and the leg, when it
+    comes, answers that message and counts "pause"."""
+    from sglang.srt.managers import pd_pause
+
+    room = pair.new_room()
+    pair.decode.call("add", room, 12)
+    t0 = time.monotonic()
+    while pair.decode.call("snapshot")["queues"]["transfer"] != 1:
+        assert time.monotonic() - t0 < 30
+        pair.decode.call("tick")
+    pair.decode.call("end_queued", pd_pause.PAUSE_ABORT_MESSAGE)
+    assert _pause_answer(pair.decode.call("final_reason", room)), pair.decode.call("final_reason", room)
+    pair.run_until(lambda: pair.decode.call("snapshot") == pair.idle[1], timeout=30)
+    wait_until(lambda: pair.prefill.call("cancelled_rooms") == 1
+               or pair.prefill.call("kv_status", room) == "Failed", TRANSIT_S,
+               "prefill to hear decode's abort", interval=0.01)
+    pair.prefill.call("add", room, 12)  # the leg, after prefill's gate opened
+    pair.ticks_until(pair.prefill, lambda: _ended(pair.prefill, room), END_TICKS)
+    assert _pause_answer(pair.prefill.call("final_reason", room)), pair.prefill.call("final_reason", room)
+    assert pair.prefill.call("sends", room) == 0
+    _assert_no_failure_counted(pair, before)
+    assert _new_causes(pair.prefill, before["prefill"]) == {"prefill/pause/prefill_bootstrap": 1}
+    _wait_idle_and_clean(pair, room)

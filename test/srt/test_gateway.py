@@ -105,9 +105,12 @@ def test_burst_through_gateway_matches_mini_lb_and_single_server(gateway_deploym
 
 def test_decode_killed_removed_restarted_registered_serves_within_15s(gateway_deployment):
     """The RL framework's supervision of a crashed decode, behind the gateway with its
-    defaults: kill -> DELETE /workers/{id} -> restart on the same port -> POST /workers.
-    Requests in flight and the gateway's retries end within seconds (the retries that
-    reached prefill while the dead decode was still listed: lost_decode_handshake), the
+    defaults, right after an abort-mode RL step (pause_generation {} on both engines ->
+    continue_generation: the prefill answers the pause's aborts, as in the case seen
+    once where every request then got 503 "No available prefill workers"): kill ->
+    DELETE /workers/{id} -> restart on the same port -> POST /workers. Requests in
+    flight and the gateway's retries end within seconds (the retries that reached
+    prefill while the dead decode was still listed: lost_decode_handshake), the
     prefill's circuit never opens, and within 15 s of the registration the deployment
     serves again."""
     cluster, _, _ = gateway_deployment
@@ -115,7 +118,14 @@ def test_decode_killed_removed_restarted_registered_serves_within_15s(gateway_de
     prefill_opened = cb_transitions_to_open(cluster, "prefill")
     loop = ClosedLoop(cluster.url, 4).start()
     try:
-        wait_until(lambda: loop.completed() >= 8, 120, "8 completions before the kill")
+        wait_until(lambda: loop.completed() >= 8, 120, "8 completions before the RL step")
+        for path in ("/pause_generation", "/continue_generation"):
+            for role in PD_ROLES:
+                status, body = http_post_json(cluster[role].url + path, {}, timeout=60)
+                assert status == 200, (role, path, body)
+        aborts = sum(r["finish"] == "abort" for r in loop.results)
+        done = loop.completed()
+        wait_until(lambda: loop.completed() >= done + 4, 120, "4 completions after the RL step")
         cluster["decode"].kill()
         t_kill = time.monotonic()
         # The supervisor notices the crash later than the gateway retries: a retry
@@ -145,7 +155,8 @@ def test_decode_killed_removed_restarted_registered_serves_within_15s(gateway_de
         k: v for k, v in cluster.router_metrics().items()
         if k.startswith("smg_worker_cb_outcomes_total") and 'outcome="failure"' in k
     }
-    print(f"kill->registration {t_reg - t_kill:.1f}s, serving {serving_s:.1f}s after registration; "
+    print(f"abort answers of the RL step {aborts}; "
+          f"kill->registration {t_reg - t_kill:.1f}s, serving {serving_s:.1f}s after registration; "
           f"{dict(loop.summary())}; gateway failures {failures}")
 
     # What the clients saw: completions, and during the outage the gateway's answers

@@ -9,6 +9,13 @@ abort that later sees the transport fail stays a client abort). The queue that
 retires the request calls `record_end()`, which reads the tag (or the request's own
 abort), counts it, and forgets the tag, so nothing per-room outlives the request.
 
+Decode's running requests (the waiting queue of transferred requests and the running
+batch, stage "decode_running") end outside the PD queues: an abort ends them after
+their next forward pass (`after_process_batch_result`) or answers them at once from
+the waiting queue or a retract's re-bootstrap hold (`before_send_abort_output`); each
+is counted there once, if an abort reached it (a client abort, the pause, a release, an
+SLA timeout), never for a completion or a rejection.
+
 Counted in-process in `COUNTS[(role, cause, stage)]` (the queue harness reads it) and,
 when metrics are on, in the Prometheus counter `sglang:num_pd_request_end_causes_total`
 (labels: the scheduler's labels + role, cause, stage; `fork_metrics`).
@@ -159,3 +166,46 @@ def record_end(
 def is_client_abort(req: Any, kv_manager: Any = None) -> bool:
     """Whether `req` ends as a client abort (not a failure)."""
     return cause_of(req, kv_manager)[0] == CLIENT_ABORT
+
+
+# ----------------------------------------------------------------------------- decode running
+
+DECODE_RUNNING = "decode_running"  # pd_queues.DECODE_RUNNING
+
+
+def _is_decode(scheduler: Any) -> bool:
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+
+    return getattr(scheduler, "disaggregation_mode", None) == DisaggregationMode.DECODE
+
+
+def _count_running_end(scheduler: Any, req: Any) -> None:
+    """Count the end of a decode running request an abort reached (tagged by the abort,
+    or upstream's client abort), once."""
+    if getattr(req, _REQ_COUNTED, False):
+        return
+    if getattr(req, _REQ_CAUSE, None) is None and not _is_client_abort(req):
+        return
+    record_end(scheduler, req, "decode", DECODE_RUNNING)
+
+
+def after_process_batch_result(result: Any, scheduler: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
+    """AFTER Scheduler.process_batch_result: on decode, a request of the batch an abort
+    ended (finish reason FINISH_ABORT) is counted under its cause."""
+    if batch is None or not _is_decode(scheduler):
+        return result
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+    for req in batch.reqs:
+        if isinstance(req.finished_reason, FINISH_ABORT):
+            _count_running_end(scheduler, req)
+    return result
+
+
+def before_send_abort_output(scheduler: Any, abort_req: Any, req: Any, *args: Any, **kwargs: Any) -> None:
+    """BEFORE Scheduler.send_abort_output: on decode, a transferred request an abort
+    answers from the waiting queue (or a retracted one held for re-bootstrap) is
+    counted under its cause; a request the scheduler rejects carries no abort and is not."""
+    if _is_decode(scheduler) and getattr(req, _REQ_CAUSE, None) is not None:
+        _count_running_end(scheduler, req)
+    return None

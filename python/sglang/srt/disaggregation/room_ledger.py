@@ -43,6 +43,9 @@ NEVER = float("inf")
 # cause), so prefill's leg ends as an abort, not as a bootstrap failure.
 CANCEL_REASON = "PD request aborted on decode: the decode peer {peer} aborted room {room} before prefill received the request"
 DECODE_ABORT_REASON = "PD request aborted on decode: bootstrap_room={room} was aborted by the decode peer."
+# Decode appends [WHY_FRAME, message] to its ABORT when its pause or a release ended the
+# room (pd_pause_aborts); prefill strips them before upstream's parser.
+WHY_FRAME = b"fork-why"
 
 
 @dataclass
@@ -156,14 +159,15 @@ class RoomLedger:
             if failed and room not in self.ended:  # decode's ABORT answering our Failed cancels nothing
                 self.ended[room] = Ended("", False, False, engine_clock.now() + self.ttl_s)
 
-    def note_abort(self, room: int, peer: str) -> bool:
+    def note_abort(self, room: int, peer: str, why: Optional[str] = None) -> bool:
         """The peer's ABORT for `room`: kept as a cancellation unless this side owns the
         room or remembers it already (ended here, or cancelled). Returns whether kept."""
         with self.lock:
             self._expire(engine_clock.now())
             if room in self.owned or room in self.ended:
                 return False
-        self.remember(room, CANCEL_REASON.format(peer=peer, room=room), answer=False, cancel=True)
+        self.remember(room, _with_why(CANCEL_REASON.format(peer=peer, room=room), why),
+                      answer=False, cancel=True)
         return True
 
     def drop_cancel(self, room: int) -> None:
@@ -276,12 +280,17 @@ def _handle_abort(ledger: RoomLedger, original: Any, msg: List[bytes]) -> bool:
     if msg and msg[0] == ABORT_TAG and len(msg) >= 4 and msg[2] == ENDED_ON_PREFILL:
         _ended_on_prefill(ledger, int(msg[1].decode("ascii")), msg[3].decode("utf-8", "replace"))
         return True
+    why = None
+    if msg and msg[0] == ABORT_TAG and WHY_FRAME in msg[2:]:
+        at = msg.index(WHY_FRAME, 2)
+        why = b"".join(msg[at + 1:at + 2]).decode("utf-8", "replace") or None
+        msg = msg[:at]
     note = AbortNotification.from_zmq(msg) if msg and msg[0] == ABORT_TAG else None
     kept = False
     if note is not None:
         room = note.room
         peer = f"{note.decode_ip}:{note.decode_port}" if note.decode_ip else "(unknown)"
-        kept = ledger.note_abort(room, peer)
+        kept = ledger.note_abort(room, peer, why)
         if kept:
             # Decode's handshake may have created the room (WaitingForInput) though no
             # sender owns it: nobody would clear that state, so drop it now.
@@ -295,11 +304,17 @@ def _handle_abort(ledger: RoomLedger, original: Any, msg: List[bytes]) -> bool:
                 # Re-checked under the lock failure_exception() pops with: a room
                 # cleared meanwhile must not get a record back.
                 if room in mgr.request_status:
-                    mgr.failure_records.setdefault(room, DECODE_ABORT_REASON.format(room=room))
+                    mgr.failure_records.setdefault(room, _with_why(DECODE_ABORT_REASON.format(room=room), why))
     handled = original(msg)
     if kept and note.room in mgr.request_status:
         ledger.drop_cancel(note.room)  # the sender appeared meanwhile; upstream failed it
     return handled
+
+
+def _with_why(reason: str, why: Optional[str]) -> str:
+    """Decode's reason, with the message of the pause or release that ended the room
+    (the verdict answers that message, end cause "pause")."""
+    return f"{reason.rstrip('.')}{PEER_WHY}{why}" if why else reason
 
 
 def on_prefill_create_sender(result: Any, queue_: Any, req: Any, *args: Any, **kwargs: Any) -> Any:

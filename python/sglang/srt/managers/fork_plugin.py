@@ -322,6 +322,31 @@ HOOKS: list[tuple[str, str, HookType]] = [
         "sglang.srt.managers.fork_touch:check_at_start",
         HookType.AFTER,
     ),
+    # decode's ABORT for a room the pause or a release ended names it (prefill's copy then
+    # ends as that pause's abort, end cause "pause"; room_ledger strips the frames)
+    (
+        "sglang.srt.disaggregation.common.conn.AbortNotification.to_zmq",
+        "sglang.srt.managers.pd_pause_aborts:abort_notification_with_why",
+        HookType.AROUND,
+    ),
+    # a queued request the pause or a release ended keeps its message when a later bare
+    # abort (the abort-mode pause's repeated abort_all) answers it
+    (
+        "sglang.srt.managers.scheduler.Scheduler.send_abort_output",
+        "sglang.srt.managers.pd_pause_aborts:pause_answer_kept",
+        HookType.BEFORE,
+    ),
+    # decode's running requests an abort ends are counted by cause (request_end_cause)
+    (
+        "sglang.srt.managers.scheduler.Scheduler.process_batch_result",
+        "sglang.srt.disaggregation.request_end_cause:after_process_batch_result",
+        HookType.AFTER,
+    ),
+    (
+        "sglang.srt.managers.scheduler.Scheduler.send_abort_output",
+        "sglang.srt.disaggregation.request_end_cause:before_send_abort_output",
+        HookType.BEFORE,
+    ),
 ]
 
 # (upstream "module.Class.attribute", "our_module:function making the swap", kind

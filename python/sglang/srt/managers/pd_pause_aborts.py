@@ -9,15 +9,20 @@ prefill's unprocessed overlap result (upstream's retract path settles the batch)
 late. A prefill room retired this way is cleared and remembered as ended, so decode's
 late handshake cannot revive it.
 A running request the pause or a release aborted keeps that abort's message
-(`keep_pause_verdict`).
-Who calls: AROUND Scheduler.abort_request and AFTER
-Scheduler._record_scheduler_state_for_paused_engine (fork_plugin.HOOKS).
+(`keep_pause_verdict`). Decode's ABORT for a room the pause or a release ended carries
+that message to prefill (`note_why` / `abort_notification_with_why`), so prefill's copy
+ends as the pause's abort too, not as a client abort.
+Who calls: AROUND Scheduler.abort_request, AFTER
+Scheduler._record_scheduler_state_for_paused_engine and AROUND AbortNotification.to_zmq
+(fork_plugin.HOOKS).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from collections import OrderedDict
 from typing import List
 
 from sglang.srt.managers import pd_pause
@@ -32,10 +37,12 @@ def abort_while_paused(original, scheduler, recv_req, *args, **kwargs):
     the request sits, and return what it held."""
     sp = pd_pause.scheduler_pause(scheduler)
     role = pd_pause.pd_role(scheduler)
+    if role == "decode":
+        note_why(scheduler, recv_req)
     if not getattr(scheduler, "_engine_paused", False) or role is None or sp.pumping or sp.draining:
         result = original(scheduler, recv_req, *args, **kwargs)
         if role is not None:
-            keep_pause_verdict(scheduler)
+            keep_pause_verdict(scheduler, recv_req)
         return result
     places = _where(scheduler, recv_req)
     matched = [r for r in pd_pause.held_reqs(scheduler) if _matches(recv_req, r.rid)]
@@ -53,7 +60,7 @@ def abort_while_paused(original, scheduler, recv_req, *args, **kwargs):
         _retract_keeping_mode(scheduler)
     if role == "decode":
         _abort_held_rebootstrap(scheduler, recv_req)
-    keep_pause_verdict(scheduler)
+    keep_pause_verdict(scheduler, recv_req)
     pd_pause.pump_pd_queues(scheduler)
     if role == "prefill":
         pd_pause.end_prefill_rooms(
@@ -62,21 +69,55 @@ def abort_while_paused(original, scheduler, recv_req, *args, **kwargs):
     return result
 
 
-def keep_pause_verdict(scheduler) -> None:
+def keep_pause_verdict(scheduler, recv_req=None) -> None:
     """Upstream ends a running request an abort reaches with a bare FINISH_ABORT()
     ("Aborted"), whatever the abort asked for, and each repeat of the abort-mode
     pause's abort_all sets it again. A running request the pause or a release ended
     (its verdict, `room_ledger.REQUESTED_ABORT`, names it) ends with that message:
-    upstream's abort answer naming the pause, end cause "pause"."""
+    upstream's abort answer naming the pause, end cause "pause". A request in flight
+    the verdict marking did not see (decode's last batch: requests admitted as the
+    pause's abort landed) gets the verdict of `recv_req` when that is the pause's."""
+    from sglang.srt.disaggregation import request_end_cause
     from sglang.srt.disaggregation.room_ledger import REQUESTED_ABORT
     from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
+    asked = _pause_message(recv_req)
     for req in scheduler.collect_inflight_reqs():
         verdict = getattr(req, REQUESTED_ABORT, None)
         pending = req.to_finish
-        if (verdict is not None and pd_pause.names_pause(verdict[0])
-                and isinstance(pending, FINISH_ABORT) and pending.message != verdict[0]):
+        if not isinstance(pending, FINISH_ABORT):
+            continue
+        if verdict is None and asked is not None and pending.status_code is None and _matches(recv_req, req.rid):
+            verdict = (asked, None)
+            setattr(req, REQUESTED_ABORT, verdict)
+            request_end_cause.tag_req(req, request_end_cause.PAUSE)
+        if verdict is not None and pd_pause.names_pause(verdict[0]) and pending.message != verdict[0]:
             req.to_finish = FINISH_ABORT(verdict[0], verdict[1])
+
+
+def _pause_message(recv_req) -> "str | None":
+    """The message of an abort the pause or a release sent (no error status), or None."""
+    reason = getattr(recv_req, "finished_reason", None) or {}
+    message = reason.get("message")
+    if reason.get("status_code") is None and pd_pause.names_pause(message):
+        return message
+    return None
+
+
+def pause_answer_kept(scheduler, abort_req, req, *args, **kwargs) -> None:
+    """BEFORE Scheduler.send_abort_output: upstream answers a queued request a later
+    abort reaches with that abort's reason, none for the bare abort_all the abort-mode
+    pause repeats (the tokenizer then says "Abort in waiting queue"). A request the
+    pause or a release already ended keeps that message."""
+    from sglang.srt.disaggregation.room_ledger import PAUSE_ABORT, REQUESTED_ABORT
+
+    if abort_req.finished_reason is not None or pd_pause.pd_role(scheduler) is None:
+        return None
+    verdict = getattr(req, REQUESTED_ABORT, None)
+    message = verdict[0] if verdict is not None and verdict[1] is None else getattr(req, PAUSE_ABORT, None)
+    if message is not None and pd_pause.names_pause(message):
+        abort_req.finished_reason = pd_pause.pause_finish_reason(message)
+    return None
 
 
 def paused_loop_tick(result, scheduler, *args, **kwargs):
@@ -159,3 +200,53 @@ def _abort_held_rebootstrap(scheduler, recv_req) -> None:
         else:
             kept.append(req)
     prealloc.held_rebootstrap_reqs = kept
+
+
+# ----------------------------------------------------------------------------- why, to prefill
+
+# Decode -> prefill: upstream's ABORT names only the room, so prefill ended its copy of a
+# request decode's pause (or release) ended as a client abort. Decode appends
+# [room_ledger.WHY_FRAME, message] to the ABORT of such a room; prefill's ABORT handler
+# (room_ledger) strips the two frames before upstream's parser and records the message.
+# room -> (message, until), set by the scheduler before upstream's abort sends the ABORT
+# (one per prefill rank), read by whichever thread sends it (scheduler, the room
+# ledger's teller); bounded, and only for WHY_TTL_S (a room re-bootstrapped after a
+# retract pause and aborted later by its client must not carry the pause's message).
+MAX_WHY_ROOMS = 4096
+WHY_TTL_S = 30.0
+_why: "OrderedDict[int, tuple]" = OrderedDict()
+_why_lock = threading.Lock()
+
+
+def note_why(scheduler, recv_req) -> None:
+    """Decode, before upstream handles an abort that names the pause or a release: the
+    ABORT of each room it reaches in the PD queues will carry the abort's message."""
+    message = _pause_message(recv_req)
+    if message is None:
+        return
+    prealloc = scheduler.disagg_decode_prealloc_queue
+    transfer = scheduler.disagg_decode_transfer_queue
+    until = time.monotonic() + WHY_TTL_S
+    with _why_lock:
+        for entry in list(prealloc.queue) + list(transfer.queue):
+            room = entry.req.bootstrap_room
+            if room is not None and _matches(recv_req, entry.req.rid):
+                _why.pop(room, None)
+                _why[room] = (message, until)
+        while len(_why) > MAX_WHY_ROOMS:
+            _why.popitem(last=False)
+
+
+def abort_notification_with_why(original, note, *args, **kwargs):
+    """AROUND AbortNotification.to_zmq (decode's ABORT to prefill): append the message
+    of the pause or release that ended the room, if one did."""
+    frames = original(note, *args, **kwargs)
+    if not _why:
+        return frames
+    with _why_lock:
+        message, until = _why.get(note.room, (None, 0.0))
+    if message is None or time.monotonic() > until:
+        return frames
+    from sglang.srt.disaggregation.room_ledger import WHY_FRAME
+
+    return list(frames) + [WHY_FRAME, message.encode("utf-8")]
