@@ -290,8 +290,8 @@ def _skewed_cycles(cluster, control, mode, first, cycles):
     busy = sum(1 for n in in_flight_at_pause if n)
     assert busy >= MIN_CYCLES_IN_FLIGHT * cycles, in_flight_at_pause
     if mode == "abort":
-        # every cycle ended requests at the gate while their copies waited on `first`
-        assert all(gate_ends), gate_ends
+        # each cycle ended requests at the gate while their copies waited on `first`
+        assert len(gate_ends) == cycles and all(gate_ends), gate_ends
     print(f"skewed {mode} ({first} first): {outcomes}, held at each pause {in_flight_at_pause}, "
           f"copies waiting on {first} when {second}'s gate was aborted {gate_ends}")
 
@@ -314,11 +314,11 @@ def _end_at_gate(cluster, first, second, burst, cycle) -> int:
     GATE_END_TOLD_S. Returns how many copies were waiting."""
     def all_waiting():
         open_now = sum(1 for e in burst.ended if e is None)
-        return open_now > 0 and waiting_for_peer(cluster, first) >= open_now
+        waiting = waiting_for_peer(cluster, first)
+        return waiting if open_now > 0 and waiting >= open_now else 0
 
-    wait_until(all_waiting, 30, f"the burst's copies waiting on {first} (cycle {cycle})",
-               on_timeout=lambda: str(cluster.resources(first)["queues"]))
-    waiting = waiting_for_peer(cluster, first)
+    waiting = wait_until(all_waiting, 30, f"the burst's copies waiting on {first} (cycle {cycle})",
+                         on_timeout=lambda: str(cluster.resources(first)["queues"]))
     t_end = time.monotonic()
     assert call(cluster, second, "abort_request", {"abort_all": True})[0] == 200
     wait_until(lambda: waiting_for_peer(cluster, first) == 0, 10,
