@@ -25,6 +25,7 @@ from typing import Any, Iterable, Optional, Tuple
 
 from sglang.srt.disaggregation import pd_queues, request_end_cause as end_cause, room_ledger
 from sglang.srt.disaggregation.base import KVPoll
+from sglang.srt.managers.fork_touch import upstream
 from sglang.srt.disaggregation.pd_queues import (  # the stages, declared once
     DECODE_PREALLOC, DECODE_RUNNING, DECODE_TRANSFER, PREFILL_BOOTSTRAP, PREFILL_INFLIGHT,
     PREFILL_RUNNING, PREFILL_WAITING,
@@ -77,8 +78,8 @@ def peer_reason(rid: str, room: int, side: str, why: Optional[str] = None) -> st
 
 
 def _kv_mgr(req):
-    sender = getattr(req, "disagg_kv_sender", None)
-    return getattr(sender, "kv_mgr", None)
+    sender = upstream(req, "disagg_kv_sender")
+    return None if sender is None else upstream(sender, "kv_mgr")
 
 
 def _tell_decode(kv_mgr, room: int, reason: str) -> None:
@@ -186,7 +187,7 @@ def around_pending_chunked_abort(original, scheduler, *args, **kwargs):
     """AROUND Scheduler.process_pending_chunked_abort: upstream retires an aborted
     chunked prefill request (sender aborted, KV and slot released) but never clears
     its room; clear it here."""
-    req = getattr(scheduler, "_pending_chunked_abort_req", None)
+    req = upstream(scheduler, "_pending_chunked_abort_req")
     retiring = req is not None and scheduler.chunked_req is req
     result = original(scheduler, *args, **kwargs)
     if retiring and scheduler.chunked_req is not req and pd_queues.role(scheduler) == "prefill":

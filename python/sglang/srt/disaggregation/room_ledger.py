@@ -32,6 +32,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from sglang.srt.disaggregation import request_end_cause
 from sglang.srt.disaggregation.base import KVPoll
 from sglang.srt.managers.engine_clock import engine_clock
+from sglang.srt.managers.fork_touch import upstream
 
 logger = logging.getLogger(__name__)
 
@@ -590,10 +591,10 @@ def after_ensure_abort_notified(result: Any, receiver: Any, *args: Any, **kwargs
     (once per receiver). A room armed for prefill's drain ack is noted against that
     prefill, so its loss settles it; a prefill already lost is acked for at once (it
     will never ack, and no write of it can still land)."""
-    addr = getattr(receiver, "bootstrap_addr", None)
-    if not (receiver.abort_notified or getattr(receiver, "bootstrap_infos", None) is not None
+    addr = upstream(receiver, "bootstrap_addr")
+    if not (receiver.abort_notified or getattr(receiver, "bootstrap_infos", None) is not None  # set lazily
             or getattr(receiver, "_fork_told_prefill", False)
-            or not getattr(receiver, "_owns_bootstrap_room", True)):
+            or not upstream(receiver, "_owns_bootstrap_room")):
         receiver._fork_told_prefill = True
         host, _, port = str(addr).rpartition(":")
         tell_prefill(host.strip("[]"), int(port), receiver.bootstrap_room,
@@ -602,7 +603,7 @@ def after_ensure_abort_notified(result: Any, receiver: Any, *args: Any, **kwargs
     mgr = receiver.kv_mgr
     # peer_liveness' monitor, read by its attribute (peer_liveness imports this module)
     monitor, ledger = mgr.__dict__.get(PEER_MONITOR_ATTR), ledger_of(mgr)
-    generation = getattr(receiver, "_abort_generation", None)
+    generation = upstream(receiver, "_abort_generation")
     room = receiver.bootstrap_room
     if monitor is None or ledger is None or generation is None or room not in mgr._deferred_abort_ack_tracker:
         return result
