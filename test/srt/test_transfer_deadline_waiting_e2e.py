@@ -116,3 +116,35 @@ def test_request_waiting_for_prefill_compute_gets_504_at_the_deadline(cluster):
     results = [generate(cluster.url, p, max_new_tokens=8) for p in prompts(3)]
     assert [r["status"] for r in results] == [200] * 3, results
     assert_idle(cluster, PD_ROLES, baseline)
+
+
+def test_unreachable_prefill_fails_as_upstream_while_decode_serves(cluster):
+    """A decode leg naming a bootstrap server nobody listens on: decode's fetches of its
+    info fail (off the scheduler thread now); after upstream's 15 attempts, 1 s apart,
+    upstream's own failure path ends the request, as before the fetches moved (decode's
+    deadline here is 60 s, so it is not the deadline that ends it). Decode serves other
+    requests meanwhile; nothing is held afterwards."""
+    from testing.pd_cluster import free_ports
+
+    baseline = assert_idle(cluster, PD_ROLES)
+    decode = cluster["decode"]
+    (nobody,) = free_ports(1)  # reserved, never bound: connections are refused
+    body = {**leg_body(cluster, random.randint(1, 2**62), "nobody answers"), "bootstrap_port": nobody}
+    leg = Leg(decode.url, body)
+    leg.start()
+    wait_until(lambda: (decode.resources()["bootstrap_fetch"] or {}).get("info_failed", 0) >= 1, 10,
+               "a failed fetch")
+    other = Leg(decode.url, {
+        "text": "decode keeps serving", "bootstrap_host": FAKE_BOOTSTRAP_HOST, "bootstrap_room": 0,
+        "sampling_params": {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True},
+    })
+    other.start()
+    wait_until(other.done, 10, "decode serving meanwhile")
+    assert other.status == 200 and not leg.done(), (other.out, leg.out)
+    wait_until(leg.done, 60, "decode's answer")
+    print("unreachable prefill:", leg.status, json.dumps(leg.response)[:400], f"{leg.out['seconds']:.1f}s",
+          decode.resources()["bootstrap_fetch"])
+    assert leg.out["seconds"] >= 14, leg.out  # upstream's 15 attempts, 1 s apart
+    fetch = decode.resources()["bootstrap_fetch"]
+    assert fetch["running"] == 0 and fetch["info_failed"] >= 15, fetch
+    assert_idle(cluster, PD_ROLES, baseline)
