@@ -144,6 +144,10 @@ def test_unreachable_prefill_fails_as_upstream_while_decode_serves(cluster):
     wait_until(leg.done, 60, "decode's answer")
     print("unreachable prefill:", leg.status, json.dumps(leg.response)[:400], f"{leg.out['seconds']:.1f}s",
           decode.resources()["bootstrap_fetch"])
+    # upstream's answer: after its last attempt it aborts the receiver ("Aborted by
+    # AbortReq."), which the verdict answers as a client abort (as before the move)
+    reason = leg.response["meta_info"]["finish_reason"]
+    assert leg.status == 200 and reason["type"] == "abort", leg.out
     assert leg.out["seconds"] >= 14, leg.out  # upstream's 15 attempts, 1 s apart
     fetch = decode.resources()["bootstrap_fetch"]
     assert fetch["running"] == 0 and fetch["info_failed"] >= 15, fetch
