@@ -282,8 +282,9 @@ def test_frozen_prefill_decode_leg_gets_504(cluster, frozen):
     stage = "decode_transfer"
     baseline = assert_idle(cluster, PD_ROLES)
     prefill, decode = cluster["prefill"], cluster["decode"]
-    # decode knows prefill (its bootstrap info is cached) whatever ran before: a first
-    # contact with a frozen prefill would block in decode_prealloc instead
+    # decode knows prefill (its bootstrap info is cached) whatever ran before: on a first
+    # contact with a frozen prefill the leg would wait in decode_prealloc instead (the
+    # first test)
     _serving(cluster, baseline, n=1)
     before = _stage_count(decode.metrics(), stage)
     causes = cluster_end_causes(cluster)

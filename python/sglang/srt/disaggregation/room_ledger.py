@@ -488,6 +488,8 @@ def verdict(req: Any, error_message: str, status_code: Any) -> Tuple[str, Any]:
             if any(t in str(message or "") for t in markers[name]):
                 if name == "release":  # counted as the pause's end, not a failure
                     request_end_cause.tag_req(req, request_end_cause.PAUSE)
+                else:  # the peer's deadline ended it: answered 504, counted as a timeout
+                    request_end_cause.tag_req(req, request_end_cause.TIMEOUT)
                 return message, by_message
         return message, status
     raise AssertionError("VERDICT_TABLE ends with the failure row")
