@@ -408,17 +408,22 @@ def skewed_abort_pause_cycles(prefill, decode, url: str, cycles: int, clients: i
             served = completions()
             # serving again before each cycle: completions, not the last cycle's aborts
             wait_until(lambda: completions() >= served + 2, 60, f"completions before cycle {cycle}")
-            ok(prefill, "pause_generation", {"mode": "abort"})
-            ok(decode, "pause_generation", {"mode": "abort"})
-            ok(prefill, "release_memory_occupation")
-            ok(decode, "release_memory_occupation")
-            ok(prefill, "resume_memory_occupation")
-            ok(decode, "resume_memory_occupation")
+            # `first` is paused first too: a request arriving between the two pauses
+            # has one copy ended by the second pause and the other held at `first`'s
+            # gate, which `first`'s continue (before the wait below) settles
+            for endpoint, body in (("pause_generation", {"mode": "abort"}), ("release_memory_occupation", None),
+                                   ("resume_memory_occupation", None)):
+                ok(running, endpoint, body)
+                ok(paused, endpoint, body)
             ok(running, "continue_generation")
             wait_until(lambda: waiting_for_peer(running) > 0, 30, f"{first} copies waiting (cycle {cycle})")
             # no new request from here to the other's continue: the ones open now are
             # exactly the copies `running` holds for the paused server (pacing, not a sleep)
             go.clear()
+
+            def open_rids():
+                with lock:
+                    return sorted(open_since)
 
             def all_open_at_running():
                 with lock:
@@ -426,7 +431,7 @@ def skewed_abort_pause_cycles(prefill, decode, url: str, cycles: int, clients: i
                 return n_open > 0 and waiting_for_peer(running) == n_open
 
             wait_until(all_open_at_running, 30, f"every open request waiting at {first} (cycle {cycle})",
-                       on_timeout=lambda: str(running.resources()["queues"]))
+                       on_timeout=lambda: f"{running.resources()['queues']}, open: {open_rids()}")
             t_end = time.monotonic()
             ok(paused, "abort_request", {"abort_all": True})
             wait_until(lambda: waiting_for_peer(running) == 0, 5, f"{first}'s waiting queue to empty (cycle {cycle})",
