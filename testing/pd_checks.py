@@ -343,19 +343,34 @@ def bootstrap_queue(prefill) -> int:
     return prefill.resources()["queues"]["prefill_bootstrap"]
 
 
+def waiting_for_peer(server) -> int:
+    """Copies `server` holds in the PD queues where they wait for the other server."""
+    q = server.resources()["queues"]
+    if server.role == "prefill":
+        return q["prefill_bootstrap"]
+    return q["decode_prealloc"] + q["decode_transfer"]
+
+
 def skewed_abort_pause_cycles(prefill, decode, url: str, cycles: int, clients: int,
-                              unanswered_s: float = 10.0, emptied_s: float = 1.5) -> list:
-    """Hole 1 of issue 13, driven `cycles` times under `clients` closed-loop clients
-    sending to `url` (a balancer in front of `prefill` and `decode`): both servers
-    paused in abort mode, released, resumed; prefill continued *before* decode, so new
-    requests reach prefill and wait there for decode's handshake while decode's copies
-    wait at its pause gate; then decode aborts them there (`abort_all`, what a client or
+                              unanswered_s: float = 10.0, emptied_s: float = 1.5,
+                              first: str = "prefill") -> list:
+    """Hole 1 of issue 13 (and its mirror), driven `cycles` times under `clients`
+    closed-loop clients sending to `url` (a balancer in front of `prefill` and
+    `decode`): both servers paused in abort mode, released, resumed; then `first` is
+    continued before the other. With first="prefill", new requests reach prefill and
+    wait in its bootstrap queue for decode's handshake while decode's copies wait at its
+    pause gate; with first="decode", they wait in decode's decode_prealloc /
+    decode_transfer queues for prefill's KV while prefill's copies wait at its gate.
+    Then the still-paused server aborts them at its gate (`abort_all`, what a client or
     gateway giving up does) and continues.
 
-    Asserts per cycle: prefill's bootstrap queue empties within `emptied_s` of decode's
-    end, no request open longer than `unanswered_s`. Returns every answer (generate()'s
-    dicts with `latency_s`); the caller asserts what they must be."""
+    Asserts per cycle: the running server's waiting queue empties within `emptied_s`
+    of the other's end, no request open longer than `unanswered_s`. Returns every
+    answer (generate()'s dicts with `latency_s`); the caller asserts what they must be."""
     from testing.pd_cluster import generate
+
+    assert first in ("prefill", "decode"), first
+    running, paused = (prefill, decode) if first == "prefill" else (decode, prefill)
 
     def ok(server, endpoint, body=None):
         status, reply, _ = post(server, endpoint, body)
@@ -393,31 +408,37 @@ def skewed_abort_pause_cycles(prefill, decode, url: str, cycles: int, clients: i
             served = completions()
             # serving again before each cycle: completions, not the last cycle's aborts
             wait_until(lambda: completions() >= served + 2, 60, f"completions before cycle {cycle}")
-            ok(prefill, "pause_generation", {"mode": "abort"})
-            ok(decode, "pause_generation", {"mode": "abort"})
-            ok(prefill, "release_memory_occupation")
-            ok(decode, "release_memory_occupation")
-            ok(prefill, "resume_memory_occupation")
-            ok(decode, "resume_memory_occupation")
-            ok(prefill, "continue_generation")
-            wait_until(lambda: bootstrap_queue(prefill) > 0, 30, f"prefill copies waiting (cycle {cycle})")
-            # no new request from here to decode's continue: the ones open now are
-            # exactly the copies prefill holds for decode (pacing, not a sleep)
+            # `first` is paused first too: a request arriving between the two pauses
+            # has one copy ended by the second pause and the other held at `first`'s
+            # gate, which `first`'s continue (before the wait below) settles
+            for endpoint, body in (("pause_generation", {"mode": "abort"}), ("release_memory_occupation", None),
+                                   ("resume_memory_occupation", None)):
+                ok(running, endpoint, body)
+                ok(paused, endpoint, body)
+            ok(running, "continue_generation")
+            wait_until(lambda: waiting_for_peer(running) > 0, 30, f"{first} copies waiting (cycle {cycle})")
+            # no new request from here to the other's continue: the ones open now are
+            # exactly the copies `running` holds for the paused server (pacing, not a sleep)
             go.clear()
 
-            def all_open_at_prefill():
+            def open_rids():
+                with lock:
+                    return sorted(open_since)
+
+            def all_open_at_running():
                 with lock:
                     n_open = len(open_since)
-                return n_open > 0 and bootstrap_queue(prefill) == n_open
+                return n_open > 0 and waiting_for_peer(running) == n_open
 
-            wait_until(all_open_at_prefill, 30, f"every open request waiting at prefill (cycle {cycle})")
+            wait_until(all_open_at_running, 30, f"every open request waiting at {first} (cycle {cycle})",
+                       on_timeout=lambda: f"{running.resources()['queues']}, open: {open_rids()}")
             t_end = time.monotonic()
-            ok(decode, "abort_request", {"abort_all": True})
-            wait_until(lambda: bootstrap_queue(prefill) == 0, 5, f"prefill's bootstrap queue to empty (cycle {cycle})",
-                       interval=0.05, on_timeout=lambda: str(prefill.resources()["queues"]))
+            ok(paused, "abort_request", {"abort_all": True})
+            wait_until(lambda: waiting_for_peer(running) == 0, 5, f"{first}'s waiting queue to empty (cycle {cycle})",
+                       interval=0.05, on_timeout=lambda: str(running.resources()["queues"]))
             emptied = time.monotonic() - t_end
-            assert emptied <= emptied_s, (cycle, emptied)
-            ok(decode, "continue_generation")
+            assert emptied <= emptied_s, (cycle, first, emptied)
+            ok(paused, "continue_generation")
             go.set()
             with lock:
                 stuck = [rid for rid, t0 in open_since.items() if time.monotonic() - t0 > unanswered_s]

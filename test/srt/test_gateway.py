@@ -238,12 +238,15 @@ SKEW_CYCLES = 3
 SKEW_CLIENTS = 6
 
 
-def test_skewed_pause_windows_through_the_gateway_leave_nothing_waiting(gateway_deployment):
-    """Issue 13's hole 1 behind the Rust gateway: abort-mode pause cycles in which
-    prefill is continued before decode and decode then aborts the requests held at its
-    gate. Prefill's copies end within a second of decode's end, nothing is unanswered
-    after 10 s, every answer is a completion or upstream's abort answer, and the gateway
-    counts no failure against either engine."""
+@pytest.mark.parametrize("first", PD_ROLES)
+def test_skewed_pause_windows_through_the_gateway_leave_nothing_waiting(gateway_deployment, first):
+    """Issue 13's hole 1 behind the Rust gateway, both ways: abort-mode pause cycles in
+    which `first` is continued before the other server, which then aborts the requests
+    held at its gate (prefill first: decode's gate, prefill's bootstrap copies; decode
+    first: prefill's gate, decode's prealloc/transfer copies). The running server's
+    copies end within a second of the other's end, nothing is unanswered after 10 s,
+    every answer is a completion or upstream's abort answer, and the gateway counts no
+    failure against either engine."""
     from testing.pd_checks import is_completion_or_abort_answer, skewed_abort_pause_cycles
 
     cluster, _, _ = gateway_deployment
@@ -256,7 +259,7 @@ def test_skewed_pause_windows_through_the_gateway_leave_nothing_waiting(gateway_
 
     failures_before = {role: failures(metrics, role) for role in PD_ROLES}
     results = skewed_abort_pause_cycles(cluster["prefill"], cluster["decode"], cluster.url,
-                                        SKEW_CYCLES, SKEW_CLIENTS)
+                                        SKEW_CYCLES, SKEW_CLIENTS, first=first)
     wrong = [(r["status"], str(r["error"])[:150]) for r in results if not is_completion_or_abort_answer(r)]
     assert not wrong, wrong
     finishes = Counter(r["meta"]["finish_reason"]["type"] for r in results)

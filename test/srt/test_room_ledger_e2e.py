@@ -293,17 +293,21 @@ SKEW_CLIENTS = 6
 UNANSWERED_S = 10.0
 
 
-def test_skewed_abort_pause_cycles_leave_nothing_waiting(cluster):
-    """The issue's soak, bounded: abort-mode pause cycles where prefill is paused and
-    continued before decode, under closed-loop traffic through the load balancer (the
-    mini LB; the Rust gateway: test_gateway.py). No request is unanswered after 10 s;
-    after each cycle prefill's bootstrap queue empties within a second of decode's end;
-    every answer is a completion or upstream's abort answer."""
+@pytest.mark.parametrize("first", PD_ROLES)
+def test_skewed_abort_pause_cycles_leave_nothing_waiting(cluster, first):
+    """The issue's soak, bounded: abort-mode pause cycles where `first` is continued
+    before the other server, which then aborts the requests held at its gate, under
+    closed-loop traffic through the load balancer (the mini LB; the Rust gateway:
+    test_gateway.py). No request is unanswered after 10 s; after each cycle the running
+    server's waiting queue (prefill: bootstrap; decode: prealloc + transfer) empties
+    within a second of the other's end; every answer is a completion or upstream's
+    abort answer."""
     prefill, decode = cluster["prefill"], cluster["decode"]
     warm = generate(cluster.url, "warm up", max_new_tokens=4)
     assert warm["status"] == 200, warm
     baseline = assert_idle(cluster, PD_ROLES)
-    results = skewed_abort_pause_cycles(prefill, decode, cluster.url, SKEW_CYCLES, SKEW_CLIENTS, UNANSWERED_S)
+    results = skewed_abort_pause_cycles(prefill, decode, cluster.url, SKEW_CYCLES, SKEW_CLIENTS, UNANSWERED_S,
+                                        first=first)
     wrong = [(r["status"], r["error"]) for r in results if not is_completion_or_abort_answer(r)]
     assert not wrong, wrong
     assert sum(r["meta"]["finish_reason"]["type"] != "abort" for r in results) >= SKEW_CYCLES
