@@ -118,15 +118,18 @@ def test_request_waiting_for_prefill_compute_gets_504_at_the_deadline(cluster):
     assert_idle(cluster, PD_ROLES, baseline)
 
 
-def test_unreachable_prefill_fails_as_upstream_while_decode_serves(cluster):
+def test_unreachable_prefill_is_a_lost_peer_while_decode_serves(cluster):
     """A decode leg naming a bootstrap server nobody listens on: decode's fetches of its
     info fail (off the scheduler thread now); after upstream's 15 attempts, 1 s apart,
-    upstream's own failure path ends the request, as before the fetches moved (decode's
-    deadline here is 60 s, so it is not the deadline that ends it). Decode serves other
-    requests meanwhile; nothing is held afterwards."""
+    upstream's own failure path ends the request (decode's deadline here is 60 s, so it
+    is not the deadline that ends it), answered as a lost peer: 502 naming the
+    unreachable prefill, end cause peer_failure (upstream's own reason, "Aborted by
+    AbortReq.", read as a client abort: an abort is never what a failure answers).
+    Decode serves other requests meanwhile; nothing is held afterwards."""
     from testing.pd_cluster import free_ports
 
     baseline = assert_idle(cluster, PD_ROLES)
+    causes = cluster_end_causes(cluster)
     decode = cluster["decode"]
     (nobody,) = free_ports(1)  # reserved, never bound: connections are refused
     body = {**leg_body(cluster, random.randint(1, 2**62), "nobody answers"), "bootstrap_port": nobody}
@@ -144,11 +147,12 @@ def test_unreachable_prefill_fails_as_upstream_while_decode_serves(cluster):
     wait_until(leg.done, 60, "decode's answer")
     print("unreachable prefill:", leg.status, json.dumps(leg.response)[:400], f"{leg.out['seconds']:.1f}s",
           decode.resources()["bootstrap_fetch"])
-    # upstream's answer: after its last attempt it aborts the receiver ("Aborted by
-    # AbortReq."), which the verdict answers as a client abort (as before the move)
-    reason = leg.response["meta_info"]["finish_reason"]
-    assert leg.status == 200 and reason["type"] == "abort", leg.out
+    assert leg.status == 502, leg.out
+    detail = json.dumps(leg.response)
+    for part in ("PD peer lost", f":{nobody} unreachable", "after 15 attempts"):
+        assert part in detail, (part, detail)
     assert leg.out["seconds"] >= 14, leg.out  # upstream's 15 attempts, 1 s apart
+    wait_end_causes(cluster, causes, {("decode", "peer_failure", "decode_prealloc"): 1}, roles=("decode",))
     fetch = decode.resources()["bootstrap_fetch"]
     assert fetch["running"] == 0 and fetch["info_failed"] >= 15, fetch
     assert_idle(cluster, PD_ROLES, baseline)

@@ -97,6 +97,12 @@ class BootstrapFetch:
                 return False
             return outcome is not None
 
+    def failed(self, key: Key) -> bool:
+        """The outcome waiting for `key` is a failed fetch (peeked, not taken)."""
+        with self.lock:
+            outcome = self.outcomes.get(key)
+            return outcome is not None and (outcome.error is not None or not outcome.value)
+
     def take(self, key: Key) -> Optional[Outcome]:
         with self.lock:
             return self.outcomes.pop(key, None)
@@ -189,8 +195,32 @@ def around_ensure_prefill_info(original, queue, addr_to_reqs, *args, **kwargs):
         waiting.extend(reqs)
     if not asked:
         return {}, waiting
+    _name_unreachable(queue, mgr, fetch, table, asked)
     ready, remaining = original(queue, asked, *args, **kwargs)
     return ready, remaining + waiting
+
+
+UNREACHABLE = "{tag}: prefill bootstrap server {addr} unreachable: could not fetch its parallel info after {n} attempts"
+
+
+def _name_unreachable(queue: Any, mgr: Any, fetch: BootstrapFetch, table: Any, asked: Dict[str, Any]) -> None:
+    """Upstream fails a prefill's requests after its last failed attempt by aborting
+    their receivers ("Aborted by AbortReq.", which reads as a client abort). Before
+    that attempt, record the real reason: the prefill is unreachable, a lost peer
+    (502 naming it, end cause peer_failure; room_ledger keeps it over the vaguer one)."""
+    from sglang.srt.disaggregation.room_ledger import PEER_LOST_TAG
+
+    counts = fork_touch.upstream(queue, "_ensure_retry_count")
+    last = fork_touch.upstream(queue, "_max_ensure_retries")
+    for addr, reqs in asked.items():
+        n = counts.get(addr, 0) + 1
+        if addr in table or n < last or not fetch.failed(("info", addr)):
+            continue
+        reason = UNREACHABLE.format(tag=PEER_LOST_TAG, addr=addr, n=n)
+        for decode_req in reqs:
+            room = decode_req.req.bootstrap_room
+            if decode_req.kv_receiver is not None and room is not None:
+                mgr.record_failure(room, reason)
 
 
 def around_try_ensure_parallel_info(original, mgr, bootstrap_addr, *args, **kwargs):
