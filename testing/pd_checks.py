@@ -428,7 +428,14 @@ def skewed_abort_pause_cycles(prefill, decode, url: str, cycles: int, clients: i
             def all_open_at_running():
                 with lock:
                     n_open = len(open_since)
-                return n_open > 0 and waiting_for_peer(running) == n_open
+                waiting = waiting_for_peer(running)
+                if n_open == 0 or waiting == 0:
+                    # the ones counted ended before the abort (e.g. copies whose peer
+                    # ended at its pause): let clients send again until some wait
+                    go.set()
+                    return False
+                go.clear()
+                return waiting == n_open
 
             wait_until(all_open_at_running, 30, f"every open request waiting at {first} (cycle {cycle})",
                        on_timeout=lambda: f"{running.resources()['queues']}, open: {open_rids()}")
