@@ -15,7 +15,7 @@ from functools import partial
 import pytest
 
 from conftest import assert_idle, held
-from testing.pd_checks import call, on_both
+from testing.pd_checks import call, on_both, waiting_for_peer
 from testing.pd_cluster import (
     PDCluster,
     generate,
@@ -299,14 +299,6 @@ def _skewed_cycles(cluster, control, mode, first, cycles):
 GATE_END_TOLD_S = 1.5  # the issue's "within a second" of the end, with a margin for 2 loaded cores
 
 
-def waiting_for_peer(cluster, role) -> int:
-    """Copies `role` holds in the PD queues where they wait for the other server."""
-    q = cluster.resources(role)["queues"]
-    if role == "prefill":
-        return q["prefill_bootstrap"]
-    return q["decode_prealloc"] + q["decode_transfer"]
-
-
 def _end_at_gate(cluster, first, second, burst, cycle) -> int:
     """`burst` was sent while `first` runs and `second` is paused: wait until each of
     its copies on `first` waits for `second` (the others are at `second`'s gate), abort
@@ -314,14 +306,14 @@ def _end_at_gate(cluster, first, second, burst, cycle) -> int:
     GATE_END_TOLD_S. Returns how many copies were waiting."""
     def all_waiting():
         open_now = sum(1 for e in burst.ended if e is None)
-        waiting = waiting_for_peer(cluster, first)
+        waiting = waiting_for_peer(cluster[first])
         return waiting if open_now > 0 and waiting >= open_now else 0
 
     waiting = wait_until(all_waiting, 30, f"the burst's copies waiting on {first} (cycle {cycle})",
                          on_timeout=lambda: str(cluster.resources(first)["queues"]))
     t_end = time.monotonic()
     assert call(cluster, second, "abort_request", {"abort_all": True})[0] == 200
-    wait_until(lambda: waiting_for_peer(cluster, first) == 0, 10,
+    wait_until(lambda: waiting_for_peer(cluster[first]) == 0, 10,
                f"{first} to let go of the copies ended at {second}'s gate (cycle {cycle})",
                interval=0.05, on_timeout=lambda: str(cluster.resources(first)["queues"]))
     told = time.monotonic() - t_end
