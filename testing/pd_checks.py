@@ -351,6 +351,18 @@ def waiting_for_peer(server) -> int:
     return q["decode_prealloc"] + q["decode_transfer"]
 
 
+def abort_gate_until_let_go(running, paused, timeout: float, what: str) -> float:
+    """`paused` aborts everything at its pause gate (`abort_all`, what a client or
+    gateway giving up does) while `running` holds those requests' copies waiting for it;
+    polls until `running` let go of them all. Returns the seconds from the abort call."""
+    t_end = time.monotonic()
+    status, reply, _ = post(paused, "abort_request", {"abort_all": True})
+    assert status == 200, (paused.role, status, reply)
+    wait_until(lambda: waiting_for_peer(running) == 0, timeout, what,
+               interval=0.05, on_timeout=lambda: str(running.resources()["queues"]))
+    return time.monotonic() - t_end
+
+
 def skewed_abort_pause_cycles(prefill, decode, url: str, cycles: int, clients: int,
                               unanswered_s: float = 10.0, emptied_s: float = 1.5,
                               first: str = "prefill") -> list:
@@ -439,11 +451,7 @@ def skewed_abort_pause_cycles(prefill, decode, url: str, cycles: int, clients: i
 
             wait_until(all_open_at_running, 30, f"every open request waiting at {first} (cycle {cycle})",
                        on_timeout=lambda: f"{running.resources()['queues']}, open: {open_rids()}")
-            t_end = time.monotonic()
-            ok(paused, "abort_request", {"abort_all": True})
-            wait_until(lambda: waiting_for_peer(running) == 0, 5, f"{first}'s waiting queue to empty (cycle {cycle})",
-                       interval=0.05, on_timeout=lambda: str(running.resources()["queues"]))
-            emptied = time.monotonic() - t_end
+            emptied = abort_gate_until_let_go(running, paused, 5, f"{first}'s waiting queue to empty (cycle {cycle})")
             assert emptied <= emptied_s, (cycle, first, emptied)
             ok(paused, "continue_generation")
             go.set()

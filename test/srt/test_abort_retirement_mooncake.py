@@ -77,6 +77,14 @@ def _assert_no_failure_counted(pair, before):
         assert {n: side.call("counter", n) for n in FAILURE_COUNTERS} == before[name][0], name
 
 
+def _tick_decode_into_transfer(pair) -> None:
+    """Tick decode until its room preallocated and sent its metadata (transfer queue)."""
+    t0 = time.monotonic()
+    while pair.decode.call("snapshot")["queues"]["transfer"] != 1:
+        assert time.monotonic() - t0 < 30
+        pair.decode.call("tick")
+
+
 def _wait_idle_and_clean(pair, room):
     wait_pair_idle(pair)
     assert set(pair.prefill.call("room_entries", room)) <= TOMBSTONES
@@ -88,10 +96,7 @@ def test_prefill_abort_frees_decode_preallocation_at_once(pair, before):
     pair.prefill.call("add", room, 12)
     pair.decode.call("add", room, 12)
     # decode preallocates and sends its metadata; prefill has not run the request yet
-    t0 = time.monotonic()
-    while pair.decode.call("snapshot")["queues"]["transfer"] != 1:
-        assert time.monotonic() - t0 < 30
-        pair.decode.call("tick")
+    _tick_decode_into_transfer(pair)
     assert pair.decode.call("snapshot")["kv_held"] > 0
     pair.prefill.call("abort", room)
     _told_at_once(pair, pair.prefill, pair.decode, room)
@@ -110,10 +115,7 @@ def test_decode_abort_frees_prefill_at_once(pair, before):
     room = pair.new_room()
     pair.prefill.call("add", room, 12)
     pair.decode.call("add", room, 12)
-    t0 = time.monotonic()
-    while pair.decode.call("snapshot")["queues"]["transfer"] != 1:
-        assert time.monotonic() - t0 < 30
-        pair.decode.call("tick")
+    _tick_decode_into_transfer(pair)
     pair.decode.call("abort", room)
     _told_at_once(pair, pair.decode, pair.prefill, room)
     pair.run_until(lambda: _ended(pair.decode, room), timeout=30)
@@ -187,10 +189,7 @@ def test_prefill_leg_after_decode_abort_ends_at_once(pair, before):
     abort without sending KV into pages decode already gave back."""
     room = pair.new_room()
     pair.decode.call("add", room, 12)
-    t0 = time.monotonic()
-    while pair.decode.call("snapshot")["queues"]["transfer"] != 1:
-        assert time.monotonic() - t0 < 30
-        pair.decode.call("tick")
+    _tick_decode_into_transfer(pair)
     pair.decode.call("abort", room)
     pair.run_until(lambda: pair.decode.call("final_reason", room) is not None, timeout=30)
     assert _client_abort(pair.decode, room)
@@ -248,10 +247,7 @@ def test_decode_pause_abort_tells_prefill_why(pair, before):
     room = pair.new_room()
     pair.prefill.call("add", room, 12)
     pair.decode.call("add", room, 12)
-    t0 = time.monotonic()
-    while pair.decode.call("snapshot")["queues"]["transfer"] != 1:
-        assert time.monotonic() - t0 < 30
-        pair.decode.call("tick")
+    _tick_decode_into_transfer(pair)
     pair.decode.call("end_queued", pd_pause.PAUSE_ABORT_MESSAGE)
     assert _pause_answer(pair.decode.call("final_reason", room)), pair.decode.call("final_reason", room)
     wait_until(lambda: pair.prefill.call("kv_status", room) == "Failed", TRANSIT_S,
@@ -273,10 +269,7 @@ def test_decode_pause_abort_before_prefill_leg_tells_it_why(pair, before):
 
     room = pair.new_room()
     pair.decode.call("add", room, 12)
-    t0 = time.monotonic()
-    while pair.decode.call("snapshot")["queues"]["transfer"] != 1:
-        assert time.monotonic() - t0 < 30
-        pair.decode.call("tick")
+    _tick_decode_into_transfer(pair)
     pair.decode.call("end_queued", pd_pause.PAUSE_ABORT_MESSAGE)
     assert _pause_answer(pair.decode.call("final_reason", room)), pair.decode.call("final_reason", room)
     pair.run_until(lambda: pair.decode.call("snapshot") == pair.idle[1], timeout=30)

@@ -15,7 +15,7 @@ from functools import partial
 import pytest
 
 from conftest import assert_idle, held
-from testing.pd_checks import call, on_both, waiting_for_peer
+from testing.pd_checks import abort_gate_until_let_go, call, on_both, waiting_for_peer
 from testing.pd_cluster import (
     PDCluster,
     generate,
@@ -311,12 +311,8 @@ def _end_at_gate(cluster, first, second, burst, cycle) -> int:
 
     waiting = wait_until(all_waiting, 30, f"the burst's copies waiting on {first} (cycle {cycle})",
                          on_timeout=lambda: str(cluster.resources(first)["queues"]))
-    t_end = time.monotonic()
-    assert call(cluster, second, "abort_request", {"abort_all": True})[0] == 200
-    wait_until(lambda: waiting_for_peer(cluster[first]) == 0, 10,
-               f"{first} to let go of the copies ended at {second}'s gate (cycle {cycle})",
-               interval=0.05, on_timeout=lambda: str(cluster.resources(first)["queues"]))
-    told = time.monotonic() - t_end
+    told = abort_gate_until_let_go(cluster[first], cluster[second], 10,
+                                   f"{first} to let go of the copies ended at {second}'s gate (cycle {cycle})")
     assert told <= GATE_END_TOLD_S, (cycle, first, told)
     return waiting
 

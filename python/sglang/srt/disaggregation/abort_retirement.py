@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 # Opens the reason a room carries to the peer when its request was aborted; the peer's
 # prepare_abort recognises it and ends the request as an abort, not a failure.
-ABORT_TAG, PEER_WHY = room_ledger.ABORT_TAG, room_ledger.PEER_WHY
+ABORT_TAG = room_ledger.ABORT_TAG
 CLIENT_ABORT_MESSAGE = room_ledger.CLIENT_ABORT_MESSAGE
 _ABORT = room_ledger.REQUESTED_ABORT  # per request: (message, status) the abort asked for
 
@@ -67,11 +67,7 @@ def _names_pause(message) -> bool:
     return names_pause(message)
 
 
-def peer_reason(rid: str, room: int, side: str, why: Optional[str] = None) -> str:
-    """What the peer is told; `why` (the abort's message) only for a pause or release
-    end, so the peer ends its copy as that too (room_ledger.verdict)."""
-    said = f"{PEER_WHY}{why}" if why and _names_pause(why) else " was aborted."
-    return f"{ABORT_TAG} on {side}: request {rid} (bootstrap_room={room}){said}"
+peer_reason = room_ledger.peer_reason  # what the peer is told (one form, with the gate's)
 
 
 # ----------------------------------------------------------------------------- side effects

@@ -23,7 +23,6 @@ import contextlib
 import ctypes
 import dataclasses
 import logging
-import math
 import os
 import threading
 import time
@@ -277,16 +276,12 @@ PROBE_TIMEOUT_ACCEPTED = "a finite number of seconds > 0 (e.g. 5)"
 def probe_timeout() -> float:
     """`SGLANG_FORK_SESSION_PROBE_TIMEOUT` in seconds (default 5); ValueError naming
     the knob when it is not valid (checked when prefill's kv manager starts)."""
+    from sglang.srt.disaggregation.transfer_deadline_knob import positive_seconds
+
     value = os.environ.get(PROBE_TIMEOUT_ENV)
     if value is None:
         return PROBE_TIMEOUT_DEFAULT
-    try:
-        seconds = float(value)
-    except ValueError:
-        seconds = math.nan
-    if not (math.isfinite(seconds) and seconds > 0):
-        raise ValueError(f"{PROBE_TIMEOUT_ENV}={value!r} is not valid: expected {PROBE_TIMEOUT_ACCEPTED}.")
-    return seconds
+    return positive_seconds(value, PROBE_TIMEOUT_ENV, "valid", PROBE_TIMEOUT_ACCEPTED)
 
 
 class SessionProbe:

@@ -295,10 +295,7 @@ def _handle_abort(ledger: RoomLedger, original: Any, msg: List[bytes]) -> bool:
         if kept:
             # Decode's handshake may have created the room (WaitingForInput) though no
             # sender owns it: nobody would clear that state, so drop it now.
-            for name in ("request_status", "transfer_infos", "req_to_decode_prefix_len", "failure_records"):
-                table = getattr(mgr, name, None)
-                if isinstance(table, dict):
-                    table.pop(room, None)  # one dict op: atomic
+            _drop_unowned_room(mgr, room)
         status = mgr.request_status.get(room)
         if status is not None and status != KVPoll.Success:
             with mgr.failure_lock:
@@ -316,6 +313,16 @@ def _with_why(reason: str, why: Optional[str]) -> str:
     """Decode's reason, with the message of the pause or release that ended the room
     (the verdict answers that message, end cause "pause")."""
     return f"{reason.rstrip('.')}{PEER_WHY}{why}" if why else reason
+
+
+def _drop_unowned_room(mgr: Any, room: int) -> None:
+    """Drop what prefill's bootstrap thread stored for a room no sender owns (decode's
+    handshake: status, transfer infos, prefix length, a failure record): nobody would
+    clear it otherwise."""
+    for name in ("request_status", "transfer_infos", "req_to_decode_prefix_len", "failure_records"):
+        table = getattr(mgr, name, None)
+        if isinstance(table, dict):
+            table.pop(room, None)  # one dict op: atomic
 
 
 def on_prefill_create_sender(result: Any, queue_: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
@@ -407,7 +414,7 @@ RELEASE_MARKER = "engine memory released"  # pd_pause.RELEASE_MARKER
 # A message that names the pause or the release ends the request as a pause abort
 # (end cause "pause"), never as a client abort or a failure (pd_pause.PAUSE_MARKERS).
 PAUSE_MARKERS = ("pause_generation", RELEASE_MARKER)
-PEER_WHY = " was aborted: "  # abort_retirement.peer_reason: what the peer is told, then why
+PEER_WHY = " was aborted: "  # peer_reason: what the peer is told, then why
 
 # Per request, set by the module that decided its end (read only here).
 PAUSE_ABORT = "_fork_pause_abort"  # pd_pause: the pause/release message
@@ -473,7 +480,7 @@ def verdict(req: Any, error_message: str, status_code: Any) -> Tuple[str, Any]:
         elif cause == "requested_abort":
             message, status = found[cause]
         elif cause == "peer_abort" and any(t in text for t in markers["release"]):
-            # the peer's pause or release ended it: its message (abort_retirement.peer_reason)
+            # the peer's pause or release ended it: its message (peer_reason)
             message, status = text.rsplit(PEER_WHY, 1)[-1], None
         elif cause == "peer_abort":
             request_end_cause.tag_req(req, request_end_cause.CLIENT_ABORT)
@@ -534,7 +541,7 @@ def ended_at_gate(role: Any, obj: Any, why: str) -> None:
         if role == "decode":
             tell_prefill(host, port, room, why)
         elif host is not None and port is not None and room is not None:
-            _teller().submit(f"{host}:{port}", int(room), why, reason=gate_reason(rid, room, why))
+            _teller().submit(f"{host}:{port}", int(room), why, reason=peer_reason(rid, room, "prefill", why))
 
 
 # A prefill-side end sent to prefill's own bootstrap thread: [ABORT_TAG, room, mark,
@@ -543,11 +550,11 @@ def ended_at_gate(role: Any, obj: Any, why: str) -> None:
 ENDED_ON_PREFILL = b"~fork-ended-on-prefill"
 
 
-def gate_reason(rid: Any, room: int, why: str) -> str:
-    """What decode is told of a request prefill's gate ended (abort_retirement.peer_reason's
-    form: decode's verdict answers a pause/release as its message, else a client abort)."""
-    said = f"{PEER_WHY}{why}" if any(m in str(why) for m in PAUSE_MARKERS) else " was aborted."
-    return f"{ABORT_TAG} on prefill: request {rid} (bootstrap_room={room}){said}"
+def peer_reason(rid: Any, room: int, side: str, why: Optional[str] = None) -> str:
+    """What the peer is told of a request `side` ended; `why` (the abort's message) only
+    for a pause or release end, so the peer ends its copy as that too (`verdict`)."""
+    said = f"{PEER_WHY}{why}" if why and any(m in str(why) for m in PAUSE_MARKERS) else " was aborted."
+    return f"{ABORT_TAG} on {side}: request {rid} (bootstrap_room={room}){said}"
 
 
 def _ended_on_prefill(ledger: "RoomLedger", room: int, reason: str) -> None:
@@ -563,10 +570,7 @@ def _ended_on_prefill(ledger: "RoomLedger", room: int, reason: str) -> None:
     ledger.end(room, None, reason, fail=False, tell=bool(targets), targets=targets,
                remember=not targets, cancel=True)
     if targets:
-        for name in ("request_status", "transfer_infos", "req_to_decode_prefix_len", "failure_records"):
-            table = getattr(mgr, name, None)
-            if isinstance(table, dict):
-                table.pop(room, None)
+        _drop_unowned_room(mgr, room)
     logger.info("room_ledger: room %s ended on prefill before its scheduler saw it (%s); decode %s",
                 room, reason, "told" if targets else "will be told at its handshake")
 

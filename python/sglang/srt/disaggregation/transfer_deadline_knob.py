@@ -31,18 +31,21 @@ class TransferTimeoutError(ValueError):
     pass
 
 
-def parse(value, source: str) -> float:
-    """`value` as a deadline in seconds, or TransferTimeoutError naming `source`."""
+def positive_seconds(value, source: str, what: str, accepted: str, error: type = ValueError) -> float:
+    """`value` as a finite number of seconds > 0, else `error` naming `source` (the
+    knob), what it is not, and what is accepted. Shared by the fork's second knobs."""
     try:
         seconds = float(value)
     except (TypeError, ValueError):
         seconds = math.nan
     if not (math.isfinite(seconds) and seconds > 0):
-        raise TransferTimeoutError(
-            f"{source}={value!r} is not a valid PD transfer deadline: "
-            f"expected {ACCEPTED}."
-        )
+        raise error(f"{source}={value!r} is not {what}: expected {accepted}.")
     return seconds
+
+
+def parse(value, source: str) -> float:
+    """`value` as a deadline in seconds, or TransferTimeoutError naming `source`."""
+    return positive_seconds(value, source, "a valid PD transfer deadline", ACCEPTED, TransferTimeoutError)
 
 
 def parse_arg(text: str) -> float:
