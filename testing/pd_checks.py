@@ -36,6 +36,8 @@ def held(report: dict) -> dict:
     if report["metadata_slots"] is not None:
         slots = report["metadata_slots"]
         out["metadata_slots_in_use"] = slots["total"] - slots["free"]
+    # requests waiting at the tokenizer's pause gate (servers only; harness reports lack it)
+    out["pause_gate_held"] = report.get("pause_gate_held", 0)
     out.update({f"queue.{k}": v for k, v in report["queues"].items()})
     out.update({f"rooms.{k}": v for k, v in (report["transfer_rooms"] or {}).items()})
     return out
@@ -351,6 +353,11 @@ def waiting_for_peer(server) -> int:
     return q["decode_prealloc"] + q["decode_transfer"]
 
 
+def at_gate(server) -> int:
+    """Requests `server`'s tokenizer holds at its pause gate right now."""
+    return server.resources()["pause_gate_held"]
+
+
 def abort_gate_until_let_go(running, paused, timeout: float, what: str) -> float:
     """`paused` aborts everything at its pause gate (`abort_all`, what a client or
     gateway giving up does) while `running` holds those requests' copies waiting for it;
@@ -447,10 +454,13 @@ def skewed_abort_pause_cycles(prefill, decode, url: str, cycles: int, clients: i
                     go.set()
                     return False
                 go.clear()
-                return waiting == n_open
+                # and the paused server's tokenizer holds each one's other copy (the
+                # balancer may still be sending it): the abort below must meet them all
+                return waiting == n_open and at_gate(paused) >= n_open
 
-            wait_until(all_open_at_running, 30, f"every open request waiting at {first} (cycle {cycle})",
-                       on_timeout=lambda: f"{running.resources()['queues']}, open: {open_rids()}")
+            wait_until(all_open_at_running, 30, f"every open request waiting at {first} and its gate (cycle {cycle})",
+                       on_timeout=lambda: f"{running.resources()['queues']}, at the gate: {at_gate(paused)}, "
+                                          f"open: {open_rids()}")
             emptied = abort_gate_until_let_go(running, paused, 5, f"{first}'s waiting queue to empty (cycle {cycle})")
             assert emptied <= emptied_s, (cycle, first, emptied)
             ok(paused, "continue_generation")

@@ -15,7 +15,7 @@ from functools import partial
 import pytest
 
 from conftest import assert_idle, held
-from testing.pd_checks import abort_gate_until_let_go, call, on_both, waiting_for_peer
+from testing.pd_checks import abort_gate_until_let_go, at_gate, call, on_both, waiting_for_peer
 from testing.pd_cluster import (
     PDCluster,
     generate,
@@ -307,10 +307,14 @@ def _end_at_gate(cluster, first, second, burst, cycle) -> int:
     def all_waiting():
         open_now = sum(1 for e in burst.ended if e is None)
         waiting = waiting_for_peer(cluster[first])
-        return waiting if open_now > 0 and waiting >= open_now else 0
+        # and `second`'s tokenizer holds their other copies (the balancer may still be
+        # sending them): the abort must meet every one of them at the gate
+        held = at_gate(cluster[second])
+        return waiting if open_now > 0 and waiting >= open_now and held >= open_now else 0
 
     waiting = wait_until(all_waiting, 30, f"the burst's copies waiting on {first} (cycle {cycle})",
-                         on_timeout=lambda: str(cluster.resources(first)["queues"]))
+                         on_timeout=lambda: f"{cluster.resources(first)['queues']}, "
+                                            f"at {second}'s gate: {at_gate(cluster[second])}")
     told = abort_gate_until_let_go(cluster[first], cluster[second], 10,
                                    f"{first} to let go of the copies ended at {second}'s gate (cycle {cycle})")
     assert told <= GATE_END_TOLD_S, (cycle, first, told)

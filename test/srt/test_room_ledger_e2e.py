@@ -22,7 +22,15 @@ import time
 import pytest
 
 from conftest import assert_idle
-from testing.pd_checks import cluster_end_causes, delta, is_completion_or_abort_answer, post, skewed_abort_pause_cycles
+from testing.pd_checks import (
+    at_gate,
+    cluster_end_causes,
+    delta,
+    is_completion_or_abort_answer,
+    post,
+    skewed_abort_pause_cycles,
+    wait_end_causes,
+)
 from testing.pd_cluster import (
     HOST,
     PDCluster,
@@ -54,8 +62,9 @@ IDLE_AFTER_LOSS_S = HEARTBEAT + 2.0
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model):
-    # decode's scheduler rejects a request that names a priority (hole 1, a rejection)
+    # either scheduler rejects a request that names a priority (hole 1, a rejection)
     c = PDCluster(str(tiny_model), prefill_env=ENV, decode_env=ENV,
+                  prefill_args=("--abort-on-priority-when-disabled",),
                   decode_args=("--abort-on-priority-when-disabled",))
     c.start()
     try:
@@ -282,6 +291,123 @@ def test_request_decodes_scheduler_rejects_reaches_prefill_at_once(cluster):
     assert leg.status == 200 and leg.body["meta_info"]["finish_reason"]["type"] == "abort", (leg.status, leg.body)
     assert_idle(cluster, PD_ROLES, baseline, timeout=5)
     # prefill ended its copy as decode's end (an abort), not as a bootstrap failure
+    assert _metric(prefill, END_CAUSES, role="prefill", cause="client_abort") == aborts + 1
+    assert _metric(prefill, "sglang:num_bootstrap_failed_reqs_total") == failed
+    results = [generate(cluster.url, p, max_new_tokens=8) for p in prompts(2)]
+    assert [r["status"] for r in results] == [200] * 2, [r["error"] for r in results]
+
+
+def _decode_transfer(server) -> int:
+    return server.resources()["queues"]["decode_transfer"]
+
+
+def _decode_copy_ends_at_once(cluster, leg, t0) -> str:
+    """Decode's copy, waiting for prefill's KV, was let go within about a second of
+    `t0` (it waited for the transfer deadline, 600 s), answered as an abort. Returns
+    the abort's message."""
+    decode = cluster["decode"]
+    wait_until(lambda: _decode_transfer(decode) == 0, 5, "decode to let go of its copy",
+               interval=0.05, on_timeout=lambda: str(decode.resources()["queues"]))
+    emptied = time.monotonic() - t0
+    leg.join(10)
+    assert not leg.is_alive(), "decode's leg hangs"
+    assert emptied <= 1.5, emptied  # "about a second" on two loaded cores
+    assert leg.ended_at - t0 <= 5.0, leg.ended_at - t0
+    assert leg.status == 200, (leg.status, leg.body)
+    reason = leg.body["meta_info"]["finish_reason"]
+    assert reason["type"] == "abort", reason
+    return reason["message"]
+
+
+def test_request_prefills_scheduler_rejects_reaches_decode_at_once(cluster):
+    """Hole 1's mirror, a rejection: prefill's scheduler rejects the request before its
+    room exists there (a priority: 503) while decode's copy, its handshake sent, waits
+    for prefill's KV. Decode's copy ends within about a second, as an abort."""
+    prefill, decode = cluster["prefill"], cluster["decode"]
+    baseline, _, failed = _warm_baseline_counts(cluster)
+    before = cluster_end_causes(cluster)
+    room = random.getrandbits(62)
+    rid = f"rejected-on-prefill-{room}"
+    body = _body("rejected by prefill: hello", room, cluster, rid)
+    leg = Leg(decode.url, body)
+    leg.start()
+    wait_until(lambda: _decode_transfer(decode) == 1, 30, "decode's copy waiting for prefill's KV")
+    t0 = time.monotonic()
+    status, reply = http_post_json(prefill.url + "/generate", dict(body, priority=1), timeout=30)
+    assert status == 503 and "priority" in str(reply), (status, reply)
+    message = _decode_copy_ends_at_once(cluster, leg, t0)
+    assert message.startswith("rejected by prefill's scheduler") and "priority" in message, message
+    assert_idle(cluster, PD_ROLES, baseline, timeout=5)
+    # decode ended its copy in its transfer queue as prefill's end (an abort), not a failure
+    wait_end_causes(cluster, before, {("decode", "client_abort", "decode_transfer"): 1})
+    assert _metric(prefill, "sglang:num_bootstrap_failed_reqs_total") == failed
+    results = [generate(cluster.url, p, max_new_tokens=8) for p in prompts(2)]
+    assert [r["status"] for r in results] == [200] * 2, [r["error"] for r in results]
+
+
+def test_abort_at_prefills_gate_reaches_decode_at_once(cluster):
+    """Hole 1's mirror: prefill paused (abort mode), decode serving. A request reaches
+    both; decode's copy waits for prefill's KV, prefill's copy waits at prefill's pause
+    gate. /abort_request at prefill ends it there -- and decode's copy within about a
+    second, whether decode's handshake reached prefill before or after."""
+    prefill, decode = cluster["prefill"], cluster["decode"]
+    baseline, _, _ = _warm_baseline_counts(cluster)
+    before = cluster_end_causes(cluster)
+    _call(prefill, "pause_generation", {"mode": "abort"})
+    try:
+        room = random.getrandbits(62)
+        rid = f"prefill-gate-{room}"
+        body = _body("ended at prefill's gate: hello", room, cluster, rid)
+        d_leg, p_leg = Leg(decode.url, body), Leg(prefill.url, body)
+        d_leg.start()
+        p_leg.start()
+        wait_until(lambda: _decode_transfer(decode) == 1 and at_gate(prefill) == 1, 30,
+                   "decode's copy waiting for KV and prefill's at its gate")
+        t0 = time.monotonic()
+        assert http_post_json(prefill.url + "/abort_request", {"rid": rid}, timeout=10)[0] == 200
+        p_leg.join(5)
+        assert p_leg.status == 200 and p_leg.body["meta_info"]["finish_reason"]["type"] == "abort", p_leg.body
+        _decode_copy_ends_at_once(cluster, d_leg, t0)
+        assert at_gate(prefill) == 0
+    finally:
+        _call(prefill, "continue_generation")
+    assert_idle(cluster, PD_ROLES, baseline, timeout=5)
+    wait_end_causes(cluster, before, {("decode", "client_abort", "decode_transfer"): 1})
+    results = [generate(cluster.url, p, max_new_tokens=8) for p in prompts(2)]
+    assert [r["status"] for r in results] == [200] * 2, [r["error"] for r in results]
+
+
+def test_decode_abort_while_prefills_gate_holds_the_copy(cluster):
+    """The other order of the same skew: decode's copy (waiting for KV) is aborted while
+    prefill's copy waits at prefill's pause gate. Prefill drops decode's handshake at
+    once (nothing held there but the gate's request); after continue_generation
+    prefill's copy ends at creation as decode's end, and both servers are idle."""
+    prefill, decode = cluster["prefill"], cluster["decode"]
+    baseline, aborts, failed = _warm_baseline_counts(cluster)
+    _call(prefill, "pause_generation", {"mode": "abort"})
+    try:
+        room = random.getrandbits(62)
+        rid = f"decode-ends-first-{room}"
+        body = _body("ended on decode first: hello", room, cluster, rid)
+        d_leg, p_leg = Leg(decode.url, body), Leg(prefill.url, body)
+        d_leg.start()
+        p_leg.start()
+        wait_until(lambda: _decode_transfer(decode) == 1 and at_gate(prefill) == 1, 30,
+                   "decode's copy waiting for KV and prefill's at its gate")
+        t0 = time.monotonic()
+        assert http_post_json(decode.url + "/abort_request", {"rid": rid}, timeout=10)[0] == 200
+        d_leg.join(5)
+        assert d_leg.status == 200 and d_leg.body["meta_info"]["finish_reason"]["type"] == "abort", d_leg.body
+        # prefill holds only the request at its gate: decode's handshake is dropped
+        assert_idle(cluster, PD_ROLES, {"prefill": dict(baseline["prefill"], pause_gate_held=1),
+                                        "decode": baseline["decode"]}, timeout=5)
+        assert time.monotonic() - t0 <= 5.0
+    finally:
+        _call(prefill, "continue_generation")
+    p_leg.join(10)
+    assert not p_leg.is_alive(), "prefill's leg hangs after continue"
+    assert p_leg.status == 200 and p_leg.body["meta_info"]["finish_reason"]["type"] == "abort", p_leg.body
+    assert_idle(cluster, PD_ROLES, baseline, timeout=5)
     assert _metric(prefill, END_CAUSES, role="prefill", cause="client_abort") == aborts + 1
     assert _metric(prefill, "sglang:num_bootstrap_failed_reqs_total") == failed
     results = [generate(cluster.url, p, max_new_tokens=8) for p in prompts(2)]

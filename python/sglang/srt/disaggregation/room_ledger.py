@@ -415,6 +415,7 @@ RELEASE_MARKER = "engine memory released"  # pd_pause.RELEASE_MARKER
 # (end cause "pause"), never as a client abort or a failure (pd_pause.PAUSE_MARKERS).
 PAUSE_MARKERS = ("pause_generation", RELEASE_MARKER)
 PEER_WHY = " was aborted: "  # peer_reason: what the peer is told, then why
+REJECTED = "rejected by"  # a scheduler's rejection, told to the peer with its message
 
 # Per request, set by the module that decided its end (read only here).
 PAUSE_ABORT = "_fork_pause_abort"  # pd_pause: the pause/release message
@@ -432,7 +433,8 @@ DEADLINE_EXPIRED = "fork_transfer_deadline_message"  # transfer_deadline: its me
 #  - requested abort (the AbortReq's own): a client abort (200 abort), an SLA abort
 #    (503): the failure of its room is the abort's consequence.
 #  - peer abort (client abort answer): the peer ended the room because its request was
-#    aborted there (a pause or release there: its message, counted "pause").
+#    aborted there (a pause or release there: its message, counted "pause"; its
+#    scheduler's rejection: "rejected by ..." with the rejection's message).
 #  - the failure itself: its message; status 504 / 503 / 502 if the reason names a
 #    deadline (504), a lost peer (502) or a release (the abort answer: the peer's
 #    reason crossed the wire), else the caller's (500).
@@ -483,8 +485,11 @@ def verdict(req: Any, error_message: str, status_code: Any) -> Tuple[str, Any]:
             # the peer's pause or release ended it: its message (peer_reason)
             message, status = text.rsplit(PEER_WHY, 1)[-1], None
         elif cause == "peer_abort":
+            # the peer's client aborted it (upstream's abort message), or the peer's
+            # scheduler rejected it (named): an abort answer either way
             request_end_cause.tag_req(req, request_end_cause.CLIENT_ABORT)
-            message, status = CLIENT_ABORT_MESSAGE, None
+            said = text.rsplit(PEER_WHY, 1)[-1] if PEER_WHY + REJECTED in text else None
+            message, status = said or CLIENT_ABORT_MESSAGE, None
         else:
             message = error_message
             if any(t in text for t in markers["peer_lost"]):
@@ -552,8 +557,10 @@ ENDED_ON_PREFILL = b"~fork-ended-on-prefill"
 
 def peer_reason(rid: Any, room: int, side: str, why: Optional[str] = None) -> str:
     """What the peer is told of a request `side` ended; `why` (the abort's message) only
-    for a pause or release end, so the peer ends its copy as that too (`verdict`)."""
-    said = f"{PEER_WHY}{why}" if why and any(m in str(why) for m in PAUSE_MARKERS) else " was aborted."
+    for a pause or release end, so the peer ends its copy as that too (`verdict`), or
+    for a scheduler's rejection (the peer answers naming it)."""
+    told_why = why and (any(m in str(why) for m in PAUSE_MARKERS) or str(why).startswith(REJECTED))
+    said = f"{PEER_WHY}{why}" if told_why else " was aborted."
     return f"{ABORT_TAG} on {side}: request {rid} (bootstrap_room={room}){said}"
 
 
@@ -576,17 +583,24 @@ def _ended_on_prefill(ledger: "RoomLedger", room: int, reason: str) -> None:
 
 
 def after_send_abort_output(result: Any, scheduler: Any, abort_req: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
-    """AFTER `Scheduler.send_abort_output`: a request decode's scheduler rejected
-    before it entered the prealloc queue (its room never existed here: priority,
-    validation, a full queue) still ends prefill's copy at once."""
+    """AFTER `Scheduler.send_abort_output`: a request one side's scheduler rejected
+    before it entered that side's first PD queue (its room never existed there:
+    priority, validation, a full queue) still ends the other side's copy at once --
+    decode's rejection through prefill's ABORT, prefill's through its own bootstrap
+    thread, as at the gate (`ended_at_gate`)."""
     from sglang.srt.disaggregation.utils import DisaggregationMode, TransferBackend
 
-    if (
-        scheduler.disaggregation_mode == DisaggregationMode.DECODE
-        and scheduler.transfer_backend != TransferBackend.FAKE
-        and not req.time_stats.decode_prealloc_queue_entry_time
-    ):
+    mode, stats = scheduler.disaggregation_mode, req.time_stats
+    if scheduler.transfer_backend == TransferBackend.FAKE or req.bootstrap_room is None:
+        return result
+    if mode == DisaggregationMode.DECODE and not stats.decode_prealloc_queue_entry_time:
         tell_prefill(req.bootstrap_host, req.bootstrap_port, req.bootstrap_room, "rejected by decode's scheduler")
+    elif (mode == DisaggregationMode.PREFILL and not stats.prefill_bootstrap_queue_entry_time
+          and req.bootstrap_host is not None and req.bootstrap_port is not None):
+        said = (getattr(abort_req, "finished_reason", None) or {}).get("message")
+        why = f"{REJECTED} prefill's scheduler" + (f" ({said})" if said else "")
+        _teller().submit(f"{req.bootstrap_host}:{req.bootstrap_port}", int(req.bootstrap_room), why,
+                         reason=peer_reason(req.rid, req.bootstrap_room, "prefill", why))
     return result
 
 

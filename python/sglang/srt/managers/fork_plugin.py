@@ -23,6 +23,11 @@ HOOKS: list[tuple[str, str, HookType]] = [
         "sglang.srt.managers.pd_resource_report:add_to_internal_state",
         HookType.AFTER,
     ),
+    (
+        "sglang.srt.managers.tokenizer_control_mixin.TokenizerControlMixin.get_internal_state",
+        "sglang.srt.managers.pd_pause_gate:tm_internal_state",
+        HookType.AROUND,
+    ),
     # pause/release/resume/continue with PD requests in flight: the tokenizer's state
     # machine (pd_pause_state), its pause gate (pd_pause_gate), the scheduler side
     # (pd_pause, pd_pause_aborts) and the PD queues' transfer-engine registration

@@ -9,7 +9,9 @@ leaves the gate alone, as upstream does (held, served after continue).
 Who calls: the tokenizer_manager patch (gate predicate `gate_open`, then
 `gate_aborted` / `gate_abort_answers`) and an AFTER hook on
 TokenizerManager.abort_request (`tm_abort_request`), which marks the request and
-wakes the gate.
+wakes the gate. How many requests wait at the gate is reported with the scheduler's
+resource report (`pause_gate_held`, AROUND get_internal_state: `tm_internal_state`).
+All of it runs on the tokenizer's event loop.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from sglang.srt.disaggregation import room_ledger
 logger = logging.getLogger(__name__)
 
 _MARK = "_fork_gate_abort"  # on a ReqState: the abort's message
+_AT_GATE = "_fork_at_gate"  # on a ReqState: waiting at the pause gate now
 
 
 def _why(tokenizer_manager, rid: str, abort_all: bool) -> str:
@@ -70,8 +73,32 @@ async def _wake_gate(tokenizer_manager) -> None:
 
 
 def gate_open(tokenizer_manager, request_states: Dict[str, Any]) -> bool:
-    """The pause gate of generate_request: open when not paused, or for an aborted request."""
-    return not tokenizer_manager.is_pause or gate_aborted(request_states)
+    """The pause gate of generate_request: open when not paused, or for an aborted
+    request. Each evaluation notes whether the request waits at the gate."""
+    is_open = not tokenizer_manager.is_pause or gate_aborted(request_states)
+    for state in request_states.values():
+        if is_open:
+            state.__dict__.pop(_AT_GATE, None)
+        else:
+            state.__dict__[_AT_GATE] = True
+    return is_open
+
+
+def held_at_gate(tokenizer_manager) -> int:
+    """Requests waiting at the pause gate now (they hold nothing on the scheduler)."""
+    return sum(1 for state in list(tokenizer_manager.rid_to_state.values()) if state.__dict__.get(_AT_GATE))
+
+
+async def tm_internal_state(original, tokenizer_manager, *args, **kwargs):
+    """AROUND TokenizerControlMixin.get_internal_state: each scheduler's resource
+    report also says how many requests wait at this tokenizer's pause gate."""
+    states = await original(tokenizer_manager, *args, **kwargs)
+    held = held_at_gate(tokenizer_manager)
+    for state in states:
+        report = state.get("fork_pd_resources") if isinstance(state, dict) else None
+        if isinstance(report, dict):
+            report["pause_gate_held"] = held
+    return states
 
 
 def gate_aborted(request_states: Dict[str, Any]) -> bool:
