@@ -51,21 +51,22 @@ def assert_idle(deployment, roles, baseline: dict | None = None, timeout: float 
     last = {}
 
     def idle():
+        # every role read on every poll: a timeout describes each one as it was
+        done = True
         for role in roles:
             now = held(deployment.resources(role))
             last[role] = now
-            want = expected[role] or {k: 0 for k in now}
-            if now != want:
-                return False
-        return True
+            done = done and now == (expected[role] or {k: 0 for k in now})
+        return done
 
     def describe():
         lines = []
         for role in roles:
-            want = expected[role] or {k: 0 for k in last.get(role, {})}
-            diff = {
-                k: (v, want.get(k)) for k, v in last.get(role, {}).items() if v != want.get(k)
-            }
+            if role not in last:
+                lines.append(f"{role}: never read")
+                continue
+            want = expected[role] or {k: 0 for k in last[role]}
+            diff = {k: (v, want.get(k)) for k, v in last[role].items() if v != want.get(k)}
             lines.append(f"{role}: (now, expected) {diff}")
         return "\n".join(lines)
 
