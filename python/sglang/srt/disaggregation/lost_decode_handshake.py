@@ -1,16 +1,10 @@
 """A prefill request routed to a decode that is gone ends within seconds, as peer loss.
 
-Invariant: on prefill, while a decode peer is lost and no new incarnation has registered
-on its host (peer_liveness' `lost` table), a request that has waited in the bootstrap
-queue longer than `SGLANG_FORK_LOST_DECODE_HANDSHAKE_TIMEOUT` seconds (engine clock:
-paused time does not count) for its decode's handshake is failed with the peer-loss
-answer (502 naming the lost decode), instead of waiting for upstream's bootstrap
-timeout (300 s). Why: sglang-router retries a failed PD request at once, and until the
-dead decode is removed it sends fresh requests whose decode leg is refused; it waits
-for both legs, so the client hangs and the prefill is charged the failure minutes
-later, after a replacement decode registered -- re-opening the prefill's circuit
-(docs/gateway.md). Called by BEFORE PrefillBootstrapQueue.pop_bootstrapped and
-validated by AFTER PrefillBootstrapQueue._init_kv_manager (fork_plugin.HOOKS).
+While a decode is lost and not replaced on its host (peer_liveness' `lost`), a request that
+waited in prefill's bootstrap queue longer than `SGLANG_FORK_LOST_DECODE_HANDSHAKE_TIMEOUT`
+(engine clock) for its decode's handshake ends through the ledger (502 naming the decode),
+not after upstream's 300 s: sglang-router still routes to a dead decode (docs/gateway.md).
+Scheduler thread: BEFORE PrefillBootstrapQueue.pop_bootstrapped.
 """
 
 from __future__ import annotations
@@ -56,9 +50,6 @@ def configured() -> float:
     return parse(os.environ.get(ENV))
 
 
-# ----------------------------------------------------------------------------- pure
-
-
 def lost_decodes(monitor: Any) -> List[str]:
     """host:port of every decode declared lost and not replaced on its host."""
     if monitor is None:
@@ -92,9 +83,6 @@ def message(req: Any, waited: float, lost: Sequence[str], timeout: float) -> str
         f"within {waited:.1f}s while decode peer {', '.join(lost)} is lost and not replaced "
         f"(a balancer still routing to it?); {ENV}={timeout:g}"
     )
-
-
-# ----------------------------------------------------------------------------- hooks
 
 
 def before_pop_bootstrapped(queue, *args, **kwargs):
