@@ -1,15 +1,9 @@
 """A prefill transfer worker that dies does not strand its rooms.
 
-Invariant: when a mooncake transfer worker thread raises, the room whose chunk it was
-sending is ended through the room ledger (`room_ledger.end_room`: recorded, Failed,
-decode told, with a reason naming the exception), its in-flight count is dropped (the drain ACK stays
-poisoned, as upstream leaves it, because a write may still be running), and the worker
-loop starts again on the same queue, so later chunks of that shard are served. The
-scheduler's next inflight poll sees Failed and retires the request (upstream's path).
-Installed by a BEFORE hook on `PrefillBootstrapQueue._init_kv_manager` (fork_plugin.HOOKS),
-in the scheduler process just before the manager starts its workers: hooking
-`MooncakeKVManager` directly would import mooncake/conn.py (and prometheus_client) in
-the launcher before PROMETHEUS_MULTIPROC_DIR is set, which silences its metrics.
+When a mooncake transfer worker thread raises, the room it was sending ends through
+the ledger (500 naming the exception, decode told), its in-flight count is dropped and
+the worker loop starts again on the same queue. Installed (a class patch, SWAPS) by a
+BEFORE hook on `PrefillBootstrapQueue._init_kv_manager`, in the scheduler process.
 """
 
 from __future__ import annotations
@@ -43,6 +37,7 @@ def rooms_in_flight(kv_mgr, queue) -> list:
 
 
 def fail_stranded_rooms(kv_mgr, queue, exc: BaseException) -> list:
+    """Transfer worker thread: end the rooms the raising worker had in flight."""
     rooms = rooms_in_flight(kv_mgr, queue)
     for room in rooms:
         reason = f"KV transfer worker raised while sending room {room}: {exc!r}; restarted"
@@ -54,8 +49,8 @@ def fail_stranded_rooms(kv_mgr, queue, exc: BaseException) -> list:
 
 
 def around_transfer_worker(original, kv_mgr, queue, *args, **kwargs):
-    """Run upstream's worker loop; if it raises, fail its stranded rooms and run it
-    again on the same queue (it consumed the failing chunk, so this cannot spin)."""
+    """Upstream's worker loop, run again on the same queue after it raised (it consumed
+    the failing chunk: no spin)."""
     while True:
         try:
             return original(kv_mgr, queue, *args, **kwargs)
@@ -66,8 +61,7 @@ def around_transfer_worker(original, kv_mgr, queue, *args, **kwargs):
 
 
 def install(*args, **kwargs) -> None:
-    """BEFORE PrefillBootstrapQueue._init_kv_manager: wrap MooncakeKVManager.transfer_worker
-    once (the workers' thread targets are bound when the manager is built)."""
+    """BEFORE PrefillBootstrapQueue._init_kv_manager: wrap MooncakeKVManager.transfer_worker once."""
     from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
 
     if getattr(fork_touch.upstream(MooncakeKVManager, "transfer_worker"), "fork_guarded", False):

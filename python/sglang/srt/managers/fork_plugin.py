@@ -1,14 +1,9 @@
 """The fork's `sglang.srt.plugins` entry point, and the table of every way the fork
 touches upstream (docs/layout.md "Ways the fork touches upstream").
 
-HOOKS: every hook applied through upstream's HookRegistry. Upstream only logs a hook
-that fails to apply, so `hooks_applied()` lets tests (and the resource report) assert
-that each target really was patched.
-SWAPS: every instance-attribute swap and class patch, made (inside the hook named) through
-`fork_touch.swap()`, which refuses an undeclared swap and fails loudly on a missing
-target; `fork_touch.swaps_applied()` tells per live object whether each is in place
-(resource report `swaps_applied`), and `fork_touch.check_at_start` stops a scheduler
-whose kv manager lacks one. `tools/fork check` resolves both tables against upstream.
+HOOKS: every HookRegistry hook (`hooks_applied()` tells which applied: upstream only logs
+a failure). SWAPS: every attribute swap and class patch, made through `fork_touch.swap()`.
+`tools/fork check` resolves both tables against upstream.
 """
 
 import importlib
