@@ -138,15 +138,6 @@ def _fetch_routes(receiver_cls: type, addr: str, dp: int, info: Any) -> Dict[Key
     return routes
 
 
-def _connected(mgr: Any, addr: str, dp: int, info: Any) -> bool:
-    """Whether upstream's connection pool has this prefill dp rank's endpoints (keys as
-    upstream's `_setup_bootstrap_infos`): then `receiver.init` fetches nothing."""
-    keys = [f"{addr}_{dp}_{cp}_{info.target_tp_rank}" for cp in info.target_cp_ranks]
-    pool = fork_touch.upstream(mgr, "connection_pool")
-    with fork_touch.upstream(mgr, "connection_lock"):
-        return all(k in pool for k in keys)
-
-
 def around_ensure_prefill_info(original, queue, addr_to_reqs, *args, **kwargs):
     """AROUND DecodePreallocQueue._ensure_prefill_info: upstream sees only prefills whose info
     is known or fetched; for the others a fetch starts (at upstream's retry pace), requests wait."""
@@ -199,9 +190,7 @@ def around_try_ensure_parallel_info(original, mgr, bootstrap_addr, *args, **kwar
     """AROUND CommonKVManager.try_ensure_parallel_info: on the scheduler thread, a completed
     fetch's outcome (its error raised); the pool's own call goes through."""
     fetch = fetch_of(mgr)
-    if fetch is None or getattr(_local, "fetching", False):
-        return original(mgr, bootstrap_addr, *args, **kwargs)
-    outcome = fetch.take(("info", bootstrap_addr))
+    outcome = None if fetch is None or getattr(_local, "fetching", False) else fetch.take(("info", bootstrap_addr))
     if outcome is None:
         return original(mgr, bootstrap_addr, *args, **kwargs)
     if outcome.error is not None:
@@ -218,11 +207,14 @@ def around_init_receiver(original, queue, decode_req, prefill_dp_rank, *args, **
     receiver = decode_req.kv_receiver
     addr = getattr(receiver, "bootstrap_addr", None)
     info = None if fetch is None else fork_touch.upstream(mgr, "prefill_info_table").get(addr)
-    if (
-        info is None
-        or fork_touch.upstream(receiver, "conclude_state") is not None  # failed already: init returns
-        or _connected(mgr, addr, prefill_dp_rank, info)
-    ):
+    if info is None or fork_touch.upstream(receiver, "conclude_state") is not None:  # failed: init returns
+        return original(queue, decode_req, prefill_dp_rank, *args, **kwargs)
+    # upstream's connection pool has this prefill dp rank's endpoints (keys as its
+    # `_setup_bootstrap_infos`): receiver.init fetches nothing
+    pool = fork_touch.upstream(mgr, "connection_pool")
+    with fork_touch.upstream(mgr, "connection_lock"):
+        connected = all(f"{addr}_{prefill_dp_rank}_{cp}_{info.target_tp_rank}" in pool for cp in info.target_cp_ranks)
+    if connected:
         return original(queue, decode_req, prefill_dp_rank, *args, **kwargs)
     key = ("routes", addr, prefill_dp_rank)
     outcome = fetch.take(key) if fetch.ready(key) else None

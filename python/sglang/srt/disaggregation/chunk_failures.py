@@ -41,10 +41,7 @@ _REASON_PREFIX = {
 
 def chunk_kind(failure_reason: Optional[str]) -> Optional[str]:
     """The chunk kind a transfer failure reason names, or None (abort, timeout...)."""
-    for kind, prefix in _REASON_PREFIX.items():
-        if failure_reason and prefix in failure_reason:
-            return kind
-    return None
+    return next((kind for kind, prefix in _REASON_PREFIX.items() if prefix in (failure_reason or "")), None)
 
 
 def chunk_failure_counts() -> Dict[Tuple[str, str], float]:
@@ -67,12 +64,8 @@ class _Fault:
 
 
 class FaultPlan:
-    """`SGLANG_TEST_DISAGG_FAIL_CHUNKS`: comma-separated `kind[+failed]:rid=PREFIX` or
-    `kind[+failed]:room=N`, kind in kv/aux/state. Each matching room fails its first
-    write of that kind once (reported by the engine as rc -1; the write itself ran).
-    `+failed` first marks the room Failed locally, as a concurrent local abort would.
-    Rids are matched when prefill admits a request (`bind`), since the transfer worker
-    only knows rooms; that is how an e2e test picks one request among many."""
+    """`SGLANG_TEST_DISAGG_FAIL_CHUNKS` (docs/chunk-failures.md): each matching room's first
+    write of a kind reports -1 once; rids are bound to rooms when prefill admits them."""
 
     def __init__(self, faults: List[_Fault]):
         self.faults = faults
@@ -91,13 +84,8 @@ class FaultPlan:
             head, _, sel = item.partition(":")
             kind, _, flag = head.partition("+")
             selector, _, value = sel.partition("=")
-            if (
-                kind not in KINDS
-                or flag not in ("", "failed")
-                or selector not in ("rid", "room")
-                or not value
-                or (selector == "room" and not value.isdigit())
-            ):
+            bad = kind not in KINDS or flag not in ("", "failed") or selector not in ("rid", "room") or not value
+            if bad or (selector == "room" and not value.isdigit()):
                 raise ValueError(
                     f"SGLANG_TEST_DISAGG_FAIL_CHUNKS: bad entry {item!r}; expected "
                     "kind[+failed]:rid=PREFIX or kind[+failed]:room=N, kind in kv/aux/state"

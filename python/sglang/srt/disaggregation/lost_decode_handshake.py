@@ -10,7 +10,6 @@ Scheduler thread: BEFORE PrefillBootstrapQueue.pop_bootstrapped.
 from __future__ import annotations
 
 import logging
-import math
 import os
 from typing import Any, List, Optional, Sequence, Tuple
 
@@ -18,6 +17,7 @@ from sglang.srt.disaggregation import request_end_cause
 from sglang.srt.disaggregation.peer_liveness import TAG, monitor_of
 from sglang.srt.disaggregation.room_ledger import end_room
 from sglang.srt.disaggregation.transfer_deadline import _decides
+from sglang.srt.disaggregation.transfer_deadline_knob import positive_seconds
 from sglang.srt.managers import fork_touch
 from sglang.srt.managers.engine_clock import engine_clock
 
@@ -35,15 +35,7 @@ _next_scan = [float("-inf")]
 
 def parse(value: Optional[str]) -> float:
     """The knob's value in seconds; ValueError naming the knob when it is not valid."""
-    if value is None:
-        return DEFAULT
-    try:
-        seconds = float(value)
-    except ValueError:
-        seconds = math.nan
-    if not (math.isfinite(seconds) and seconds >= 0):
-        raise ValueError(f"{ENV}={value!r} is not valid: expected {ACCEPTED}.")
-    return seconds
+    return DEFAULT if value is None else positive_seconds(value, ENV, "valid", ACCEPTED, zero=True)
 
 
 def configured() -> float:

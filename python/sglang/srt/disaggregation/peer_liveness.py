@@ -105,17 +105,13 @@ class PeerMonitor:
         self.known: Dict[str, Tuple[str, int]] = {}
         # prefill: host -> peers lost there and not seen again; decode: bootstrap addrs
         self.lost: Dict[str, List[str]] = {}
-        # prefill: sessions and host:port of decode incarnations declared lost, newest
-        # last (bounded): a late failed write to one of them leaves nothing behind
+        # prefill: sessions and host:port of decode incarnations declared lost (bounded)
         self.gone: "OrderedDict[str, None]" = OrderedDict()
-        # prefill: session -> rooms whose failed write left a poison mark (see
-        # chunk_failures._expire_poison_later); dropped when that session is lost
+        # prefill: session -> rooms whose failed write left a poison mark (dropped at its loss)
         self.poisoned: Dict[str, set] = {}
         # prefill: sessions seen blacklisted at the last tick (see _tick_prefill)
         self.held_out: set = set()
-        # prefill: session -> host:port of each decode lost while it may be alive
-        # (frozen, stalled, cut off): registration kept, session held in the blacklist
-        # until it answers a probe or refuses connections (see _watch_held)
+        # prefill: session -> host:port of each decode lost while it may be alive (held out)
         self.held: Dict[str, str] = {}
         self._probing: set = set()  # held sessions with a probe running
         self.thread = threading.Thread(target=self._run, name=f"ForkPeerMonitor-{role}", daemon=True)
@@ -136,8 +132,7 @@ class PeerMonitor:
     # -- prefill: decode sessions
 
     def is_gone(self, names: List[str], text: Optional[str] = None) -> bool:
-        """Whether any of `names` (sessions, host:port) -- or a peer named in `text` --
-        was declared lost."""
+        """Whether any of `names` (sessions, host:port), or a peer named in `text`, is lost."""
         with self.lock:
             if any(n in self.gone for n in names):
                 return True
@@ -160,17 +155,12 @@ class PeerMonitor:
             for session in sessions:
                 self.poisoned.setdefault(session, set()).add(room)
 
-    def _prune_poisoned(self) -> None:
-        marks = self.mgr._deferred_ack_poisoned_rooms
-        with self.lock:
-            for session in list(self.poisoned):
-                self.poisoned[session] = {r for r in self.poisoned[session] if r in marks}
-                if not self.poisoned[session]:
-                    del self.poisoned[session]
-
     def _tick_prefill(self) -> None:
         mgr = self.mgr
-        self._prune_poisoned()
+        marks = mgr._deferred_ack_poisoned_rooms  # forget the rooms whose mark expired
+        with self.lock:
+            live = {s: {r for r in rooms if r in marks} for s, rooms in self.poisoned.items()}
+            self.poisoned = {s: rooms for s, rooms in live.items() if rooms}
         with mgr.session_lock:
             sessions = {s: (info.endpoint, int(info.dst_port)) for s, info in mgr.decode_kv_args_table.items()}
             blacklisted = {s for s in sessions if s in mgr.failed_sessions}

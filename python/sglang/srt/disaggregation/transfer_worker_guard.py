@@ -18,46 +18,34 @@ from sglang.srt.managers import fork_touch
 logger = logging.getLogger(__name__)
 
 
-def _shard_of(kv_mgr, room: int):
-    infos = kv_mgr.transfer_infos.get(room)
-    if not infos:
-        return None
-    # As MooncakeKVManager.add_transfer_request routes a room's chunks.
-    return sum(int(s.rsplit(":", 1)[1]) for s in list(infos)) % len(kv_mgr.transfer_queues)
-
-
 def rooms_in_flight(kv_mgr, queue) -> list:
-    """Rooms with a chunk dequeued but not finished by the worker of `queue`."""
-    shard = next(i for i, q in enumerate(kv_mgr.transfer_queues) if q is queue)
-    return [
-        room
-        for room, count in list(kv_mgr._staging_outstanding.items())
-        if count > 0 and _shard_of(kv_mgr, room) == shard
-    ]
+    """Rooms with a chunk dequeued but not finished by the worker of `queue` (sharded as
+    MooncakeKVManager.add_transfer_request routes a room's chunks)."""
+    queues = kv_mgr.transfer_queues
+    shard = next(i for i, q in enumerate(queues) if q is queue)
 
+    def shard_of(room: int):
+        sessions = list(kv_mgr.transfer_infos.get(room) or ())
+        return sum(int(s.rsplit(":", 1)[1]) for s in sessions) % len(queues) if sessions else None
 
-def fail_stranded_rooms(kv_mgr, queue, exc: BaseException) -> list:
-    """Transfer worker thread: end the rooms the raising worker had in flight."""
-    rooms = rooms_in_flight(kv_mgr, queue)
-    for room in rooms:
-        reason = f"KV transfer worker raised while sending room {room}: {exc!r}; restarted"
-        logger.error(reason)
-        if kv_mgr.request_status.get(room) not in (None, KVPoll.Success):
-            end_room(kv_mgr, room, None, reason)
-        kv_mgr._staging_outstanding.pop(room, None)
-    return rooms
+    return [room for room, count in list(kv_mgr._staging_outstanding.items()) if count > 0 and shard_of(room) == shard]
 
 
 def around_transfer_worker(original, kv_mgr, queue, *args, **kwargs):
     """Upstream's worker loop, run again on the same queue after it raised (it consumed
-    the failing chunk: no spin)."""
+    the failing chunk: no spin); the rooms it had in flight end through the ledger."""
     while True:
         try:
             return original(kv_mgr, queue, *args, **kwargs)
         except Exception as exc:
             if fork_touch.upstream(kv_mgr, "_stopped"):
                 raise
-            fail_stranded_rooms(kv_mgr, queue, exc)
+            for room in rooms_in_flight(kv_mgr, queue):
+                reason = f"KV transfer worker raised while sending room {room}: {exc!r}; restarted"
+                logger.error(reason)
+                if kv_mgr.request_status.get(room) not in (None, KVPoll.Success):
+                    end_room(kv_mgr, room, None, reason)
+                kv_mgr._staging_outstanding.pop(room, None)
 
 
 def install(*args, **kwargs) -> None:
