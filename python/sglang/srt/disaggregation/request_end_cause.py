@@ -75,9 +75,7 @@ def tagged_rooms(kv_manager: Any) -> int:
 
 
 def _is_client_abort(req: Any) -> bool:
-    """A request the client (or /abort_request) aborted: upstream sets `to_finish` or
-    `finished_reason` to FINISH_ABORT with no error status (a deadline or failure
-    carries one)."""
+    """Upstream's client abort: `to_finish` / `finished_reason` FINISH_ABORT without a status."""
     from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
     for reason in (getattr(req, "to_finish", None), getattr(req, "finished_reason", None)):

@@ -13,8 +13,7 @@ from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 # (dotted target in upstream, "our_module:function", hook type)
 HOOKS: list[tuple[str, str, HookType]] = [
     (
-        "sglang.srt.managers.scheduler_components.internal_state."
-        "SchedulerInternalStateController.get_internal_state",
+        "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController.get_internal_state",
         "sglang.srt.managers.pd_resource_report:add_to_internal_state",
         HookType.AFTER,
     ),
@@ -160,14 +159,12 @@ HOOKS: list[tuple[str, str, HookType]] = [
         HookType.BEFORE,
     ),
     (
-        "sglang.srt.disaggregation.prefill.SchedulerDisaggregationPrefillMixin."
-        "resolve_waiting_queue_bootstrap",
+        "sglang.srt.disaggregation.prefill.SchedulerDisaggregationPrefillMixin.resolve_waiting_queue_bootstrap",
         "sglang.srt.disaggregation.transfer_deadline:before_resolve_waiting",
         HookType.BEFORE,
     ),
     (
-        "sglang.srt.disaggregation.prefill.SchedulerDisaggregationPrefillMixin."
-        "process_disagg_prefill_inflight_queue",
+        "sglang.srt.disaggregation.prefill.SchedulerDisaggregationPrefillMixin.process_disagg_prefill_inflight_queue",
         "sglang.srt.disaggregation.transfer_deadline:before_prefill_inflight",
         HookType.BEFORE,
     ),
