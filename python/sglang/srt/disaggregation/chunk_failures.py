@@ -293,7 +293,6 @@ def on_prefill_manager_init(mgr: Any, queue: Any, *args: Any, **kwargs: Any) -> 
         scratch = mgr.fork_probe_scratch = ctypes.create_string_buffer(READ_BYTES)
         mgr.engine.register(ctypes.addressof(scratch), READ_BYTES)  # kept for the manager's life
         fork_touch.swap(mgr, "_send_probe", lambda send_probe: SessionProbe(mgr, send_probe, timeout), by=__name__)
-    return None
 
 
 def on_prefill_add(result: Any, queue: Any, req: Any, *args: Any, **kwargs: Any) -> None:
@@ -301,7 +300,6 @@ def on_prefill_add(result: Any, queue: Any, req: Any, *args: Any, **kwargs: Any)
     plan = getattr(getattr(queue, "kv_manager", None), "fork_chunk_faults", None)
     if plan is not None and req.bootstrap_room is not None:
         plan.bind(req.rid, req.bootstrap_room)
-    return None
 
 
 def on_decode_transfer_failure(result: Any, queue: Any, failure_reason: str, *args: Any, **kwargs: Any) -> None:
@@ -309,7 +307,6 @@ def on_decode_transfer_failure(result: Any, queue: Any, failure_reason: str, *ar
     kind = chunk_kind(failure_reason)
     if kind is not None:
         fork_metrics.inc("chunk_failure", {}, kind=kind, role="decode")
-    return None
 
 
 def on_sender_clear(result: Any, sender: Any, *args: Any, **kwargs: Any) -> None:
@@ -320,4 +317,3 @@ def on_sender_clear(result: Any, sender: Any, *args: Any, **kwargs: Any) -> None
     outstanding = getattr(mgr, "_staging_outstanding", None)
     if outstanding is not None and room not in mgr.request_status and outstanding.get(room) == 0:
         outstanding.pop(room, None)
-    return None

@@ -106,4 +106,3 @@ def before_pop_bootstrapped(queue, *args, **kwargs):
 def validate_at_start(mgr: Any, queue: Any, *args: Any, **kwargs: Any) -> None:
     """AFTER PrefillBootstrapQueue._init_kv_manager: a bad knob stops the prefill."""
     configured()
-    return None

@@ -445,13 +445,11 @@ def _start(queue: Any, mgr: Any, role: str) -> None:
 def on_prefill_manager_init(mgr: Any, queue: Any, *args: Any, **kwargs: Any) -> None:
     """AFTER PrefillBootstrapQueue._init_kv_manager (result: the manager)."""
     _start(queue, mgr, "prefill")
-    return None
 
 
 def on_decode_manager_init(mgr: Any, queue: Any, *args: Any, **kwargs: Any) -> None:
     """AFTER DecodePreallocQueue._init_kv_manager (result: the manager)."""
     _start(queue, mgr, "decode")
-    return None
 
 
 def around_handle_node_failure(original, mgr, failed_bootstrap_addr, *args, **kwargs):

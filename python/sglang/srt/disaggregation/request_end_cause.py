@@ -145,4 +145,3 @@ def before_send_abort_output(scheduler: Any, abort_req: Any, req: Any, *args: An
     from the waiting queue or the re-bootstrap hold (a rejected one carries no tag)."""
     if _is_decode(scheduler) and getattr(req, _REQ_CAUSE, None) is not None:
         _count_running_end(scheduler, req)
-    return None
