@@ -165,6 +165,11 @@ def lengths(scheduler: Any) -> Dict[str, int]:
     return queues
 
 
+def table_sizes(obj: Any, names: Tuple[str, ...]) -> Dict[str, int]:
+    """len() of each table in `names` that `obj` has (a role or backend may lack some)."""
+    return {name: len(table) for name in names if (table := getattr(obj, name, None)) is not None}
+
+
 def kv_manager(scheduler: Any) -> Any:
     """The transfer kv manager of this scheduler's PD queue, or None."""
     for queue in (scheduler.disagg_prefill_bootstrap_queue, scheduler.disagg_decode_prealloc_queue):

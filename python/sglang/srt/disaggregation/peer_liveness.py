@@ -18,7 +18,7 @@ from collections import Counter, OrderedDict
 from http import HTTPStatus
 from typing import Any, Dict, List, Optional, Tuple
 
-from sglang.srt.disaggregation import fork_metrics, room_ledger
+from sglang.srt.disaggregation import fork_metrics, pd_queues, room_ledger
 from sglang.srt.disaggregation.base import KVPoll
 from sglang.srt.disaggregation.request_end_cause import PEER_FAILURE, tag
 from sglang.srt.disaggregation.room_ledger import end_room, ledger_of
@@ -399,15 +399,11 @@ def monitor_of(mgr: Any) -> Optional[PeerMonitor]:
 
 def peer_tables(mgr: Any) -> Dict[str, int]:
     """Sizes of a kv manager's per-peer tables (resource report: no growth per peer restart)."""
-    out = {}
-    for name in (
+    out = pd_queues.table_sizes(mgr, (
         "decode_kv_args_table", "failed_sessions", "session_failures", "failed_session_probes",
         "state_layout_rejections", "state_strides_validated", "prefill_info_table",
         "connection_pool", "heartbeat_failures", "session_pool", "_socket_cache",
-    ):
-        table = getattr(mgr, name, None)
-        if table is not None:
-            out[name] = len(table)
+    ))
     rooms_by_addr = getattr(mgr, "addr_to_rooms_tracker", None)
     if rooms_by_addr is not None:
         out["addr_to_rooms_tracker_addrs"] = len(rooms_by_addr)

@@ -49,7 +49,7 @@ def slots(allocator) -> Optional[Dict[str, int]]:
 def _room_tables(kv_manager) -> Dict[str, int]:
     from sglang.srt.disaggregation.request_end_cause import tagged_rooms
 
-    tables = {name: len(t) for name in KV_MANAGER_ROOM_TABLES if (t := getattr(kv_manager, name, None)) is not None}
+    tables = pd_queues.table_sizes(kv_manager, KV_MANAGER_ROOM_TABLES)
     tables["fork_end_causes"] = tagged_rooms(kv_manager)  # the fork's, until each end is counted
     rooms_by_addr = getattr(kv_manager, "addr_to_rooms_tracker", None)
     if rooms_by_addr is not None:
