@@ -1,20 +1,10 @@
 """Decode's scheduler never waits on a prefill's bootstrap server.
 
-Invariant: the HTTP fetches decode makes before a request's first handshake with a
-prefill -- its parallel info (upstream's `try_ensure_parallel_info`: /route, 5 s timeout,
-retried up to 15 times) and its rank endpoints (`_get_bootstrap_info_from_server`: /route
-per rank, 5 s) -- run on this module's pool (`ForkBootstrapFetch_<n>`), at most one at
-a time per prefill (info) and per prefill dp rank (endpoints). Meanwhile the request waits
-in the prealloc queue's `pending_reqs` (stage decode_prealloc, where the transfer
-deadline bounds it) and the scheduler keeps ticking; the next pass after the fetch
-completes hands upstream its outcome, so upstream's own code counts the attempt, fails
-the request on a failed fetch (same message and status as before) or initialises the
-receiver (which then finds the endpoints here instead of fetching them).
-
-Threads: AROUND hooks (fork_plugin.HOOKS) on the scheduler thread start fetches and take
-their outcomes; the pool threads run upstream's fetch functions (which write
-`prefill_info_table`, as upstream's heartbeat thread also does). `BootstrapFetch.lock`
-(a leaf) guards `running` and `outcomes` only; no upstream call is made holding it.
+Decode's HTTP fetches of a prefill's parallel info and rank endpoints run on this
+module's pool (`ForkBootstrapFetch_<n>`), one at a time per prefill (info) and per prefill
+dp rank (endpoints); meanwhile the request waits in `pending_reqs` (deadline-bounded) and
+the next scheduler pass hands upstream the outcome. AROUND hooks on the scheduler thread
+start fetches and take outcomes; `BootstrapFetch.lock` (a leaf) guards its two tables.
 """
 
 from __future__ import annotations
@@ -72,7 +62,7 @@ class BootstrapFetch:
         return True
 
     def _run(self, key: Key, job: Callable[[], Any], info: Any) -> None:
-        """Pool thread: the fetch itself, then its outcome recorded for the scheduler."""
+        """Pool thread: the fetch, then its outcome for the scheduler."""
         _local.fetching = True
         try:
             value, error = job(), None
@@ -126,18 +116,6 @@ def report(mgr: Any) -> Optional[Dict[str, int]]:
     return None if fetch is None else fetch.report()
 
 
-def _on_pool() -> bool:
-    return getattr(_local, "fetching", False)
-
-
-# ----------------------------------------------------------------------------- jobs (pool threads)
-
-
-def _fetch_info(mgr: Any, addr: str) -> bool:
-    # upstream's fetch, through its hooks (peer_liveness notes a recovered prefill)
-    return mgr.try_ensure_parallel_info(addr)
-
-
 class _Peer:
     """What upstream's `_get_bootstrap_info_from_server` reads of its receiver (only the
     address): the endpoints are fetched before any receiver of the room is initialised."""
@@ -160,23 +138,9 @@ def _fetch_routes(receiver_cls: type, addr: str, dp: int, info: Any) -> Dict[Key
     return routes
 
 
-def _connected(mgr: Any, addr: str, dp: int, info: Any) -> bool:
-    """Whether upstream's connection pool has this prefill dp rank's endpoints (then
-    `receiver.init` fetches nothing). Keys as upstream's `_setup_bootstrap_infos`."""
-    keys = [f"{addr}_{dp}_{cp}_{info.target_tp_rank}" for cp in info.target_cp_ranks]
-    pool = fork_touch.upstream(mgr, "connection_pool")
-    with fork_touch.upstream(mgr, "connection_lock"):
-        return all(k in pool for k in keys)
-
-
-# ----------------------------------------------------------------------------- hooks (scheduler thread)
-
-
 def around_ensure_prefill_info(original, queue, addr_to_reqs, *args, **kwargs):
-    """AROUND DecodePreallocQueue._ensure_prefill_info. Upstream sees only prefills whose
-    info is known or whose fetch completed (it counts the attempt and fails the requests
-    after its last one); for the others a fetch starts (paced by upstream's retry
-    interval) and their requests stay pending."""
+    """AROUND DecodePreallocQueue._ensure_prefill_info: upstream sees only prefills whose info
+    is known or fetched; for the others a fetch starts (at upstream's retry pace), requests wait."""
     mgr = queue.kv_manager
     fetch = fetch_of(mgr, create=True)
     if fetch is None:
@@ -191,7 +155,8 @@ def around_ensure_prefill_info(original, queue, addr_to_reqs, *args, **kwargs):
             asked[addr] = reqs
             continue
         if now - last_attempt.get(addr, float("-inf")) >= interval:
-            fetch.start(("info", addr), lambda addr=addr: _fetch_info(mgr, addr))
+            # upstream's fetch, through its hooks (peer_liveness notes a recovered prefill)
+            fetch.start(("info", addr), lambda addr=addr: mgr.try_ensure_parallel_info(addr))
         waiting.extend(reqs)
     if not asked:
         return {}, waiting
@@ -204,10 +169,8 @@ UNREACHABLE = "{tag}: prefill bootstrap server {addr} unreachable: could not fet
 
 
 def _name_unreachable(queue: Any, mgr: Any, fetch: BootstrapFetch, table: Any, asked: Dict[str, Any]) -> None:
-    """Upstream fails a prefill's requests after its last failed attempt by aborting
-    their receivers ("Aborted by AbortReq.", which reads as a client abort). Before
-    that attempt, record the real reason: the prefill is unreachable, a lost peer
-    (502 naming it, end cause peer_failure; room_ledger keeps it over the vaguer one)."""
+    """Before upstream's last attempt fails the requests as "Aborted by AbortReq." (read as a
+    client abort), record the real reason: an unreachable prefill, a lost peer (502)."""
     from sglang.srt.disaggregation.room_ledger import PEER_LOST_TAG
 
     counts = fork_touch.upstream(queue, "_ensure_retry_count")
@@ -224,13 +187,10 @@ def _name_unreachable(queue: Any, mgr: Any, fetch: BootstrapFetch, table: Any, a
 
 
 def around_try_ensure_parallel_info(original, mgr, bootstrap_addr, *args, **kwargs):
-    """AROUND CommonKVManager.try_ensure_parallel_info: on the scheduler thread, a
-    completed fetch's outcome instead of a new fetch (its error raised, as upstream's
-    would be); the pool's own call goes through."""
+    """AROUND CommonKVManager.try_ensure_parallel_info: on the scheduler thread, a completed
+    fetch's outcome (its error raised); the pool's own call goes through."""
     fetch = fetch_of(mgr)
-    if fetch is None or _on_pool():
-        return original(mgr, bootstrap_addr, *args, **kwargs)
-    outcome = fetch.take(("info", bootstrap_addr))
+    outcome = None if fetch is None or getattr(_local, "fetching", False) else fetch.take(("info", bootstrap_addr))
     if outcome is None:
         return original(mgr, bootstrap_addr, *args, **kwargs)
     if outcome.error is not None:
@@ -240,19 +200,21 @@ def around_try_ensure_parallel_info(original, mgr, bootstrap_addr, *args, **kwar
 
 
 def around_init_receiver(original, queue, decode_req, prefill_dp_rank, *args, **kwargs):
-    """AROUND DecodePreallocQueue._init_receiver: a receiver whose prefill rank endpoints
-    are not in upstream's connection pool waits (pending) until they are fetched here;
-    then upstream's init runs and is served them."""
+    """AROUND DecodePreallocQueue._init_receiver: a receiver whose rank endpoints upstream
+    lacks waits (pending) until they are fetched here, then upstream's init is served them."""
     mgr = queue.kv_manager
     fetch = fetch_of(mgr, create=True)
     receiver = decode_req.kv_receiver
     addr = getattr(receiver, "bootstrap_addr", None)
     info = None if fetch is None else fork_touch.upstream(mgr, "prefill_info_table").get(addr)
-    if (
-        info is None
-        or fork_touch.upstream(receiver, "conclude_state") is not None  # failed already: init returns
-        or _connected(mgr, addr, prefill_dp_rank, info)
-    ):
+    if info is None or fork_touch.upstream(receiver, "conclude_state") is not None:  # failed: init returns
+        return original(queue, decode_req, prefill_dp_rank, *args, **kwargs)
+    # upstream's connection pool has this prefill dp rank's endpoints (keys as its
+    # `_setup_bootstrap_infos`): receiver.init fetches nothing
+    pool = fork_touch.upstream(mgr, "connection_pool")
+    with fork_touch.upstream(mgr, "connection_lock"):
+        connected = all(f"{addr}_{prefill_dp_rank}_{cp}_{info.target_tp_rank}" in pool for cp in info.target_cp_ranks)
+    if connected:
         return original(queue, decode_req, prefill_dp_rank, *args, **kwargs)
     key = ("routes", addr, prefill_dp_rank)
     outcome = fetch.take(key) if fetch.ready(key) else None
@@ -272,8 +234,8 @@ def around_init_receiver(original, queue, decode_req, prefill_dp_rank, *args, **
 
 def around_get_bootstrap_info_from_server(original, receiver, prefill_dp_rank, prefill_cp_rank,
                                           target_tp_rank, target_pp_rank, *args, **kwargs):
-    """AROUND CommonKVReceiver._get_bootstrap_info_from_server: inside an
-    `around_init_receiver`, the endpoint fetched on the pool (a copy: init adds keys)."""
+    """AROUND CommonKVReceiver._get_bootstrap_info_from_server: inside `around_init_receiver`,
+    the endpoint fetched on the pool (a copy: init adds keys)."""
     routes = getattr(_local, "routes", None)
     key = (receiver.bootstrap_addr, prefill_dp_rank, prefill_cp_rank, target_tp_rank, target_pp_rank)
     if routes is not None and key in routes:

@@ -1,19 +1,10 @@
 """A failed chunk write fails that room on both sides, and only that room.
 
-Invariant: when a mooncake write of a room's KV chunk, its aux (metadata) chunk or its
-extra-state chunk fails, prefill marks the room Failed and tells decode (the transfer
-worker's `conclude_failure`, which also speaks for a room already Failed locally);
-decode then ends the request with a 5xx naming the failure and frees its KV. The peer's
-session is taken out only once a probe shows it dead (`SessionBlacklist`), and the
-upstream probe loop brings it back when it answers again -- a probe here being an answer
-to mooncake's probe and a completed read of the peer's memory (`probe_session`).
-
-Who calls: the mooncake transfer worker passes every write's return code through
-`checked()` and concludes a failed write through `conclude_failure` /
-`conclude_transfer` here (one patch line each); `fork_plugin` hooks `on_prefill_manager_init`,
-`on_prefill_add` and `on_decode_transfer_failure`. `checked()` is also where the
-test-only fault switch `SGLANG_TEST_DISAGG_FAIL_CHUNKS` acts; unset, it costs one
-attribute read per write.
+The mooncake transfer worker passes each write's return code through `checked()` and
+concludes a failed write through `conclude_failure` / `conclude_transfer` (patch lines,
+transfer worker threads); a decode session is blacklisted only once a probe shows it
+dead (`SessionBlacklist`, `probe_session`). Also the test-only switch
+`SGLANG_TEST_DISAGG_FAIL_CHUNKS`. What and why: docs/chunk-failures.md.
 """
 
 from __future__ import annotations
@@ -28,25 +19,16 @@ import threading
 import time
 from typing import Any, Dict, List, Optional, Set, Tuple
 
+from sglang.srt.disaggregation import fork_metrics
 from sglang.srt.disaggregation.base import KVPoll
 from sglang.srt.disaggregation.room_ledger import end_room
+from sglang.srt.disaggregation.transfer_deadline_knob import positive_seconds
 from sglang.srt.environ import envs
 from sglang.srt.managers import fork_touch
 
 logger = logging.getLogger(__name__)
 
 KINDS = ("kv", "aux", "state")
-
-
-
-def _chunk_failures_counter():
-    """Next to upstream's per-request `sglang:num_transfer_failed_reqs_total`: failed
-    chunk writes by kind, on prefill (where the write failed) and on decode (where a
-    room failed because of it); declared in `fork_metrics`."""
-    from sglang.srt.disaggregation import fork_metrics
-
-    return fork_metrics.counter("chunk_failure", {})
-
 
 # How upstream's transfer worker words each failure (mooncake/conn.py): decode receives
 # the reason with the Failed status and classifies by it.
@@ -59,25 +41,17 @@ _REASON_PREFIX = {
 
 def chunk_kind(failure_reason: Optional[str]) -> Optional[str]:
     """The chunk kind a transfer failure reason names, or None (abort, timeout...)."""
-    for kind, prefix in _REASON_PREFIX.items():
-        if failure_reason and prefix in failure_reason:
-            return kind
-    return None
+    return next((kind for kind, prefix in _REASON_PREFIX.items() if prefix in (failure_reason or "")), None)
 
 
 def chunk_failure_counts() -> Dict[Tuple[str, str], float]:
     """(kind, role) -> count, for tests and the resource report."""
     out: Dict[Tuple[str, str], float] = {}
-    for metric in _chunk_failures_counter().collect():
+    for metric in fork_metrics.counter("chunk_failure", {}).collect():
         for sample in metric.samples:
             if sample.name.endswith("_total"):
                 out[(sample.labels["kind"], sample.labels["role"])] = sample.value
     return out
-
-
-# ---------------------------------------------------------------------------
-# Test-only fault switch
-# ---------------------------------------------------------------------------
 
 
 @dataclasses.dataclass
@@ -90,12 +64,8 @@ class _Fault:
 
 
 class FaultPlan:
-    """`SGLANG_TEST_DISAGG_FAIL_CHUNKS`: comma-separated `kind[+failed]:rid=PREFIX` or
-    `kind[+failed]:room=N`, kind in kv/aux/state. Each matching room fails its first
-    write of that kind once (reported by the engine as rc -1; the write itself ran).
-    `+failed` first marks the room Failed locally, as a concurrent local abort would.
-    Rids are matched when prefill admits a request (`bind`), since the transfer worker
-    only knows rooms; that is how an e2e test picks one request among many."""
+    """`SGLANG_TEST_DISAGG_FAIL_CHUNKS` (docs/chunk-failures.md): each matching room's first
+    write of a kind reports -1 once; rids are bound to rooms when prefill admits them."""
 
     def __init__(self, faults: List[_Fault]):
         self.faults = faults
@@ -114,13 +84,8 @@ class FaultPlan:
             head, _, sel = item.partition(":")
             kind, _, flag = head.partition("+")
             selector, _, value = sel.partition("=")
-            if (
-                kind not in KINDS
-                or flag not in ("", "failed")
-                or selector not in ("rid", "room")
-                or not value
-                or (selector == "room" and not value.isdigit())
-            ):
+            bad = kind not in KINDS or flag not in ("", "failed") or selector not in ("rid", "room") or not value
+            if bad or (selector == "room" and not value.isdigit()):
                 raise ValueError(
                     f"SGLANG_TEST_DISAGG_FAIL_CHUNKS: bad entry {item!r}; expected "
                     "kind[+failed]:rid=PREFIX or kind[+failed]:room=N, kind in kv/aux/state"
@@ -143,11 +108,6 @@ class FaultPlan:
         return None
 
 
-# ---------------------------------------------------------------------------
-# The transfer worker's write results
-# ---------------------------------------------------------------------------
-
-
 def checked(mgr: Any, room: int, kind: str, rc: int) -> int:
     """The write's return code as the worker should act on it: the engine's, or -1
     when the fault switch fails this room's `kind` write. Counts every failure."""
@@ -160,7 +120,7 @@ def checked(mgr: Any, room: int, kind: str, rc: int) -> int:
             logger.warning("Injected %s chunk write failure for room %s", kind, room)
             rc = -1
     if rc != 0:
-        _chunk_failures_counter().labels(kind=kind, role="prefill").inc()
+        fork_metrics.inc("chunk_failure", {}, kind=kind, role="prefill")
         logger.warning("The %s chunk write of room %s failed (rc=%s); failing the room", kind, room, rc)
         _expire_poison_later(mgr, room)
     return rc
@@ -168,29 +128,15 @@ def checked(mgr: Any, room: int, kind: str, rc: int) -> int:
 
 def conclude_failure(mgr: Any, req: Any, *, bootstrap_room: int, failure_reason: str) -> None:
     """The worker's `conclude_failure` after a failed KV or state write of `req`."""
-    conclude_transfer(
-        mgr,
-        bootstrap_room=bootstrap_room,
-        status=KVPoll.Failed,
-        targets=None,
-        failure_reason=failure_reason,
-        fallback_targets=[(req.endpoint, req.dst_port)],
-    )
+    conclude_transfer(mgr, bootstrap_room=bootstrap_room, status=KVPoll.Failed, failure_reason=failure_reason,
+                      fallback_targets=[(req.endpoint, req.dst_port)])
 
 
-def conclude_transfer(
-    mgr: Any,
-    *,
-    bootstrap_room: int,
-    status: int,
-    targets: Optional[List[Tuple[str, int]]] = None,
-    failure_reason: Optional[str] = None,
-    fallback_targets: Optional[List[Tuple[str, int]]] = None,
-) -> Optional[int]:
-    """Upstream's `conclude_transfer`, which says nothing when the room is already gone
-    from `request_status`: the scheduler cleared it after it went Failed locally (a
-    local abort) while this write was failing. Decode still waits for that room, so a
-    failure is then sent to the write's own targets."""
+def conclude_transfer(mgr: Any, *, bootstrap_room: int, status: int, targets: Optional[List[Tuple[str, int]]] = None,
+                      failure_reason: Optional[str] = None,
+                      fallback_targets: Optional[List[Tuple[str, int]]] = None) -> Optional[int]:
+    """Upstream's `conclude_transfer`; for a room the scheduler cleared meanwhile (it
+    says nothing then) the failure still reaches the write's own targets."""
     emitted = mgr.conclude_transfer(
         bootstrap_room=bootstrap_room, status=status, targets=targets, failure_reason=failure_reason
     )
@@ -202,11 +148,8 @@ def conclude_transfer(
 
 
 def _expire_poison_later(mgr: Any, room: int) -> None:
-    """The worker poisons a room whose write failed (`_poison_unsettled_send`): no
-    drain ack may free decode's pages while the write might still land, so decode
-    waits out its release deadline instead. Past that deadline decode has freed them
-    and the mark protects nothing; upstream keeps it until the room number is reused,
-    i.e. forever. Drop it then."""
+    """Drop a failed write's poison mark once decode's release deadline passed (it
+    protects nothing then; upstream kept it until the room number was reused)."""
     if not getattr(mgr, "enable_deferred_decode_kv_release", False):
         return
     delay = envs.SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT.get()
@@ -215,32 +158,16 @@ def _expire_poison_later(mgr: Any, room: int) -> None:
     timer.start()
 
 
-# ---------------------------------------------------------------------------
-# Session blacklist: only a peer shown dead is taken out, and it is let back in
-# only once a transfer to it completes
-# ---------------------------------------------------------------------------
-
-# mooncake's TCP transport drops its connections to a peer whose transfer made no
-# progress for 30 s (MC_TCP_PROGRESS_TIMEOUT_SEC: a frozen or stalled decode). The first
-# transfer submitted to that peer afterwards fails at once, without a connect attempt
-# (the dropped connections count as tried in the transport's current connect round, so
-# it fails the queued work and starts its 1 s reconnect cooldown); the next one, after
-# the cooldown, reconnects. A probe (mooncake's handshake port, not the data path) does
-# not see this: a session let back in on a probe alone lost its first request to it.
+# A session is let back in only once a read from it completes: mooncake's TCP transport
+# fails the first transfer after it dropped a stalled peer's connections (docs/chunk-failures.md).
 RECONNECT_COOLDOWN_S = 1.0  # mooncake's kReconnectRoundCooldown
 READ_ATTEMPTS = 2
 READ_BYTES = 8
 
 
 def probe_session(mgr: Any, send_probe: Any, session_id: str) -> int:
-    """What the manager's `_send_probe` does (bounded by `SessionProbe`; called by
-    upstream's failed-session probe loop, `SessionBlacklist` and peer_liveness for a
-    decode held out as lost): 0 only when the peer answers mooncake's probe and then a read
-    of READ_BYTES of its registered KV memory completes -- a READ, nothing of the
-    peer's changes -- within READ_ATTEMPTS tries a reconnect cooldown apart. The read
-    goes through the transport's data connections, so a session let back in has them
-    open again; a first read that fails is the one the transport fails after dropping
-    its connections. A peer with no registration to read answers on the probe alone."""
+    """The manager's `_send_probe` (probe threads): 0 only when the peer answers mooncake's
+    probe and a read of its KV memory completes (READ_ATTEMPTS tries a cooldown apart)."""
     rc = send_probe(session_id)
     if rc != 0:
         return rc
@@ -264,32 +191,22 @@ def probe_session(mgr: Any, send_probe: Any, session_id: str) -> int:
     return rc
 
 
-# A probe of a frozen peer would block for mooncake's own timeouts: `send_probe` waits
-# for the handshake answer up to its socket's 60 s receive timeout (a stopped process's
-# kernel still accepts the connection; nobody reads it), a read up to MC_TRANSFER_TIMEOUT
-# (30 s). Seen: ~155 s before a frozen decode's session was taken out.
+# Bounds a probe of a frozen peer (mooncake's own timeouts: 60 s handshake, 30 s read).
 PROBE_TIMEOUT_ENV = "SGLANG_FORK_SESSION_PROBE_TIMEOUT"
 PROBE_TIMEOUT_DEFAULT = 5.0
-PROBE_TIMEOUT_ACCEPTED = "a finite number of seconds > 0 (e.g. 5)"
 
 
 def probe_timeout() -> float:
-    """`SGLANG_FORK_SESSION_PROBE_TIMEOUT` in seconds (default 5); ValueError naming
-    the knob when it is not valid (checked when prefill's kv manager starts)."""
-    from sglang.srt.disaggregation.transfer_deadline_knob import positive_seconds
-
+    """The knob in seconds (default 5); ValueError naming it when not valid (at start)."""
     value = os.environ.get(PROBE_TIMEOUT_ENV)
     if value is None:
         return PROBE_TIMEOUT_DEFAULT
-    return positive_seconds(value, PROBE_TIMEOUT_ENV, "valid", PROBE_TIMEOUT_ACCEPTED)
+    return positive_seconds(value, PROBE_TIMEOUT_ENV, "valid", "a finite number of seconds > 0 (e.g. 5)")
 
 
 class SessionProbe:
-    """The manager's `_send_probe`: `probe_session` run in a thread of its own and
-    waited for at most `timeout` seconds (no answer in time: -1, the peer does not
-    answer). One probe per session at a time: a caller arriving while one runs waits
-    for that one (its answer is as fresh), so a frozen peer holds at most one thread
-    per session, for mooncake's own timeouts."""
+    """The manager's `_send_probe`: `probe_session` on its own thread, waited for at most
+    `timeout` s (then -1); one per session at a time, later callers share its answer."""
 
     def __init__(self, mgr: Any, send_probe: Any, timeout: float):
         self.mgr = mgr
@@ -323,28 +240,11 @@ class SessionProbe:
                 self._running.pop(session_id, None)
             future.set_result(rc)
 
-    def running(self) -> int:
-        with self._lock:
-            return len(self._running)
-
-
-def _install_probe(mgr: Any) -> None:
-    """Give the manager a bounded `probe_session` as its `_send_probe` and the scratch
-    buffer the reads land in (registered with the engine once, kept for the manager's
-    life)."""
-    timeout = probe_timeout()
-    scratch = ctypes.create_string_buffer(READ_BYTES)
-    mgr.engine.register(ctypes.addressof(scratch), READ_BYTES)
-    mgr.fork_probe_scratch = scratch
-    fork_touch.swap(mgr, "_send_probe", lambda send_probe: SessionProbe(mgr, send_probe, timeout), by=__name__)
 
 
 class SessionBlacklist(set):
-    """Upstream's `failed_sessions`, which its transfer worker fills on the first failed
-    write (one strike takes a decode session out for every request). Here `add()` only
-    nominates: a probe thread asks the engine (`send_probe`) and the session goes in
-    only if the peer does not answer. Upstream's failed-session probe loop takes it out
-    again once it answers (`discard`). Reads (`in`, iteration) are plain set reads."""
+    """Upstream's `failed_sessions`, where `add()` (transfer worker, under session_lock)
+    only nominates: a probe thread puts the session in only if the peer does not answer."""
 
     def __init__(self, mgr: Any):
         super().__init__()
@@ -377,17 +277,11 @@ class SessionBlacklist(set):
         return not self._probing
 
 
-# ---------------------------------------------------------------------------
-# Hooks
-# ---------------------------------------------------------------------------
-
-
 def on_prefill_manager_init(mgr: Any, queue: Any, *args: Any, **kwargs: Any) -> None:
-    """AFTER `PrefillBootstrapQueue._init_kv_manager` (result: the manager): validate
-    and attach the fault switch, and give a mooncake manager the probing blacklist and
-    `probe_session` (no request has been sent yet). Hooked here rather than on `MooncakeKVManager`, whose
-    module must not be imported when plugins load (it creates prometheus metrics)."""
+    """AFTER `PrefillBootstrapQueue._init_kv_manager` (scheduler thread): the fault switch;
+    on mooncake, the probing blacklist and a bounded `probe_session` with its scratch buffer."""
     mgr.fork_chunk_faults = FaultPlan.parse(envs.SGLANG_TEST_DISAGG_FAIL_CHUNKS.get() or "")
+
     def probing(failed_sessions):
         assert not failed_sessions, "session blacklist swapped after first use"
         return SessionBlacklist(mgr)
@@ -395,8 +289,10 @@ def on_prefill_manager_init(mgr: Any, queue: Any, *args: Any, **kwargs: Any) -> 
     with getattr(mgr, "session_lock", contextlib.nullcontext()):  # mooncake's (prefill)
         swapped = fork_touch.swap(mgr, "failed_sessions", probing, by=__name__)
     if swapped is not None:
-        _install_probe(mgr)
-    return None
+        timeout = probe_timeout()
+        scratch = mgr.fork_probe_scratch = ctypes.create_string_buffer(READ_BYTES)
+        mgr.engine.register(ctypes.addressof(scratch), READ_BYTES)  # kept for the manager's life
+        fork_touch.swap(mgr, "_send_probe", lambda send_probe: SessionProbe(mgr, send_probe, timeout), by=__name__)
 
 
 def on_prefill_add(result: Any, queue: Any, req: Any, *args: Any, **kwargs: Any) -> None:
@@ -404,27 +300,20 @@ def on_prefill_add(result: Any, queue: Any, req: Any, *args: Any, **kwargs: Any)
     plan = getattr(getattr(queue, "kv_manager", None), "fork_chunk_faults", None)
     if plan is not None and req.bootstrap_room is not None:
         plan.bind(req.rid, req.bootstrap_room)
-    return None
 
 
 def on_decode_transfer_failure(result: Any, queue: Any, failure_reason: str, *args: Any, **kwargs: Any) -> None:
     """AFTER `DecodeTransferQueue._record_transfer_failure`: count by chunk kind."""
     kind = chunk_kind(failure_reason)
     if kind is not None:
-        _chunk_failures_counter().labels(kind=kind, role="decode").inc()
-    return None
+        fork_metrics.inc("chunk_failure", {}, kind=kind, role="decode")
 
 
 def on_sender_clear(result: Any, sender: Any, *args: Any, **kwargs: Any) -> None:
-    """AFTER `CommonKVSender.clear`: drop the room's zero in-flight count. After a
-    failed write of a non-last KV chunk the worker keeps the room's
-    `_staging_outstanding` entry for the chunks still to come, but none comes:
-    `add_transfer_request` drops chunks of a Failed room, so the entry (0) stayed
-    forever. Zero and cleared means nothing of this room is in flight; a chunk still
-    queued re-creates the entry at dequeue and the worker's skip path removes it."""
+    """AFTER `CommonKVSender.clear` (scheduler thread): drop the zero in-flight count a
+    failed non-last KV chunk left (no later chunk of a Failed room comes to drop it)."""
     mgr = sender.kv_mgr
     room = sender.bootstrap_room
     outstanding = getattr(mgr, "_staging_outstanding", None)
     if outstanding is not None and room not in mgr.request_status and outstanding.get(room) == 0:
         outstanding.pop(room, None)
-    return None

@@ -1,10 +1,8 @@
 """Every Prometheus counter the fork adds, declared once (names and labels are public).
 
-Counters are created on first use, in the scheduler process: importing prometheus_client
-when plugins load (before the server set PROMETHEUS_MULTIPROC_DIR) would take every
-metric of that process out of multiprocess mode. The label names are the scheduler's
-labels (fixed per process) followed by the counter's own. One lock guards creation;
-callers on any thread (scheduler, transfer workers, the peer monitor) may count.
+Created on first use in the scheduler process (importing prometheus_client when plugins
+load would take the process's metrics out of multiprocess mode), labelled by the
+scheduler's labels then the counter's own. Any thread may count; `_lock` guards creation.
 """
 
 from __future__ import annotations

@@ -1,22 +1,15 @@
 """A prefill request routed to a decode that is gone ends within seconds, as peer loss.
 
-Invariant: on prefill, while a decode peer is lost and no new incarnation has registered
-on its host (peer_liveness' `lost` table), a request that has waited in the bootstrap
-queue longer than `SGLANG_FORK_LOST_DECODE_HANDSHAKE_TIMEOUT` seconds (engine clock:
-paused time does not count) for its decode's handshake is failed with the peer-loss
-answer (502 naming the lost decode), instead of waiting for upstream's bootstrap
-timeout (300 s). Why: sglang-router retries a failed PD request at once, and until the
-dead decode is removed it sends fresh requests whose decode leg is refused; it waits
-for both legs, so the client hangs and the prefill is charged the failure minutes
-later, after a replacement decode registered -- re-opening the prefill's circuit
-(docs/gateway.md). Called by BEFORE PrefillBootstrapQueue.pop_bootstrapped and
-validated by AFTER PrefillBootstrapQueue._init_kv_manager (fork_plugin.HOOKS).
+While a decode is lost and not replaced on its host (peer_liveness' `lost`), a request that
+waited in prefill's bootstrap queue longer than `SGLANG_FORK_LOST_DECODE_HANDSHAKE_TIMEOUT`
+(engine clock) for its decode's handshake ends through the ledger (502 naming the decode),
+not after upstream's 300 s: sglang-router still routes to a dead decode (docs/gateway.md).
+Scheduler thread: BEFORE PrefillBootstrapQueue.pop_bootstrapped.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import os
 from typing import Any, List, Optional, Sequence, Tuple
 
@@ -24,6 +17,7 @@ from sglang.srt.disaggregation import request_end_cause
 from sglang.srt.disaggregation.peer_liveness import TAG, monitor_of
 from sglang.srt.disaggregation.room_ledger import end_room
 from sglang.srt.disaggregation.transfer_deadline import _decides
+from sglang.srt.disaggregation.transfer_deadline_knob import positive_seconds
 from sglang.srt.managers import fork_touch
 from sglang.srt.managers.engine_clock import engine_clock
 
@@ -41,22 +35,11 @@ _next_scan = [float("-inf")]
 
 def parse(value: Optional[str]) -> float:
     """The knob's value in seconds; ValueError naming the knob when it is not valid."""
-    if value is None:
-        return DEFAULT
-    try:
-        seconds = float(value)
-    except ValueError:
-        seconds = math.nan
-    if not (math.isfinite(seconds) and seconds >= 0):
-        raise ValueError(f"{ENV}={value!r} is not valid: expected {ACCEPTED}.")
-    return seconds
+    return DEFAULT if value is None else positive_seconds(value, ENV, "valid", ACCEPTED, zero=True)
 
 
 def configured() -> float:
     return parse(os.environ.get(ENV))
-
-
-# ----------------------------------------------------------------------------- pure
 
 
 def lost_decodes(monitor: Any) -> List[str]:
@@ -94,9 +77,6 @@ def message(req: Any, waited: float, lost: Sequence[str], timeout: float) -> str
     )
 
 
-# ----------------------------------------------------------------------------- hooks
-
-
 def before_pop_bootstrapped(queue, *args, **kwargs):
     """BEFORE PrefillBootstrapQueue.pop_bootstrapped."""
     if not queue.queue:
@@ -126,4 +106,3 @@ def before_pop_bootstrapped(queue, *args, **kwargs):
 def validate_at_start(mgr: Any, queue: Any, *args: Any, **kwargs: Any) -> None:
     """AFTER PrefillBootstrapQueue._init_kv_manager: a bad knob stops the prefill."""
     configured()
-    return None

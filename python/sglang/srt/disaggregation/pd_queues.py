@@ -1,12 +1,8 @@
 """A scheduler's PD queues and the requests in them, by stage: the one walker.
 
-Invariant: the role of a scheduler, the names of the stages a PD request goes through,
-and where each stage's requests sit in upstream's scheduler are declared here once;
-the fork's modules that walk the queues (pd_pause, queue_memory, the resource report,
-abort_retirement, transfer_deadline) ask this module. Read-only: it never changes a
-queue. It imports no fork module but `fork_touch` (upstream attributes read through
-`upstream()`, so a rename fails loudly).
-Threads: the scheduler's (the queues are the event loop's).
+The role of a scheduler, the stage names and where each stage's requests sit in
+upstream's scheduler, declared once. Read-only; a leaf (imports only `fork_touch`).
+Scheduler thread (the queues are the event loop's).
 """
 
 from __future__ import annotations
@@ -129,15 +125,10 @@ def transfer_endpoints(scheduler: Any) -> List[Any]:
     prealloc, transfer) of the requests in the PD queues."""
     r = role(scheduler)
     if r == PREFILL:
-        reqs = []
-        for stage in (PREFILL_BOOTSTRAP, PREFILL_INFLIGHT, PREFILL_WAITING):
-            reqs += _reqs_of(scheduler, stage)
-        out = [upstream(req, "disagg_kv_sender") for req in reqs]
-    elif r == DECODE:
-        entries = queue_entries(scheduler, DECODE_PREALLOC) + queue_entries(scheduler, DECODE_TRANSFER)
-        out = [upstream(e, "kv_receiver") for e in entries]
+        stages, attr = (PREFILL_BOOTSTRAP, PREFILL_INFLIGHT, PREFILL_WAITING), "disagg_kv_sender"
     else:
-        out = []
+        stages, attr = ((DECODE_PREALLOC, DECODE_TRANSFER) if r == DECODE else ()), "kv_receiver"
+    out = [upstream(e, attr) for stage in stages for e in queue_entries(scheduler, stage)]
     return [x for x in out if x is not None]
 
 
@@ -172,6 +163,11 @@ def lengths(scheduler: Any) -> Dict[str, int]:
         queues["decode_held_rebootstrap"] = len(prealloc.held_rebootstrap_reqs)
         queues["decode_transfer"] = len(scheduler.disagg_decode_transfer_queue.queue)
     return queues
+
+
+def table_sizes(obj: Any, names: Tuple[str, ...]) -> Dict[str, int]:
+    """len() of each table in `names` that `obj` has (a role or backend may lack some)."""
+    return {name: len(table) for name in names if (table := getattr(obj, name, None)) is not None}
 
 
 def kv_manager(scheduler: Any) -> Any:

@@ -1,32 +1,10 @@
-"""A crashed PD peer is noticed at once, its requests end, and its restart is served.
+"""A crashed PD peer is noticed at once, its requests end (502), and its restart is served.
 
-Invariant: each side watches the peers it has state for -- prefill the decode sessions
-that registered with it (`decode_kv_args_table`), decode the prefill bootstrap servers
-it fetched (`prefill_info_table`) -- with one TCP connect per peer per heartbeat
-interval. A refused connection (nobody listens: the process is gone), a session the
-transfer worker blacklisted after a failed write and a failed probe (and still
-blacklisted at the next heartbeat), or
-`SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE` unanswered connects in a row declare the
-peer lost: every room bound to it is tagged `peer_failure` and moved to
-`KVPoll.Failed` with a reason naming the peer (HTTP 502 to the client). A gone peer's
-incarnation (registration, session blacklist entries, sockets, connection info) is
-dropped, so a restarted peer -- new session, new buffers -- is taken as new. A decode
-lost while it may still be alive (frozen, stalled, cut off) keeps its registration;
-its session is held in the blacklist (its requests fail at once, 502) and probed every
-heartbeat until it answers -- then it is served again, without a restart -- or
-refuses connections (gone). Upstream's Failed paths of the queues release what the
-rooms held.
-One log line and one count per loss and per recovery (`sglang:num_pd_peer_losses_total`,
-`sglang:num_pd_peer_recoveries_total`, labels role and peer).
-
-Who calls: `fork_plugin` hooks start a `PeerMonitor` after each PD queue builds its kv
-manager (mooncake only), wrap decode's `_handle_node_failure` (upstream's heartbeat
-and ours end up there), `try_ensure_parallel_info` (a prefill seen again),
-`conclude_transfer` (failed writes to a dead decode) and `_send_multipart_locked` (no
-push to a lost decode: it would block 30 s). Rooms end through `room_ledger.end`
-(which also keeps a peer-loss reason, acks a lost prefill's drains and maps the
-reason to 502). What cannot be observed (a room whose peer never handshook) is left
-to the transfer deadline.
+One `PeerMonitor` thread per kv manager (mooncake) probes each peer it has state for once
+per heartbeat; a lost peer's rooms end through `room_ledger.end_room` (cause
+`peer_failure`), a gone incarnation's state is dropped, and a decode that may be alive
+(frozen, stalled) is held out until it answers again. What and why:
+docs/peer-liveness.md; threads and locks: docs/layout.md.
 """
 
 from __future__ import annotations
@@ -35,29 +13,27 @@ import contextlib
 import logging
 import socket
 import threading
+import time
 from collections import Counter, OrderedDict
 from http import HTTPStatus
 from typing import Any, Dict, List, Optional, Tuple
 
+from sglang.srt.disaggregation import fork_metrics, pd_queues, room_ledger
 from sglang.srt.disaggregation.base import KVPoll
 from sglang.srt.disaggregation.request_end_cause import PEER_FAILURE, tag
-from sglang.srt.disaggregation import room_ledger
 from sglang.srt.disaggregation.room_ledger import end_room, ledger_of
 from sglang.srt.environ import envs
 from sglang.srt.managers import fork_touch
 
 logger = logging.getLogger(__name__)
 
-# Opens every failure reason this module records; `prepare_abort` maps it to 502.
+# Opens every failure reason this module records; the verdict answers it 502.
 TAG = room_ledger.PEER_LOST_TAG
-# How upstream's decode heartbeat words the loss of a prefill (common/conn.py).
-UPSTREAM_PREFILL_LOST = room_ledger.UPSTREAM_PREFILL_LOST
 # How upstream's transfer worker fails a room whose decode session is blacklisted
 # (mooncake/conn.py); reworded by `around_conclude_transfer`.
 UPSTREAM_SESSION_DEAD = "Decode instance could be dead, remote mooncake session"
 # Opens the transfer worker's reasons for a failed write (and the one above).
 WRITE_FAILED = ("Failed to send", UPSTREAM_SESSION_DEAD)
-
 
 ALIVE, REFUSED, SILENT = "alive", "refused", "silent"
 CONNECT_TIMEOUT = 1.0
@@ -66,9 +42,6 @@ MAX_GONE = 256
 # (kind "loss"/"recovery", role, peer) -> count in this process (also in Prometheus).
 COUNTS: Counter = Counter()
 _MONITOR = room_ledger.PEER_MONITOR_ATTR
-
-
-# ----------------------------------------------------------------------------- pure
 
 
 def probe(host: str, port: int, timeout: float = CONNECT_TIMEOUT) -> str:
@@ -89,7 +62,7 @@ def loss_message(role_lost: str, peer: str, why: str) -> str:
 
 def abort_status(error_message: str, status_code):
     """502 for a request that ended because its peer was lost; else unchanged."""
-    if error_message and (TAG in error_message or UPSTREAM_PREFILL_LOST in error_message):
+    if error_message and any(t in error_message for t in (TAG, room_ledger.UPSTREAM_PREFILL_LOST)):
         return HTTPStatus.BAD_GATEWAY
     return status_code
 
@@ -105,15 +78,10 @@ def heartbeat_settings() -> Tuple[float, int]:
             "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE >= 1 "
             f"(got {interval!r}, {max_failures!r})"
         )
-    return max(interval, 2.0), max(max_failures, 1)
-
-
-# ----------------------------------------------------------------------------- counting
+    return max(interval, 2.0), max_failures
 
 
 def _count(monitor: "PeerMonitor", kind: str, peer: str) -> None:
-    from sglang.srt.disaggregation import fork_metrics
-
     COUNTS[(kind, monitor.role, peer)] += 1
     key = "peer_loss" if kind == "loss" else "peer_recovery"
     fork_metrics.inc(key, monitor.labels if monitor.metrics else None, role=monitor.role, peer=peer)
@@ -137,31 +105,20 @@ class PeerMonitor:
         self.known: Dict[str, Tuple[str, int]] = {}
         # prefill: host -> peers lost there and not seen again; decode: bootstrap addrs
         self.lost: Dict[str, List[str]] = {}
-        # prefill: sessions and host:port of decode incarnations declared lost, newest
-        # last (bounded): a late failed write to one of them leaves nothing behind
+        # prefill: sessions and host:port of decode incarnations declared lost (bounded)
         self.gone: "OrderedDict[str, None]" = OrderedDict()
-        # prefill: session -> rooms whose failed write left a poison mark (see
-        # chunk_failures._expire_poison_later); dropped when that session is lost
+        # prefill: session -> rooms whose failed write left a poison mark (dropped at its loss)
         self.poisoned: Dict[str, set] = {}
         # prefill: sessions seen blacklisted at the last tick (see _tick_prefill)
         self.held_out: set = set()
-        # prefill: session -> host:port of each decode lost while it may be alive
-        # (frozen, stalled, cut off): registration kept, session held in the blacklist
-        # until it answers a probe or refuses connections (see _watch_held)
+        # prefill: session -> host:port of each decode lost while it may be alive (held out)
         self.held: Dict[str, str] = {}
         self._probing: set = set()  # held sessions with a probe running
-        self._stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name=f"ForkPeerMonitor-{role}", daemon=True)
 
-    def start(self) -> "PeerMonitor":
-        self.thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-
     def _run(self) -> None:
-        while not self._stop.wait(self.interval):
+        while True:
+            time.sleep(self.interval)
             if getattr(self.mgr, "_stopped", False):
                 return
             self.tick()
@@ -175,12 +132,15 @@ class PeerMonitor:
     # -- prefill: decode sessions
 
     def is_gone(self, names: List[str], text: Optional[str] = None) -> bool:
-        """Whether any of `names` (sessions, host:port) -- or a peer named in `text` --
-        was declared lost."""
+        """Whether any of `names` (sessions, host:port), or a peer named in `text`, is lost."""
         with self.lock:
             if any(n in self.gone for n in names):
                 return True
             return bool(text) and any(f" {peer}" in text for peer in self.gone if ":" in peer)
+
+    def endpoint_gone(self, endpoint: Any) -> bool:
+        """Whether the push endpoint "tcp://host:port" is a decode declared lost."""
+        return isinstance(endpoint, str) and endpoint.startswith("tcp://") and self.is_gone([endpoint[6:]])
 
     def mark_gone(self, names: List[str]) -> None:
         with self.lock:
@@ -195,17 +155,12 @@ class PeerMonitor:
             for session in sessions:
                 self.poisoned.setdefault(session, set()).add(room)
 
-    def _prune_poisoned(self) -> None:
-        marks = self.mgr._deferred_ack_poisoned_rooms
-        with self.lock:
-            for session in list(self.poisoned):
-                self.poisoned[session] = {r for r in self.poisoned[session] if r in marks}
-                if not self.poisoned[session]:
-                    del self.poisoned[session]
-
     def _tick_prefill(self) -> None:
         mgr = self.mgr
-        self._prune_poisoned()
+        marks = mgr._deferred_ack_poisoned_rooms  # forget the rooms whose mark expired
+        with self.lock:
+            live = {s: {r for r in rooms if r in marks} for s, rooms in self.poisoned.items()}
+            self.poisoned = {s: rooms for s, rooms in live.items() if rooms}
         with mgr.session_lock:
             sessions = {s: (info.endpoint, int(info.dst_port)) for s, info in mgr.decode_kv_args_table.items()}
             blacklisted = {s for s in sessions if s in mgr.failed_sessions}
@@ -216,18 +171,15 @@ class PeerMonitor:
         # a status message for a room of a lost decode, sent after the loss (a write
         # that was still running), re-opens a socket to it: close it again
         for endpoint in list(getattr(mgr, "_socket_cache", {})):
-            if endpoint.startswith("tcp://") and self.is_gone([endpoint[len("tcp://"):]]):
+            if self.endpoint_gone(endpoint):
                 _drop_socket(mgr, endpoint)
         with self.lock:
             for session in [s for s in self.known if s not in sessions]:
                 self.known.pop(session, None)  # dropped by someone else
                 self.misses.pop(session, None)
                 self.held.pop(session, None)
-        # A blacklisted session is lost when it is still blacklisted a tick later: the
-        # failed-session probe loop lets a session that answers again back in (its
-        # probe, chunk_failures.probe_session, includes a read that may wait out
-        # mooncake's 1 s reconnect cooldown). Such a decode, and a silent one, may be
-        # alive: it is held out (registration kept) until it answers again.
+        # still blacklisted a tick later (the probe loop had that long to let it back
+        # in), or silent: lost, but it may be alive, so it is held out
         held_out = set()
         for session, (host, port) in sessions.items():
             self.registered(session, host, port)
@@ -253,18 +205,14 @@ class PeerMonitor:
         self.held_out = held_out
 
     def registered(self, session: str, host: str, port: int) -> None:
-        """A decode session registered (bootstrap thread, at once) or is seen in the
-        registration table (monitor pass): start watching it; if a decode was lost on
-        that host, this is its new incarnation."""
+        """Bootstrap or monitor thread: watch a decode session; after a loss on its host,
+        it is the new incarnation."""
         with self.lock:
             if session in self.known:
                 return
             self.known[session] = (host, port)
             self.gone.pop(f"{host}:{port}", None)  # a new incarnation listens there now
-            waiting = self.lost.get(host)
-            old = waiting.pop(0) if waiting else None
-            if waiting is not None and not waiting:
-                self.lost.pop(host, None)
+            old = self._unlost(host)
             # a decode held out as lost whose address a new process took is gone
             stale = [s for s, peer in self.held.items() if peer == f"{host}:{port}"]
         for s in stale:
@@ -276,14 +224,20 @@ class PeerMonitor:
             )
             _count(self, "recovery", host)
 
+    def _unlost(self, host: str, peer: Optional[str] = None) -> Optional[str]:
+        """Under `lock`: take `peer` (default: the oldest) off `host`'s lost list."""
+        waiting = self.lost.get(host, [])
+        peer = peer if peer is not None else next(iter(waiting), None)
+        if peer not in waiting:
+            return None
+        waiting.remove(peer)
+        if not waiting:
+            del self.lost[host]
+        return peer
+
     def lose_decode(self, session: str, why: str, keep: bool = False) -> List[int]:
-        """Fail every room bound to the decode `session` (502 naming it); count the loss.
-        `keep` (the peer may be alive: frozen, stalled, cut off): its registration
-        stays and its session is held in the blacklist -- requests bound to it fail at
-        once -- until it answers a probe (served again) or refuses connections
-        (`_watch_held`); its rooms' failure is pushed to it too (a frozen decode reads
-        it when it runs again). Else (nothing listens: the process is gone) everything
-        cached about that incarnation is dropped first."""
+        """Monitor thread: end every room bound to decode `session` (502 naming it), count
+        the loss; `keep` (it may be alive) holds it out, else its incarnation is dropped."""
         mgr = self.mgr
         with self.lock:
             host, port = self.known.get(session, (None, None))
@@ -320,8 +274,7 @@ class PeerMonitor:
         return failed
 
     def _drop_incarnation(self, session: str, host: str, port: int) -> None:
-        """Forget a gone decode session: registration, blacklist and layout entries,
-        push socket, poison marks (nobody is left to ack or to be written to)."""
+        """Forget a gone decode session: registration, blacklist, socket, poison marks."""
         mgr = self.mgr
         with self.lock:
             self.known.pop(session, None)
@@ -337,9 +290,7 @@ class PeerMonitor:
     # -- prefill: decodes held out as lost
 
     def _watch_held(self, session: str, host: str, port: int) -> None:
-        """A decode held out as lost (monitor thread, each heartbeat): gone once nothing
-        listens at its address; else its transfer session is probed (in the
-        background, bounded by SGLANG_FORK_SESSION_PROBE_TIMEOUT)."""
+        """Monitor thread: a held-out decode is gone once refused, else probed in the background."""
         if probe(host, port) == REFUSED:
             self._drop_held(session, "refuses connections")
             return
@@ -376,12 +327,7 @@ class PeerMonitor:
             if peer is None:
                 return
             host = peer.rpartition(":")[0]
-            waiting = self.lost.get(host, [])
-            counted = peer in waiting  # else a new decode on its host counted it already
-            if counted:
-                waiting.remove(peer)
-                if not waiting:
-                    self.lost.pop(host, None)
+            counted = self._unlost(host, peer) is not None  # else a new decode there counted it
         logger.warning("PD peer recovered: decode peer %s answers again (session %s); served again", peer, session)
         if counted:
             _count(self, "recovery", host)
@@ -432,8 +378,7 @@ def _forget_session(mgr: Any, session: str) -> None:
 
 
 def _drop_socket(mgr: Any, endpoint: str) -> None:
-    """Close the cached push socket to a lost endpoint (a new incarnation listens on a
-    new port; the old one would only queue messages for nobody)."""
+    """Close the cached push socket to a lost endpoint, not while a sender uses it."""
     lock = getattr(mgr, "_socket_lock", None)
     if lock is None:
         return
@@ -442,7 +387,7 @@ def _drop_socket(mgr: Any, endpoint: str) -> None:
         monitor = getattr(mgr, "_monitor_cache", {}).pop(endpoint, None)
     send_lock = getattr(mgr, "_socket_send_locks", {}).get(endpoint)
     with send_lock if send_lock is not None else contextlib.nullcontext():
-        if sock is not None:  # not while a sender still uses it
+        if sock is not None:
             sock.close(linger=0)
     if monitor is not None:
         monitor.close()
@@ -453,17 +398,12 @@ def monitor_of(mgr: Any) -> Optional[PeerMonitor]:
 
 
 def peer_tables(mgr: Any) -> Dict[str, int]:
-    """Sizes of the per-peer tables of a kv manager (the resource report shows them:
-    they must not grow with each restart of a peer)."""
-    out = {}
-    for name in (
+    """Sizes of a kv manager's per-peer tables (resource report: no growth per peer restart)."""
+    out = pd_queues.table_sizes(mgr, (
         "decode_kv_args_table", "failed_sessions", "session_failures", "failed_session_probes",
         "state_layout_rejections", "state_strides_validated", "prefill_info_table",
         "connection_pool", "heartbeat_failures", "session_pool", "_socket_cache",
-    ):
-        table = getattr(mgr, name, None)
-        if table is not None:
-            out[name] = len(table)
+    ))
     rooms_by_addr = getattr(mgr, "addr_to_rooms_tracker", None)
     if rooms_by_addr is not None:
         out["addr_to_rooms_tracker_addrs"] = len(rooms_by_addr)
@@ -480,11 +420,8 @@ def _start(queue: Any, mgr: Any, role: str) -> None:
     needed = ("decode_kv_args_table", "session_lock") if role == "prefill" else ("prefill_info_table", "connection_lock")
     if mgr is None or not all(hasattr(mgr, a) for a in needed) or monitor_of(mgr) is not None:
         return  # fake transfer backend, or not mooncake
-    scheduler = getattr(queue, "scheduler", None)
-    labels = getattr(getattr(scheduler, "metrics_collector", None), "labels", None)
-    reporter = getattr(scheduler, "metrics_reporter", None)
-    metrics = bool(getattr(reporter, "enable_metrics", False))
-    monitor = PeerMonitor(mgr, role, dict(labels) if isinstance(labels, dict) else {}, metrics)
+    labels = fork_metrics.scheduler_labels(getattr(queue, "scheduler", None))
+    monitor = PeerMonitor(mgr, role, labels or {}, labels is not None)
     mgr.__dict__[_MONITOR] = monitor
     if role == "prefill":
         # mooncake's bootstrap thread looks the method up per message: a registration
@@ -498,27 +435,22 @@ def _start(queue: Any, mgr: Any, role: str) -> None:
             return publish_and_watch
 
         fork_touch.swap(mgr, "_publish_peer_registration", watching, by=__name__)
-    monitor.start()
+    monitor.thread.start()
 
 
 def on_prefill_manager_init(mgr: Any, queue: Any, *args: Any, **kwargs: Any) -> None:
     """AFTER PrefillBootstrapQueue._init_kv_manager (result: the manager)."""
     _start(queue, mgr, "prefill")
-    return None
 
 
 def on_decode_manager_init(mgr: Any, queue: Any, *args: Any, **kwargs: Any) -> None:
     """AFTER DecodePreallocQueue._init_kv_manager (result: the manager)."""
     _start(queue, mgr, "decode")
-    return None
 
 
 def around_handle_node_failure(original, mgr, failed_bootstrap_addr, *args, **kwargs):
-    """AROUND CommonKVManager._handle_node_failure (decode; upstream's heartbeat and our
-    monitor both call it). Ends every room bound to the lost prefill through the ledger
-    (our reason naming the peer, kept over upstream's by the ledger's record_failure
-    hook; its drains settled) before upstream drops its connection info; logs and
-    counts the loss once. PeerMonitor.lock is held only to claim the loss."""
+    """AROUND CommonKVManager._handle_node_failure (decode, heartbeat or monitor thread):
+    the lost prefill's rooms end through the ledger, then its drains are settled."""
     monitor = monitor_of(mgr)
     peer = failed_bootstrap_addr
     reason = loss_message("prefill", peer, "its bootstrap server does not answer")
@@ -546,8 +478,7 @@ def around_handle_node_failure(original, mgr, failed_bootstrap_addr, *args, **kw
 
 
 def after_try_ensure_parallel_info(result, mgr, bootstrap_addr, *args, **kwargs):
-    """AFTER CommonKVManager.try_ensure_parallel_info: a prefill lost before whose info
-    was fetched again is back (log and count the recovery once)."""
+    """AFTER CommonKVManager.try_ensure_parallel_info: a lost prefill fetched again is back."""
     monitor = monitor_of(mgr)
     if result and monitor is not None and bootstrap_addr in monitor.lost:
         with monitor.lock:
@@ -559,11 +490,8 @@ def after_try_ensure_parallel_info(result, mgr, bootstrap_addr, *args, **kwargs)
 
 
 def around_conclude_transfer(original, mgr, *args, bootstrap_room=None, status=None, failure_reason=None, **kwargs):
-    """AROUND CommonKVManager.conclude_transfer (prefill; `conclude_failure` and the
-    transfer worker's failed writes end here). Remembers which decode session a
-    poisoned room was bound to (the mark is dropped when that peer is lost), and
-    rewords upstream's failure of a room bound to a blacklisted (dead) decode session,
-    which names only the session: it names the decode peer as the loss does."""
+    """AROUND CommonKVManager.conclude_transfer (prefill, transfer workers): notes a
+    poisoned room's decode session, and names the peer in a dead session's failure."""
     if status == KVPoll.Failed:
         infos = mgr.transfer_infos.get(bootstrap_room) or {}
         monitor = monitor_of(mgr)
@@ -597,20 +525,10 @@ def around_conclude_transfer(original, mgr, *args, bootstrap_room=None, status=N
 
 
 def around_send_multipart_locked(original, mgr, endpoint, parts, *args, **kwargs):
-    """AROUND CommonKVManager._send_multipart_locked (prefill's pushes to decode). A
-    push to a lost decode blocks for the socket's send timeout (30 s: with reconnects
-    off, a refused connection leaves the socket no pipe), and some senders hold
-    `session_lock` meanwhile (upstream's failed-session path), which stalls the
-    bootstrap thread -- the one that would register the restarted decode. Nobody
-    listens there: drop the message."""
+    """AROUND CommonKVManager._send_multipart_locked (prefill, any thread): a push to a lost
+    decode is dropped (it would block 30 s, maybe holding `session_lock`)."""
     monitor = monitor_of(mgr)
-    if (
-        monitor is not None
-        and monitor.role == "prefill"
-        and isinstance(endpoint, str)
-        and endpoint.startswith("tcp://")
-        and monitor.is_gone([endpoint[len("tcp://"):]])
-    ):
+    if monitor is not None and monitor.role == "prefill" and monitor.endpoint_gone(endpoint):
         logger.debug("Not sending to %s: that decode peer was lost", endpoint)
         return None
     return original(mgr, endpoint, parts, *args, **kwargs)

@@ -1,13 +1,9 @@
 """PD queues release and re-register their transfer-engine buffers across a pause.
 
-Invariant: after `release_memory_occupation` a PD queue has nothing registered with
-the transfer engine and its kv_manager keeps no room state that no live request owns;
-on `resume_memory_occupation` the KV (and draft KV) and metadata buffer addresses are
-re-read into kv_args before re-registering, so transfers after resume land in the
-buffers as they are now (decode re-sends them at its next handshake).
-Who calls: AROUND hooks on {PrefillBootstrapQueue,DecodePreallocQueue}.
-{release,resume}_memory_occupation (fork_plugin.HOOKS); the resource report reads
-`registration_report`.
+After `release_memory_occupation` a PD queue has nothing registered with the transfer
+engine and no room state that no live request owns; on resume the buffer addresses are
+re-read before re-registering. Scheduler thread: AROUND hooks on the prefill bootstrap and
+decode prealloc queues' {release,resume}_memory_occupation (docs/pause-release-resume.md).
 """
 
 from __future__ import annotations
@@ -21,30 +17,21 @@ from sglang.srt.managers import fork_touch, pd_pause
 logger = logging.getLogger(__name__)
 
 
-def refresh_addresses(queue) -> bool:
-    """BEFORE a PD queue's resume_memory_occupation: re-read the KV and metadata
-    buffer addresses (they may have moved while released) into the kv_manager's
-    kv_args, so the re-registration and the next handshake use them."""
+def refresh_addresses(queue) -> None:
+    """Re-read the KV and metadata buffer addresses (they may have moved while released)
+    into the kv_manager's kv_args, for the re-registration and the next handshake."""
     from sglang.srt.disaggregation.utils import get_kv_transfer_buf_infos
 
     kv_args = queue.kv_manager.kv_args
-    changed = False
-    pools = [queue.token_to_kv_pool]
     draft = fork_touch.upstream(queue, "draft_token_to_kv_pool")
     ptrs: List[int] = list(get_kv_transfer_buf_infos(queue.token_to_kv_pool)[0])
     if draft is not None:
         ptrs += list(draft.get_contiguous_buf_infos()[0])
-        pools.append(draft)
-    if len(ptrs) == len(kv_args.kv_data_ptrs) and ptrs != list(kv_args.kv_data_ptrs):
-        kv_args.kv_data_ptrs = ptrs
-        changed = True
     aux = list(queue.metadata_buffers.get_buf_infos()[0])
-    if len(aux) == len(kv_args.aux_data_ptrs) and aux != list(kv_args.aux_data_ptrs):
-        kv_args.aux_data_ptrs = aux
-        changed = True
-    if changed:
-        logger.info("pd_pause: KV buffer addresses changed across release; re-registering")
-    return changed
+    for name, now in (("kv_data_ptrs", ptrs), ("aux_data_ptrs", aux)):
+        if len(now) == len(getattr(kv_args, name)) and now != list(getattr(kv_args, name)):
+            setattr(kv_args, name, now)
+            logger.info("pd_pause: %s changed across release; re-registering", name)
 
 
 def queue_resume(original, queue, *args, **kwargs):
@@ -68,16 +55,10 @@ def queue_release(original, queue, *args, **kwargs):
     return result
 
 
-def _live_rooms(scheduler) -> set:
-    reqs = pd_queues.queued_reqs(scheduler) + list(scheduler.running_batch.reqs)
-    reqs += pd_queues.parked_reqs(scheduler)
-    return {fork_touch.upstream(r, "bootstrap_room") for r in reqs}
-
-
 def forget_orphan_rooms(scheduler, kv_manager) -> int:
-    """At release no transfer can run (the buffers are about to be deregistered):
-    room state that no live request owns is dropped, not carried across the cycle."""
-    live = _live_rooms(scheduler)
+    """Drop room state no live request owns (no transfer can run at release or resume)."""
+    reqs = pd_queues.queued_reqs(scheduler) + list(scheduler.running_batch.reqs) + pd_queues.parked_reqs(scheduler)
+    live = {fork_touch.upstream(r, "bootstrap_room") for r in reqs}
     dropped = 0
     for name in pd_queues.ROOM_TABLES:
         table = getattr(kv_manager, name, None)

@@ -1,17 +1,9 @@
 """Transfer deadlines: no PD request stays in one transfer stage longer than the deadline.
 
-Invariant: before each PD queue polls its rooms, every request that has been in that
-stage (prefill bootstrap / waiting / inflight, decode prealloc / transfer) longer than
-the deadline (`transfer_deadline_knob.configured()`, measured on `engine_clock`, so
-paused time does not count) has its room moved to `KVPoll.Failed` with the deadline as
-the recorded reason, and the peer is told at once. The poll's all-reduce then shows
-`Failed` on every rank, and upstream's Failed path of that queue releases what the
-request held (KV pages, metadata slot, radix lock, room state) and streams the abort,
-which `prepare_abort` (patched) turns into HTTP 504 with our message.
-
-Called by BEFORE hooks on each queue's poll (see fork_plugin.HOOKS). Only the rank
-that answers the client (attention TP/CP rank 0, PP rank 0) decides; the others follow
-through the all-reduce, so every rank drops the same requests in the same pass.
+BEFORE hooks on each PD queue's poll (scheduler thread) end, through the room ledger, every
+request in that stage longer than `transfer_deadline_knob.configured()` on `engine_clock`
+(504, the peer told); only rank 0 decides, the poll's all-reduce spreads it. What and why:
+docs/transfer-deadline.md.
 """
 
 from __future__ import annotations
@@ -20,7 +12,7 @@ import logging
 from collections import Counter
 from typing import Any, List, Sequence, Tuple
 
-from sglang.srt.disaggregation import request_end_cause, room_ledger
+from sglang.srt.disaggregation import fork_metrics, request_end_cause, room_ledger
 from sglang.srt.disaggregation.pd_queues import (
     DECODE_PREALLOC, DECODE_TRANSFER, PREFILL_BOOTSTRAP, PREFILL_INFLIGHT, PREFILL_WAITING,
 )
@@ -28,9 +20,6 @@ from sglang.srt.disaggregation.transfer_deadline_knob import ARG, ENV, configure
 from sglang.srt.managers.engine_clock import engine_clock
 
 logger = logging.getLogger(__name__)
-
-# The stages a deadline watches (names declared in pd_queues).
-STAGES = (PREFILL_BOOTSTRAP, PREFILL_WAITING, PREFILL_INFLIGHT, DECODE_PREALLOC, DECODE_TRANSFER)
 
 # Per request: (stage, entered_at on engine_clock) and, once expired, the message.
 _STAMP = "fork_transfer_stage"
@@ -46,17 +35,6 @@ MAX_SCAN_INTERVAL = 1.0
 COUNTS: Counter = Counter()
 _next_scan: dict = {}
 _NEVER = float("-inf")
-
-
-# ----------------------------------------------------------------------------- pure
-
-
-def scan_due(stage: str, now: float, deadline: float) -> bool:
-    """Whether `stage`'s queue is due for a scan at `now` (and book the next one)."""
-    if now < _next_scan.get(stage, float("-inf")):
-        return False
-    _next_scan[stage] = now + min(deadline / SCAN_DIVISOR, MAX_SCAN_INTERVAL)
-    return True
 
 
 def overdue(stage: str, reqs: Sequence[Any], now: float, deadline: float) -> List[Tuple[int, float]]:
@@ -84,38 +62,12 @@ def message(stage: str, req: Any, elapsed: float, deadline: float) -> str:
     )
 
 
-# ----------------------------------------------------------------------------- side effects
-
-
 def _decides() -> bool:
+    """Whether this rank answers the client (attention TP/CP rank 0, PP rank 0)."""
     from sglang.srt.runtime_context import get_parallel
 
     parallel = get_parallel()
-    return (
-        getattr(parallel, "attn_tp_rank", 0) == 0
-        and getattr(parallel, "attn_cp_rank", 0) == 0
-        and getattr(parallel, "pp_rank", 0) == 0
-    )
-
-
-def _count(scheduler, stage: str) -> None:
-    from sglang.srt.disaggregation import fork_metrics
-
-    COUNTS[stage] += 1
-    fork_metrics.inc("transfer_timeout", fork_metrics.scheduler_labels(scheduler), stage=stage)
-
-
-def _fail_room(endpoint, room: int, reason: str, side: str) -> None:
-    """End the room through the ledger: Failed with `reason`, the peer told (prefill:
-    a late handshake is answered Failed too); fake endpoints have no peer."""
-    kv_mgr = endpoint.kv_mgr
-    if not hasattr(kv_mgr, "record_failure"):
-        endpoint.abort()
-        return
-    room_ledger.end_room(
-        kv_mgr, room, request_end_cause.TIMEOUT, reason, remember=side == "prefill",
-        receiver=endpoint if side == "decode" else None,
-    )
+    return all(getattr(parallel, rank, 0) == 0 for rank in ("attn_tp_rank", "attn_cp_rank", "pp_rank"))
 
 
 def _expire(scheduler, stage: str, queue: Sequence[Any], side: str, keep=None) -> None:
@@ -124,13 +76,10 @@ def _expire(scheduler, stage: str, queue: Sequence[Any], side: str, keep=None) -
     if not queue:
         return
     now = engine_clock.now()
-    if now < _next_scan.get(stage, _NEVER):  # the common case: one lookup per pass
-        return
-    if not _decides():
+    if now < _next_scan.get(stage, _NEVER) or not _decides():  # the common case: one lookup per pass
         return
     deadline = configured()
-    if not scan_due(stage, now, deadline):
-        return
+    _next_scan[stage] = now + min(deadline / SCAN_DIVISOR, MAX_SCAN_INTERVAL)
     reqs = queue if side == "prefill" else [entry.req for entry in queue]
     for i, elapsed in overdue(stage, reqs, now, deadline):
         # `keep` only for the overdue ones: upstream's is_aborted costs ~8 µs a request,
@@ -144,11 +93,13 @@ def _expire(scheduler, stage: str, queue: Sequence[Any], side: str, keep=None) -
         text = message(stage, req, elapsed, deadline)
         setattr(req, _EXPIRED, text)
         logger.warning(text)
-        _fail_room(endpoint, req.bootstrap_room, text, side)
-        _count(scheduler, stage)
-
-
-# ----------------------------------------------------------------------------- hooks
+        if hasattr(endpoint.kv_mgr, "record_failure"):  # the peer told; prefill: a late handshake fails too
+            room_ledger.end_room(endpoint.kv_mgr, req.bootstrap_room, request_end_cause.TIMEOUT, text,
+                                 remember=side == "prefill", receiver=endpoint if side == "decode" else None)
+        else:  # fake transfer: no peer
+            endpoint.abort()
+        COUNTS[stage] += 1
+        fork_metrics.inc("transfer_timeout", fork_metrics.scheduler_labels(scheduler), stage=stage)
 
 
 def before_pop_bootstrapped(queue, *args, **kwargs):

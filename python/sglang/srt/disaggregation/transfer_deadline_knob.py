@@ -1,11 +1,8 @@
 """The transfer deadline knob: one value, checked before anything starts.
 
-`--disaggregation-transfer-timeout` (server argument) wins over
-`SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT` (declared in upstream's `environ.Envs`,
-default 600 s). Both are validated at start-up (`validate`, called from
-`handle_pd_disaggregation` while ServerArgs resolve, before any process is spawned):
-a value that is not a finite number of seconds > 0 stops the server with a message
-naming the knob and the accepted range. Light on purpose: imported by the arg parser.
+`--disaggregation-transfer-timeout` wins over `SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT`
+(default 600 s); both are validated while ServerArgs resolve (`validate`, before any
+process is spawned). Light on purpose: imported by the arg parser.
 """
 
 from __future__ import annotations
@@ -31,14 +28,15 @@ class TransferTimeoutError(ValueError):
     pass
 
 
-def positive_seconds(value, source: str, what: str, accepted: str, error: type = ValueError) -> float:
-    """`value` as a finite number of seconds > 0, else `error` naming `source` (the
-    knob), what it is not, and what is accepted. Shared by the fork's second knobs."""
+def positive_seconds(value, source: str, what: str, accepted: str, error: type = ValueError,
+                     zero: bool = False) -> float:
+    """`value` as a finite number of seconds > 0 (>= 0 with `zero`), else `error` naming
+    `source` (the knob), what it is not, and what is accepted. Shared by the fork's knobs."""
     try:
         seconds = float(value)
     except (TypeError, ValueError):
         seconds = math.nan
-    if not (math.isfinite(seconds) and seconds > 0):
+    if not (math.isfinite(seconds) and (seconds > 0 or (zero and seconds == 0))):
         raise error(f"{source}={value!r} is not {what}: expected {accepted}.")
     return seconds
 

@@ -1,15 +1,9 @@
 """A prefill transfer worker that dies does not strand its rooms.
 
-Invariant: when a mooncake transfer worker thread raises, the room whose chunk it was
-sending is ended through the room ledger (`room_ledger.end_room`: recorded, Failed,
-decode told, with a reason naming the exception), its in-flight count is dropped (the drain ACK stays
-poisoned, as upstream leaves it, because a write may still be running), and the worker
-loop starts again on the same queue, so later chunks of that shard are served. The
-scheduler's next inflight poll sees Failed and retires the request (upstream's path).
-Installed by a BEFORE hook on `PrefillBootstrapQueue._init_kv_manager` (fork_plugin.HOOKS),
-in the scheduler process just before the manager starts its workers: hooking
-`MooncakeKVManager` directly would import mooncake/conn.py (and prometheus_client) in
-the launcher before PROMETHEUS_MULTIPROC_DIR is set, which silences its metrics.
+When a mooncake transfer worker thread raises, the room it was sending ends through
+the ledger (500 naming the exception, decode told), its in-flight count is dropped and
+the worker loop starts again on the same queue. Installed (a class patch, SWAPS) by a
+BEFORE hook on `PrefillBootstrapQueue._init_kv_manager`, in the scheduler process.
 """
 
 from __future__ import annotations
@@ -24,50 +18,38 @@ from sglang.srt.managers import fork_touch
 logger = logging.getLogger(__name__)
 
 
-def _shard_of(kv_mgr, room: int):
-    infos = kv_mgr.transfer_infos.get(room)
-    if not infos:
-        return None
-    # As MooncakeKVManager.add_transfer_request routes a room's chunks.
-    return sum(int(s.rsplit(":", 1)[1]) for s in list(infos)) % len(kv_mgr.transfer_queues)
-
-
 def rooms_in_flight(kv_mgr, queue) -> list:
-    """Rooms with a chunk dequeued but not finished by the worker of `queue`."""
-    shard = next(i for i, q in enumerate(kv_mgr.transfer_queues) if q is queue)
-    return [
-        room
-        for room, count in list(kv_mgr._staging_outstanding.items())
-        if count > 0 and _shard_of(kv_mgr, room) == shard
-    ]
+    """Rooms with a chunk dequeued but not finished by the worker of `queue` (sharded as
+    MooncakeKVManager.add_transfer_request routes a room's chunks)."""
+    queues = kv_mgr.transfer_queues
+    shard = next(i for i, q in enumerate(queues) if q is queue)
 
+    def shard_of(room: int):
+        sessions = list(kv_mgr.transfer_infos.get(room) or ())
+        return sum(int(s.rsplit(":", 1)[1]) for s in sessions) % len(queues) if sessions else None
 
-def fail_stranded_rooms(kv_mgr, queue, exc: BaseException) -> list:
-    rooms = rooms_in_flight(kv_mgr, queue)
-    for room in rooms:
-        reason = f"KV transfer worker raised while sending room {room}: {exc!r}; restarted"
-        logger.error(reason)
-        if kv_mgr.request_status.get(room) not in (None, KVPoll.Success):
-            end_room(kv_mgr, room, None, reason)
-        kv_mgr._staging_outstanding.pop(room, None)
-    return rooms
+    return [room for room, count in list(kv_mgr._staging_outstanding.items()) if count > 0 and shard_of(room) == shard]
 
 
 def around_transfer_worker(original, kv_mgr, queue, *args, **kwargs):
-    """Run upstream's worker loop; if it raises, fail its stranded rooms and run it
-    again on the same queue (it consumed the failing chunk, so this cannot spin)."""
+    """Upstream's worker loop, run again on the same queue after it raised (it consumed
+    the failing chunk: no spin); the rooms it had in flight end through the ledger."""
     while True:
         try:
             return original(kv_mgr, queue, *args, **kwargs)
         except Exception as exc:
             if fork_touch.upstream(kv_mgr, "_stopped"):
                 raise
-            fail_stranded_rooms(kv_mgr, queue, exc)
+            for room in rooms_in_flight(kv_mgr, queue):
+                reason = f"KV transfer worker raised while sending room {room}: {exc!r}; restarted"
+                logger.error(reason)
+                if kv_mgr.request_status.get(room) not in (None, KVPoll.Success):
+                    end_room(kv_mgr, room, None, reason)
+                kv_mgr._staging_outstanding.pop(room, None)
 
 
 def install(*args, **kwargs) -> None:
-    """BEFORE PrefillBootstrapQueue._init_kv_manager: wrap MooncakeKVManager.transfer_worker
-    once (the workers' thread targets are bound when the manager is built)."""
+    """BEFORE PrefillBootstrapQueue._init_kv_manager: wrap MooncakeKVManager.transfer_worker once."""
     from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
 
     if getattr(fork_touch.upstream(MooncakeKVManager, "transfer_worker"), "fork_guarded", False):

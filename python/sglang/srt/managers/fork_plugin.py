@@ -1,14 +1,9 @@
 """The fork's `sglang.srt.plugins` entry point, and the table of every way the fork
 touches upstream (docs/layout.md "Ways the fork touches upstream").
 
-HOOKS: every hook applied through upstream's HookRegistry. Upstream only logs a hook
-that fails to apply, so `hooks_applied()` lets tests (and the resource report) assert
-that each target really was patched.
-SWAPS: every instance-attribute swap and class patch, made (inside the hook named) through
-`fork_touch.swap()`, which refuses an undeclared swap and fails loudly on a missing
-target; `fork_touch.swaps_applied()` tells per live object whether each is in place
-(resource report `swaps_applied`), and `fork_touch.check_at_start` stops a scheduler
-whose kv manager lacks one. `tools/fork check` resolves both tables against upstream.
+HOOKS: every HookRegistry hook (`hooks_applied()` tells which applied: upstream only logs
+a failure). SWAPS: every attribute swap and class patch, made through `fork_touch.swap()`.
+`tools/fork check` resolves both tables against upstream.
 """
 
 import importlib
@@ -18,8 +13,7 @@ from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 # (dotted target in upstream, "our_module:function", hook type)
 HOOKS: list[tuple[str, str, HookType]] = [
     (
-        "sglang.srt.managers.scheduler_components.internal_state."
-        "SchedulerInternalStateController.get_internal_state",
+        "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController.get_internal_state",
         "sglang.srt.managers.pd_resource_report:add_to_internal_state",
         HookType.AFTER,
     ),
@@ -170,14 +164,12 @@ HOOKS: list[tuple[str, str, HookType]] = [
         HookType.BEFORE,
     ),
     (
-        "sglang.srt.disaggregation.prefill.SchedulerDisaggregationPrefillMixin."
-        "resolve_waiting_queue_bootstrap",
+        "sglang.srt.disaggregation.prefill.SchedulerDisaggregationPrefillMixin.resolve_waiting_queue_bootstrap",
         "sglang.srt.disaggregation.transfer_deadline:before_resolve_waiting",
         HookType.BEFORE,
     ),
     (
-        "sglang.srt.disaggregation.prefill.SchedulerDisaggregationPrefillMixin."
-        "process_disagg_prefill_inflight_queue",
+        "sglang.srt.disaggregation.prefill.SchedulerDisaggregationPrefillMixin.process_disagg_prefill_inflight_queue",
         "sglang.srt.disaggregation.transfer_deadline:before_prefill_inflight",
         HookType.BEFORE,
     ),
@@ -191,15 +183,13 @@ HOOKS: list[tuple[str, str, HookType]] = [
         "sglang.srt.disaggregation.transfer_deadline:before_pop_transferred",
         HookType.BEFORE,
     ),
-    # Abort-mode pause returns once the aborted requests are gone, not after upstream's
-    # fixed 1 s sleep (bench/rl_step.py).
+    # Abort-mode pause returns once the aborted requests are gone, not after a fixed 1 s sleep.
     (
         "sglang.srt.utils.aio_rwlock.RWLock.is_locked",
         "sglang.srt.managers.pd_pause_drain:around_is_locked",
         HookType.AROUND,
     ),
-    # Behind a gateway that still routes to a lost decode: a prefill request whose
-    # decode never shakes hands ends within seconds as peer loss (docs/gateway.md).
+    # A prefill request routed to a lost decode ends within seconds as peer loss (docs/gateway.md).
     (
         "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue.pop_bootstrapped",
         "sglang.srt.disaggregation.lost_decode_handshake:before_pop_bootstrapped",
@@ -210,8 +200,7 @@ HOOKS: list[tuple[str, str, HookType]] = [
         "sglang.srt.disaggregation.lost_decode_handshake:validate_at_start",
         HookType.AFTER,
     ),
-    # A transfer worker that raises fails its in-flight room and starts again
-    # (installed on MooncakeKVManager when the prefill queue builds its manager).
+    # A transfer worker that raises fails its in-flight room and starts again.
     (
         "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager",
         "sglang.srt.disaggregation.transfer_worker_guard:install",
@@ -261,8 +250,7 @@ HOOKS: list[tuple[str, str, HookType]] = [
         "sglang.srt.disaggregation.abort_retirement:around_pending_chunked_abort",
         HookType.AROUND,
     ),
-    # peer_liveness: a crashed peer is noticed at once, its requests end (502), and a
-    # restarted peer is accepted without restarting this side.
+    # peer_liveness: a crashed peer is noticed at once, its requests end (502), a restart is served.
     (
         "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager",
         "sglang.srt.disaggregation.peer_liveness:on_prefill_manager_init",
@@ -293,8 +281,7 @@ HOOKS: list[tuple[str, str, HookType]] = [
         "sglang.srt.disaggregation.peer_liveness:around_conclude_transfer",
         HookType.AROUND,
     ),
-    # bootstrap_fetch: decode fetches a prefill's info and rank endpoints on its own
-    # pool, never on the scheduler thread (a frozen prefill blocked it 5 s per call)
+    # bootstrap_fetch: decode fetches a prefill's info and endpoints on its pool, not the scheduler
     (
         "sglang.srt.disaggregation.decode.DecodePreallocQueue._ensure_prefill_info",
         "sglang.srt.disaggregation.bootstrap_fetch:around_ensure_prefill_info",
@@ -315,8 +302,7 @@ HOOKS: list[tuple[str, str, HookType]] = [
         "sglang.srt.disaggregation.bootstrap_fetch:around_get_bootstrap_info_from_server",
         HookType.AROUND,
     ),
-    # The start-up check of SWAPS: registered last, so it runs after every AFTER hook
-    # above that makes a swap on the new kv manager.
+    # The start-up check of SWAPS: last, after every AFTER hook above that makes a swap.
     (
         "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager",
         "sglang.srt.managers.fork_touch:check_at_start",
@@ -386,8 +372,7 @@ SWAPS: list[tuple[str, str, str, str]] = [
         "instance",
         "prefill",
     ),
-    # a session comes back only once a read from it completes (mooncake's TCP transport
-    # fails the first transfer after it dropped a stalled peer's connections)
+    # a session comes back only once a read from it completes (docs/chunk-failures.md)
     (
         "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager._send_probe",
         "sglang.srt.disaggregation.chunk_failures:on_prefill_manager_init",

@@ -1,20 +1,10 @@
 """How fork modules touch upstream objects outside HookRegistry, and read its internals.
 
-Invariant: every instance-attribute swap and class patch the fork makes is declared in
-`fork_plugin.SWAPS` and made through `swap()` here, which refuses an undeclared one,
-raises `UpstreamChanged` (naming the upstream attribute) when the declared target is
-missing on an object of the declared class, and records what it put in place. So
-`swaps_applied()` can say, for a live object, whether each declared swap is still there
-(the resource report shows it next to `hooks_applied`), and the start-up check
-(`check_at_start`, the last AFTER hook on each PD queue's `_init_kv_manager`) stops the
-server when a declared swap was not made. `tools/fork check` resolves every SWAPS
-target in upstream's source.
-
-`upstream(obj, name)` is the accessor for upstream internals: like getattr, but a
-missing attribute raises `UpstreamChanged` instead of letting a default hide an
-upstream rename. getattr-with-default stays for the fork's own optional attributes.
-Threads: swaps happen in the scheduler while it builds its kv manager (before the
-manager's threads look the attributes up); `_APPLIED` is append-only under `_lock`.
+`swap()` is the one way to swap an upstream attribute: declared in `fork_plugin.SWAPS`,
+made on the scheduler thread while it builds its kv manager, recorded for
+`swaps_applied()` (resource report) and `check_at_start`. `upstream(obj, name)` reads an
+upstream internal, raising `UpstreamChanged` on a rename. docs/layout.md: "Ways the fork
+touches upstream".
 """
 
 from __future__ import annotations
@@ -59,9 +49,8 @@ def key(target: str, ref: str) -> str:
 
 
 def _declared(obj: Any, by: str, attr: str, kind: str) -> Optional[str]:
-    """The key of the SWAPS entry for `by` swapping `attr` on `obj` (whose class is the
-    declared owner), None if `obj` is of none of the declared classes; raises if
-    undeclared."""
+    """The key of `by`'s SWAPS entry for `attr` on `obj`'s class, None for another class;
+    raises if undeclared."""
     owners = []
     for target, ref, k, _ in _swaps():
         owner, _, name = target.rpartition(".")
@@ -88,10 +77,8 @@ _lock = threading.Lock()
 
 
 def swap(obj: Any, attr: str, make: Callable[[Any], Any], *, by: str, kind: str = "instance") -> Optional[Any]:
-    """Replace `obj.attr` with `make(original)`, as fork_plugin.SWAPS declares for module
-    `by` (pass `__name__`). `kind` "instance" swaps on the object, "class" patches the
-    class `obj`. Returns what was put in place, or None when `obj` is not of the declared
-    class (another transfer backend: nothing to swap)."""
+    """Replace `obj.attr` (kind "instance") or class `obj`'s attribute ("class") with
+    `make(original)`, as SWAPS declares for module `by`; None for another class."""
     if kind == "class" and not isinstance(obj, type):
         raise TypeError(f"a class patch of {attr!r} needs the class, got {obj!r}")
     entry = _declared(obj, by, attr, kind)
@@ -121,41 +108,34 @@ def _in_place(obj: Any, attr: str, new: Any) -> bool:
         if value is new:
             return True
         value = getattr(value, "__wrapped__", _MISSING)
-        if value is _MISSING:
-            return False
     return False
 
 
 def applied_on(obj: Any, target: str, ref: str) -> bool:
-    """Whether the SWAPS entry (target, ref) was made on `obj` (or its class) and is
-    still there."""
+    """Whether the SWAPS entry (target, ref) was made on `obj` (or its class) and is still there."""
     attr = target.rpartition(".")[2]
     with _lock:
         records = list(_APPLIED.get(key(target, ref), ()))
-    for ref, new in records:
-        o = ref()
-        if o is not None and (o is obj or (isinstance(o, type) and isinstance(obj, o))) and _in_place(o, attr, new):
-            return True
-    return False
+    return any(
+        o is not None and (o is obj or (isinstance(o, type) and isinstance(obj, o))) and _in_place(o, attr, new)
+        for o, new in ((weak(), new) for weak, new in records)
+    )
 
 
 def swaps_applied(obj: Any, role: Optional[str] = None) -> Dict[str, bool]:
-    """"target <- ref" -> applied, for each SWAPS entry that applies to `obj` (its class
-    is the declared owner) in `role`; {} for an object none applies to (fake backend)."""
+    """"target <- ref" -> applied, for each SWAPS entry for `obj`'s class in `role`."""
     if obj is None:
         return {}
-    out = {}
-    for target, ref, _, r in _swaps():
-        owner = target.rpartition(".")[0]
-        if (role is None or r in (role, "both")) and _is_a(obj, owner):
-            out[key(target, ref)] = applied_on(obj, target, ref)
-    return out
+    return {
+        key(target, ref): applied_on(obj, target, ref)
+        for target, ref, _, r in _swaps()
+        if (role is None or r in (role, "both")) and _is_a(obj, target.rpartition(".")[0])
+    }
 
 
 def check_at_start(mgr: Any, queue: Any, *args: Any, **kwargs: Any) -> None:
-    """AFTER `PrefillBootstrapQueue/DecodePreallocQueue._init_kv_manager` (the last one
-    registered): every swap SWAPS declares for this manager is in place, or the
-    scheduler stops here naming the ones that are not."""
+    """AFTER each PD queue's `_init_kv_manager` (the last one registered, scheduler thread):
+    stop the scheduler naming any swap SWAPS declares for this manager that is not in place."""
     role = "prefill" if type(queue).__name__.startswith("Prefill") else "decode"
     missing = [t for t, ok in swaps_applied(mgr, role).items() if not ok]
     if missing:
@@ -163,4 +143,3 @@ def check_at_start(mgr: Any, queue: Any, *args: Any, **kwargs: Any) -> None:
             f"fork swaps declared in fork_plugin.SWAPS were not made on this {role} kv "
             f"manager ({_qualname(type(mgr))}): {', '.join(missing)}"
         )
-    return None

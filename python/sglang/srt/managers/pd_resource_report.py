@@ -1,12 +1,9 @@
 """What a scheduler holds right now, as `fork_pd_resources` in its internal state.
 
-An AFTER hook on upstream's `SchedulerInternalStateController.get_internal_state`
-(GET /server_info or /get_server_info -> internal_states[i]) adds: KV tokens (free,
-total, cached-evictable, protected, held by requests), request slots, PD
-metadata-buffer slots, PD queue lengths per role, per-room table sizes of the transfer
-kv_manager, its per-peer table sizes (`peers`, see peer_liveness), `hooks_applied` and
-`swaps_applied` (fork_plugin.SWAPS on this kv manager). Tests compare it with an idle
-baseline; read-only.
+AFTER `SchedulerInternalStateController.get_internal_state` (scheduler thread; GET
+/get_server_info -> internal_states[i]): KV tokens, slots, PD queues, the kv manager's
+per-room and per-peer tables, hooks and swaps applied. Read-only; tests compare it with
+an idle baseline.
 """
 
 from __future__ import annotations
@@ -50,15 +47,10 @@ def slots(allocator) -> Optional[Dict[str, int]]:
 
 
 def _room_tables(kv_manager) -> Dict[str, int]:
-    tables = {}
-    for name in KV_MANAGER_ROOM_TABLES:
-        table = getattr(kv_manager, name, None)
-        if table is not None:
-            tables[name] = len(table)
-    # the fork's: rooms tagged with why they failed, until their end is counted
     from sglang.srt.disaggregation.request_end_cause import tagged_rooms
 
-    tables["fork_end_causes"] = tagged_rooms(kv_manager)
+    tables = pd_queues.table_sizes(kv_manager, KV_MANAGER_ROOM_TABLES)
+    tables["fork_end_causes"] = tagged_rooms(kv_manager)  # the fork's, until each end is counted
     rooms_by_addr = getattr(kv_manager, "addr_to_rooms_tracker", None)
     if rooms_by_addr is not None:
         # list() copies the values in one step: transfer threads mutate the dict.
@@ -68,9 +60,8 @@ def _room_tables(kv_manager) -> Dict[str, int]:
 
 def build_report(scheduler) -> Dict[str, Any]:
     from sglang.srt.disaggregation import bootstrap_fetch, queue_memory, room_ledger
-    from sglang.srt.managers import pd_pause
     from sglang.srt.disaggregation.peer_liveness import peer_tables
-    from sglang.srt.managers import fork_touch
+    from sglang.srt.managers import fork_touch, pd_pause
     from sglang.srt.managers.fork_plugin import hooks_applied
 
     mode = scheduler.disaggregation_mode
