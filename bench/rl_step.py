@@ -21,7 +21,8 @@ the RL framework makes it (one engine after the other: prefill, then decode):
 
 A call that does not answer 200 is reported with its status ("409", "500", "dead" when
 the server died). Requests left in flight after a loop are ended with abort_all before
-the next. Every loop runs `--repeats` times (default 3) per side and number in flight;
+the next. Every loop runs `--repeats` times (default 3) per side and number in flight
+(the sides alternate per repeat);
 a cell is the median (min-max). Each pause also records the CPU time the paused
 server's HTTP process (its main thread: the event loop that answers every aborted
 request) and its scheduler spent during the call: on 2 shared cores the wall time of
@@ -274,20 +275,21 @@ def main(argv=None) -> int:
         try:
             start_all(*clusters.values())
             for n in args.inflight:
-                for name in SIDES:
-                    cluster = clusters[name]
-                    if not all(cluster[r].is_alive() for r in ROLES):
-                        print(f"{name} @{n}: a server died earlier, skipped", flush=True)
-                        continue
-                    t0 = time.monotonic()
-                    rows = []
-                    for _ in range(args.repeats):
+                # the sides alternate per repeat, so both see the machine's load alike
+                rows: Dict[str, List[Dict[str, str]]] = {name: [] for name in SIDES}
+                t0 = time.monotonic()
+                for _ in range(args.repeats):
+                    for name in SIDES:
+                        cluster = clusters[name]
                         if not all(cluster[r].is_alive() for r in ROLES):
-                            break
-                        rows.append(one_side(cluster, model, n, args.max_new_tokens))
-                    results[(name, n)] = merge(rows)
-                    print(f"{name} @{n} in flight ({time.monotonic() - t0:.0f}s): {results[(name, n)]}",
-                          flush=True)
+                            print(f"{name} @{n}: a server died earlier, skipped", flush=True)
+                            continue
+                        rows[name].append(one_side(cluster, model, n, args.max_new_tokens))
+                for name in SIDES:
+                    if rows[name]:
+                        results[(name, n)] = merge(rows[name])
+                        print(f"{name} @{n} in flight ({time.monotonic() - t0:.0f}s, both sides): "
+                              f"{results[(name, n)]}", flush=True)
         finally:
             for c in clusters.values():
                 c.teardown()
@@ -295,8 +297,7 @@ def main(argv=None) -> int:
             f"Fork `{prepared['fork_version']}` vs upstream `{prepared['version']}`, 1P1D + mini-lb on CPU, "
             f"tiny Llama, {' and '.join(map(str, args.inflight))} greedy requests in flight "
             f"({args.max_new_tokens} output tokens, ignore_eos), each call timed on prefill then decode; "
-            f"median (min-max) of {args.repeats} repeats (each side's repeats run one after the other; "
-            f"fork and upstream alternate per number in flight). \"CPU during it\": CPU seconds the paused "
+            f"median (min-max) of {args.repeats} repeats (fork and upstream alternate per repeat). \"CPU during it\": CPU seconds the paused "
             f"server's HTTP event loop (main thread of the HTTP/tokenizer process) and scheduler used during "
             f"the pause call.",
             f"Machine: {mach['nproc']} CPUs, {mach['cpu']}, {mach['mem_gb']} GB RAM, Python {mach['python']}; "
