@@ -21,15 +21,15 @@ the RL framework makes it (one engine after the other: prefill, then decode):
 
 A call that does not answer 200 is reported with its status ("409", "500", "dead" when
 the server died). Requests left in flight after a loop are ended with abort_all before
-the next. Every loop runs `--repeats` times (default 3) per side and number in flight
-(the sides alternate per repeat);
-a cell is the median (min-max). Each pause also records the CPU time the paused
-server's HTTP process (its main thread: the event loop that answers every aborted
-request) and its scheduler spent during the call: on 2 shared cores the wall time of
-an abort-mode pause follows the machine's load, while that CPU is the work the pause
-must wait for (upstream's contract: every in-flight request answered), the floor. Not a timed test: a benchmark (exit 0 when every figure was measured, 2 when
-the bench itself failed). Targets (issue 14): pause <= 0.25 s, release + resume <= 0.5 s
-beside the weight load, continue <= 0.1 s.
+the next. Every loop runs `--repeats` times (default 3) per side and number in flight,
+the sides alternating per repeat; a cell is the median (min-max). Each pause also
+records the CPU time the paused server's HTTP process (its main thread: the event loop
+that answers every aborted request) and its scheduler spent during the call: on 2
+shared cores the wall time of an abort-mode pause follows the machine's load, while
+that CPU is the work the pause must wait for (upstream's contract: every in-flight
+request answered), its floor. Not a timed test: a benchmark (exit 0 when every figure
+was measured, 2 when the bench itself failed). Targets (issue 14): pause <= 0.25 s,
+release + resume <= 0.5 s beside the weight load, continue <= 0.1 s.
 
 Usage: python -m bench.rl_step [--inflight 64 256] [--max-new-tokens 256] [--write-readme]
 """
