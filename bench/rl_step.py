@@ -37,8 +37,8 @@ Usage: python -m bench.rl_step [--inflight 64 256] [--max-new-tokens 256] [--wri
 from __future__ import annotations
 
 import argparse
-import statistics
 import shutil
+import statistics
 import sys
 import tempfile
 import threading
