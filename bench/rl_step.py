@@ -21,9 +21,15 @@ the RL framework makes it (one engine after the other: prefill, then decode):
 
 A call that does not answer 200 is reported with its status ("409", "500", "dead" when
 the server died). Requests left in flight after a loop are ended with abort_all before
-the next. Not a timed test: a benchmark (exit 0 when every figure was measured, 2 when
-the bench itself failed). Targets (issue 14): pause <= 0.25 s, release + resume <= 0.5 s
-beside the weight load, continue <= 0.1 s.
+the next. Every loop runs `--repeats` times (default 3) per side and number in flight,
+the sides alternating per repeat; a cell is the median (min-max). Each pause also
+records the CPU time the paused server's HTTP process (its main thread: the event loop
+that answers every aborted request) and its scheduler spent during the call: on 2
+shared cores the wall time of an abort-mode pause follows the machine's load, while
+that CPU is the work the pause must wait for (upstream's contract: every in-flight
+request answered), its floor. Not a timed test: a benchmark (exit 0 when every figure
+was measured, 2 when the bench itself failed). Targets (issue 14): pause <= 0.25 s,
+release + resume <= 0.5 s beside the weight load, continue <= 0.1 s.
 
 Usage: python -m bench.rl_step [--inflight 64 256] [--max-new-tokens 256] [--write-readme]
 """
@@ -32,12 +38,15 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import statistics
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import psutil
 
 from bench import baseline
 from bench.readme_block import write_block
@@ -102,11 +111,51 @@ FLUSH_POLLS = 60  # frameworks poll /flush_cache up to 60 times
 FLUSH_POLL_S = 0.05
 
 
-def both(cluster, path: str, payload, row: Dict[str, str], name: str) -> None:
-    """The call on prefill then decode, each timed."""
+def server_procs(server) -> Dict[str, psutil.Process]:
+    """The HTTP process (launch_server: HTTP server + tokenizer) and the scheduler."""
+    procs: Dict[str, psutil.Process] = {}
+    for pid in server.pids():
+        try:
+            proc = psutil.Process(pid)
+            cmd = " ".join(proc.cmdline())
+        except psutil.Error:
+            continue
+        if "sglang.launch_server" in cmd and "http" not in procs:
+            procs["http"] = proc
+        elif "scheduler" in cmd:
+            procs["scheduler"] = proc
+    return procs
+
+
+def cpu_seconds(procs: Dict[str, psutil.Process]) -> Dict[str, float]:
+    """CPU seconds so far: the HTTP process's main thread (its event loop), the scheduler."""
+    out: Dict[str, float] = {}
+    for name, proc in procs.items():
+        try:
+            if name == "http":
+                main = [t for t in proc.threads() if t.id == proc.pid]
+                out[name] = main[0].user_time + main[0].system_time if main else 0.0
+            else:
+                t = proc.cpu_times()
+                out[name] = t.user + t.system
+        except psutil.Error:
+            pass
+    return out
+
+
+def both(cluster, path: str, payload, row: Dict[str, str], name: str, cpu: bool = False) -> None:
+    """The call on prefill then decode, each timed (with `cpu`: also the CPU the
+    server's event loop and scheduler spent during it)."""
     for role in ROLES:
+        procs = server_procs(cluster[role]) if cpu else {}
+        before = cpu_seconds(procs)
         status, seconds = timed(cluster[role], path, payload)
         row[f"{name} ({role})"] = f"{seconds:.3f}" if status == "ok" else status
+        if cpu and status == "ok":
+            after = cpu_seconds(procs)
+            for part, label in (("http", "HTTP event loop"), ("scheduler", "scheduler")):
+                if part in before and part in after:
+                    row[f"{name} ({role}): {label} CPU during it"] = f"{after[part] - before[part]:.3f}"
 
 
 def flush_until_200(cluster, row: Dict[str, str]) -> None:
@@ -138,7 +187,7 @@ def one_side(cluster, model: str, inflight: int, max_new_tokens: int) -> Dict[st
         rollout = Rollout(cluster.url, inflight, max_new_tokens)
         time.sleep(2.0)  # the requests reach both servers (this is load, not a sync)
         payload = {} if mode == "abort" else {"mode": mode}
-        both(cluster, "/pause_generation", payload, row, f"pause {mode}")
+        both(cluster, "/pause_generation", payload, row, f"pause {mode}", cpu=True)
         # requests held by a retract/in_place pause still use the cache: no flush
         held = update if mode == "abort" else {**update, "flush_cache": False}
         both(cluster, "/update_weights_from_disk", held, row, f"update_weights_from_disk after pause {mode}")
@@ -156,6 +205,29 @@ def one_side(cluster, model: str, inflight: int, max_new_tokens: int) -> Dict[st
     after = generate(cluster.url, "hello world", 4, timeout=60)
     row["serves after the step"] = "yes" if after["status"] == 200 else f"no ({after['status']})"
     return row
+
+
+def merge(rows: List[Dict[str, str]]) -> Dict[str, str]:
+    """Repeats of one side's loops, per call: the median (min-max) of the times, and
+    any status a repeat got instead (refused, dead) with how many repeats got it."""
+    merged: Dict[str, str] = {}
+    keys: List[str] = []
+    for row in rows:
+        keys += [k for k in row if k not in keys]
+    for k in keys:
+        values = [row[k] for row in rows if k in row]
+        times = [float(v.split(" ")[0]) for v in values if "." in v.split(" ")[0]]
+        others = [v for v in values if "." not in v.split(" ")[0]]
+        parts = []
+        if len(times) == 1:
+            parts.append(next(v for v in values if "." in v.split(" ")[0]))
+        elif times:
+            parts.append(f"{statistics.median(times):.3f} ({min(times):.3f}-{max(times):.3f})")
+        for v in sorted(set(others)):
+            n = others.count(v)
+            parts.append(v if n == len(values) else f"{v} x{n}")
+        merged[k] = "; ".join(parts)
+    return merged
 
 
 def table(results: Dict[Tuple[str, int], Dict[str, str]], inflight: Sequence[int]) -> str:
@@ -178,6 +250,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--inflight", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=3, help="loops per side and number in flight")
     parser.add_argument("--model-dir", default=str(REPO_ROOT / ".cache" / "tiny-llama"))
     parser.add_argument("--write-readme", action="store_true")
     parser.add_argument("--keep-logs", action="store_true")
@@ -202,22 +275,31 @@ def main(argv=None) -> int:
         try:
             start_all(*clusters.values())
             for n in args.inflight:
+                # the sides alternate per repeat, so both see the machine's load alike
+                rows: Dict[str, List[Dict[str, str]]] = {name: [] for name in SIDES}
+                t0 = time.monotonic()
+                for _ in range(args.repeats):
+                    for name in SIDES:
+                        cluster = clusters[name]
+                        if not all(cluster[r].is_alive() for r in ROLES):
+                            print(f"{name} @{n}: a server died earlier, skipped", flush=True)
+                            continue
+                        rows[name].append(one_side(cluster, model, n, args.max_new_tokens))
                 for name in SIDES:
-                    cluster = clusters[name]
-                    if not all(cluster[r].is_alive() for r in ROLES):
-                        print(f"{name} @{n}: a server died earlier, skipped", flush=True)
-                        continue
-                    t0 = time.monotonic()
-                    results[(name, n)] = one_side(cluster, model, n, args.max_new_tokens)
-                    print(f"{name} @{n} in flight ({time.monotonic() - t0:.0f}s): {results[(name, n)]}",
-                          flush=True)
+                    if rows[name]:
+                        results[(name, n)] = merge(rows[name])
+                        print(f"{name} @{n} in flight ({time.monotonic() - t0:.0f}s, both sides): "
+                              f"{results[(name, n)]}", flush=True)
         finally:
             for c in clusters.values():
                 c.teardown()
         block = "\n".join([
             f"Fork `{prepared['fork_version']}` vs upstream `{prepared['version']}`, 1P1D + mini-lb on CPU, "
             f"tiny Llama, {' and '.join(map(str, args.inflight))} greedy requests in flight "
-            f"({args.max_new_tokens} output tokens, ignore_eos), each call timed on prefill then decode.",
+            f"({args.max_new_tokens} output tokens, ignore_eos), each call timed on prefill then decode; "
+            f"median (min-max) of {args.repeats} repeats (fork and upstream alternate per repeat). \"CPU during it\": CPU seconds the paused "
+            f"server's HTTP event loop (main thread of the HTTP/tokenizer process) and scheduler used during "
+            f"the pause call.",
             f"Machine: {mach['nproc']} CPUs, {mach['cpu']}, {mach['mem_gb']} GB RAM, Python {mach['python']}; "
             f"load average {load_before} at start, {loadavg()} at end (shared machine). "
             f"Run at {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.",
