@@ -87,6 +87,7 @@ def scheduler_pause_generation(original, scheduler, recv_req):
         if scheduler._pause_started_at is None:
             scheduler._pause_started_at = time.monotonic()
         _abort_all_and_drain(scheduler, PAUSE_ABORT_MESSAGE)
+        _drop_finished_batches(scheduler)
     else:
         original(scheduler, recv_req)
     if sp.mode is None or recv_req.mode == "retract":
@@ -94,6 +95,17 @@ def scheduler_pause_generation(original, scheduler, recv_req):
     if sp.paused_at_wall is None:
         sp.paused_at_wall = time.time()
     engine_clock.pause()
+
+
+def _drop_finished_batches(scheduler) -> None:
+    """Requests the abort finished (answered, KV freed) can still be listed in the
+    running / last batch: upstream drops them when it builds its next batch, which a
+    paused scheduler never does, so a weight update's cache flush found the engine busy
+    (400 "requests are still running or queued"). A batch whose requests all finished
+    is emptied as upstream's own filter does; one with a live request is left alone."""
+    for batch in (scheduler.running_batch, scheduler.last_batch):
+        if batch is not None and batch.reqs and all(req.finished() for req in batch.reqs):
+            batch.filter_batch()
 
 
 def scheduler_continue_generation(result, scheduler, recv_req, *args, **kwargs):
