@@ -1,8 +1,9 @@
 """Shared fixtures: the tiny model, deployments of real servers started through one
-factory (`deployments`) whose failures attach every server's log, one 1P1D (+ a plain
-control server) per test module, the queue harnesses. The assertions shared by the
-tests (nothing held, client abort, legs, end-cause counter) live in testing/pd_checks.py
-and are re-exported here under their old names.
+factory (`deployments`) whose failures attach every server's log, the default 1P1D and
+plain control server shared by the modules that only serve through them
+(`shared_pd`, `shared_single`, see SharedDeployments), the queue harnesses. The
+assertions shared by the tests (nothing held, client abort, legs, end-cause counter)
+live in testing/pd_checks.py and are re-exported here under their old names.
 
 Servers run under $SGLANG_FORK_PYTHON (see testing.pd_cluster).
 """
@@ -20,7 +21,7 @@ from testing.pd_checks import (  # noqa: F401  (re-exported for the test modules
     held,
     stable_peer_tables,
 )
-from testing.pd_cluster import Deployment, PDCluster, SingleServer, start_all
+from testing.pd_cluster import Deployment, PDCluster, SingleServer, generate, start_all
 from testing.tiny_model import ensure_tiny_model
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -48,30 +49,236 @@ def tiny_model() -> Path:
     return ensure_tiny_model(TINY_MODEL_DIR)
 
 
+# ----------------------------------------------------------------------------- shared deployments
+#
+# Starting servers is most of the suite's time (a server start is ~20-30 s of CPU on two
+# cores). The default 1P1D ("pd": PDCluster(tiny model), mini LB) and the default plain
+# control server ("single") are therefore started once and handed to every module that
+# only serves through them; a module that kills, restarts or reconfigures servers (or
+# needs other flags or env) starts its own through `deployments`.
+#
+# A module claims one with the module fixture `shared_pd` / `shared_single`. The claim
+# checks the deployment when the module takes it and again when the module is done:
+# every server healthy, nothing held (assert_idle), not paused, and a greedy probe
+# request answered exactly as the first time (same weights, serving). A module that
+# leaves it otherwise fails at its teardown, and the deployment is taken apart (the next
+# module gets a fresh one): nothing a module did leaks into another. The modules that
+# claim a shared deployment run next to each other (pytest_collection_modifyitems), and
+# each shared deployment is taken apart after the last module that claims it.
+SHARED_FIXTURES = {"shared_pd": "pd", "shared_single": "single"}
+SHARED_ROLES = {"pd": ("prefill", "decode"), "single": ("single",)}
+PROBE_TEXT = "shared deployment probe: the quick brown fox"
+PROBE_TOKENS = 4
+PROBE_TIMEOUT_S = 60.0
+
+
+def _module_name(item) -> str:
+    return item.module.__name__
+
+
+def _shared_keys(item) -> "set[str]":
+    return {key for name, key in SHARED_FIXTURES.items() if name in item.fixturenames}
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(session, config, items):
+    """Run the modules that claim a shared deployment next to each other (those that
+    claim the 1P1D first, then those that claim only the control server; otherwise in
+    collection order, each module's tests in their order), where the first of them
+    was, and note the last module that claims each deployment."""
+    modules: "list[str]" = []
+    keys: "dict[str, set]" = {}
+    by_module: "dict[str, list]" = {}
+    for item in items:
+        name = _module_name(item)
+        if name not in by_module:
+            modules.append(name)
+            by_module[name] = []
+            keys[name] = set()
+        by_module[name].append(item)
+        keys[name] |= _shared_keys(item)
+    users = [m for m in modules if keys[m]]
+    if users:
+        grouped = sorted(users, key=lambda m: ("pd" not in keys[m], "single" not in keys[m], modules.index(m)))
+        order = []
+        for m in modules:
+            if m == users[0]:
+                order.extend(grouped)
+            elif not keys[m]:
+                order.append(m)
+        items[:] = [item for m in order for item in by_module[m]]
+        modules = order
+    _LAST_USER.clear()
+    for m in modules:
+        for key in keys[m]:
+            _LAST_USER[key] = m
+
+
+_LAST_USER: "dict[str, str]" = {}  # shared key -> the last module (in run order) that claims it
+
+
+class SharedDeployments:
+    """The session's shared deployments, keyed as SHARED_FIXTURES says, started on
+    demand and taken apart after their last claiming module (or at the session's end)."""
+
+    def __init__(self, model: Path):
+        self.model = str(model)
+        self.live: "dict[str, Deployment]" = {}
+        self.probe: "dict[str, list]" = {}  # key -> the probe's first answer (output ids)
+
+    def make(self, key: str) -> Deployment:
+        if key == "pd":
+            return PDCluster(self.model)
+        if key == "single":
+            return SingleServer(self.model)
+        raise KeyError(key)
+
+    def url(self, key: str) -> str:
+        return self.live[key].url
+
+    def check(self, key: str, when: str) -> None:
+        """Healthy, idle, not paused, and serving what it served first (see above)."""
+        d = self.live[key]
+        for role, server in d.servers.items():
+            if not server.is_alive():
+                raise AssertionError(f"shared {key} {when}: {role} is not running")
+        roles = SHARED_ROLES[key]
+        assert_idle(d, roles, timeout=30)
+        for role in roles:
+            pause = d.resources(role)["pause"]
+            if pause["paused"] or pause["mode"] is not None or pause["clock_paused"]:
+                raise AssertionError(f"shared {key} {when}: {role} is paused: {pause}")
+        r = generate(d.url, PROBE_TEXT, max_new_tokens=PROBE_TOKENS, timeout=PROBE_TIMEOUT_S)
+        if r["status"] != 200 or r["meta"]["finish_reason"]["type"] == "abort":
+            raise AssertionError(f"shared {key} {when}: probe request answered {r}")
+        first = self.probe.setdefault(key, r["output_ids"])
+        if r["output_ids"] != first:
+            raise AssertionError(
+                f"shared {key} {when}: probe answered {r['output_ids']}, first {first} (weights changed?)")
+        assert_idle(d, roles, timeout=30)
+
+    def take(self, *claims: "Claim", with_own: "tuple[Deployment, ...]" = ()) -> None:
+        """Start the claimed deployments not running yet together with `with_own` (one
+        start, all at once), then check each claimed one."""
+        keys = [c.key for c in claims if not c.taken]
+        new = {key: self.make(key) for key in keys if key not in self.live}
+        for key, d in new.items():
+            self.live[key] = d
+            _LIVE.append(d)
+        try:
+            start_all(*new.values(), *with_own)
+        except BaseException:
+            for key in new:
+                self.discard(key)
+            raise
+        for claim in claims:
+            if not claim.taken:
+                claim.taken = True
+                self.check(claim.key, f"when {claim.module} took it")
+
+    def discard(self, key: str) -> None:
+        d = self.live.pop(key, None)
+        self.probe.pop(key, None)
+        if d is None:
+            return
+        if d in _LIVE:
+            _LIVE.remove(d)
+        d.teardown()
+
+    def release(self, key: str, module: str) -> None:
+        """A module is done with `key`: check it (a failed check takes it apart and
+        fails the module), take it apart after its last module."""
+        if key not in self.live:
+            return
+        try:
+            self.check(key, f"after {module}")
+        except BaseException:
+            self.discard(key)
+            raise
+        if _LAST_USER.get(key, module) == module:
+            self.discard(key)
+
+    def teardown(self) -> None:
+        errors = []
+        for key in list(self.live):
+            try:
+                self.discard(key)
+            except Exception as e:
+                errors.append(e)
+        if errors:
+            raise errors[0]
+
+
+@pytest.fixture(scope="session")
+def shared_deployments(tiny_model):
+    pool = SharedDeployments(tiny_model)
+    try:
+        yield pool
+    finally:
+        pool.teardown()
+
+
+class Claim:
+    """One module's claim on a shared deployment (see SharedDeployments); `deployment`
+    once taken (SharedDeployments.take, at the first use)."""
+
+    def __init__(self, pool: SharedDeployments, key: str, module: str):
+        self.pool, self.key, self.module = pool, key, module
+        self.taken = False
+
+    @property
+    def deployment(self) -> Deployment:
+        if not self.taken:
+            self.pool.take(self)
+        return self.pool.live[self.key]
+
+
+def _claim(pool, key, request):
+    claim = Claim(pool, key, request.module.__name__)
+    yield claim
+    if claim.taken:
+        pool.release(key, claim.module)
+
+
+@pytest.fixture(scope="module")
+def shared_pd(shared_deployments, request):
+    """A claim on the shared default 1P1D (PDCluster(tiny model), mini LB)."""
+    yield from _claim(shared_deployments, "pd", request)
+
+
+@pytest.fixture(scope="module")
+def shared_single(shared_deployments, request):
+    """A claim on the shared default plain control server."""
+    yield from _claim(shared_deployments, "single", request)
+
+
 class Deployments:
     """Starts deployments for one test module and takes them all apart after it
     (resuming frozen servers first). `pd(...)` takes PDCluster's keywords;
-    `pd_and_single(...)` starts a plain control server next to it."""
+    `pd_and_single(shared_single, ...)` starts one next to the shared control server
+    (at once, when that one is not running yet)."""
 
     def __init__(self, model: Path):
         self.model = str(model)
         self.started: "list[Deployment]" = []
 
-    def _start(self, *deployments: Deployment) -> None:
+    def _start(self, *deployments: Deployment, claims: "tuple[Claim, ...]" = ()) -> None:
         _LIVE.extend(deployments)
         self.started.extend(deployments)
-        start_all(*deployments)
+        if claims:
+            claims[0].pool.take(*claims, with_own=deployments)
+        else:
+            start_all(*deployments)
 
     def pd(self, **kwargs) -> PDCluster:
         cluster = PDCluster(self.model, **kwargs)
         self._start(cluster)
         return cluster
 
-    def pd_and_single(self, single_env=None, single_args=(), **kwargs):
+    def pd_and_single(self, single: Claim, **kwargs):
         cluster = PDCluster(self.model, **kwargs)
-        single = SingleServer(self.model, env=single_env, args=single_args, log_dir=str(cluster.log_dir))
-        self._start(cluster, single)
-        return cluster, single
+        self._start(cluster, claims=(single,))
+        return cluster, single.deployment
 
     def teardown(self) -> None:
         errors = []
@@ -104,9 +311,11 @@ def deployments(tiny_model):
 
 
 @pytest.fixture(scope="module")
-def pd_deployment(deployments):
-    """(PDCluster, SingleServer) started together, torn down after the module."""
-    return deployments.pd_and_single()
+def pd_deployment(shared_deployments, shared_pd, shared_single):
+    """(PDCluster, SingleServer): the shared default 1P1D and control server, started
+    together when neither runs yet."""
+    shared_deployments.take(shared_pd, shared_single)
+    return shared_pd.deployment, shared_single.deployment
 
 
 @pytest.fixture(scope="module")
@@ -142,11 +351,11 @@ def decode_h():
 # The production Rust gateway (sglang-router, its defaults) with self-registered
 # engines, a mini LB over the same engines and a plain control server.
 @pytest.fixture(scope="module")
-def gateway_deployment(deployments):
-    """(PDCluster(balancer="router"), MiniLB over its engines, SingleServer)."""
+def gateway_deployment(deployments, shared_single):
+    """(PDCluster(balancer="router"), MiniLB over its engines, the shared SingleServer)."""
     from testing.pd_cluster import MiniLB
 
-    cluster, single = deployments.pd_and_single(balancer="router")
+    cluster, single = deployments.pd_and_single(shared_single, balancer="router")
     mini = MiniLB(cluster["prefill"].url, cluster.bootstrap_port, cluster["decode"].url,
                   log_dir=str(cluster.log_dir))
     deployments._start(mini)

@@ -57,8 +57,9 @@ CHUNK_FAILURES = "sglang:num_transfer_chunk_failures_total"
 
 
 @pytest.fixture(scope="module")
-def deployment(deployments):
+def deployment(deployments, shared_single):
     return deployments.pd_and_single(
+        shared_single,
         prefill_env={"SGLANG_TEST_DISAGG_FAIL_CHUNKS": FAULTS, **RELEASE_ENV, **PROBE_ENV, **HEARTBEAT_ENV},
         decode_env=RELEASE_ENV,
     )

@@ -1,7 +1,8 @@
 """1P1D through the mini load balancer serves exactly what a plain server serves, and
 gives every resource back.
 
-One deployment for the module (conftest.pd_deployment); each test starts by checking
+The shared default 1P1D and control server (conftest.pd_deployment, handed on to
+other modules: nothing here kills or reconfigures them); each test starts by checking
 the deployment is idle rather than restarting it.
 """
 
@@ -17,6 +18,7 @@ import pytest
 
 from conftest import assert_idle, held
 from testing.pd_cluster import (
+    MiniLB,
     generate,
     generate_concurrently,
     http_get,
@@ -137,10 +139,14 @@ def test_harness_freeze_resume_control_server(single_server):
     assert_idle(single_server, ("single",))
 
 
-def test_harness_kill_restart_load_balancer(pd_cluster):
-    """Kill/restart, on the load balancer (it restarts in seconds, where a server
-    restart costs a full startup): gone, then serving again on the same port."""
-    lb = pd_cluster["lb"]
+def test_harness_kill_restart_load_balancer(pd_cluster, deployments):
+    """Kill/restart, on a load balancer (it restarts in seconds, where a server
+    restart costs a full startup): gone, then serving again on the same port. A mini
+    LB of its own in front of the shared engines, which stay as they were."""
+    mini = MiniLB(pd_cluster["prefill"].url, pd_cluster.bootstrap_port, pd_cluster["decode"].url,
+                  log_dir=str(pd_cluster.log_dir))
+    deployments._start(mini)
+    lb = mini["mini_lb"]
     lb_pids, port = lb.pids(), lb.port
     lb.kill()
     assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in lb_pids)
@@ -148,7 +154,7 @@ def test_harness_kill_restart_load_balancer(pd_cluster):
         http_get(lb.url + "/health", timeout=2)
     restart_s = lb.restart(timeout=60)
     assert lb.port == port and not set(lb.pids()) & set(lb_pids)
-    assert generate(pd_cluster.url, "hello world", max_new_tokens=4)["status"] == 200
+    assert generate(mini.url, "hello world", max_new_tokens=4)["status"] == 200
     assert_idle(pd_cluster, PD_ROLES)
     print(f"load balancer restart: {restart_s:.1f}s")
 

@@ -1,7 +1,7 @@
 """Pause, release, resume, continue on 1P1D with requests in flight (pd_pause).
 
-One 1P1D deployment for the module (no control server: the control run is the same
-cluster before the first cycle). Every test starts and ends idle, running, with the
+The shared default 1P1D (conftest.shared_pd; no control server: the control run is the
+same cluster before the first cycle). Every test starts and ends idle, running, with the
 transfer engine registrations of the baseline.
 """
 
@@ -21,7 +21,6 @@ from testing.pd_cluster import (
     generate,
     generate_concurrently,
     prompts,
-    start_all,
     wait_until,
 )
 
@@ -41,24 +40,15 @@ RELEASE_MESSAGE = "engine memory released during pause"
 
 
 @pytest.fixture(scope="module")
-def pd_deployment(tiny_model):
-    """Overrides conftest's: this module needs only the cluster."""
-    cluster = PDCluster(str(tiny_model))
-    start_all(cluster)
-    try:
-        yield (cluster,)
-    finally:
-        cluster.teardown()
-
-
-@pytest.fixture(scope="module")
-def cluster(pd_deployment) -> PDCluster:
-    return pd_deployment[0]
+def cluster(shared_pd) -> PDCluster:
+    """The shared default 1P1D (conftest.shared_pd): taken idle, running and serving,
+    and left so (checked when the module ends)."""
+    return shared_pd.deployment
 
 
 @pytest.fixture(scope="module")
 def control(cluster):
-    """Outputs of the fresh cluster, before any cycle."""
+    """Outputs of the cluster before any cycle."""
     assert_idle(cluster, PD_ROLES)
     texts = prompts(CONCURRENCY)
     out = generate_concurrently(cluster.url, texts, max_new_tokens=MAX_NEW_TOKENS)

@@ -30,13 +30,11 @@ from conftest import TINY_MODEL_DIR, assert_idle, held
 from testing import pd_checks
 from testing.pd_cluster import (
     PDCluster,
-    SingleServer,
     generate,
     generate_concurrently,
     http_get,
     http_post_json,
     prompts,
-    start_all,
     wait_until,
 )
 from testing.pd_checks import Leg, cluster_end_causes, delta, leg_body
@@ -60,21 +58,12 @@ def checkpoints(tiny_model):
 
 
 @pytest.fixture(scope="module")
-def pd_deployment(checkpoints):
-    cluster = PDCluster(checkpoints["A"])
-    single = SingleServer(checkpoints["A"], log_dir=str(cluster.log_dir))
-    start_all(cluster, single)
-    try:
-        yield cluster, single
-    finally:
-        errors = []
-        for d in (cluster, single):
-            try:
-                d.teardown()
-            except Exception as e:
-                errors.append(e)
-        if errors:
-            raise errors[0]
+def pd_deployment(checkpoints, shared_deployments, shared_pd, shared_single):
+    """The shared default 1P1D and control server (conftest), which serve checkpoint A;
+    both are handed back serving A (the claims check it when the module ends)."""
+    assert checkpoints["A"] == shared_deployments.model
+    shared_deployments.take(shared_pd, shared_single)
+    return shared_pd.deployment, shared_single.deployment
 
 
 @pytest.fixture(scope="module")
@@ -84,22 +73,29 @@ def cluster(pd_deployment) -> PDCluster:
 
 @pytest.fixture(scope="module")
 def reference(pd_deployment, checkpoints):
-    """{checkpoint: {prompt: output_ids}} from the plain server, loading each in turn."""
+    """{checkpoint: {prompt: output_ids}} from the plain server, loading each in turn
+    (and A again: the shared server is handed back as it was taken)."""
     single = pd_deployment[1]
     texts = prompts(N_PROMPTS)
     ref = {}
-    for name in ("A", "B"):
-        if name != "A":
+    for name in ("A", "B", "A"):  # the shared server is handed back with A loaded
+        if name != "A" or ref:
             status, reply = http_post_json(
                 f"{single.url}/update_weights_from_disk",
                 {"model_path": checkpoints[name]}, timeout=CALL_TIMEOUT_S)
             assert status == 200 and reply["success"], reply
+        if name in ref:
+            continue
         out = generate_concurrently(single.url, texts, max_new_tokens=MAX_NEW_TOKENS)
         assert all(r["status"] == 200 for r in out), out
         ref[name] = {t: r["output_ids"] for t, r in zip(texts, out)}
     differing = [t for t in texts if ref["A"][t] != ref["B"][t]]
     assert len(differing) == len(texts), "the two checkpoints must answer differently"
-    return ref
+    yield ref
+    # the tests swap the checkpoints on the shared 1P1D: hand it back with A loaded
+    cluster = pd_deployment[0]
+    if _loaded(cluster, ref) != "A":
+        update(cluster, checkpoints, "A", "A", [])
 
 
 # the control calls, with the time a framework gives them

@@ -325,39 +325,64 @@ def test_frozen_prefill_decode_leg_gets_504(cluster, frozen):
     _serving(cluster, baseline, n=3)
 
 
-@pytest.mark.parametrize(
-    "env,args,named",
-    [
-        ({"SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT": "soon"}, [], "SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT"),
-        ({"SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT": "-5"}, [], "SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT"),
-        ({}, ["--disaggregation-transfer-timeout", "0"], "--disaggregation-transfer-timeout"),
-    ],
-    ids=["env-non-numeric", "env-negative", "arg-zero"],
-)
-def test_bad_deadline_stops_the_server_at_startup(tiny_model, env, args, named):
-    port, nccl, bootstrap = free_ports(3)
-    argv = [
-        fork_python(), "-m", "sglang.launch_server", "--model-path", str(tiny_model),
-        "--host", HOST, "--port", str(port), "--nccl-port", str(nccl), "--device", "cpu",
-        "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(bootstrap),
-        *args,
-    ]
-    full_env = {**os.environ, "HF_HUB_OFFLINE": "1", **env}
-    t0 = time.monotonic()
-    proc = subprocess.Popen(argv, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+# A bad deadline stops the server at start-up: (id, env, args, the knob named).
+BAD_DEADLINES = [
+    ("env-non-numeric", {"SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT": "soon"}, [], "SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT"),
+    ("env-negative", {"SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT": "-5"}, [], "SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT"),
+    ("arg-zero", {}, ["--disaggregation-transfer-timeout", "0"], "--disaggregation-transfer-timeout"),
+]
+
+
+@pytest.fixture(scope="module")
+def bad_deadline_starts(tiny_model, tmp_path_factory):
+    """Every BAD_DEADLINES server started at once (each one's start-up is mostly
+    imports, single-threaded: three at once on two cores take about half the time of
+    three in a row), each waited for until it exits: {id: (returncode, output, pid,
+    seconds)}. Nothing is timed here but the 180 s within which each must exit, and
+    the rest of the module has run: no test runs beside them."""
+    procs, logs = {}, tmp_path_factory.mktemp("bad-deadline")
+    for case, env, args, _ in BAD_DEADLINES:
+        port, nccl, bootstrap = free_ports(3)
+        argv = [
+            fork_python(), "-m", "sglang.launch_server", "--model-path", str(tiny_model),
+            "--host", HOST, "--port", str(port), "--nccl-port", str(nccl), "--device", "cpu",
+            "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(bootstrap),
+            *args,
+        ]
+        full_env = {**os.environ, "HF_HUB_OFFLINE": "1", **env}
+        with open(logs / f"{case}.log", "wb") as log:  # a file: no pipe to fill while another is read
+            procs[case] = (subprocess.Popen(argv, env=full_env, stdout=log, stderr=subprocess.STDOUT,
+                                            start_new_session=True), time.monotonic())
+    exited = {}
+
+    def all_exited():
+        for case, (proc, t0) in procs.items():
+            if case not in exited and proc.poll() is not None:
+                exited[case] = time.monotonic() - t0
+        return len(exited) == len(procs)
+
     try:
-        output, _ = proc.communicate(timeout=180)
+        wait_until(all_exited, 180, "every server with a bad deadline to exit",
+                   on_timeout=lambda: f"still running: {sorted(set(procs) - set(exited))}")
+        out = {case: (proc.returncode, (logs / f"{case}.log").read_text(errors="replace"), proc.pid, exited[case])
+               for case, (proc, _) in procs.items()}
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, 9)
-    text = output.decode(errors="replace")
-    assert proc.returncode != 0, text[-2000:]
+        for proc, _ in procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, 9)
+                proc.wait()
+    return out
+
+
+@pytest.mark.parametrize("case,named", [(c[0], c[3]) for c in BAD_DEADLINES], ids=[c[0] for c in BAD_DEADLINES])
+def test_bad_deadline_stops_the_server_at_startup(bad_deadline_starts, case, named):
+    returncode, text, pid, seconds = bad_deadline_starts[case]
+    assert returncode != 0, text[-2000:]
     assert named in text and "seconds > 0" in text, text[-2000:]
     # nothing half-started: no process of its session survives, no port was opened
-    assert not [p for p in psutil.process_iter(["pid"]) if _sid(p) == proc.pid]
+    assert not [p for p in psutil.process_iter(["pid"]) if _sid(p) == pid]
     assert "Uvicorn running" not in text
-    print(f"exited in {time.monotonic() - t0:.1f}s")
+    print(f"exited in {seconds:.1f}s")
 
 
 def _sid(p) -> int:

@@ -13,8 +13,14 @@ from testing.pd_checks import pair_fixture
 from testing.pd_checks import pair_is_idle as _idle
 
 DEADLINE = 3.0
+# decode's deferred release of a room whose drain ack is poisoned (upstream's default
+# 30 s, which this test would only wait out): as in test_transfer_worker_guard_pair
+RELEASE_TIMEOUT_S = 3.0
 
-pair = pair_fixture(server_args={"disaggregation_transfer_timeout": DEADLINE})
+pair = pair_fixture(
+    server_args={"disaggregation_transfer_timeout": DEADLINE},
+    decode_env={"SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT": str(RELEASE_TIMEOUT_S)},
+)
 
 
 def test_dead_worker_fails_its_room_and_restarts(pair):
