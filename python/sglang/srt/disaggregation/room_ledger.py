@@ -590,12 +590,13 @@ def after_send_abort_output(result: Any, scheduler: Any, abort_req: Any, req: An
     thread, as at the gate (`ended_at_gate`)."""
     from sglang.srt.disaggregation.utils import DisaggregationMode, TransferBackend
 
-    mode, stats = scheduler.disaggregation_mode, req.time_stats
-    if scheduler.transfer_backend == TransferBackend.FAKE or req.bootstrap_room is None:
+    mode = scheduler.disaggregation_mode
+    if req.bootstrap_room is None:
         return result
-    if mode == DisaggregationMode.DECODE and not stats.decode_prealloc_queue_entry_time:
+    if (mode == DisaggregationMode.DECODE and scheduler.transfer_backend != TransferBackend.FAKE
+            and not req.time_stats.decode_prealloc_queue_entry_time):
         tell_prefill(req.bootstrap_host, req.bootstrap_port, req.bootstrap_room, "rejected by decode's scheduler")
-    elif (mode == DisaggregationMode.PREFILL and not stats.prefill_bootstrap_queue_entry_time
+    elif (mode == DisaggregationMode.PREFILL and req.disagg_kv_sender is None  # no room here
           and req.bootstrap_host is not None and req.bootstrap_port is not None):
         said = (getattr(abort_req, "finished_reason", None) or {}).get("message")
         why = f"{REJECTED} prefill's scheduler" + (f" ({said})" if said else "")
