@@ -288,7 +288,7 @@ def test_request_decodes_scheduler_rejects_reaches_prefill_at_once(cluster):
     assert not leg.is_alive(), "prefill's leg hangs"
     assert emptied <= 1.5, emptied  # "about a second" on two loaded cores
     assert leg.ended_at - t0 <= 5.0, leg.ended_at - t0
-    assert leg.status == 200 and leg.body["meta_info"]["finish_reason"]["type"] == "abort", (leg.status, leg.body)
+    assert _abort_answer(leg), (leg.status, leg.body)
     assert_idle(cluster, PD_ROLES, baseline, timeout=5)
     # prefill ended its copy as decode's end (an abort), not as a bootstrap failure
     assert _metric(prefill, END_CAUSES, role="prefill", cause="client_abort") == aborts + 1
@@ -299,6 +299,27 @@ def test_request_decodes_scheduler_rejects_reaches_prefill_at_once(cluster):
 
 def _decode_transfer(server) -> int:
     return server.resources()["queues"]["decode_transfer"]
+
+
+def _abort_answer(leg) -> bool:
+    """upstream's abort answer: 200, finish_reason abort."""
+    return leg.status == 200 and leg.body["meta_info"]["finish_reason"]["type"] == "abort"
+
+
+def _legs_held_by_prefills_gate(cluster, tag: str, text: str):
+    """Prefill paused: one request's two legs sent straight to the servers, until
+    decode's copy waits for KV and prefill's at prefill's pause gate. Returns
+    (rid, decode leg, prefill leg)."""
+    prefill, decode = cluster["prefill"], cluster["decode"]
+    room = random.getrandbits(62)
+    rid = f"{tag}-{room}"
+    body = _body(f"{text}: hello", room, cluster, rid)
+    d_leg, p_leg = Leg(decode.url, body), Leg(prefill.url, body)
+    d_leg.start()
+    p_leg.start()
+    wait_until(lambda: _decode_transfer(decode) == 1 and at_gate(prefill) == 1, 30,
+               "decode's copy waiting for KV and prefill's at its gate")
+    return rid, d_leg, p_leg
 
 
 def _decode_copy_ends_at_once(cluster, leg, t0) -> str:
@@ -313,10 +334,8 @@ def _decode_copy_ends_at_once(cluster, leg, t0) -> str:
     assert not leg.is_alive(), "decode's leg hangs"
     assert emptied <= 1.5, emptied  # "about a second" on two loaded cores
     assert leg.ended_at - t0 <= 5.0, leg.ended_at - t0
-    assert leg.status == 200, (leg.status, leg.body)
-    reason = leg.body["meta_info"]["finish_reason"]
-    assert reason["type"] == "abort", reason
-    return reason["message"]
+    assert _abort_answer(leg), (leg.status, leg.body)
+    return leg.body["meta_info"]["finish_reason"]["message"]
 
 
 def test_request_prefills_scheduler_rejects_reaches_decode_at_once(cluster):
@@ -350,23 +369,16 @@ def test_abort_at_prefills_gate_reaches_decode_at_once(cluster):
     both; decode's copy waits for prefill's KV, prefill's copy waits at prefill's pause
     gate. /abort_request at prefill ends it there -- and decode's copy within about a
     second, whether decode's handshake reached prefill before or after."""
-    prefill, decode = cluster["prefill"], cluster["decode"]
+    prefill = cluster["prefill"]
     baseline, _, _ = _warm_baseline_counts(cluster)
     before = cluster_end_causes(cluster)
     _call(prefill, "pause_generation", {"mode": "abort"})
     try:
-        room = random.getrandbits(62)
-        rid = f"prefill-gate-{room}"
-        body = _body("ended at prefill's gate: hello", room, cluster, rid)
-        d_leg, p_leg = Leg(decode.url, body), Leg(prefill.url, body)
-        d_leg.start()
-        p_leg.start()
-        wait_until(lambda: _decode_transfer(decode) == 1 and at_gate(prefill) == 1, 30,
-                   "decode's copy waiting for KV and prefill's at its gate")
+        rid, d_leg, p_leg = _legs_held_by_prefills_gate(cluster, "prefill-gate", "ended at prefill's gate")
         t0 = time.monotonic()
         assert http_post_json(prefill.url + "/abort_request", {"rid": rid}, timeout=10)[0] == 200
         p_leg.join(5)
-        assert p_leg.status == 200 and p_leg.body["meta_info"]["finish_reason"]["type"] == "abort", p_leg.body
+        assert _abort_answer(p_leg), (p_leg.status, p_leg.body)
         _decode_copy_ends_at_once(cluster, d_leg, t0)
         assert at_gate(prefill) == 0
     finally:
@@ -386,18 +398,11 @@ def test_decode_abort_while_prefills_gate_holds_the_copy(cluster):
     baseline, aborts, failed = _warm_baseline_counts(cluster)
     _call(prefill, "pause_generation", {"mode": "abort"})
     try:
-        room = random.getrandbits(62)
-        rid = f"decode-ends-first-{room}"
-        body = _body("ended on decode first: hello", room, cluster, rid)
-        d_leg, p_leg = Leg(decode.url, body), Leg(prefill.url, body)
-        d_leg.start()
-        p_leg.start()
-        wait_until(lambda: _decode_transfer(decode) == 1 and at_gate(prefill) == 1, 30,
-                   "decode's copy waiting for KV and prefill's at its gate")
+        rid, d_leg, p_leg = _legs_held_by_prefills_gate(cluster, "decode-ends-first", "ended on decode first")
         t0 = time.monotonic()
         assert http_post_json(decode.url + "/abort_request", {"rid": rid}, timeout=10)[0] == 200
         d_leg.join(5)
-        assert d_leg.status == 200 and d_leg.body["meta_info"]["finish_reason"]["type"] == "abort", d_leg.body
+        assert _abort_answer(d_leg), (d_leg.status, d_leg.body)
         # prefill holds only the request at its gate: decode's handshake is dropped
         assert_idle(cluster, PD_ROLES, {"prefill": dict(baseline["prefill"], pause_gate_held=1),
                                         "decode": baseline["decode"]}, timeout=5)
@@ -406,7 +411,7 @@ def test_decode_abort_while_prefills_gate_holds_the_copy(cluster):
         _call(prefill, "continue_generation")
     p_leg.join(10)
     assert not p_leg.is_alive(), "prefill's leg hangs after continue"
-    assert p_leg.status == 200 and p_leg.body["meta_info"]["finish_reason"]["type"] == "abort", p_leg.body
+    assert _abort_answer(p_leg), (p_leg.status, p_leg.body)
     assert_idle(cluster, PD_ROLES, baseline, timeout=5)
     assert _metric(prefill, END_CAUSES, role="prefill", cause="client_abort") == aborts + 1
     assert _metric(prefill, "sglang:num_bootstrap_failed_reqs_total") == failed

@@ -528,6 +528,15 @@ def tell_prefill(host: Optional[str], port: Optional[int], room: Optional[int], 
     return True
 
 
+def tell_own_bootstrap(host: Optional[str], port: Optional[int], room: Optional[int], rid: Any, why: str) -> None:
+    """Prefill ended `room` before its scheduler created it (its pause gate, its
+    scheduler's rejection): tell prefill's own bootstrap thread (`host:port` is prefill's
+    own), which answers decode's handshake Failed now or when it lands
+    (`_ended_on_prefill`). Returns at once (the same worker thread as `tell_prefill`)."""
+    if host is not None and port is not None and room is not None:
+        _teller().submit(f"{host}:{port}", int(room), why, reason=peer_reason(rid, room, "prefill", why))
+
+
 def ended_at_gate(role: Any, obj: Any, why: str) -> None:
     """A request one side's tokenizer ended before sending it to its scheduler (pause
     gate). Decode: its prefill copy must not wait for a handshake that will never come
@@ -545,8 +554,8 @@ def ended_at_gate(role: Any, obj: Any, why: str) -> None:
     for host, port, room, rid in zip(hosts, ports, rooms, rids):
         if role == "decode":
             tell_prefill(host, port, room, why)
-        elif host is not None and port is not None and room is not None:
-            _teller().submit(f"{host}:{port}", int(room), why, reason=peer_reason(rid, room, "prefill", why))
+        else:
+            tell_own_bootstrap(host, port, room, rid, why)
 
 
 # A prefill-side end sent to prefill's own bootstrap thread: [ABORT_TAG, room, mark,
@@ -596,12 +605,10 @@ def after_send_abort_output(result: Any, scheduler: Any, abort_req: Any, req: An
     if (mode == DisaggregationMode.DECODE and scheduler.transfer_backend != TransferBackend.FAKE
             and not req.time_stats.decode_prealloc_queue_entry_time):
         tell_prefill(req.bootstrap_host, req.bootstrap_port, req.bootstrap_room, "rejected by decode's scheduler")
-    elif (mode == DisaggregationMode.PREFILL and req.disagg_kv_sender is None  # no room here
-          and req.bootstrap_host is not None and req.bootstrap_port is not None):
+    elif mode == DisaggregationMode.PREFILL and req.disagg_kv_sender is None:  # no room here
         said = (getattr(abort_req, "finished_reason", None) or {}).get("message")
         why = f"{REJECTED} prefill's scheduler" + (f" ({said})" if said else "")
-        _teller().submit(f"{req.bootstrap_host}:{req.bootstrap_port}", int(req.bootstrap_room), why,
-                         reason=peer_reason(req.rid, req.bootstrap_room, "prefill", why))
+        tell_own_bootstrap(req.bootstrap_host, req.bootstrap_port, req.bootstrap_room, req.rid, why)
     return result
 
 
