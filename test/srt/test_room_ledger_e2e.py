@@ -364,6 +364,70 @@ def test_request_prefills_scheduler_rejects_reaches_decode_at_once(cluster):
     assert [r["status"] for r in results] == [200] * 2, [r["error"] for r in results]
 
 
+TOO_MANY_TOKENS = 4096  # beyond the tiny model's context (1024): the tokenizer's validation rejects it
+
+
+def _too_long(body: dict) -> dict:
+    return dict(body, sampling_params=dict(body["sampling_params"], max_new_tokens=TOO_MANY_TOKENS))
+
+
+def test_request_decodes_tokenizer_rejects_reaches_prefill_at_once(cluster):
+    """Hole 1, a rejection before decode's scheduler: decode's tokenizer rejects the
+    request (its validation: more tokens than the context; 400) while prefill's copy
+    waits for decode's handshake. Prefill's copy ends within about a second as decode's
+    end (an abort), not after its bootstrap timeout."""
+    prefill = cluster["prefill"]
+    baseline, aborts, failed = _warm_baseline_counts(cluster)
+    room = random.getrandbits(62)
+    rid = f"tokenizer-rejected-{room}"
+    body = _body("rejected by decode's tokenizer: hello", room, cluster, rid)
+    leg = Leg(prefill.url, body)
+    leg.start()
+    wait_until(lambda: _bootstrap_queue(prefill) == 1, 30, "prefill's copy waiting for decode's handshake")
+    t0 = time.monotonic()
+    status, reply = http_post_json(cluster["decode"].url + "/generate", _too_long(body), timeout=30)
+    assert status == 400 and "context length" in str(reply), (status, reply)
+    wait_until(lambda: _bootstrap_queue(prefill) == 0, 5, "prefill's bootstrap queue to empty",
+               interval=0.05, on_timeout=lambda: str(prefill.resources()["queues"]))
+    emptied = time.monotonic() - t0
+    leg.join(10)
+    assert not leg.is_alive(), "prefill's leg hangs"
+    assert emptied <= 1.5, emptied  # "about a second" on two loaded cores
+    assert leg.ended_at - t0 <= 5.0, leg.ended_at - t0
+    assert _abort_answer(leg), (leg.status, leg.body)
+    assert_idle(cluster, PD_ROLES, baseline, timeout=5)
+    assert _metric(prefill, END_CAUSES, role="prefill", cause="client_abort") == aborts + 1
+    assert _metric(prefill, "sglang:num_bootstrap_failed_reqs_total") == failed
+    results = [generate(cluster.url, p, max_new_tokens=8) for p in prompts(2)]
+    assert [r["status"] for r in results] == [200] * 2, [r["error"] for r in results]
+
+
+def test_request_prefills_tokenizer_rejects_reaches_decode_at_once(cluster):
+    """Hole 1's mirror, a rejection before prefill's scheduler: prefill's tokenizer
+    rejects the request (more tokens than the context; 400) while decode's copy, its
+    handshake sent, waits for prefill's KV. Decode's copy ends within about a second,
+    as an abort naming the rejection (it waited for the transfer deadline, 600 s)."""
+    prefill, decode = cluster["prefill"], cluster["decode"]
+    baseline, _, failed = _warm_baseline_counts(cluster)
+    before = cluster_end_causes(cluster)
+    room = random.getrandbits(62)
+    rid = f"tokenizer-rejected-on-prefill-{room}"
+    body = _body("rejected by prefill's tokenizer: hello", room, cluster, rid)
+    leg = Leg(decode.url, body)
+    leg.start()
+    wait_until(lambda: _decode_transfer(decode) == 1, 30, "decode's copy waiting for prefill's KV")
+    t0 = time.monotonic()
+    status, reply = http_post_json(prefill.url + "/generate", _too_long(body), timeout=30)
+    assert status == 400 and "context length" in str(reply), (status, reply)
+    message = _decode_copy_ends_at_once(cluster, leg, t0)
+    assert message.startswith("rejected by prefill's tokenizer") and "context length" in message, message
+    assert_idle(cluster, PD_ROLES, baseline, timeout=5)
+    wait_end_causes(cluster, before, {("decode", "client_abort", "decode_transfer"): 1})
+    assert _metric(prefill, "sglang:num_bootstrap_failed_reqs_total") == failed
+    results = [generate(cluster.url, p, max_new_tokens=8) for p in prompts(2)]
+    assert [r["status"] for r in results] == [200] * 2, [r["error"] for r in results]
+
+
 def test_abort_at_prefills_gate_reaches_decode_at_once(cluster):
     """Hole 1's mirror: prefill paused (abort mode), decode serving. A request reaches
     both; decode's copy waits for prefill's KV, prefill's copy waits at prefill's pause

@@ -21,8 +21,10 @@ call `end_room`; the hooks below answer late handshakes and fail cancelled rooms
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import queue
+import sys
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -556,6 +558,21 @@ def ended_at_gate(role: Any, obj: Any, why: str) -> None:
             tell_prefill(host, port, room, why)
         else:
             tell_own_bootstrap(host, port, room, rid, why)
+
+
+def before_release_on_failure(tokenizer_manager: Any, request_states: Any, *args: Any, **kwargs: Any) -> None:
+    """BEFORE `TokenizerManager._release_req_states_on_failure` (generate_request's
+    failure path; HTTP thread): a request that failed before it reached this side's
+    scheduler (its validation or tokenization raised; its client went away at the pause
+    gate) never had a room here, so its peer's copy is told, as at the gate
+    (`ended_at_gate`). A rejection names itself ("rejected by <side>'s tokenizer (...)")."""
+    exc = sys.exc_info()[1]
+    role = str(getattr(tokenizer_manager.disaggregation_mode, "value", ""))
+    rejected = isinstance(exc, Exception) and not isinstance(exc, asyncio.CancelledError)
+    why = f"{REJECTED} {role}'s tokenizer ({exc})" if rejected else f"ended at {role}'s tokenizer"
+    for rid, state in request_states.items():
+        if tokenizer_manager.rid_to_state.get(rid) is state and not state.dispatched:
+            ended_at_gate(role, state.obj, why)
 
 
 # A prefill-side end sent to prefill's own bootstrap thread: [ABORT_TAG, room, mark,

@@ -47,6 +47,11 @@ HOOKS: list[tuple[str, str, HookType]] = [
         HookType.AROUND,
     ),
     (
+        "sglang.srt.managers.tokenizer_manager.TokenizerManager._release_req_states_on_failure",
+        "sglang.srt.disaggregation.room_ledger:before_release_on_failure",
+        HookType.BEFORE,
+    ),
+    (
         "sglang.srt.managers.tokenizer_manager.TokenizerManager.abort_request",
         "sglang.srt.managers.pd_pause_gate:tm_abort_request",
         HookType.AFTER,
