@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from sglang.srt.disaggregation import pd_queues
 from sglang.srt.managers import pd_pause, pd_pause_gate
 from sglang.srt.managers.pd_pause_state import ALL_TAGS, EnginePauseState, PauseStateError
 
@@ -179,7 +180,7 @@ def test_upstream_timers_of_live_transfers_skip_the_pause():
                 if cls is DecodeHarness:
                     sched.disagg_decode_prealloc_queue = h.queue
                     sched.disagg_decode_transfer_queue = h.transfer_queue
-                endpoints = pd_pause._transfer_endpoints(sched)
+                endpoints = pd_queues.transfer_endpoints(sched)
                 assert len(endpoints) == 1, cls
                 ep = endpoints[0]
                 ep.init_time, ep._prefill_wait_start = 1000.0, None

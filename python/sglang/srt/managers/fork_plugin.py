@@ -93,7 +93,7 @@ HOOKS: list[tuple[str, str, HookType]] = [
      "sglang.srt.disaggregation.transfer_deadline:before_pop_transferred", BEFORE),
     # Abort-mode pause returns once the aborted requests are gone, not after a fixed 1 s sleep.
     ("sglang.srt.utils.aio_rwlock.RWLock.is_locked",
-     "sglang.srt.managers.pd_pause_drain:around_is_locked", AROUND),
+     "sglang.srt.managers.pd_pause_state:around_is_locked", AROUND),
     # A prefill request routed to a lost decode ends within seconds as peer loss (docs/gateway.md).
     ("sglang.srt.disaggregation.prefill.PrefillBootstrapQueue.pop_bootstrapped",
      "sglang.srt.disaggregation.lost_decode_handshake:before_pop_bootstrapped", BEFORE),

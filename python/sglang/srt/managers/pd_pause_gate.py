@@ -1,17 +1,10 @@
 """Aborts of requests held at the tokenizer's pause gate are answered during the pause.
 
-Invariant: a request that reaches a paused (or memory-released) server waits in
-generate_request until the gate opens; if it is aborted meanwhile it leaves the gate
-at once with upstream's abort answer (HTTP 200, finish_reason "abort", a message
-naming why: the client or abort_all, during a pause or a release); it never reached
-the scheduler, so it holds nothing there. The abort_all of an abort-mode pause itself
-leaves the gate alone, as upstream does (held, served after continue).
-Who calls: the tokenizer_manager patch (gate predicate `gate_open`, then
-`gate_aborted` / `gate_abort_answers`) and an AFTER hook on
-TokenizerManager.abort_request (`tm_abort_request`), which marks the request and
-wakes the gate. How many requests wait at the gate is reported with the scheduler's
-resource report (`pause_gate_held`, AROUND get_internal_state: `tm_internal_state`).
-All of it runs on the tokenizer's event loop.
+A request aborted while it waits at the gate of a paused (or memory-released) server leaves
+at once with upstream's abort answer (200, finish_reason "abort", a message naming the
+client or abort_all and the pause or the release); it holds nothing on the scheduler. Runs
+on the tokenizer's event loop: the tokenizer_manager patch (`gate_open`, `gate_aborted`,
+`gate_abort_answers`) and hooks in fork_plugin.HOOKS.
 """
 
 from __future__ import annotations
@@ -21,6 +14,7 @@ import logging
 from typing import Any, Dict, List
 
 from sglang.srt.disaggregation import room_ledger
+from sglang.srt.managers import pd_pause_state
 
 logger = logging.getLogger(__name__)
 
@@ -28,33 +22,18 @@ _MARK = "_fork_gate_abort"  # on a ReqState: the abort's message
 _AT_GATE = "_fork_at_gate"  # on a ReqState: waiting at the pause gate now
 
 
-def _why(tokenizer_manager, rid: str, abort_all: bool) -> str:
-    from sglang.srt.managers import pd_pause_state
-
-    reason = pd_pause_state.pause_reason(tokenizer_manager)
-    where = ("while the engine memory was released" if reason == "release"
-             else "while the engine was paused")
-    if not abort_all:
-        return f"Aborted by the client {where} (rid={{rid}})."
-    return f"Aborted by abort_all {where} (rid={{rid}})."
-
-
-def _from_pause_loop(tokenizer_manager) -> bool:
-    """The abort_all that upstream's abort-mode pause_generation repeats (every second
-    while requests still run) ends what runs, not what waits at the gate: upstream
-    holds those and serves them after continue_generation. Marking them would answer
-    one server's copy of a PD request while the other server's copy goes on."""
-    from sglang.srt.managers import pd_pause_state
-
-    return pd_pause_state._state_of(tokenizer_manager).busy == "pause_generation"
-
-
 def tm_abort_request(result, tokenizer_manager, rid: str = "", abort_all: bool = False):
     """AFTER TokenizerManager.abort_request: requests held at the pause gate are
-    answered now, not after continue_generation."""
-    if not tokenizer_manager.is_pause or (abort_all and _from_pause_loop(tokenizer_manager)):
+    answered now, not after continue_generation. Not for the abort_all an abort-mode
+    pause_generation repeats: as upstream, what waits at the gate is served after
+    continue (answering one server's copy of a PD request would leave the other's going)."""
+    if not tokenizer_manager.is_pause or (
+        abort_all and pd_pause_state._state_of(tokenizer_manager).busy == "pause_generation"
+    ):
         return result
-    why = _why(tokenizer_manager, rid, abort_all)
+    where = ("while the engine memory was released" if pd_pause_state.pause_reason(tokenizer_manager) == "release"
+             else "while the engine was paused")
+    why = f"Aborted by {'abort_all' if abort_all else 'the client'} {where} (rid={{rid}})."
     hit = False
     for state_rid, state in list(tokenizer_manager.rid_to_state.items()):
         if (abort_all or state_rid == rid) and getattr(state, _MARK, None) is None:
@@ -84,16 +63,11 @@ def gate_open(tokenizer_manager, request_states: Dict[str, Any]) -> bool:
     return is_open
 
 
-def held_at_gate(tokenizer_manager) -> int:
-    """Requests waiting at the pause gate now (they hold nothing on the scheduler)."""
-    return sum(1 for state in list(tokenizer_manager.rid_to_state.values()) if state.__dict__.get(_AT_GATE))
-
-
 async def tm_internal_state(original, tokenizer_manager, *args, **kwargs):
     """AROUND TokenizerControlMixin.get_internal_state: each scheduler's resource
     report also says how many requests wait at this tokenizer's pause gate."""
     states = await original(tokenizer_manager, *args, **kwargs)
-    held = held_at_gate(tokenizer_manager)
+    held = sum(1 for state in list(tokenizer_manager.rid_to_state.values()) if state.__dict__.get(_AT_GATE))
     for state in states:
         report = state.get("fork_pd_resources") if isinstance(state, dict) else None
         if isinstance(report, dict):
