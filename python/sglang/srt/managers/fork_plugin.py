@@ -19,11 +19,9 @@ HOOKS: list[tuple[str, str, HookType]] = [
     ("sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController.get_internal_state",
      "sglang.srt.managers.pd_resource_report:add_to_internal_state", AFTER),
     ("sglang.srt.managers.tokenizer_control_mixin.TokenizerControlMixin.get_internal_state",
-     "sglang.srt.managers.pd_pause_gate:tm_internal_state", AROUND),
-    # pause/release/resume/continue with PD requests in flight: the tokenizer's state
-    # machine (pd_pause_state), its pause gate (pd_pause_gate), the scheduler side
-    # (pd_pause, pd_pause_aborts) and the PD queues' transfer-engine registration
-    # (queue_memory).
+     "sglang.srt.managers.pd_pause_state:tm_internal_state", AROUND),
+    # pause/release/resume/continue with PD requests in flight: the tokenizer side (pd_pause_state: state
+    # machine, pause gate), the scheduler side (pd_pause, pd_pause_aborts), the PD queues' buffers (queue_memory)
     ("sglang.srt.managers.tokenizer_manager.TokenizerManager.pause_generation",
      "sglang.srt.managers.pd_pause_state:tm_pause_generation", AROUND),
     ("sglang.srt.managers.tokenizer_manager.TokenizerManager.continue_generation",
@@ -33,7 +31,7 @@ HOOKS: list[tuple[str, str, HookType]] = [
     ("sglang.srt.managers.tokenizer_control_mixin.TokenizerControlMixin.resume_memory_occupation",
      "sglang.srt.managers.pd_pause_state:tm_resume_memory_occupation", AROUND),
     ("sglang.srt.managers.tokenizer_manager.TokenizerManager.abort_request",
-     "sglang.srt.managers.pd_pause_gate:tm_abort_request", AFTER),
+     "sglang.srt.managers.pd_pause_state:tm_abort_request", AFTER),
     ("sglang.srt.managers.tokenizer_manager.TokenizerManager.abort_request",
      "sglang.srt.managers.pd_pause_state:tm_pause_abort_first", BEFORE),
     ("sglang.srt.managers.scheduler.Scheduler.pause_generation",
