@@ -121,22 +121,17 @@ def shift_upstream_timers(scheduler, paused_seconds: float) -> int:
 
 def _pd_queues_empty(scheduler) -> bool:
     role = pd_queues.role(scheduler)
-    if role == "prefill":
-        return (
-            not scheduler.disagg_prefill_bootstrap_queue.queue
-            and not scheduler.disagg_prefill_inflight_queue
-            and not scheduler.waiting_queue
-            and scheduler.chunked_req is None
-        )
     if role == "decode":
+        transfer = scheduler.disagg_decode_transfer_queue
         return (
             not scheduler.disagg_decode_prealloc_queue.queue
-            and not scheduler.disagg_decode_transfer_queue.queue
+            and not transfer.queue
             and not any(r.kv.holds_kv for r in scheduler.waiting_queue)
             # Aborted transfers hold their KV until prefill acks the drain.
-            and not scheduler.disagg_decode_transfer_queue.has_pending_deferred_releases()
+            and not transfer.has_pending_deferred_releases()
         )
-    return True
+    # prefill: bootstrap, waiting and inflight queues, chunked request
+    return role is None or not pd_queues.queued_reqs(scheduler)
 
 
 def pump_pd_queues(scheduler) -> None:
@@ -202,14 +197,11 @@ def _abort_all_and_drain(scheduler, message: str) -> None:
         )
 
 
-def end_prefill_rooms(scheduler, reqs: List[Any], reason: Optional[str]) -> None:
-    """Prefill requests the pause path ended (no longer held anywhere). Upstream's
-    waiting-queue and result-retire paths abort the sender but leave the room: clear
-    it, as the bootstrap-failure path does. With a `reason` (client aborts: decode
-    ends its copy too, nothing re-bootstraps the room) the room is also remembered as
-    ended, so decode's handshake still on the wire is answered Failed with `reason`
-    instead of re-creating the room (transfer_deadline's late-handshake guard).
-    The ending goes through the room ledger; sender.clear() is the lifecycle's."""
+def end_prefill_rooms(scheduler, reqs: List[Any], reason: str) -> None:
+    """Prefill requests the pause path ended (no longer held anywhere): their room is
+    cleared (upstream's waiting-queue and result-retire paths abort the sender but leave
+    it) and remembered as ended through the ledger, so decode's handshake still on the
+    wire, or its re-bootstrap of the room, is answered Failed with `reason`."""
     held = {id(r) for r in pd_queues.held_reqs(scheduler)}
     mgr = scheduler.disagg_prefill_bootstrap_queue.kv_manager
     for req in reqs:
@@ -220,11 +212,8 @@ def end_prefill_rooms(scheduler, reqs: List[Any], reason: Optional[str]) -> None
         if room in mgr.request_status:
             sender.clear()
             mgr.failure_records.pop(room, None)  # one dict op: atomic
-        if reason is not None:
-            # a new prefill copy of the room (decode's re-bootstrap) fails at creation,
-            # as decode's copy was answered Failed
-            room_ledger.end_room(mgr, room, None, reason.format(room=room),
-                                 fail=False, tell=False, remember=True, cancel=True)
+        room_ledger.end_room(mgr, room, None, reason.format(room=room),
+                             fail=False, tell=False, remember=True, cancel=True)
 
 
 def end_in_flight(scheduler) -> None:

@@ -358,10 +358,7 @@ def gate_open(tokenizer_manager, request_states: Dict[str, Any]) -> bool:
     request. Each evaluation notes whether the request waits at the gate."""
     is_open = not tokenizer_manager.is_pause or gate_aborted(request_states)
     for state in request_states.values():
-        if is_open:
-            state.__dict__.pop(_AT_GATE, None)
-        else:
-            state.__dict__[_AT_GATE] = True
+        state.__dict__[_AT_GATE] = not is_open
     return is_open
 
 
