@@ -13,8 +13,7 @@ from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
 AFTER, AROUND, BEFORE = HookType.AFTER, HookType.AROUND, HookType.BEFORE
 
-# (dotted target in upstream,
-#  "our_module:function", hook type)
+# (dotted target in upstream, then "our_module:function", hook type)
 HOOKS: list[tuple[str, str, HookType]] = [
     ("sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController.get_internal_state",
      "sglang.srt.managers.pd_resource_report:add_to_internal_state", AFTER),
@@ -145,12 +144,10 @@ HOOKS: list[tuple[str, str, HookType]] = [
      "sglang.srt.managers.fork_touch:check_at_start", AFTER),
     ("sglang.srt.disaggregation.decode.DecodePreallocQueue._init_kv_manager",
      "sglang.srt.managers.fork_touch:check_at_start", AFTER),
-    # decode's ABORT for a room the pause or a release ended names it (prefill's copy then
-    # ends as that pause's abort, end cause "pause"; room_ledger strips the frames)
+    # decode's ABORT for a room the pause or a release ended names it: prefill's copy ends as that pause's abort
     ("sglang.srt.disaggregation.common.conn.AbortNotification.to_zmq",
      "sglang.srt.managers.pd_pause_aborts:abort_notification_with_why", AROUND),
-    # a queued request the pause or a release ended keeps its message when a later bare
-    # abort (the abort-mode pause's repeated abort_all) answers it
+    # a queued request the pause or a release ended keeps its message when a later bare abort_all answers it
     ("sglang.srt.managers.scheduler.Scheduler.send_abort_output",
      "sglang.srt.managers.pd_pause_aborts:pause_answer_kept", BEFORE),
     # decode's running requests an abort ends are counted by cause (request_end_cause)
