@@ -1,4 +1,4 @@
-"""The engine pause state machine (pd_pause_state), the pause gate (pd_pause_gate) and
+"""The engine pause state machine and the pause gate (pd_pause_state) and
 pd_pause's timer shift, without a server (fast).
 
 The end-to-end behaviour (409 over HTTP, cycles under load) is in test_pd_pause.py.
@@ -10,7 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from sglang.srt.managers import pd_pause, pd_pause_gate
+from sglang.srt.disaggregation import pd_queues
+from sglang.srt.managers import pd_pause, pd_pause_state
 from sglang.srt.managers.pd_pause_state import ALL_TAGS, EnginePauseState, PauseStateError
 
 CYCLE = [
@@ -149,18 +150,18 @@ def test_pause_gate_opens_only_for_aborted_requests():
     tm = SimpleNamespace(is_pause=True, rid_to_state={}, disaggregation_mode="null")  # not decode: nobody to tell
     waiting = {"a": SimpleNamespace(), "b": SimpleNamespace()}
     tm.rid_to_state.update(waiting)
-    assert not pd_pause_gate.gate_open(tm, waiting)
-    assert not pd_pause_gate.gate_aborted(waiting)
+    assert not pd_pause_state.gate_open(tm, waiting)
+    assert not pd_pause_state.gate_aborted(waiting)
     waiting["b"]._fork_gate_abort = "Aborted by the client while the engine was paused (rid=b)."
-    assert pd_pause_gate.gate_open(tm, waiting)
+    assert pd_pause_state.gate_open(tm, waiting)
     # answered as upstream answers an abort: 200 body, finish_reason abort, the reason
-    (out,) = pd_pause_gate.gate_abort_answers(tm, SimpleNamespace(is_single=True), {"b": waiting["b"]})
+    (out,) = pd_pause_state.gate_abort_answers(tm, SimpleNamespace(is_single=True), {"b": waiting["b"]})
     assert out["meta_info"]["finish_reason"] == {
         "type": "abort", "status_code": None,
         "message": "Aborted by the client while the engine was paused (rid=b).",
     }
     assert out["meta_info"]["id"] == "b" and "b" not in tm.rid_to_state
-    assert pd_pause_gate.gate_open(SimpleNamespace(is_pause=False), {"a": SimpleNamespace()})
+    assert pd_pause_state.gate_open(SimpleNamespace(is_pause=False), {"a": SimpleNamespace()})
 
 
 def test_upstream_timers_of_live_transfers_skip_the_pause():
@@ -179,7 +180,7 @@ def test_upstream_timers_of_live_transfers_skip_the_pause():
                 if cls is DecodeHarness:
                     sched.disagg_decode_prealloc_queue = h.queue
                     sched.disagg_decode_transfer_queue = h.transfer_queue
-                endpoints = pd_pause._transfer_endpoints(sched)
+                endpoints = pd_queues.transfer_endpoints(sched)
                 assert len(endpoints) == 1, cls
                 ep = endpoints[0]
                 ep.init_time, ep._prefill_wait_start = 1000.0, None

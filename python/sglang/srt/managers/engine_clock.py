@@ -1,9 +1,7 @@
-"""A monotonic clock that stands still while the engine is paused.
+"""A monotonic clock that stands still while the engine is paused (one per scheduler process).
 
-PD deadlines (bootstrap, waiting, transfer) are measured on this clock, so the time
-between pause_generation and continue_generation never counts against a request.
-The scheduler's pause path calls `pause()` and `resume()` (both idempotent); every
-deadline reads `now()`. Each scheduler process has its own `engine_clock`.
+PD deadlines read `now()`, so time between pause_generation and continue_generation never
+counts against a request; `pd_pause` calls `pause()` and `resume()` (both idempotent).
 """
 
 import time

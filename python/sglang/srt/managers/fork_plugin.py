@@ -3,394 +3,184 @@ touches upstream (docs/layout.md "Ways the fork touches upstream").
 
 HOOKS: every HookRegistry hook (`hooks_applied()` tells which applied: upstream only logs
 a failure). SWAPS: every attribute swap and class patch, made through `fork_touch.swap()`.
-`tools/fork check` resolves both tables against upstream.
+`tools/fork check` resolves both tables against upstream. Hooks on one target run in
+table order.
 """
 
 import importlib
 
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-# (dotted target in upstream, "our_module:function", hook type)
+AFTER, AROUND, BEFORE = HookType.AFTER, HookType.AROUND, HookType.BEFORE
+
+# (dotted target in upstream, then "our_module:function", hook type)
 HOOKS: list[tuple[str, str, HookType]] = [
-    (
-        "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController.get_internal_state",
-        "sglang.srt.managers.pd_resource_report:add_to_internal_state",
-        HookType.AFTER,
-    ),
-    (
-        "sglang.srt.managers.tokenizer_control_mixin.TokenizerControlMixin.get_internal_state",
-        "sglang.srt.managers.pd_pause_gate:tm_internal_state",
-        HookType.AROUND,
-    ),
-    # pause/release/resume/continue with PD requests in flight: the tokenizer's state
-    # machine (pd_pause_state), its pause gate (pd_pause_gate), the scheduler side
-    # (pd_pause, pd_pause_aborts) and the PD queues' transfer-engine registration
-    # (queue_memory).
-    (
-        "sglang.srt.managers.tokenizer_manager.TokenizerManager.pause_generation",
-        "sglang.srt.managers.pd_pause_state:tm_pause_generation",
-        HookType.AROUND,
-    ),
-    (
-        "sglang.srt.managers.tokenizer_manager.TokenizerManager.continue_generation",
-        "sglang.srt.managers.pd_pause_state:tm_continue_generation",
-        HookType.AROUND,
-    ),
-    (
-        "sglang.srt.managers.tokenizer_control_mixin.TokenizerControlMixin.release_memory_occupation",
-        "sglang.srt.managers.pd_pause_state:tm_release_memory_occupation",
-        HookType.AROUND,
-    ),
-    (
-        "sglang.srt.managers.tokenizer_control_mixin.TokenizerControlMixin.resume_memory_occupation",
-        "sglang.srt.managers.pd_pause_state:tm_resume_memory_occupation",
-        HookType.AROUND,
-    ),
-    (
-        "sglang.srt.managers.tokenizer_manager.TokenizerManager._release_req_states_on_failure",
-        "sglang.srt.disaggregation.room_ledger:before_release_on_failure",
-        HookType.BEFORE,
-    ),
-    (
-        "sglang.srt.managers.tokenizer_manager.TokenizerManager.abort_request",
-        "sglang.srt.managers.pd_pause_gate:tm_abort_request",
-        HookType.AFTER,
-    ),
-    (
-        "sglang.srt.managers.tokenizer_manager.TokenizerManager.abort_request",
-        "sglang.srt.managers.pd_pause_state:tm_pause_abort_first",
-        HookType.BEFORE,
-    ),
-    (
-        "sglang.srt.managers.scheduler.Scheduler.pause_generation",
-        "sglang.srt.managers.pd_pause:scheduler_pause_generation",
-        HookType.AROUND,
-    ),
-    (
-        "sglang.srt.managers.scheduler.Scheduler.continue_generation",
-        "sglang.srt.managers.pd_pause:scheduler_continue_generation",
-        HookType.AFTER,
-    ),
-    (
-        "sglang.srt.managers.scheduler.Scheduler.abort_request",
-        "sglang.srt.managers.pd_pause_aborts:abort_while_paused",
-        HookType.AROUND,
-    ),
-    (
-        "sglang.srt.managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager.release_memory_occupation",
-        "sglang.srt.managers.pd_pause:weight_updater_release",
-        HookType.AROUND,
-    ),
-    (
-        "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue.release_memory_occupation",
-        "sglang.srt.disaggregation.queue_memory:queue_release",
-        HookType.AROUND,
-    ),
-    (
-        "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue.resume_memory_occupation",
-        "sglang.srt.disaggregation.queue_memory:queue_resume",
-        HookType.AROUND,
-    ),
-    (
-        "sglang.srt.disaggregation.decode.DecodePreallocQueue.release_memory_occupation",
-        "sglang.srt.disaggregation.queue_memory:queue_release",
-        HookType.AROUND,
-    ),
-    (
-        "sglang.srt.disaggregation.decode.DecodePreallocQueue.resume_memory_occupation",
-        "sglang.srt.disaggregation.queue_memory:queue_resume",
-        HookType.AROUND,
-    ),
-    (
-        "sglang.srt.managers.scheduler.Scheduler._record_scheduler_state_for_paused_engine",
-        "sglang.srt.managers.pd_pause_aborts:paused_loop_tick",
-        HookType.AFTER,
-    ),
+    ("sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController.get_internal_state",
+     "sglang.srt.managers.pd_resource_report:add_to_internal_state", AFTER),
+    ("sglang.srt.managers.tokenizer_control_mixin.TokenizerControlMixin.get_internal_state",
+     "sglang.srt.managers.pd_pause_state:tm_internal_state", AROUND),
+    # pause/release/resume/continue with PD requests in flight: the tokenizer side (pd_pause_state: state
+    # machine, pause gate), the scheduler side (pd_pause, pd_pause_aborts), the PD queues' buffers (queue_memory)
+    ("sglang.srt.managers.tokenizer_manager.TokenizerManager.pause_generation",
+     "sglang.srt.managers.pd_pause_state:tm_pause_generation", AROUND),
+    ("sglang.srt.managers.tokenizer_manager.TokenizerManager.continue_generation",
+     "sglang.srt.managers.pd_pause_state:tm_continue_generation", AROUND),
+    ("sglang.srt.managers.tokenizer_control_mixin.TokenizerControlMixin.release_memory_occupation",
+     "sglang.srt.managers.pd_pause_state:tm_release_memory_occupation", AROUND),
+    ("sglang.srt.managers.tokenizer_control_mixin.TokenizerControlMixin.resume_memory_occupation",
+     "sglang.srt.managers.pd_pause_state:tm_resume_memory_occupation", AROUND),
+    ("sglang.srt.managers.tokenizer_manager.TokenizerManager._release_req_states_on_failure",
+     "sglang.srt.disaggregation.room_ledger:before_release_on_failure", BEFORE),
+    ("sglang.srt.managers.tokenizer_manager.TokenizerManager.abort_request",
+     "sglang.srt.managers.pd_pause_state:tm_abort_request", AFTER),
+    ("sglang.srt.managers.tokenizer_manager.TokenizerManager.abort_request",
+     "sglang.srt.managers.pd_pause_state:tm_pause_abort_first", BEFORE),
+    ("sglang.srt.managers.scheduler.Scheduler.pause_generation",
+     "sglang.srt.managers.pd_pause:scheduler_pause_generation", AROUND),
+    ("sglang.srt.managers.scheduler.Scheduler.continue_generation",
+     "sglang.srt.managers.pd_pause:scheduler_continue_generation", AFTER),
+    ("sglang.srt.managers.scheduler.Scheduler.abort_request",
+     "sglang.srt.managers.pd_pause_aborts:abort_while_paused", AROUND),
+    ("sglang.srt.managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager.release_memory_occupation",
+     "sglang.srt.managers.pd_pause:weight_updater_release", AROUND),
+    ("sglang.srt.disaggregation.prefill.PrefillBootstrapQueue.release_memory_occupation",
+     "sglang.srt.disaggregation.queue_memory:queue_release", AROUND),
+    ("sglang.srt.disaggregation.prefill.PrefillBootstrapQueue.resume_memory_occupation",
+     "sglang.srt.disaggregation.queue_memory:queue_resume", AROUND),
+    ("sglang.srt.disaggregation.decode.DecodePreallocQueue.release_memory_occupation",
+     "sglang.srt.disaggregation.queue_memory:queue_release", AROUND),
+    ("sglang.srt.disaggregation.decode.DecodePreallocQueue.resume_memory_occupation",
+     "sglang.srt.disaggregation.queue_memory:queue_resume", AROUND),
+    ("sglang.srt.managers.scheduler.Scheduler._record_scheduler_state_for_paused_engine",
+     "sglang.srt.managers.pd_pause_aborts:paused_loop_tick", AFTER),
     # A fake-backend decode serves a request sent without bootstrap_host (upstream crashed).
-    (
-        "sglang.srt.disaggregation.decode._bootstrap_addr",
-        "sglang.srt.disaggregation.pd_queues:fake_bootstrap_addr",
-        HookType.AROUND,
-    ),
+    ("sglang.srt.disaggregation.decode._bootstrap_addr",
+     "sglang.srt.disaggregation.pd_queues:fake_bootstrap_addr", AROUND),
     # room_ledger: one per kv manager, the one way a room ends (drains owed by a peer,
     # ended rooms, ends decode decided before its scheduler),
     # and the one verdict on how a PD request that ends on a failure path is answered
-    (
-        "sglang.srt.disaggregation.utils.prepare_abort",
-        "sglang.srt.disaggregation.room_ledger:prepare_abort_verdict",
-        HookType.AROUND,
-    ),
-    (
-        "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager",
-        "sglang.srt.disaggregation.room_ledger:on_manager_init",
-        HookType.AFTER,
-    ),
-    (
-        "sglang.srt.disaggregation.decode.DecodePreallocQueue._init_kv_manager",
-        "sglang.srt.disaggregation.room_ledger:on_manager_init",
-        HookType.AFTER,
-    ),
-    (
-        "sglang.srt.disaggregation.common.conn.CommonKVReceiver.ensure_abort_notified",
-        "sglang.srt.disaggregation.room_ledger:after_ensure_abort_notified",
-        HookType.AFTER,
-    ),
-    (
-        "sglang.srt.managers.scheduler.Scheduler.send_abort_output",
-        "sglang.srt.disaggregation.room_ledger:after_send_abort_output",
-        HookType.AFTER,
-    ),
+    ("sglang.srt.disaggregation.utils.prepare_abort",
+     "sglang.srt.disaggregation.room_ledger:prepare_abort_verdict", AROUND),
+    ("sglang.srt.disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager",
+     "sglang.srt.disaggregation.room_ledger:on_manager_init", AFTER),
+    ("sglang.srt.disaggregation.decode.DecodePreallocQueue._init_kv_manager",
+     "sglang.srt.disaggregation.room_ledger:on_manager_init", AFTER),
+    ("sglang.srt.disaggregation.common.conn.CommonKVReceiver.ensure_abort_notified",
+     "sglang.srt.disaggregation.room_ledger:after_ensure_abort_notified", AFTER),
+    ("sglang.srt.managers.scheduler.Scheduler.send_abort_output",
+     "sglang.srt.disaggregation.room_ledger:after_send_abort_output", AFTER),
     # its memory of ended rooms: a late handshake is answered Failed, a room decode
     # cancelled first fails at creation; and the one hook on record_failure
-    (
-        "sglang.srt.disaggregation.common.conn.CommonKVManager.update_status",
-        "sglang.srt.disaggregation.room_ledger:around_update_status",
-        HookType.AROUND,
-    ),
-    (
-        "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue.create_sender",
-        "sglang.srt.disaggregation.room_ledger:on_prefill_create_sender",
-        HookType.AFTER,
-    ),
-    (
-        "sglang.srt.disaggregation.common.conn.CommonKVSender.clear",
-        "sglang.srt.disaggregation.room_ledger:on_sender_clear",
-        HookType.AFTER,
-    ),
-    (
-        "sglang.srt.disaggregation.common.conn.CommonKVManager.record_failure",
-        "sglang.srt.disaggregation.room_ledger:around_record_failure",
-        HookType.AROUND,
-    ),
+    ("sglang.srt.disaggregation.common.conn.CommonKVManager.update_status",
+     "sglang.srt.disaggregation.room_ledger:around_update_status", AROUND),
+    ("sglang.srt.disaggregation.prefill.PrefillBootstrapQueue.create_sender",
+     "sglang.srt.disaggregation.room_ledger:on_prefill_create_sender", AFTER),
+    ("sglang.srt.disaggregation.common.conn.CommonKVSender.clear",
+     "sglang.srt.disaggregation.room_ledger:on_sender_clear", AFTER),
+    ("sglang.srt.disaggregation.common.conn.CommonKVManager.record_failure",
+     "sglang.srt.disaggregation.room_ledger:around_record_failure", AROUND),
     # Transfer deadlines: expire overdue requests before each PD queue polls.
-    (
-        "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue.pop_bootstrapped",
-        "sglang.srt.disaggregation.transfer_deadline:before_pop_bootstrapped",
-        HookType.BEFORE,
-    ),
-    (
-        "sglang.srt.disaggregation.prefill.SchedulerDisaggregationPrefillMixin.resolve_waiting_queue_bootstrap",
-        "sglang.srt.disaggregation.transfer_deadline:before_resolve_waiting",
-        HookType.BEFORE,
-    ),
-    (
-        "sglang.srt.disaggregation.prefill.SchedulerDisaggregationPrefillMixin.process_disagg_prefill_inflight_queue",
-        "sglang.srt.disaggregation.transfer_deadline:before_prefill_inflight",
-        HookType.BEFORE,
-    ),
-    (
-        "sglang.srt.disaggregation.decode.DecodePreallocQueue.pop_preallocated",
-        "sglang.srt.disaggregation.transfer_deadline:before_pop_preallocated",
-        HookType.BEFORE,
-    ),
-    (
-        "sglang.srt.disaggregation.decode.DecodeTransferQueue.pop_transferred",
-        "sglang.srt.disaggregation.transfer_deadline:before_pop_transferred",
-        HookType.BEFORE,
-    ),
+    ("sglang.srt.disaggregation.prefill.PrefillBootstrapQueue.pop_bootstrapped",
+     "sglang.srt.disaggregation.transfer_deadline:before_pop_bootstrapped", BEFORE),
+    ("sglang.srt.disaggregation.prefill.SchedulerDisaggregationPrefillMixin.resolve_waiting_queue_bootstrap",
+     "sglang.srt.disaggregation.transfer_deadline:before_resolve_waiting", BEFORE),
+    ("sglang.srt.disaggregation.prefill.SchedulerDisaggregationPrefillMixin.process_disagg_prefill_inflight_queue",
+     "sglang.srt.disaggregation.transfer_deadline:before_prefill_inflight", BEFORE),
+    ("sglang.srt.disaggregation.decode.DecodePreallocQueue.pop_preallocated",
+     "sglang.srt.disaggregation.transfer_deadline:before_pop_preallocated", BEFORE),
+    ("sglang.srt.disaggregation.decode.DecodeTransferQueue.pop_transferred",
+     "sglang.srt.disaggregation.transfer_deadline:before_pop_transferred", BEFORE),
     # Abort-mode pause returns once the aborted requests are gone, not after a fixed 1 s sleep.
-    (
-        "sglang.srt.utils.aio_rwlock.RWLock.is_locked",
-        "sglang.srt.managers.pd_pause_drain:around_is_locked",
-        HookType.AROUND,
-    ),
+    ("sglang.srt.utils.aio_rwlock.RWLock.is_locked",
+     "sglang.srt.managers.pd_pause_state:around_is_locked", AROUND),
     # A prefill request routed to a lost decode ends within seconds as peer loss (docs/gateway.md).
-    (
-        "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue.pop_bootstrapped",
-        "sglang.srt.disaggregation.lost_decode_handshake:before_pop_bootstrapped",
-        HookType.BEFORE,
-    ),
-    (
-        "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager",
-        "sglang.srt.disaggregation.lost_decode_handshake:validate_at_start",
-        HookType.AFTER,
-    ),
+    ("sglang.srt.disaggregation.prefill.PrefillBootstrapQueue.pop_bootstrapped",
+     "sglang.srt.disaggregation.lost_decode_handshake:before_pop_bootstrapped", BEFORE),
+    ("sglang.srt.disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager",
+     "sglang.srt.disaggregation.lost_decode_handshake:validate_at_start", AFTER),
     # A transfer worker that raises fails its in-flight room and starts again.
-    (
-        "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager",
-        "sglang.srt.disaggregation.transfer_worker_guard:install",
-        HookType.BEFORE,
-    ),
+    ("sglang.srt.disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager",
+     "sglang.srt.disaggregation.transfer_worker_guard:install", BEFORE),
     # chunk_failures: failed chunk writes fail only their room, on both sides
-    (
-        "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager",
-        "sglang.srt.disaggregation.chunk_failures:on_prefill_manager_init",
-        HookType.AFTER,
-    ),
-    (
-        "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue.add",
-        "sglang.srt.disaggregation.chunk_failures:on_prefill_add",
-        HookType.AFTER,
-    ),
-    (
-        "sglang.srt.disaggregation.common.conn.CommonKVSender.clear",
-        "sglang.srt.disaggregation.chunk_failures:on_sender_clear",
-        HookType.AFTER,
-    ),
-    (
-        "sglang.srt.disaggregation.decode.DecodeTransferQueue._record_transfer_failure",
-        "sglang.srt.disaggregation.chunk_failures:on_decode_transfer_failure",
-        HookType.AFTER,
-    ),
+    ("sglang.srt.disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager",
+     "sglang.srt.disaggregation.chunk_failures:on_prefill_manager_init", AFTER),
+    ("sglang.srt.disaggregation.prefill.PrefillBootstrapQueue.add",
+     "sglang.srt.disaggregation.chunk_failures:on_prefill_add", AFTER),
+    ("sglang.srt.disaggregation.common.conn.CommonKVSender.clear",
+     "sglang.srt.disaggregation.chunk_failures:on_sender_clear", AFTER),
+    ("sglang.srt.disaggregation.decode.DecodeTransferQueue._record_transfer_failure",
+     "sglang.srt.disaggregation.chunk_failures:on_decode_transfer_failure", AFTER),
     # abort_retirement: aborts end as aborts, never successes, and leave nothing behind.
-    (
-        "sglang.srt.managers.scheduler.Scheduler.abort_request",
-        "sglang.srt.disaggregation.abort_retirement:before_abort_request",
-        HookType.BEFORE,
-    ),
-    (
-        "sglang.srt.disaggregation.prefill.SchedulerDisaggregationPrefillMixin."
-        "_retire_aborted_prefill_result",
-        "sglang.srt.disaggregation.abort_retirement:after_retire_aborted",
-        HookType.AFTER,
-    ),
-    (
-        "sglang.srt.disaggregation.prefill.SchedulerDisaggregationPrefillMixin."
-        "release_aborted_prefill_waiting_req",
-        "sglang.srt.disaggregation.abort_retirement:after_release_aborted_waiting",
-        HookType.AFTER,
-    ),
-    (
-        "sglang.srt.managers.scheduler.Scheduler.process_pending_chunked_abort",
-        "sglang.srt.disaggregation.abort_retirement:around_pending_chunked_abort",
-        HookType.AROUND,
-    ),
+    ("sglang.srt.managers.scheduler.Scheduler.abort_request",
+     "sglang.srt.disaggregation.abort_retirement:before_abort_request", BEFORE),
+    ("sglang.srt.disaggregation.prefill.SchedulerDisaggregationPrefillMixin._retire_aborted_prefill_result",
+     "sglang.srt.disaggregation.abort_retirement:after_retire_aborted", AFTER),
+    ("sglang.srt.disaggregation.prefill.SchedulerDisaggregationPrefillMixin.release_aborted_prefill_waiting_req",
+     "sglang.srt.disaggregation.abort_retirement:after_release_aborted_waiting", AFTER),
+    ("sglang.srt.managers.scheduler.Scheduler.process_pending_chunked_abort",
+     "sglang.srt.disaggregation.abort_retirement:around_pending_chunked_abort", AROUND),
     # peer_liveness: a crashed peer is noticed at once, its requests end (502), a restart is served.
-    (
-        "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager",
-        "sglang.srt.disaggregation.peer_liveness:on_prefill_manager_init",
-        HookType.AFTER,
-    ),
-    (
-        "sglang.srt.disaggregation.decode.DecodePreallocQueue._init_kv_manager",
-        "sglang.srt.disaggregation.peer_liveness:on_decode_manager_init",
-        HookType.AFTER,
-    ),
-    (
-        "sglang.srt.disaggregation.common.conn.CommonKVManager._handle_node_failure",
-        "sglang.srt.disaggregation.peer_liveness:around_handle_node_failure",
-        HookType.AROUND,
-    ),
-    (
-        "sglang.srt.disaggregation.common.conn.CommonKVManager._send_multipart_locked",
-        "sglang.srt.disaggregation.peer_liveness:around_send_multipart_locked",
-        HookType.AROUND,
-    ),
-    (
-        "sglang.srt.disaggregation.common.conn.CommonKVManager.try_ensure_parallel_info",
-        "sglang.srt.disaggregation.peer_liveness:after_try_ensure_parallel_info",
-        HookType.AFTER,
-    ),
-    (
-        "sglang.srt.disaggregation.common.conn.CommonKVManager.conclude_transfer",
-        "sglang.srt.disaggregation.peer_liveness:around_conclude_transfer",
-        HookType.AROUND,
-    ),
+    ("sglang.srt.disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager",
+     "sglang.srt.disaggregation.peer_liveness:on_prefill_manager_init", AFTER),
+    ("sglang.srt.disaggregation.decode.DecodePreallocQueue._init_kv_manager",
+     "sglang.srt.disaggregation.peer_liveness:on_decode_manager_init", AFTER),
+    ("sglang.srt.disaggregation.common.conn.CommonKVManager._handle_node_failure",
+     "sglang.srt.disaggregation.peer_liveness:around_handle_node_failure", AROUND),
+    ("sglang.srt.disaggregation.common.conn.CommonKVManager._send_multipart_locked",
+     "sglang.srt.disaggregation.peer_liveness:around_send_multipart_locked", AROUND),
+    ("sglang.srt.disaggregation.common.conn.CommonKVManager.try_ensure_parallel_info",
+     "sglang.srt.disaggregation.peer_liveness:after_try_ensure_parallel_info", AFTER),
+    ("sglang.srt.disaggregation.common.conn.CommonKVManager.conclude_transfer",
+     "sglang.srt.disaggregation.peer_liveness:around_conclude_transfer", AROUND),
     # bootstrap_fetch: decode fetches a prefill's info and endpoints on its pool, not the scheduler
-    (
-        "sglang.srt.disaggregation.decode.DecodePreallocQueue._ensure_prefill_info",
-        "sglang.srt.disaggregation.bootstrap_fetch:around_ensure_prefill_info",
-        HookType.AROUND,
-    ),
-    (
-        "sglang.srt.disaggregation.common.conn.CommonKVManager.try_ensure_parallel_info",
-        "sglang.srt.disaggregation.bootstrap_fetch:around_try_ensure_parallel_info",
-        HookType.AROUND,
-    ),
-    (
-        "sglang.srt.disaggregation.decode.DecodePreallocQueue._init_receiver",
-        "sglang.srt.disaggregation.bootstrap_fetch:around_init_receiver",
-        HookType.AROUND,
-    ),
-    (
-        "sglang.srt.disaggregation.common.conn.CommonKVReceiver._get_bootstrap_info_from_server",
-        "sglang.srt.disaggregation.bootstrap_fetch:around_get_bootstrap_info_from_server",
-        HookType.AROUND,
-    ),
+    ("sglang.srt.disaggregation.decode.DecodePreallocQueue._ensure_prefill_info",
+     "sglang.srt.disaggregation.bootstrap_fetch:around_ensure_prefill_info", AROUND),
+    ("sglang.srt.disaggregation.common.conn.CommonKVManager.try_ensure_parallel_info",
+     "sglang.srt.disaggregation.bootstrap_fetch:around_try_ensure_parallel_info", AROUND),
+    ("sglang.srt.disaggregation.decode.DecodePreallocQueue._init_receiver",
+     "sglang.srt.disaggregation.bootstrap_fetch:around_init_receiver", AROUND),
+    ("sglang.srt.disaggregation.common.conn.CommonKVReceiver._get_bootstrap_info_from_server",
+     "sglang.srt.disaggregation.bootstrap_fetch:around_get_bootstrap_info_from_server", AROUND),
     # The start-up check of SWAPS: last, after every AFTER hook above that makes a swap.
-    (
-        "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager",
-        "sglang.srt.managers.fork_touch:check_at_start",
-        HookType.AFTER,
-    ),
-    (
-        "sglang.srt.disaggregation.decode.DecodePreallocQueue._init_kv_manager",
-        "sglang.srt.managers.fork_touch:check_at_start",
-        HookType.AFTER,
-    ),
-    # decode's ABORT for a room the pause or a release ended names it (prefill's copy then
-    # ends as that pause's abort, end cause "pause"; room_ledger strips the frames)
-    (
-        "sglang.srt.disaggregation.common.conn.AbortNotification.to_zmq",
-        "sglang.srt.managers.pd_pause_aborts:abort_notification_with_why",
-        HookType.AROUND,
-    ),
-    # a queued request the pause or a release ended keeps its message when a later bare
-    # abort (the abort-mode pause's repeated abort_all) answers it
-    (
-        "sglang.srt.managers.scheduler.Scheduler.send_abort_output",
-        "sglang.srt.managers.pd_pause_aborts:pause_answer_kept",
-        HookType.BEFORE,
-    ),
+    ("sglang.srt.disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager",
+     "sglang.srt.managers.fork_touch:check_at_start", AFTER),
+    ("sglang.srt.disaggregation.decode.DecodePreallocQueue._init_kv_manager",
+     "sglang.srt.managers.fork_touch:check_at_start", AFTER),
+    # decode's ABORT for a room the pause or a release ended names it: prefill's copy ends as that pause's abort
+    ("sglang.srt.disaggregation.common.conn.AbortNotification.to_zmq",
+     "sglang.srt.managers.pd_pause_aborts:abort_notification_with_why", AROUND),
+    # a queued request the pause or a release ended keeps its message when a later bare abort_all answers it
+    ("sglang.srt.managers.scheduler.Scheduler.send_abort_output",
+     "sglang.srt.managers.pd_pause_aborts:pause_answer_kept", BEFORE),
     # decode's running requests an abort ends are counted by cause (request_end_cause)
-    (
-        "sglang.srt.managers.scheduler.Scheduler.process_batch_result",
-        "sglang.srt.disaggregation.request_end_cause:after_process_batch_result",
-        HookType.AFTER,
-    ),
-    (
-        "sglang.srt.managers.scheduler.Scheduler.send_abort_output",
-        "sglang.srt.disaggregation.request_end_cause:before_send_abort_output",
-        HookType.BEFORE,
-    ),
+    ("sglang.srt.managers.scheduler.Scheduler.process_batch_result",
+     "sglang.srt.disaggregation.request_end_cause:after_process_batch_result", AFTER),
+    ("sglang.srt.managers.scheduler.Scheduler.send_abort_output",
+     "sglang.srt.disaggregation.request_end_cause:before_send_abort_output", BEFORE),
 ]
 
-# (upstream "module.Class.attribute", "our_module:function making the swap", kind
-# "instance" (on each object of that class) or "class" (the class itself), role whose
-# kv manager gets it). Made through fork_touch.swap(obj, attribute, make, by=__name__).
+# (upstream "module.Class.attribute",
+#  "our_module:function making the swap", kind "instance" (on each object of that class) or "class" (the class
+#  itself), role whose kv manager gets it). Made through fork_touch.swap(obj, attribute, make, by=__name__).
 SWAPS: list[tuple[str, str, str, str]] = [
     # the bootstrap thread looks it up per message: a decode registration is seen at once
-    (
-        "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager._publish_peer_registration",
-        "sglang.srt.disaggregation.peer_liveness:on_prefill_manager_init",
-        "instance",
-        "prefill",
-    ),
+    ("sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager._publish_peer_registration",
+     "sglang.srt.disaggregation.peer_liveness:on_prefill_manager_init", "instance", "prefill"),
     # decode's ABORT, before upstream's handler: kept for a room prefill has not created
     # yet, the reason recorded for a live one (an abort, not a failure); mooncake and nixl
-    (
-        "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager._handle_abort_notification",
-        "sglang.srt.disaggregation.room_ledger:on_manager_init",
-        "instance",
-        "prefill",
-    ),
-    (
-        "sglang.srt.disaggregation.nixl.conn.NixlKVManager._handle_abort_notification",
-        "sglang.srt.disaggregation.room_ledger:on_manager_init",
-        "instance",
-        "prefill",
-    ),
+    ("sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager._handle_abort_notification",
+     "sglang.srt.disaggregation.room_ledger:on_manager_init", "instance", "prefill"),
+    ("sglang.srt.disaggregation.nixl.conn.NixlKVManager._handle_abort_notification",
+     "sglang.srt.disaggregation.room_ledger:on_manager_init", "instance", "prefill"),
     # a failed write nominates a session; only a failed probe blacklists it
-    (
-        "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.failed_sessions",
-        "sglang.srt.disaggregation.chunk_failures:on_prefill_manager_init",
-        "instance",
-        "prefill",
-    ),
+    ("sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.failed_sessions",
+     "sglang.srt.disaggregation.chunk_failures:on_prefill_manager_init", "instance", "prefill"),
     # a session comes back only once a read from it completes (docs/chunk-failures.md)
-    (
-        "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager._send_probe",
-        "sglang.srt.disaggregation.chunk_failures:on_prefill_manager_init",
-        "instance",
-        "prefill",
-    ),
+    ("sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager._send_probe",
+     "sglang.srt.disaggregation.chunk_failures:on_prefill_manager_init", "instance", "prefill"),
     # a transfer worker that raises fails its in-flight room and starts again
-    (
-        "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.transfer_worker",
-        "sglang.srt.disaggregation.transfer_worker_guard:install",
-        "class",
-        "prefill",
-    ),
+    ("sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.transfer_worker",
+     "sglang.srt.disaggregation.transfer_worker_guard:install", "class", "prefill"),
 ]
 
 

@@ -1,10 +1,8 @@
-"""How fork modules touch upstream objects outside HookRegistry, and read its internals.
+"""How fork modules touch upstream outside HookRegistry (docs/layout.md "Ways the fork touches upstream").
 
-`swap()` is the one way to swap an upstream attribute: declared in `fork_plugin.SWAPS`,
-made on the scheduler thread while it builds its kv manager, recorded for
-`swaps_applied()` (resource report) and `check_at_start`. `upstream(obj, name)` reads an
-upstream internal, raising `UpstreamChanged` on a rename. docs/layout.md: "Ways the fork
-touches upstream".
+`swap()` is the one way to swap an upstream attribute (declared in `fork_plugin.SWAPS`, made on
+the scheduler thread while it builds its kv manager, checked by `check_at_start`);
+`upstream(obj, name)` reads an upstream internal, raising `UpstreamChanged` on a rename.
 """
 
 from __future__ import annotations
@@ -79,8 +77,6 @@ _lock = threading.Lock()
 def swap(obj: Any, attr: str, make: Callable[[Any], Any], *, by: str, kind: str = "instance") -> Optional[Any]:
     """Replace `obj.attr` (kind "instance") or class `obj`'s attribute ("class") with
     `make(original)`, as SWAPS declares for module `by`; None for another class."""
-    if kind == "class" and not isinstance(obj, type):
-        raise TypeError(f"a class patch of {attr!r} needs the class, got {obj!r}")
     entry = _declared(obj, by, attr, kind)
     if entry is None:
         return None
@@ -92,12 +88,8 @@ def swap(obj: Any, attr: str, make: Callable[[Any], Any], *, by: str, kind: str 
         except (AttributeError, TypeError):
             pass
     setattr(obj, attr, new)
-    try:
-        ref = weakref.ref(obj)
-    except TypeError:
-        ref = lambda obj=obj: obj  # noqa: E731
-    with _lock:
-        _APPLIED.setdefault(entry, []).append((ref, new))
+    with _lock:  # a kv manager or a class: both take weak references
+        _APPLIED.setdefault(entry, []).append((weakref.ref(obj), new))
     return new
 
 

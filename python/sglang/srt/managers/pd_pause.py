@@ -1,16 +1,11 @@
 """The scheduler side of pause/release/resume with PD requests in flight.
 
-Invariant: while paused nothing is computed, yet every request is accounted for. At
-release, what runs is retracted (decode keeps it for re-bootstrap on continue) and
-what sits in the PD queues is aborted (answered as upstream answers an abort: 200,
-finish_reason "abort", a message naming the pause or the release) through upstream's
-own retire paths until the queues are empty, so KV pages, metadata slots and room state are
-returned before the queues deregister their buffers (`disaggregation.queue_memory`).
-Paused time counts against no timer (`engine_clock`, upstream's start times shifted on
-continue). Aborts that arrive while paused: `pd_pause_aborts`.
-Who calls: hooks in fork_plugin.HOOKS (Scheduler.pause_generation / continue_generation,
-the weight updater's release, prepare_abort) and the decode patch
-(`poll_transfers_while_retracted`).
+While paused nothing is computed, yet every request is accounted for: at release what runs
+is retracted (decode re-bootstraps it on continue) and what sits in the PD queues is
+aborted through upstream's own retire paths until the queues are empty, before they
+deregister their buffers (`queue_memory`); paused time counts against no timer
+(`engine_clock`). Scheduler thread: hooks in fork_plugin.HOOKS and the decode patch
+(`poll_transfers_while_retracted`). Aborts that arrive while paused: `pd_pause_aborts`.
 """
 
 from __future__ import annotations
@@ -27,16 +22,8 @@ logger = logging.getLogger(__name__)
 
 RELEASE_ABORT_MESSAGE = "Aborted: engine memory released during pause (mode={mode})."
 RELEASE_NO_PAUSE_MESSAGE = "Aborted: engine memory released without a pause."
-RELEASE_MARKER = room_ledger.RELEASE_MARKER
 PAUSE_ABORT_MESSAGE = "Aborted by pause_generation(mode=abort)."
-# A message that names the pause or the release ends the request as a pause abort
-# (end cause "pause"), never as a client abort or a failure.
-PAUSE_MARKERS = room_ledger.PAUSE_MARKERS
-# The status of an abort the pause path decides: none, i.e. upstream's abort answer
-# (HTTP 200, finish_reason "abort" with the message). RL clients recycle exactly that.
-PAUSE_ABORT_STATUS = None
 DRAIN_DEADLINE_S = 10.0
-
 
 # Start times (time.time()) that upstream's transfer senders/receivers measure their
 # bootstrap and waiting timeouts from (disaggregation/common/conn.py).
@@ -44,16 +31,17 @@ UPSTREAM_TIMER_ATTRS = ("init_time", "_prefill_complete_time", "_prefill_wait_st
 
 
 def names_pause(message) -> bool:
-    """Whether an abort's message says a pause or a release ended the request."""
-    return any(m in str(message or "") for m in PAUSE_MARKERS)
+    """Whether an abort's message says a pause or a release ended the request (end cause
+    "pause", never a client abort or a failure)."""
+    return any(m in str(message or "") for m in room_ledger.PAUSE_MARKERS)
 
 
 def pause_finish_reason(message: str = PAUSE_ABORT_MESSAGE) -> Dict[str, Any]:
-    """The finish reason an abort the pause path decides carries (upstream's abort
-    answer: HTTP 200, finish_reason "abort" with the message)."""
+    """The finish reason of an abort the pause path decides: upstream's abort answer (HTTP
+    200, finish_reason "abort" with the message, no status), which RL clients recycle."""
     from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
-    return FINISH_ABORT(message, PAUSE_ABORT_STATUS).to_json()
+    return FINISH_ABORT(message, None).to_json()
 
 
 class _SchedulerPause:
@@ -73,9 +61,6 @@ def scheduler_pause(scheduler) -> _SchedulerPause:
     if sp is None:
         sp = scheduler._fork_pd_pause = _SchedulerPause()
     return sp
-
-
-pd_role = pd_queues.role
 
 
 def scheduler_pause_generation(original, scheduler, recv_req):
@@ -119,16 +104,13 @@ def scheduler_continue_generation(result, scheduler, recv_req, *args, **kwargs):
     return result
 
 
-_transfer_endpoints = pd_queues.transfer_endpoints
-
-
 def shift_upstream_timers(scheduler, paused_seconds: float) -> int:
     """Move upstream's recorded start times forward by the paused duration, so the
     bootstrap/waiting timeouts of every live transfer exclude the pause."""
     shifted = 0
     if paused_seconds <= 0:
         return shifted
-    for endpoint in _transfer_endpoints(scheduler):
+    for endpoint in pd_queues.transfer_endpoints(scheduler):
         for attr in UPSTREAM_TIMER_ATTRS:
             value = getattr(endpoint, attr, None)
             if isinstance(value, (int, float)):
@@ -138,23 +120,18 @@ def shift_upstream_timers(scheduler, paused_seconds: float) -> int:
 
 
 def _pd_queues_empty(scheduler) -> bool:
-    role = pd_role(scheduler)
-    if role == "prefill":
-        return (
-            not scheduler.disagg_prefill_bootstrap_queue.queue
-            and not scheduler.disagg_prefill_inflight_queue
-            and not scheduler.waiting_queue
-            and scheduler.chunked_req is None
-        )
+    role = pd_queues.role(scheduler)
     if role == "decode":
+        transfer = scheduler.disagg_decode_transfer_queue
         return (
             not scheduler.disagg_decode_prealloc_queue.queue
-            and not scheduler.disagg_decode_transfer_queue.queue
+            and not transfer.queue
             and not any(r.kv.holds_kv for r in scheduler.waiting_queue)
             # Aborted transfers hold their KV until prefill acks the drain.
-            and not scheduler.disagg_decode_transfer_queue.has_pending_deferred_releases()
+            and not transfer.has_pending_deferred_releases()
         )
-    return True
+    # prefill: bootstrap, waiting and inflight queues, chunked request
+    return role is None or not pd_queues.queued_reqs(scheduler)
 
 
 def pump_pd_queues(scheduler) -> None:
@@ -166,7 +143,7 @@ def pump_pd_queues(scheduler) -> None:
         return
     sp.pumping = True
     try:
-        role = pd_role(scheduler)
+        role = pd_queues.role(scheduler)
         if role == "prefill":
             scheduler.process_pending_chunked_abort()
             bootstrapped = scheduler.disagg_prefill_bootstrap_queue.pop_bootstrapped()
@@ -197,7 +174,7 @@ def _abort_all_and_drain(scheduler, message: str) -> None:
     ended: Dict[int, Any] = {}
     try:
         while True:
-            for req in queued_reqs(scheduler):
+            for req in pd_queues.queued_reqs(scheduler):
                 setattr(req, room_ledger.PAUSE_ABORT, message)
                 ended[id(req)] = req
             scheduler.abort_request(AbortReq(abort_all=True, finished_reason=reason))
@@ -207,7 +184,7 @@ def _abort_all_and_drain(scheduler, message: str) -> None:
             time.sleep(0.005)
     finally:
         sp.draining = False
-    if pd_role(scheduler) == "prefill":
+    if pd_queues.role(scheduler) == "prefill":
         # Remembered as ended: decode's copy may still wait at decode's pause gate
         # (the router delivered it late) and handshake after continue. A re-bootstrap
         # of such a room (same room) then ends on both sides as the release's abort.
@@ -216,23 +193,16 @@ def _abort_all_and_drain(scheduler, message: str) -> None:
         logger.warning(
             "pd_pause: PD queues not empty %.0fs after abort_all: %s",
             DRAIN_DEADLINE_S,
-            _queue_lengths(scheduler),
+            pd_queues.lengths(scheduler),
         )
 
 
-queued_reqs = pd_queues.queued_reqs
-held_reqs = pd_queues.held_reqs
-
-
-def end_prefill_rooms(scheduler, reqs: List[Any], reason: Optional[str]) -> None:
-    """Prefill requests the pause path ended (no longer held anywhere). Upstream's
-    waiting-queue and result-retire paths abort the sender but leave the room: clear
-    it, as the bootstrap-failure path does. With a `reason` (client aborts: decode
-    ends its copy too, nothing re-bootstraps the room) the room is also remembered as
-    ended, so decode's handshake still on the wire is answered Failed with `reason`
-    instead of re-creating the room (transfer_deadline's late-handshake guard).
-    The ending goes through the room ledger; sender.clear() is the lifecycle's."""
-    held = {id(r) for r in held_reqs(scheduler)}
+def end_prefill_rooms(scheduler, reqs: List[Any], reason: str) -> None:
+    """Prefill requests the pause path ended (no longer held anywhere): their room is
+    cleared (upstream's waiting-queue and result-retire paths abort the sender but leave
+    it) and remembered as ended through the ledger, so decode's handshake still on the
+    wire, or its re-bootstrap of the room, is answered Failed with `reason`."""
+    held = {id(r) for r in pd_queues.held_reqs(scheduler)}
     mgr = scheduler.disagg_prefill_bootstrap_queue.kv_manager
     for req in reqs:
         sender = fork_touch.upstream(req, "disagg_kv_sender")
@@ -242,14 +212,8 @@ def end_prefill_rooms(scheduler, reqs: List[Any], reason: Optional[str]) -> None
         if room in mgr.request_status:
             sender.clear()
             mgr.failure_records.pop(room, None)  # one dict op: atomic
-        if reason is not None:
-            # a new prefill copy of the room (decode's re-bootstrap) fails at creation,
-            # as decode's copy was answered Failed
-            room_ledger.end_room(mgr, room, None, reason.format(room=room),
-                                 fail=False, tell=False, remember=True, cancel=True)
-
-
-_queue_lengths = pd_queues.lengths
+        room_ledger.end_room(mgr, room, None, reason.format(room=room),
+                             fail=False, tell=False, remember=True, cancel=True)
 
 
 def end_in_flight(scheduler) -> None:
@@ -257,7 +221,7 @@ def end_in_flight(scheduler) -> None:
     abort what sits in the PD queues, and wait until upstream has retired it."""
     from sglang.srt.managers.io_struct import PauseGenerationReqInput
 
-    if pd_role(scheduler) is None:
+    if pd_queues.role(scheduler) is None:
         return
     sp = scheduler_pause(scheduler)
     paused = sp.mode is not None
@@ -266,17 +230,18 @@ def end_in_flight(scheduler) -> None:
         # through only with nothing in flight, and holds new requests at its gate.
         # Settle what the queues still hold (decode's pending drain acks); anything
         # that slipped in is retracted/aborted as in a pause, never asserted on.
-        if weight_updater_idle(scheduler) and _pd_queues_empty(scheduler):
+        idle = scheduler.is_fully_idle(ignore_waiting=False)  # upstream's own idle check
+        if idle and _pd_queues_empty(scheduler):
             return
         logger.warning("pd_pause: release without a pause, not idle: %s",
                        not_idle_reasons(scheduler))
-        if weight_updater_idle(scheduler):
+        if idle:
             _abort_all_and_drain(scheduler, RELEASE_NO_PAUSE_MESSAGE)
             return
     if (
         not scheduler.running_batch.is_empty()
         or scheduler.last_batch is not None
-        or (pd_role(scheduler) == "decode" and scheduler.waiting_queue)
+        or (pd_queues.role(scheduler) == "decode" and scheduler.waiting_queue)
     ):
         # Upstream's retract: frees KV of running requests; decode re-bootstraps them.
         scheduler.pause_generation(PauseGenerationReqInput(mode="retract"))
@@ -296,18 +261,13 @@ def not_idle_reasons(scheduler) -> List[str]:
         "result_queue": bool(fork_touch.upstream(scheduler, "result_queue")),
         "waiting_with_kv": any(r.kv.holds_kv for r in scheduler.waiting_queue),
         "grammar_queue": bool(scheduler.grammar_manager.grammar_queue),
-        "deferred_kv_releases": pd_role(scheduler) == "decode"
+        "deferred_kv_releases": pd_queues.role(scheduler) == "decode"
         and scheduler.disagg_decode_transfer_queue.has_pending_deferred_releases(),
     }
     reasons = [k for k, v in checks.items() if v]
-    reasons += [f"queue.{k}={v}" for k, v in _queue_lengths(scheduler).items()
+    reasons += [f"queue.{k}={v}" for k, v in pd_queues.lengths(scheduler).items()
                 if v and k not in ("waiting", "running")]
     return reasons
-
-
-def weight_updater_idle(scheduler) -> bool:
-    """Upstream's own idle check for a release without a pause."""
-    return scheduler.is_fully_idle(ignore_waiting=False)
 
 
 def weight_updater_release(original, weight_updater, recv_req, *args, **kwargs):
@@ -328,8 +288,6 @@ def report(scheduler) -> Dict[str, Any]:
         "mode": sp.mode,
         "clock_paused": engine_clock.paused,
     }
-
-
 
 
 def poll_transfers_while_retracted(scheduler) -> list:

@@ -1,20 +1,10 @@
 """Aborts that reach a paused engine are answered during the pause.
 
-Invariant: while a PD scheduler is paused, an abort is answered in the call that
-delivers it (and whatever the request held is returned), wherever the request sits:
-the PD queues on either side (the abort fails the room; one pass of upstream's own
-queue processing retires it), decode's held re-bootstraps, decode's running batch or
-prefill's unprocessed overlap result (upstream's retract path settles the batch). For
-`ABORT_PUMP_WINDOW_S` after an abort the paused loop keeps retiring what concludes
-late. A prefill room retired this way is cleared and remembered as ended, so decode's
-late handshake cannot revive it.
-A running request the pause or a release aborted keeps that abort's message
-(`keep_pause_verdict`). Decode's ABORT for a room the pause or a release ended carries
-that message to prefill (`note_why` / `abort_notification_with_why`), so prefill's copy
-ends as the pause's abort too, not as a client abort.
-Who calls: AROUND Scheduler.abort_request, AFTER
-Scheduler._record_scheduler_state_for_paused_engine and AROUND AbortNotification.to_zmq
-(fork_plugin.HOOKS).
+While a PD scheduler is paused an abort is answered in the call that delivers it, wherever
+the request sits, and what it held is returned; for `ABORT_PUMP_WINDOW_S` the paused loop
+keeps retiring what concludes late. A request the pause or a release ended keeps that
+abort's message, on both sides (decode's ABORT carries it to prefill). Scheduler thread:
+hooks in fork_plugin.HOOKS (docs/pause-release-resume.md).
 """
 
 from __future__ import annotations
@@ -25,6 +15,7 @@ import time
 from collections import OrderedDict
 from typing import List
 
+from sglang.srt.disaggregation import pd_queues
 from sglang.srt.managers import pd_pause
 
 logger = logging.getLogger(__name__)
@@ -36,7 +27,7 @@ def abort_while_paused(original, scheduler, recv_req, *args, **kwargs):
     """AROUND Scheduler.abort_request: while paused, answer the abort now, wherever
     the request sits, and return what it held."""
     sp = pd_pause.scheduler_pause(scheduler)
-    role = pd_pause.pd_role(scheduler)
+    role = pd_queues.role(scheduler)
     if role == "decode":
         note_why(scheduler, recv_req)
     if not getattr(scheduler, "_engine_paused", False) or role is None or sp.pumping or sp.draining:
@@ -44,10 +35,11 @@ def abort_while_paused(original, scheduler, recv_req, *args, **kwargs):
         if role is not None:
             keep_pause_verdict(scheduler, recv_req)
         return result
-    places = _where(scheduler, recv_req)
-    matched = [r for r in pd_pause.held_reqs(scheduler) if _matches(recv_req, r.rid)]
+    places = {stage for stage, r in pd_queues.walk(scheduler) if _matches(recv_req, r.rid)}
+    places |= {"parked" for r in pd_queues.parked_reqs(scheduler) if _matches(recv_req, r.rid)}
+    matched = [r for r in pd_queues.held_reqs(scheduler) if _matches(recv_req, r.rid)]
     logger.info("pd_pause: abort while paused (rid=%r, all=%s) found in %s",
-                recv_req.rid, recv_req.abort_all, places)
+                recv_req.rid, recv_req.abort_all, sorted(places))
     result = original(scheduler, recv_req, *args, **kwargs)
     sp.pump_until = time.monotonic() + ABORT_PUMP_WINDOW_S
     if _holds_in_batch(scheduler, recv_req):
@@ -57,7 +49,11 @@ def abort_while_paused(original, scheduler, recv_req, *args, **kwargs):
         # Its retract path settles them now: decode's others re-bootstrap on continue,
         # prefill's pending result is processed (the aborted request is retired before
         # its KV is exposed, the others go on to the inflight queue).
-        _retract_keeping_mode(scheduler)
+        from sglang.srt.managers.io_struct import PauseGenerationReqInput
+
+        mode = sp.mode
+        scheduler.pause_generation(PauseGenerationReqInput(mode="retract"))
+        sp.mode = mode
     if role == "decode":
         _abort_held_rebootstrap(scheduler, recv_req)
     keep_pause_verdict(scheduler, recv_req)
@@ -70,13 +66,11 @@ def abort_while_paused(original, scheduler, recv_req, *args, **kwargs):
 
 
 def keep_pause_verdict(scheduler, recv_req=None) -> None:
-    """Upstream ends a running request an abort reaches with a bare FINISH_ABORT()
-    ("Aborted"), whatever the abort asked for, and each repeat of the abort-mode
-    pause's abort_all sets it again. A running request the pause or a release ended
-    (its verdict, `room_ledger.REQUESTED_ABORT`, names it) ends with that message:
-    upstream's abort answer naming the pause, end cause "pause". A request in flight
-    the verdict marking did not see (decode's last batch: requests admitted as the
-    pause's abort landed) gets the verdict of `recv_req` when that is the pause's."""
+    """A running request the pause or a release ended (its verdict,
+    `room_ledger.REQUESTED_ABORT`, names it) ends with that message, not upstream's bare
+    FINISH_ABORT() that each repeat of the abort-mode pause's abort_all sets again. A
+    request in flight the verdict marking did not see (decode's last batch: admitted as
+    the pause's abort landed) gets the verdict of `recv_req` when that is the pause's."""
     from sglang.srt.disaggregation import request_end_cause
     from sglang.srt.disaggregation.room_ledger import REQUESTED_ABORT
     from sglang.srt.managers.schedule_batch import FINISH_ABORT
@@ -111,7 +105,7 @@ def pause_answer_kept(scheduler, abort_req, req, *args, **kwargs) -> None:
     pause or a release already ended keeps that message."""
     from sglang.srt.disaggregation.room_ledger import PAUSE_ABORT, REQUESTED_ABORT
 
-    if abort_req.finished_reason is not None or pd_pause.pd_role(scheduler) is None:
+    if abort_req.finished_reason is not None or pd_queues.role(scheduler) is None:
         return None
     verdict = getattr(req, REQUESTED_ABORT, None)
     message = verdict[0] if verdict is not None and verdict[1] is None else getattr(req, PAUSE_ABORT, None)
@@ -126,7 +120,7 @@ def paused_loop_tick(result, scheduler, *args, **kwargs):
     so rooms that conclude a moment later (drain acks) are answered during the
     pause too."""
     sp = pd_pause.scheduler_pause(scheduler)
-    if sp.released or pd_pause.pd_role(scheduler) is None:
+    if sp.released or pd_queues.role(scheduler) is None:
         return result
     if sp.pump_until and time.monotonic() < sp.pump_until:
         pd_pause.pump_pd_queues(scheduler)
@@ -138,7 +132,7 @@ def paused_loop_tick(result, scheduler, *args, **kwargs):
 def _holds_in_batch(scheduler, recv_req) -> bool:
     """The abort hits a request only the next forward pass would retire: decode's
     running batch, or prefill's last batch while its result is still unprocessed."""
-    if pd_pause.pd_role(scheduler) == "prefill":
+    if pd_queues.role(scheduler) == "prefill":
         batch = scheduler.last_batch
         if batch is None or not scheduler.enable_overlap or not scheduler.result_queue:
             return False
@@ -148,36 +142,6 @@ def _holds_in_batch(scheduler, recv_req) -> bool:
         if scheduler.last_batch is not None:
             reqs += list(scheduler.last_batch.reqs)
     return any(_matches(recv_req, r.rid) for r in reqs)
-
-
-def _retract_keeping_mode(scheduler) -> None:
-    from sglang.srt.managers.io_struct import PauseGenerationReqInput
-
-    sp = pd_pause.scheduler_pause(scheduler)
-    mode = sp.mode
-    scheduler.pause_generation(PauseGenerationReqInput(mode="retract"))
-    sp.mode = mode
-
-
-def _where(scheduler, recv_req) -> List[str]:
-    """Names of the places (queues, batch) that hold a request the abort matches."""
-    role = pd_pause.pd_role(scheduler)
-    places = {"waiting": list(scheduler.waiting_queue),
-              "running": list(scheduler.running_batch.reqs)}
-    if scheduler.last_batch is not None:
-        places["last_batch"] = list(scheduler.last_batch.reqs)
-    if role == "prefill":
-        places["bootstrap"] = list(scheduler.disagg_prefill_bootstrap_queue.queue)
-        places["inflight"] = list(scheduler.disagg_prefill_inflight_queue)
-        places["chunked"] = [scheduler.chunked_req] if scheduler.chunked_req else []
-    else:
-        prealloc = scheduler.disagg_decode_prealloc_queue
-        places["prealloc"] = [e.req for e in prealloc.queue]
-        places["transfer"] = [e.req for e in scheduler.disagg_decode_transfer_queue.queue]
-        places["retracted"] = list(prealloc.retracted_queue)
-        places["held_rebootstrap"] = list(prealloc.held_rebootstrap_reqs)
-    return [name for name, reqs in places.items()
-            if any(_matches(recv_req, r.rid) for r in reqs)]
 
 
 def _matches(recv_req, rid: str) -> bool:
@@ -204,14 +168,11 @@ def _abort_held_rebootstrap(scheduler, recv_req) -> None:
 
 # ----------------------------------------------------------------------------- why, to prefill
 
-# Decode -> prefill: upstream's ABORT names only the room, so prefill ended its copy of a
-# request decode's pause (or release) ended as a client abort. Decode appends
-# [room_ledger.WHY_FRAME, message] to the ABORT of such a room; prefill's ABORT handler
-# (room_ledger) strips the two frames before upstream's parser and records the message.
-# room -> (message, until), set by the scheduler before upstream's abort sends the ABORT
-# (one per prefill rank), read by whichever thread sends it (scheduler, the room
-# ledger's teller); bounded, and only for WHY_TTL_S (a room re-bootstrapped after a
-# retract pause and aborted later by its client must not carry the pause's message).
+# Decode appends [room_ledger.WHY_FRAME, message] to the ABORT of a room its pause or a
+# release ended (upstream's names only the room); prefill's ABORT handler strips them. room
+# -> (message, until): set by the scheduler, read by whichever thread sends the ABORT; bounded,
+# and only for WHY_TTL_S (a room re-bootstrapped after a retract pause and aborted later by
+# its client must not carry the pause's message).
 MAX_WHY_ROOMS = 4096
 WHY_TTL_S = 30.0
 _why: "OrderedDict[int, tuple]" = OrderedDict()

@@ -1,26 +1,29 @@
-"""Which pause/release/resume/continue call the engine accepts in which state.
+"""The tokenizer side of pause/release/resume/continue (the HTTP process's event loop).
 
-Invariant: the HTTP-facing process of a server keeps one `EnginePauseState`: the pause
-(None or its mode) and, per memory tag, whether it is released. Every sequence
-upstream answers 200 on an idle engine is accepted with upstream's effect: release
-with or without a pause, with or without tags; resume tag by tag (weights, then
-kv_cache). Once weights and kv_cache are resumed and no pause is active the engine
-serves with no continue_generation (release without a pause closes the tokenizer's
-pause gate; the resume that completes it opens the gate). A call upstream cannot
-survive (release without a pause while requests run: upstream's idle assertion kills
-the scheduler; resuming a tag that is not released: upstream's KeyError; continue
-while memory is released) is answered 409 naming the state and the call to make, and
-changes nothing. Who calls: AROUND hooks on TokenizerManager's pause_generation /
-continue_generation / release_memory_occupation / resume_memory_occupation
-(fork_plugin.HOOKS). What the scheduler does with requests in flight is `pd_pause`'s.
+Which call the engine accepts in which state: every sequence upstream answers 200 on an
+idle engine is accepted with upstream's effect; a call upstream cannot survive is answered
+409 naming the state and the call to make, and changes nothing (docs/pause-release-resume.md).
+The pause gate: a request aborted while it waits there leaves at once with upstream's abort
+answer (200, finish_reason "abort", a message naming the client or abort_all and the pause
+or the release). Also /health while held, the abort-mode pause's wait for its aborted
+requests. Who calls: hooks in fork_plugin.HOOKS, the tokenizer_manager patch (`gate_open`,
+`gate_aborted`, `gate_abort_answers`) and the http_server patches. The scheduler side is
+`pd_pause`.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from http import HTTPStatus
 from typing import Any, Callable, Dict, List, Optional
 
 from fastapi import HTTPException
+
+from sglang.srt.disaggregation import room_ledger
+from sglang.srt.managers import fork_touch
+
+logger = logging.getLogger(__name__)
 
 PAUSE_MODES = ("abort", "in_place", "retract")
 # upstream's GPU_MEMORY_ALL_TYPES (sglang.srt.constants), in its order
@@ -167,11 +170,6 @@ def _state_of(tokenizer_manager) -> EnginePauseState:
     return state
 
 
-def requests_in_flight(tokenizer_manager) -> int:
-    """Requests this server's tokenizer has not answered yet."""
-    return len(tokenizer_manager.rid_to_state)
-
-
 async def _set_gate(tokenizer_manager, closed: bool) -> None:
     async with tokenizer_manager.is_pause_cond:
         tokenizer_manager.is_pause = closed
@@ -195,7 +193,7 @@ def _guarded(op: str, mode_of: Callable[[Any], Optional[str]] = lambda obj: None
             if closing:
                 tokenizer_manager.is_pause = True
             try:
-                state.check(op, mode, tags, requests_in_flight(tokenizer_manager))
+                state.check(op, mode, tags, len(tokenizer_manager.rid_to_state))
             except PauseStateError:
                 if closing:
                     await _set_gate(tokenizer_manager, False)
@@ -229,19 +227,13 @@ def _guarded(op: str, mode_of: Callable[[Any], Optional[str]] = lambda obj: None
             # Everything resumed after a release without a pause: serve again. The
             # scheduler is told too (a no-op unless release had to retract).
             state.gate_closed_by_release = False
-            await _continue_scheduler(tokenizer_manager)
+            from sglang.srt.managers.io_struct import ContinueGenerationReqInput
+
+            await tokenizer_manager._async_dispatch_to_scheduler(ContinueGenerationReqInput(torch_empty_cache=False))
             await _set_gate(tokenizer_manager, False)
         return result
 
     return around
-
-
-async def _continue_scheduler(tokenizer_manager) -> None:
-    from sglang.srt.managers.io_struct import ContinueGenerationReqInput
-
-    await tokenizer_manager._async_dispatch_to_scheduler(
-        ContinueGenerationReqInput(torch_empty_cache=False)
-    )
 
 
 def tm_pause_abort_first(tokenizer_manager, rid: str = "", abort_all: bool = False, *args, **kwargs):
@@ -279,28 +271,17 @@ def pause_reason(tokenizer_manager) -> Optional[str]:
 
 
 def alive_while_held(tokenizer_manager) -> bool:
-    """/health and /health_generate during a pause or a release: the engine holds new
-    requests on purpose (an RL step: pause, weight update, continue), so the probe's
-    one-token generation would wait at the pause gate until upstream's 20 s health
-    timeout, then answer 503 and mark the server UnHealthy; the gateway (5 s probe
-    timeout) and RL supervisors would take a live engine for a dead one. While held,
-    the probe is answered 200 at once without a generation (a scheduler that dies is
-    upstream's SubprocessWatchdog's: it takes the server down); a probe that was
-    already waiting when the pause began is answered on its next check. Readiness
-    stays upstream's `/ready` (503 while the gate is closed). Called by the
-    http_server patch (the health route and its wait loop)."""
+    """/health and /health_generate answer 200 at once while the engine holds requests on
+    purpose (a pause or a release; docs/pause-release-resume.md, "Health during a pause or
+    a release"). Called by the http_server patch (the health route and its wait loop)."""
     return bool(tokenizer_manager.is_pause) or pause_reason(tokenizer_manager) is not None
 
 
-PAUSE_CALLS = ("/pause_generation",)
-
-
 def name_state_if_pause_call(route_path: str, message: str, global_state: Any) -> str:
-    """The 400 for an invalid pause_generation body (unknown mode, rejected by request
-    validation before any handler runs) names the engine state too, like the 409s;
-    nothing was changed. Called from upstream's validation error handler (a patch)."""
+    """The 400 for an invalid pause_generation body (rejected by request validation) names
+    the engine state too, like the 409s. Called from upstream's validation error handler (a patch)."""
     tokenizer_manager = getattr(global_state, "tokenizer_manager", None)
-    if route_path not in PAUSE_CALLS or tokenizer_manager is None:
+    if route_path != "/pause_generation" or tokenizer_manager is None:
         return message
     state = _state_of(tokenizer_manager)
     mode = f" (pause mode {state.mode})" if state.mode else ""
@@ -308,3 +289,127 @@ def name_state_if_pause_call(route_path: str, message: str, global_state: Any) -
         f"pause_generation rejected: engine state is {state.state!r}{mode}; expected "
         f"mode one of {list(PAUSE_MODES)}; nothing changed. {message}"
     )
+
+
+# The abort-mode pause returns as soon as its aborted requests are answered: upstream's
+# loop (abort_all, `model_update_lock.is_locked()`, sleep 1 s) finds the lock free on its
+# first check, as this hook waits up to DRAIN_WAIT_S on the lock's own condition (notified
+# when the last reader leaves). Upstream calls is_locked only from the abort-mode pause
+# loops of tokenizer_manager and multi_tokenizer_mixin. Where that time goes: bench/README.md.
+# 3 s, not under upstream's 1 s: a drain of 0.9-1.9 s would otherwise pay the full sleep on top.
+DRAIN_WAIT_S = 3.0
+
+
+def _lock_held(lock) -> bool:
+    """upstream's is_locked condition, read under the lock's own asyncio lock."""
+    return bool(fork_touch.upstream(lock, "_writer_active") or fork_touch.upstream(lock, "_readers") > 0)
+
+
+async def around_is_locked(original, lock, *args, **kwargs):
+    """AROUND sglang.srt.utils.aio_rwlock.RWLock.is_locked."""
+    if not await original(lock, *args, **kwargs):
+        return False
+    cond = fork_touch.upstream(lock, "_cond")
+    try:
+        async with cond:
+            await asyncio.wait_for(cond.wait_for(lambda: not _lock_held(lock)), DRAIN_WAIT_S)
+    except asyncio.TimeoutError:
+        pass
+    return await original(lock, *args, **kwargs)
+
+
+# ----------------------------------------------------------------------------- the pause gate
+
+_MARK = "_fork_gate_abort"  # on a ReqState: the abort's message
+_AT_GATE = "_fork_at_gate"  # on a ReqState: waiting at the pause gate now
+
+
+def tm_abort_request(result, tokenizer_manager, rid: str = "", abort_all: bool = False):
+    """AFTER TokenizerManager.abort_request: requests held at the pause gate are
+    answered now, not after continue_generation. Not for the abort_all an abort-mode
+    pause_generation repeats: as upstream, what waits at the gate is served after
+    continue (answering one server's copy of a PD request would leave the other's going)."""
+    if not tokenizer_manager.is_pause or (
+        abort_all and _state_of(tokenizer_manager).busy == "pause_generation"
+    ):
+        return result
+    where = ("while the engine memory was released" if pause_reason(tokenizer_manager) == "release"
+             else "while the engine was paused")
+    why = f"Aborted by {'abort_all' if abort_all else 'the client'} {where} (rid={{rid}})."
+    hit = False
+    for state_rid, state in list(tokenizer_manager.rid_to_state.items()):
+        if (abort_all or state_rid == rid) and getattr(state, _MARK, None) is None:
+            setattr(state, _MARK, why.format(rid=state_rid))
+            hit = True
+    logger.info("pd_pause: abort while paused (rid=%r, all=%s): %s", rid, abort_all,
+                "waking the pause gate" if hit else "no request state")
+    if hit:
+        asyncio.get_running_loop().create_task(_wake_gate(tokenizer_manager))
+    return result
+
+
+async def _wake_gate(tokenizer_manager) -> None:
+    async with tokenizer_manager.is_pause_cond:
+        tokenizer_manager.is_pause_cond.notify_all()
+
+
+def gate_open(tokenizer_manager, request_states: Dict[str, Any]) -> bool:
+    """The pause gate of generate_request: open when not paused, or for an aborted
+    request. Each evaluation notes whether the request waits at the gate."""
+    is_open = not tokenizer_manager.is_pause or gate_aborted(request_states)
+    for state in request_states.values():
+        state.__dict__[_AT_GATE] = not is_open
+    return is_open
+
+
+async def tm_internal_state(original, tokenizer_manager, *args, **kwargs):
+    """AROUND TokenizerControlMixin.get_internal_state: each scheduler's resource
+    report also says how many requests wait at this tokenizer's pause gate."""
+    states = await original(tokenizer_manager, *args, **kwargs)
+    held = sum(1 for state in list(tokenizer_manager.rid_to_state.values()) if state.__dict__.get(_AT_GATE))
+    for state in states:
+        report = state.get("fork_pd_resources") if isinstance(state, dict) else None
+        if isinstance(report, dict):
+            report["pause_gate_held"] = held
+    return states
+
+
+def gate_aborted(request_states: Dict[str, Any]) -> bool:
+    return any(getattr(s, _MARK, None) is not None for s in request_states.values())
+
+
+def abort_output(rid: str, message: str) -> Dict[str, Any]:
+    """Upstream's answer to an aborted request that produced nothing."""
+    return {
+        "text": "",
+        "output_ids": [],
+        "meta_info": {
+            "id": rid,
+            "finish_reason": {"type": "abort", "message": message, "status_code": None},
+            "prompt_tokens": 0,
+            "completion_tokens": 0,
+            "cached_tokens": 0,
+            "e2e_latency": 0.0,
+        },
+    }
+
+
+def gate_abort_answers(tokenizer_manager, obj: Any, request_states: Dict[str, Any]) -> List[Any]:
+    """What generate_request yields for a request aborted at the gate (its states are
+    dropped: nothing was sent to the scheduler). A batch ends whole: sub-requests not
+    aborted by name are answered with the same abort."""
+    first = next(getattr(s, _MARK) for s in request_states.values()
+                 if getattr(s, _MARK, None) is not None)
+    outs = []
+    for index, (rid, state) in enumerate(request_states.items()):
+        if tokenizer_manager.rid_to_state.get(rid) is state:
+            del tokenizer_manager.rid_to_state[rid]
+        out = abort_output(rid, getattr(state, _MARK, None) or first)
+        if not obj.is_single:
+            out["index"] = index
+        outs.append(out)
+    # Decode's copy ends here; its prefill copy must not wait for a handshake.
+    room_ledger.ended_at_gate(tokenizer_manager.disaggregation_mode, obj, first)
+    if obj.is_single or getattr(obj, "stream", False):
+        return outs
+    return [outs]

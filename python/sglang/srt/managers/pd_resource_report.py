@@ -1,9 +1,6 @@
-"""What a scheduler holds right now, as `fork_pd_resources` in its internal state.
-
-AFTER `SchedulerInternalStateController.get_internal_state` (scheduler thread; GET
-/get_server_info -> internal_states[i]): KV tokens, slots, PD queues, the kv manager's
-per-room and per-peer tables, hooks and swaps applied. Read-only; tests compare it with
-an idle baseline.
+"""What a scheduler holds right now, as `fork_pd_resources` in its internal state
+(GET /get_server_info -> internal_states[i]; read-only, scheduler thread): KV tokens,
+slots, PD queues, the kv manager's per-room and per-peer tables, hooks and swaps applied.
 """
 
 from __future__ import annotations
