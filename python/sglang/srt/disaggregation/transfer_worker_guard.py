@@ -1,9 +1,8 @@
 """A prefill transfer worker that dies does not strand its rooms.
 
-When a mooncake transfer worker thread raises, the room it was sending ends through
-the ledger (500 naming the exception, decode told), its in-flight count is dropped and
-the worker loop starts again on the same queue. Installed (a class patch, SWAPS) by a
-BEFORE hook on `PrefillBootstrapQueue._init_kv_manager`, in the scheduler process.
+When a mooncake transfer worker raises, its rooms in flight end through the ledger (500,
+decode told) and the loop starts again on the same queue. A class patch (SWAPS) installed
+BEFORE `PrefillBootstrapQueue._init_kv_manager`.
 """
 
 from __future__ import annotations
