@@ -316,13 +316,10 @@ def on_sender_clear(result: Any, sender: Any, *args: Any, **kwargs: Any) -> None
 def around_update_status(original, mgr, bootstrap_room, status, *args, **kwargs):
     """AROUND CommonKVManager.update_status: decode's handshake for a room prefill ended is
     answered Failed with the recorded reason (a cleared room is not re-created)."""
-    ledger = ledger_of(mgr)
-    if status != KVPoll.WaitingForInput or ledger is None or not ledger.ended:
-        return original(mgr, bootstrap_room, status, *args, **kwargs)
-    current = mgr.request_status.get(bootstrap_room)
-    if current is not None and current != KVPoll.Failed:
-        return original(mgr, bootstrap_room, status, *args, **kwargs)
-    reason = ledger.late_answer(bootstrap_room, pop=current is None)
+    ledger, current = ledger_of(mgr), mgr.request_status.get(bootstrap_room)
+    reason = None
+    if status == KVPoll.WaitingForInput and ledger is not None and ledger.ended and current in (None, KVPoll.Failed):
+        reason = ledger.late_answer(bootstrap_room, pop=current is None)
     if reason is None:
         return original(mgr, bootstrap_room, status, *args, **kwargs)
     targets = mgr._room_notify_targets(bootstrap_room)
@@ -332,9 +329,8 @@ def around_update_status(original, mgr, bootstrap_room, status, *args, **kwargs)
         mgr.req_to_decode_prefix_len.pop(bootstrap_room, None)
     else:
         result = original(mgr, bootstrap_room, status, *args, **kwargs)
-    mgr.send_kv_status_message(
-        targets=targets, bootstrap_room=bootstrap_room, status=KVPoll.Failed, failure_reason=reason
-    )
+    mgr.send_kv_status_message(targets=targets, bootstrap_room=bootstrap_room, status=KVPoll.Failed,
+                               failure_reason=reason)
     return result
 
 
