@@ -26,8 +26,7 @@ _ABORT = room_ledger.REQUESTED_ABORT  # per request: (message, status) the abort
 
 
 def requested_verdict(recv_req: Any) -> Tuple[str, Optional[int], str]:
-    """(message, status, cause) an AbortReq asks for: a client abort has no status; an SLA
-    abort (`abort_message`) is a 503 timeout; a finish reason the sender attached is kept."""
+    """(message, status, cause) an AbortReq asks for (client abort: no status; SLA abort: 503)."""
     if recv_req.abort_message:
         return recv_req.abort_message, HTTPStatus.SERVICE_UNAVAILABLE, end_cause.TIMEOUT
     reason = recv_req.finished_reason or {}
@@ -57,8 +56,7 @@ def _retire_prefill_room(scheduler, req, stage: str) -> None:
 
 
 def before_abort_request(scheduler, recv_req, *args, **kwargs) -> None:
-    """BEFORE Scheduler.abort_request: mark each PD request the abort reaches with its verdict;
-    prefill tells decode at once of each room not yet transferred (remembered for a late handshake)."""
+    """BEFORE Scheduler.abort_request: mark the PD requests it reaches; prefill tells decode at once."""
     role = pd_queues.role(scheduler)
     if role is None:
         return
@@ -82,8 +80,7 @@ def before_abort_request(scheduler, recv_req, *args, **kwargs) -> None:
 
 
 def counts_as_failure(scheduler, req, role: str, stage: Optional[str] = None, kv_mgr=None) -> bool:
-    """Patched failure paths: count `req`'s end under its cause (once); whether upstream's
-    failure counter counts it too (not an abort)."""
+    """Patched failure paths: count `req`'s end once; whether upstream counts a failure too."""
     if stage is None:
         stage = pd_queues.prefill_stage(scheduler, req) if role == "prefill" else DECODE_TRANSFER
     if kv_mgr is None and role == "prefill":
@@ -95,8 +92,7 @@ def counts_as_failure(scheduler, req, role: str, stage: Optional[str] = None, kv
 
 
 def finish_transferred(scheduler, req) -> bool:
-    """Prefill inflight, Success polled: True if `req` ends as an abort (a pending one wins
-    over the transfer; its finish reason is set), False for a completion."""
+    """Prefill inflight, Success polled: whether `req` ends as an abort (a pending one wins)."""
     from sglang.srt.disaggregation.utils import is_aborted, prepare_abort
     from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
@@ -130,15 +126,13 @@ def after_retire_aborted(result, scheduler, req, *args, **kwargs):
 
 
 def after_release_aborted_waiting(result, scheduler, req, *args, **kwargs):
-    """AFTER SchedulerDisaggregationPrefillMixin.release_aborted_prefill_waiting_req:
-    upstream aborts the sender but never clears its room."""
+    """AFTER release_aborted_prefill_waiting_req: upstream never clears the room."""
     _retire_prefill_room(scheduler, req, PREFILL_WAITING)
     return result
 
 
 def around_pending_chunked_abort(original, scheduler, *args, **kwargs):
-    """AROUND Scheduler.process_pending_chunked_abort: upstream retires an aborted chunked
-    prefill request but never clears its room; clear it here."""
+    """AROUND Scheduler.process_pending_chunked_abort: clear the retired request's room."""
     req = upstream(scheduler, "_pending_chunked_abort_req")
     retiring = req is not None and scheduler.chunked_req is req
     result = original(scheduler, *args, **kwargs)

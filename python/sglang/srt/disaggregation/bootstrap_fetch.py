@@ -121,8 +121,7 @@ def _fetch_routes(receiver_cls: type, addr: str, dp: int, info: Any) -> Dict[Key
 
 
 def around_ensure_prefill_info(original, queue, addr_to_reqs, *args, **kwargs):
-    """AROUND DecodePreallocQueue._ensure_prefill_info: upstream sees only prefills whose info
-    is known or fetched; for the others a fetch starts (at upstream's pace), requests wait."""
+    """AROUND DecodePreallocQueue._ensure_prefill_info: fetch unknown prefills' info on the pool."""
     mgr = queue.kv_manager
     fetch = fetch_of(mgr, create=True)
     if fetch is None:
@@ -169,8 +168,7 @@ def _name_unreachable(queue: Any, mgr: Any, fetch: BootstrapFetch, table: Any, a
 
 
 def around_try_ensure_parallel_info(original, mgr, bootstrap_addr, *args, **kwargs):
-    """AROUND CommonKVManager.try_ensure_parallel_info: on the scheduler thread, a completed
-    fetch's outcome (its error raised); the pool's own call goes through."""
+    """AROUND CommonKVManager.try_ensure_parallel_info: the scheduler takes a fetched outcome."""
     fetch = fetch_of(mgr)
     outcome = None if fetch is None or getattr(_local, "fetching", False) else fetch.take(("info", bootstrap_addr))
     if outcome is None:
@@ -182,8 +180,7 @@ def around_try_ensure_parallel_info(original, mgr, bootstrap_addr, *args, **kwar
 
 
 def around_init_receiver(original, queue, decode_req, prefill_dp_rank, *args, **kwargs):
-    """AROUND DecodePreallocQueue._init_receiver: a receiver whose rank endpoints upstream
-    lacks waits (pending) until they are fetched here; then upstream's init is served them."""
+    """AROUND DecodePreallocQueue._init_receiver: wait (pending) for rank endpoints fetched here."""
     mgr = queue.kv_manager
     fetch = fetch_of(mgr, create=True)
     receiver = decode_req.kv_receiver
@@ -215,8 +212,7 @@ def around_init_receiver(original, queue, decode_req, prefill_dp_rank, *args, **
 
 def around_get_bootstrap_info_from_server(original, receiver, prefill_dp_rank, prefill_cp_rank,
                                           target_tp_rank, target_pp_rank, *args, **kwargs):
-    """AROUND CommonKVReceiver._get_bootstrap_info_from_server: inside `around_init_receiver`,
-    the endpoint fetched on the pool (a copy: init adds keys)."""
+    """AROUND CommonKVReceiver._get_bootstrap_info_from_server: the endpoint fetched on the pool."""
     routes = getattr(_local, "routes", None)
     key = (receiver.bootstrap_addr, prefill_dp_rank, prefill_cp_rank, target_tp_rank, target_pp_rank)
     if routes is not None and key in routes:

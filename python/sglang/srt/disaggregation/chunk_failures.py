@@ -60,8 +60,7 @@ class _Fault:
 
 
 class FaultPlan:
-    """`SGLANG_TEST_DISAGG_FAIL_CHUNKS` (docs/chunk-failures.md): a matching room's first write
-    of a kind reports -1 once."""
+    """`SGLANG_TEST_DISAGG_FAIL_CHUNKS`: a matching room's first write of a kind reports -1 once."""
 
     def __init__(self, faults: List[_Fault]):
         self.faults = faults
@@ -195,8 +194,7 @@ def probe_timeout() -> float:
 
 
 class SessionProbe:
-    """The manager's `_send_probe`: `probe_session` on its own thread, waited for at most
-    `timeout` s (then -1); one per session at a time."""
+    """The manager's `_send_probe`: `probe_session` on its own thread, waited for at most `timeout` s."""
 
     def __init__(self, mgr: Any, send_probe: Any, timeout: float):
         self.mgr = mgr
@@ -232,8 +230,7 @@ class SessionProbe:
 
 
 class SessionBlacklist(set):
-    """Upstream's `failed_sessions`, where `add()` (transfer worker, under session_lock)
-    only nominates: a probe thread puts the session in only if the peer does not answer."""
+    """Upstream's `failed_sessions`: `add()` nominates; a probe thread puts a dead session in."""
 
     def __init__(self, mgr: Any):
         super().__init__()
@@ -267,8 +264,7 @@ class SessionBlacklist(set):
 
 
 def on_prefill_manager_init(mgr: Any, queue: Any, *args: Any, **kwargs: Any) -> None:
-    """AFTER `PrefillBootstrapQueue._init_kv_manager`: the fault switch; on mooncake, the
-    probing blacklist and the bounded probe (SWAPS)."""
+    """AFTER PrefillBootstrapQueue._init_kv_manager: the fault switch, the probing blacklist."""
     mgr.fork_chunk_faults = FaultPlan.parse(envs.SGLANG_TEST_DISAGG_FAIL_CHUNKS.get() or "")
 
     def probing(failed_sessions):

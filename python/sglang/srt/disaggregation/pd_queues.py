@@ -61,8 +61,7 @@ def _reqs_of(scheduler: Any, stage: str) -> List[Any]:
 
 
 def walk(scheduler: Any) -> Iterator[Tuple[str, Any]]:
-    """(stage, req) for every request this scheduler holds in a PD stage, queues first,
-    then what runs (a request may appear twice: the running batch and the last batch)."""
+    """(stage, req) for every request in a PD stage, queues first (a request may appear twice)."""
     r = role(scheduler)
     if r == PREFILL:
         for stage in (PREFILL_BOOTSTRAP, PREFILL_WAITING):

@@ -44,8 +44,7 @@ _MONITOR = room_ledger.PEER_MONITOR_ATTR
 
 
 def probe(host: str, port: int, timeout: float = CONNECT_TIMEOUT) -> str:
-    """ALIVE if something accepts a TCP connection at host:port, REFUSED if the host
-    answers that nothing listens there, SILENT if it does not answer in time."""
+    """ALIVE (a TCP connect succeeds), REFUSED (nothing listens) or SILENT (no answer in time)."""
     try:
         with socket.create_connection((host, port), timeout=timeout):
             return ALIVE
@@ -422,8 +421,7 @@ def on_decode_manager_init(mgr: Any, queue: Any, *args: Any, **kwargs: Any) -> N
 
 
 def around_handle_node_failure(original, mgr, failed_bootstrap_addr, *args, **kwargs):
-    """AROUND CommonKVManager._handle_node_failure (decode; heartbeat or monitor thread):
-    the lost prefill's rooms end through the ledger, then its drains are settled."""
+    """AROUND CommonKVManager._handle_node_failure (decode): end the rooms, settle the drains."""
     monitor = monitor_of(mgr)
     peer = failed_bootstrap_addr
     reason = loss_message("prefill", peer, "its bootstrap server does not answer")
@@ -462,8 +460,7 @@ def after_try_ensure_parallel_info(result, mgr, bootstrap_addr, *args, **kwargs)
 
 
 def around_conclude_transfer(original, mgr, *args, bootstrap_room=None, status=None, failure_reason=None, **kwargs):
-    """AROUND CommonKVManager.conclude_transfer (prefill, transfer workers): notes a poisoned
-    room's decode session; names the peer in a dead session's failure."""
+    """AROUND CommonKVManager.conclude_transfer (prefill): poison marks, a dead peer named."""
     if status == KVPoll.Failed:
         infos = mgr.transfer_infos.get(bootstrap_room) or {}
         monitor = monitor_of(mgr)
@@ -495,8 +492,7 @@ def around_conclude_transfer(original, mgr, *args, bootstrap_room=None, status=N
 
 
 def around_send_multipart_locked(original, mgr, endpoint, parts, *args, **kwargs):
-    """AROUND CommonKVManager._send_multipart_locked (prefill, any thread): a push to a lost
-    decode is dropped (it would block 30 s, maybe holding `session_lock`)."""
+    """AROUND CommonKVManager._send_multipart_locked: a push to a lost decode is dropped."""
     monitor = monitor_of(mgr)
     if monitor is not None and monitor.role == "prefill" and monitor.endpoint_gone(endpoint):
         logger.debug("Not sending to %s: that decode peer was lost", endpoint)

@@ -114,8 +114,7 @@ def _is_decode(scheduler: Any) -> bool:
 
 
 def after_process_batch_result(result: Any, scheduler: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
-    """AFTER Scheduler.process_batch_result (decode): count the batch's aborted requests
-    (tagged, or a client abort)."""
+    """AFTER Scheduler.process_batch_result (decode): count the batch's aborted requests."""
     if batch is None or not _is_decode(scheduler):
         return result
     from sglang.srt.managers.schedule_batch import FINISH_ABORT
@@ -128,7 +127,6 @@ def after_process_batch_result(result: Any, scheduler: Any, batch: Any, *args: A
 
 
 def before_send_abort_output(scheduler: Any, abort_req: Any, req: Any, *args: Any, **kwargs: Any) -> None:
-    """BEFORE Scheduler.send_abort_output (decode): count a tagged request an abort answers
-    from the waiting queue or the re-bootstrap hold (a rejected one carries no tag)."""
+    """BEFORE Scheduler.send_abort_output (decode): count a tagged request it answers."""
     if _is_decode(scheduler) and getattr(req, _REQ_CAUSE, None) is not None:
         record_end(scheduler, req, "decode", DECODE_RUNNING)

@@ -77,8 +77,7 @@ class RoomLedger:
         fail: bool = True, tell: bool = True, targets: Optional[list] = None,
         receiver: Any = None, remember: bool = False, cancel: bool = False,
     ) -> None:
-        """End `room` because of `cause` (None: the request carries its own) with `reason`
-        (the flags: docs/layout.md, "How a room ends")."""
+        """End `room` for `cause` (None: the request's own) with `reason` (docs/layout.md)."""
         mgr = self.mgr
         if room is None:
             return
@@ -229,8 +228,7 @@ def report(mgr: Any) -> Optional[int]:
 
 
 def on_manager_init(mgr: Any, queue_: Any, *args: Any, **kwargs: Any) -> None:
-    """AFTER each PD queue's `_init_kv_manager` (result: the manager): creates the ledger;
-    on prefill, wraps the bootstrap thread's ABORT handler (SWAPS)."""
+    """AFTER each PD queue's `_init_kv_manager`: the ledger; prefill: its ABORT handler (SWAPS)."""
     from sglang.srt.disaggregation.utils import DisaggregationMode
 
     if mgr is None or ATTR in getattr(mgr, "__dict__", {}):
@@ -245,8 +243,7 @@ def on_manager_init(mgr: Any, queue_: Any, *args: Any, **kwargs: Any) -> None:
 
 
 def _handle_abort(ledger: RoomLedger, original: Any, msg: List[bytes]) -> bool:
-    """Decode's ABORT (bootstrap thread), before upstream's handler: a room not created yet
-    is kept as a cancellation; a live one records why (an abort on decode, not a failure)."""
+    """Decode's ABORT (bootstrap thread), before upstream's: cancels a room not created yet, else records why."""
     from sglang.srt.disaggregation.common.conn import ABORT_TAG, AbortNotification
 
     mgr = ledger.mgr
@@ -314,8 +311,7 @@ def on_sender_clear(result: Any, sender: Any, *args: Any, **kwargs: Any) -> None
 
 
 def around_update_status(original, mgr, bootstrap_room, status, *args, **kwargs):
-    """AROUND CommonKVManager.update_status: decode's handshake for a room prefill ended is
-    answered Failed with the recorded reason (a cleared room is not re-created)."""
+    """AROUND CommonKVManager.update_status: a late handshake for an ended room is answered Failed."""
     ledger, current = ledger_of(mgr), mgr.request_status.get(bootstrap_room)
     reason = None
     if status == KVPoll.WaitingForInput and ledger is not None and ledger.ended and current in (None, KVPoll.Failed):
@@ -335,8 +331,7 @@ def around_update_status(original, mgr, bootstrap_room, status, *args, **kwargs)
 
 
 def around_record_failure(original, mgr, bootstrap_room, failure_reason, *args, **kwargs):
-    """AROUND CommonKVManager.record_failure: not recorded for a room decode cleared, nor
-    over a peer-loss reason; on decode, prefill's word that it lost us tags a peer failure."""
+    """AROUND CommonKVManager.record_failure: none for a cleared room (decode) or over a peer loss; tags our loss."""
     from sglang.srt.disaggregation.utils import DisaggregationMode
 
     if getattr(mgr, "disaggregation_mode", None) == DisaggregationMode.DECODE:
@@ -431,22 +426,19 @@ def prepare_abort_verdict(original, req, error_message, status_code=None, *args,
 
 
 def tell_prefill(host: Optional[str], port: Optional[int], room: Optional[int], why: str) -> None:
-    """Decode ended `room` before prefill could hear of it: the teller thread sends upstream's
-    ABORT to each prefill rank (prefill fails its copy now, or at creation). Returns at once."""
+    """Decode ended `room` before prefill heard of it: the teller thread sends prefill ABORT."""
     if host is not None and port is not None and room is not None:
         _teller().submit(f"{host}:{port}", int(room), why)
 
 
 def tell_own_bootstrap(host: Optional[str], port: Optional[int], room: Optional[int], rid: Any, why: str) -> None:
-    """Prefill ended `room` before its scheduler created it: the teller thread tells prefill's
-    own bootstrap thread, which answers decode's handshake Failed (`_ended_on_prefill`)."""
+    """Prefill ended `room` before its scheduler: the teller tells its own bootstrap thread."""
     if host is not None and port is not None and room is not None:
         _teller().submit(f"{host}:{port}", int(room), why, reason=peer_reason(rid, room, "prefill", why))
 
 
 def ended_at_gate(role: Any, obj: Any, why: str) -> None:
-    """A request one side's tokenizer ended before its scheduler saw it (pause gate): the
-    other side's copy is told (decode: `tell_prefill`; prefill: `tell_own_bootstrap`)."""
+    """A request one side's tokenizer ended (pause gate): the other side's copy is told."""
     role = str(getattr(role, "value", role))
     if role not in ("decode", "prefill"):
         return
@@ -468,16 +460,14 @@ ENDED_ON_PREFILL = b"~fork-ended-on-prefill"
 
 
 def peer_reason(rid: Any, room: int, side: str, why: Optional[str] = None) -> str:
-    """What the peer is told of a request `side` ended; `why` only for a pause or release
-    end or a scheduler's rejection (the peer's verdict answers it)."""
+    """What the peer is told of a request `side` ended (`why` only for a pause or rejection)."""
     told_why = why and (any(m in str(why) for m in PAUSE_MARKERS) or str(why).startswith(REJECTED))
     said = f"{PEER_WHY}{why}" if told_why else " was aborted."
     return f"{ABORT_TAG} on {side}: request {rid} (bootstrap_room={room}){said}"
 
 
 def _ended_on_prefill(ledger: "RoomLedger", room: int, reason: str) -> None:
-    """Bootstrap thread (it stores decode's handshakes: none races this): a handshake here
-    is answered Failed now, one still to come when it lands (`around_update_status`)."""
+    """Bootstrap thread: answer decode's handshake for a room prefill ended, now or when it lands."""
     mgr = ledger.mgr
     with ledger.lock:
         if room in ledger.owned:  # a live sender owns the number: not this request's room
@@ -492,8 +482,7 @@ def _ended_on_prefill(ledger: "RoomLedger", room: int, reason: str) -> None:
 
 
 def after_send_abort_output(result: Any, scheduler: Any, abort_req: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
-    """AFTER `Scheduler.send_abort_output`: a request one side's scheduler rejected before
-    its first PD queue ends the other side's copy at once, as at the gate (`ended_at_gate`)."""
+    """AFTER Scheduler.send_abort_output: a scheduler's rejection ends the other side's copy."""
     from sglang.srt.disaggregation.utils import DisaggregationMode, TransferBackend
 
     mode = scheduler.disaggregation_mode
@@ -591,8 +580,7 @@ def _teller() -> _Teller:
 
 
 def _rank_endpoints(addr: str) -> List[dict]:
-    """Every prefill rank's {rank_ip, rank_port} from its bootstrap server (upstream's
-    /route: first the parallel layout, then each rank)."""
+    """Every prefill rank's {rank_ip, rank_port} from its bootstrap server's /route."""
     import requests
 
     def route(dp: int, cp: int, tp: int, pp: int) -> dict:

@@ -18,8 +18,7 @@ logger = logging.getLogger(__name__)
 
 
 def rooms_in_flight(kv_mgr, queue) -> list:
-    """Rooms with a chunk dequeued but not finished by the worker of `queue` (sharded as
-    MooncakeKVManager.add_transfer_request routes a room's chunks)."""
+    """Rooms with a chunk in flight on `queue`'s worker (sharded as add_transfer_request does)."""
     queues = kv_mgr.transfer_queues
     shard = next(i for i, q in enumerate(queues) if q is queue)
 
@@ -31,8 +30,7 @@ def rooms_in_flight(kv_mgr, queue) -> list:
 
 
 def around_transfer_worker(original, kv_mgr, queue, *args, **kwargs):
-    """Upstream's worker loop, run again on the same queue after it raised (it consumed
-    the failing chunk: no spin); the rooms it had in flight end through the ledger."""
+    """Upstream's worker loop, run again after it raised; its rooms end through the ledger."""
     while True:
         try:
             return original(kv_mgr, queue, *args, **kwargs)
