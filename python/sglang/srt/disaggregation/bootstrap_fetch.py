@@ -1,9 +1,7 @@
 """Decode's scheduler never waits on a prefill's bootstrap server.
 
-Decode's HTTP fetches of a prefill's parallel info and rank endpoints run on this module's
-pool (`ForkBootstrapFetch_<n>`), one per prefill (info) and prefill dp rank (endpoints);
-the request waits in `pending_reqs` meanwhile. AROUND hooks on the scheduler thread start
-fetches and take outcomes; `BootstrapFetch.lock` (a leaf) guards its two tables.
+Decode's fetches of a prefill's parallel info and rank endpoints run on a pool (`ForkBootstrapFetch_<n>`)
+while the request waits in `pending_reqs`; scheduler-thread AROUND hooks start fetches and take outcomes.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """A prefill request routed to a decode that is gone ends within seconds, as peer loss.
 
-While a decode is lost and not replaced on its host (peer_liveness' `lost`), a request that
-waited in prefill's bootstrap queue longer than `SGLANG_FORK_LOST_DECODE_HANDSHAKE_TIMEOUT`
-(engine clock) for its decode's handshake ends through the ledger (502 naming the decode),
-not after upstream's 300 s: sglang-router still routes to a dead decode (docs/gateway.md).
-Scheduler thread: BEFORE PrefillBootstrapQueue.pop_bootstrapped.
+While a decode is lost and not replaced, a request waiting for its handshake longer than
+`SGLANG_FORK_LOST_DECODE_HANDSHAKE_TIMEOUT` ends through the ledger (502), not after upstream's
+300 s (docs/gateway.md). Scheduler thread: BEFORE PrefillBootstrapQueue.pop_bootstrapped.
 """
 
 from __future__ import annotations

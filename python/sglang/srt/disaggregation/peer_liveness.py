@@ -1,10 +1,8 @@
 """A crashed PD peer is noticed at once, its requests end (502), and its restart is served.
 
-One `PeerMonitor` thread per kv manager (mooncake) probes each peer it has state for once
-per heartbeat; a lost peer's rooms end through `room_ledger.end_room` (cause
-`peer_failure`), a gone incarnation's state is dropped, and a decode that may be alive
-(frozen, stalled) is held out until it answers again. What and why:
-docs/peer-liveness.md; threads and locks: docs/layout.md.
+One `PeerMonitor` thread per kv manager (mooncake) probes each peer once per heartbeat; a lost
+peer's rooms end through the ledger, a decode that may be alive is held out until it answers.
+What and why: docs/peer-liveness.md; threads and locks: docs/layout.md.
 """
 
 from __future__ import annotations

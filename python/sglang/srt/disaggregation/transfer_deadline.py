@@ -1,9 +1,7 @@
 """Transfer deadlines: no PD request stays in one transfer stage longer than the deadline.
 
-BEFORE hooks on each PD queue's poll (scheduler thread) end, through the room ledger, every
-request in that stage longer than `transfer_deadline_knob.configured()` on `engine_clock`
-(504, the peer told); only rank 0 decides, the poll's all-reduce spreads it. What and why:
-docs/transfer-deadline.md.
+BEFORE each PD queue's poll (scheduler thread, rank 0 decides), an overdue request ends through
+the ledger (504, the peer told). What and why: docs/transfer-deadline.md.
 """
 
 from __future__ import annotations
