@@ -1,10 +1,7 @@
 """Decode's scheduler never waits on a prefill's bootstrap server.
 
-Decode's HTTP fetches of a prefill's parallel info and rank endpoints run on this
-module's pool (`ForkBootstrapFetch_<n>`), one at a time per prefill (info) and per prefill
-dp rank (endpoints); meanwhile the request waits in `pending_reqs` (deadline-bounded) and
-the next scheduler pass hands upstream the outcome. AROUND hooks on the scheduler thread
-start fetches and take outcomes; `BootstrapFetch.lock` (a leaf) guards its two tables.
+Decode's fetches of a prefill's parallel info and rank endpoints run on a pool (`ForkBootstrapFetch_<n>`)
+while the request waits in `pending_reqs`; scheduler-thread AROUND hooks start fetches and take outcomes.
 """
 
 from __future__ import annotations
@@ -12,6 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import types
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
@@ -22,8 +20,7 @@ logger = logging.getLogger(__name__)
 
 ATTR = "fork_bootstrap_fetch"  # the one attribute on a decode kv manager
 WORKERS = 4  # fetches in flight at once (one per prefill, or per prefill dp rank)
-# An outcome nobody collected by then (its requests ended meanwhile) is dropped: a new
-# request to that prefill starts a fresh fetch instead of inheriting an old failure.
+# An outcome nobody collected by then is dropped: a new request starts a fresh fetch.
 STALE_S = 10.0
 
 Key = Tuple[Any, ...]  # ("info", addr) or ("routes", addr, prefill_dp_rank)
@@ -40,8 +37,7 @@ _local = threading.local()  # .routes: the endpoints served during one _init_rec
 
 
 class BootstrapFetch:
-    """Per decode kv manager: fetches running (`running`) and their uncollected
-    outcomes (`outcomes`), and totals for the resource report."""
+    """Per decode kv manager: fetches running, their uncollected outcomes, and totals."""
 
     def __init__(self, mgr: Any):
         self.mgr = mgr
@@ -61,8 +57,7 @@ class BootstrapFetch:
         self.pool.submit(self._run, key, job, info)
         return True
 
-    def _run(self, key: Key, job: Callable[[], Any], info: Any) -> None:
-        """Pool thread: the fetch, then its outcome for the scheduler."""
+    def _run(self, key: Key, job: Callable[[], Any], info: Any) -> None:  # pool thread
         _local.fetching = True
         try:
             value, error = job(), None
@@ -78,20 +73,14 @@ class BootstrapFetch:
             if error is not None or not value:
                 self.totals[f"{key[0]}_failed"] += 1
 
-    def ready(self, key: Key) -> bool:
-        """An outcome for `key` waits to be taken (a stale one is dropped)."""
+    def peek(self, key: Key) -> Optional[Outcome]:
+        """The outcome waiting for `key`, not taken (a stale one is dropped)."""
         with self.lock:
             outcome = self.outcomes.get(key)
             if outcome is not None and time.monotonic() - outcome.done_at > STALE_S:
                 del self.outcomes[key]
-                return False
-            return outcome is not None
-
-    def failed(self, key: Key) -> bool:
-        """The outcome waiting for `key` is a failed fetch (peeked, not taken)."""
-        with self.lock:
-            outcome = self.outcomes.get(key)
-            return outcome is not None and (outcome.error is not None or not outcome.value)
+                return None
+            return outcome
 
     def take(self, key: Key) -> Optional[Outcome]:
         with self.lock:
@@ -103,8 +92,7 @@ class BootstrapFetch:
 
 
 def fetch_of(mgr: Any, create: bool = False) -> Optional[BootstrapFetch]:
-    """The manager's BootstrapFetch (made on the scheduler thread by the first hook that
-    needs it); None for a manager that fetches nothing from prefills (not decode)."""
+    """The manager's BootstrapFetch (made by the first hook that needs it); None but on decode."""
     fetch = getattr(mgr, "__dict__", {}).get(ATTR)
     if fetch is None and create and "prefill_info_table" in getattr(mgr, "__dict__", {}):
         fetch = mgr.__dict__.setdefault(ATTR, BootstrapFetch(mgr))
@@ -116,19 +104,11 @@ def report(mgr: Any) -> Optional[Dict[str, int]]:
     return None if fetch is None else fetch.report()
 
 
-class _Peer:
-    """What upstream's `_get_bootstrap_info_from_server` reads of its receiver (only the
-    address): the endpoints are fetched before any receiver of the room is initialised."""
-
-    def __init__(self, bootstrap_addr: str):
-        self.bootstrap_addr = bootstrap_addr
-
-
 def _fetch_routes(receiver_cls: type, addr: str, dp: int, info: Any) -> Dict[Key, Optional[dict]]:
-    """Every rank endpoint `receiver.init` will ask for, in upstream's order, stopping at
-    the first that fails (as init does)."""
+    """Every rank endpoint `receiver.init` will ask for, in upstream's order, up to the first
+    that fails (as init does). Upstream's getter reads only the receiver's address."""
     get = receiver_cls._get_bootstrap_info_from_server
-    peer, routes = _Peer(addr), {}
+    peer, routes = types.SimpleNamespace(bootstrap_addr=addr), {}
     for cp in info.target_cp_ranks:
         for tp in info.target_tp_ranks:
             for pp in reversed(info.target_pp_ranks):
@@ -139,8 +119,7 @@ def _fetch_routes(receiver_cls: type, addr: str, dp: int, info: Any) -> Dict[Key
 
 
 def around_ensure_prefill_info(original, queue, addr_to_reqs, *args, **kwargs):
-    """AROUND DecodePreallocQueue._ensure_prefill_info: upstream sees only prefills whose info
-    is known or fetched; for the others a fetch starts (at upstream's retry pace), requests wait."""
+    """AROUND DecodePreallocQueue._ensure_prefill_info: fetch unknown prefills' info on the pool."""
     mgr = queue.kv_manager
     fetch = fetch_of(mgr, create=True)
     if fetch is None:
@@ -151,11 +130,10 @@ def around_ensure_prefill_info(original, queue, addr_to_reqs, *args, **kwargs):
     now = time.monotonic()
     asked, waiting = {}, []
     for addr, reqs in addr_to_reqs.items():
-        if addr in table or fetch.ready(("info", addr)):
+        if addr in table or fetch.peek(("info", addr)) is not None:
             asked[addr] = reqs
             continue
-        if now - last_attempt.get(addr, float("-inf")) >= interval:
-            # upstream's fetch, through its hooks (peer_liveness notes a recovered prefill)
+        if now - last_attempt.get(addr, float("-inf")) >= interval:  # upstream's fetch, with its hooks
             fetch.start(("info", addr), lambda addr=addr: mgr.try_ensure_parallel_info(addr))
         waiting.extend(reqs)
     if not asked:
@@ -169,15 +147,16 @@ UNREACHABLE = "{tag}: prefill bootstrap server {addr} unreachable: could not fet
 
 
 def _name_unreachable(queue: Any, mgr: Any, fetch: BootstrapFetch, table: Any, asked: Dict[str, Any]) -> None:
-    """Before upstream's last attempt fails the requests as "Aborted by AbortReq." (read as a
-    client abort), record the real reason: an unreachable prefill, a lost peer (502)."""
+    """Before upstream's last attempt fails the requests as "Aborted by AbortReq." (a client
+    abort), record the real reason: an unreachable prefill, a lost peer (502)."""
     from sglang.srt.disaggregation.room_ledger import PEER_LOST_TAG
 
     counts = fork_touch.upstream(queue, "_ensure_retry_count")
     last = fork_touch.upstream(queue, "_max_ensure_retries")
     for addr, reqs in asked.items():
         n = counts.get(addr, 0) + 1
-        if addr in table or n < last or not fetch.failed(("info", addr)):
+        outcome = fetch.peek(("info", addr))
+        if addr in table or n < last or outcome is None or (outcome.error is None and outcome.value):
             continue
         reason = UNREACHABLE.format(tag=PEER_LOST_TAG, addr=addr, n=n)
         for decode_req in reqs:
@@ -187,8 +166,7 @@ def _name_unreachable(queue: Any, mgr: Any, fetch: BootstrapFetch, table: Any, a
 
 
 def around_try_ensure_parallel_info(original, mgr, bootstrap_addr, *args, **kwargs):
-    """AROUND CommonKVManager.try_ensure_parallel_info: on the scheduler thread, a completed
-    fetch's outcome (its error raised); the pool's own call goes through."""
+    """AROUND CommonKVManager.try_ensure_parallel_info: the scheduler takes a fetched outcome."""
     fetch = fetch_of(mgr)
     outcome = None if fetch is None or getattr(_local, "fetching", False) else fetch.take(("info", bootstrap_addr))
     if outcome is None:
@@ -200,8 +178,7 @@ def around_try_ensure_parallel_info(original, mgr, bootstrap_addr, *args, **kwar
 
 
 def around_init_receiver(original, queue, decode_req, prefill_dp_rank, *args, **kwargs):
-    """AROUND DecodePreallocQueue._init_receiver: a receiver whose rank endpoints upstream
-    lacks waits (pending) until they are fetched here, then upstream's init is served them."""
+    """AROUND DecodePreallocQueue._init_receiver: wait (pending) for rank endpoints fetched here."""
     mgr = queue.kv_manager
     fetch = fetch_of(mgr, create=True)
     receiver = decode_req.kv_receiver
@@ -209,15 +186,14 @@ def around_init_receiver(original, queue, decode_req, prefill_dp_rank, *args, **
     info = None if fetch is None else fork_touch.upstream(mgr, "prefill_info_table").get(addr)
     if info is None or fork_touch.upstream(receiver, "conclude_state") is not None:  # failed: init returns
         return original(queue, decode_req, prefill_dp_rank, *args, **kwargs)
-    # upstream's connection pool has this prefill dp rank's endpoints (keys as its
-    # `_setup_bootstrap_infos`): receiver.init fetches nothing
+    # upstream's pool has this prefill dp rank's endpoints (keys of `_setup_bootstrap_infos`)
     pool = fork_touch.upstream(mgr, "connection_pool")
     with fork_touch.upstream(mgr, "connection_lock"):
         connected = all(f"{addr}_{prefill_dp_rank}_{cp}_{info.target_tp_rank}" in pool for cp in info.target_cp_ranks)
     if connected:
         return original(queue, decode_req, prefill_dp_rank, *args, **kwargs)
     key = ("routes", addr, prefill_dp_rank)
-    outcome = fetch.take(key) if fetch.ready(key) else None
+    outcome = fetch.take(key) if fetch.peek(key) is not None else None
     if outcome is None or outcome.info is not info:  # none yet, or for a prefill since replaced
         fetch.start(key, lambda: _fetch_routes(type(receiver), addr, prefill_dp_rank, info), info)
         queue.pending_reqs.append(decode_req)
@@ -234,8 +210,7 @@ def around_init_receiver(original, queue, decode_req, prefill_dp_rank, *args, **
 
 def around_get_bootstrap_info_from_server(original, receiver, prefill_dp_rank, prefill_cp_rank,
                                           target_tp_rank, target_pp_rank, *args, **kwargs):
-    """AROUND CommonKVReceiver._get_bootstrap_info_from_server: inside `around_init_receiver`,
-    the endpoint fetched on the pool (a copy: init adds keys)."""
+    """AROUND CommonKVReceiver._get_bootstrap_info_from_server: the endpoint fetched on the pool."""
     routes = getattr(_local, "routes", None)
     key = (receiver.bootstrap_addr, prefill_dp_rank, prefill_cp_rank, target_tp_rank, target_pp_rank)
     if routes is not None and key in routes:

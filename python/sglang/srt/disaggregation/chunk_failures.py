@@ -1,10 +1,8 @@
 """A failed chunk write fails that room on both sides, and only that room.
 
-The mooncake transfer worker passes each write's return code through `checked()` and
-concludes a failed write through `conclude_failure` / `conclude_transfer` (patch lines,
-transfer worker threads); a decode session is blacklisted only once a probe shows it
-dead (`SessionBlacklist`, `probe_session`). Also the test-only switch
-`SGLANG_TEST_DISAGG_FAIL_CHUNKS`. What and why: docs/chunk-failures.md.
+Transfer workers (patch lines): `checked()` each write's return code, `conclude_failure` /
+`conclude_transfer`; a decode session is blacklisted only once a probe shows it dead
+(`SessionBlacklist`, probe threads). What and why: docs/chunk-failures.md.
 """
 
 from __future__ import annotations
@@ -28,15 +26,13 @@ from sglang.srt.managers import fork_touch
 
 logger = logging.getLogger(__name__)
 
-KINDS = ("kv", "aux", "state")
-
-# How upstream's transfer worker words each failure (mooncake/conn.py): decode receives
-# the reason with the Failed status and classifies by it.
+# How upstream's transfer worker words each failure (mooncake/conn.py); decode classifies by it.
 _REASON_PREFIX = {
     "kv": "Failed to send kv chunk",
     "aux": "Failed to send aux data",
     "state": "Failed to send state components",
 }
+KINDS = tuple(_REASON_PREFIX)
 
 
 def chunk_kind(failure_reason: Optional[str]) -> Optional[str]:
@@ -64,8 +60,7 @@ class _Fault:
 
 
 class FaultPlan:
-    """`SGLANG_TEST_DISAGG_FAIL_CHUNKS` (docs/chunk-failures.md): each matching room's first
-    write of a kind reports -1 once; rids are bound to rooms when prefill admits them."""
+    """`SGLANG_TEST_DISAGG_FAIL_CHUNKS`: a matching room's first write of a kind reports -1 once."""
 
     def __init__(self, faults: List[_Fault]):
         self.faults = faults
@@ -109,8 +104,7 @@ class FaultPlan:
 
 
 def checked(mgr: Any, room: int, kind: str, rc: int) -> int:
-    """The write's return code as the worker should act on it: the engine's, or -1
-    when the fault switch fails this room's `kind` write. Counts every failure."""
+    """The write's return code (-1 when the fault switch fails it); counts every failure."""
     plan = getattr(mgr, "fork_chunk_faults", None)
     if plan is not None and rc == 0:
         fault = plan.take(room, kind)
@@ -135,8 +129,7 @@ def conclude_failure(mgr: Any, req: Any, *, bootstrap_room: int, failure_reason:
 def conclude_transfer(mgr: Any, *, bootstrap_room: int, status: int, targets: Optional[List[Tuple[str, int]]] = None,
                       failure_reason: Optional[str] = None,
                       fallback_targets: Optional[List[Tuple[str, int]]] = None) -> Optional[int]:
-    """Upstream's `conclude_transfer`; for a room the scheduler cleared meanwhile (it
-    says nothing then) the failure still reaches the write's own targets."""
+    """Upstream's `conclude_transfer`; a failure of a room cleared meanwhile still reaches its targets."""
     emitted = mgr.conclude_transfer(
         bootstrap_room=bootstrap_room, status=status, targets=targets, failure_reason=failure_reason
     )
@@ -148,8 +141,7 @@ def conclude_transfer(mgr: Any, *, bootstrap_room: int, status: int, targets: Op
 
 
 def _expire_poison_later(mgr: Any, room: int) -> None:
-    """Drop a failed write's poison mark once decode's release deadline passed (it
-    protects nothing then; upstream kept it until the room number was reused)."""
+    """Drop a failed write's poison mark once decode's release deadline passed."""
     if not getattr(mgr, "enable_deferred_decode_kv_release", False):
         return
     delay = envs.SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT.get()
@@ -158,16 +150,14 @@ def _expire_poison_later(mgr: Any, room: int) -> None:
     timer.start()
 
 
-# A session is let back in only once a read from it completes: mooncake's TCP transport
-# fails the first transfer after it dropped a stalled peer's connections (docs/chunk-failures.md).
+# A session is let back in only once a read from it completes (docs/chunk-failures.md).
 RECONNECT_COOLDOWN_S = 1.0  # mooncake's kReconnectRoundCooldown
 READ_ATTEMPTS = 2
 READ_BYTES = 8
 
 
 def probe_session(mgr: Any, send_probe: Any, session_id: str) -> int:
-    """The manager's `_send_probe` (probe threads): 0 only when the peer answers mooncake's
-    probe and a read of its KV memory completes (READ_ATTEMPTS tries a cooldown apart)."""
+    """0 only when the peer answers mooncake's probe and a read of its KV memory completes."""
     rc = send_probe(session_id)
     if rc != 0:
         return rc
@@ -199,14 +189,12 @@ PROBE_TIMEOUT_DEFAULT = 5.0
 def probe_timeout() -> float:
     """The knob in seconds (default 5); ValueError naming it when not valid (at start)."""
     value = os.environ.get(PROBE_TIMEOUT_ENV)
-    if value is None:
-        return PROBE_TIMEOUT_DEFAULT
-    return positive_seconds(value, PROBE_TIMEOUT_ENV, "valid", "a finite number of seconds > 0 (e.g. 5)")
+    accepted = "a finite number of seconds > 0 (e.g. 5)"
+    return PROBE_TIMEOUT_DEFAULT if value is None else positive_seconds(value, PROBE_TIMEOUT_ENV, "valid", accepted)
 
 
 class SessionProbe:
-    """The manager's `_send_probe`: `probe_session` on its own thread, waited for at most
-    `timeout` s (then -1); one per session at a time, later callers share its answer."""
+    """The manager's `_send_probe`: `probe_session` on its own thread, waited for at most `timeout` s."""
 
     def __init__(self, mgr: Any, send_probe: Any, timeout: float):
         self.mgr = mgr
@@ -241,10 +229,8 @@ class SessionProbe:
             future.set_result(rc)
 
 
-
 class SessionBlacklist(set):
-    """Upstream's `failed_sessions`, where `add()` (transfer worker, under session_lock)
-    only nominates: a probe thread puts the session in only if the peer does not answer."""
+    """Upstream's `failed_sessions`: `add()` nominates; a probe thread puts a dead session in."""
 
     def __init__(self, mgr: Any):
         super().__init__()
@@ -278,8 +264,7 @@ class SessionBlacklist(set):
 
 
 def on_prefill_manager_init(mgr: Any, queue: Any, *args: Any, **kwargs: Any) -> None:
-    """AFTER `PrefillBootstrapQueue._init_kv_manager` (scheduler thread): the fault switch;
-    on mooncake, the probing blacklist and a bounded `probe_session` with its scratch buffer."""
+    """AFTER PrefillBootstrapQueue._init_kv_manager: the fault switch, the probing blacklist."""
     mgr.fork_chunk_faults = FaultPlan.parse(envs.SGLANG_TEST_DISAGG_FAIL_CHUNKS.get() or "")
 
     def probing(failed_sessions):
@@ -310,8 +295,7 @@ def on_decode_transfer_failure(result: Any, queue: Any, failure_reason: str, *ar
 
 
 def on_sender_clear(result: Any, sender: Any, *args: Any, **kwargs: Any) -> None:
-    """AFTER `CommonKVSender.clear` (scheduler thread): drop the zero in-flight count a
-    failed non-last KV chunk left (no later chunk of a Failed room comes to drop it)."""
+    """AFTER `CommonKVSender.clear`: drop the zero in-flight count a failed non-last chunk left."""
     mgr = sender.kv_mgr
     room = sender.bootstrap_room
     outstanding = getattr(mgr, "_staging_outstanding", None)

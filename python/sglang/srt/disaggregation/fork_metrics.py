@@ -1,8 +1,8 @@
 """Every Prometheus counter the fork adds, declared once (names and labels are public).
 
-Created on first use in the scheduler process (importing prometheus_client when plugins
-load would take the process's metrics out of multiprocess mode), labelled by the
-scheduler's labels then the counter's own. Any thread may count; `_lock` guards creation.
+Created on first use (importing prometheus_client when plugins load would take the process
+out of multiprocess mode), labelled by the scheduler's labels then the counter's own. Any
+thread may count; `_lock` guards creation.
 """
 
 from __future__ import annotations

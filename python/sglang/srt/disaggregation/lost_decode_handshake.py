@@ -1,10 +1,8 @@
 """A prefill request routed to a decode that is gone ends within seconds, as peer loss.
 
-While a decode is lost and not replaced on its host (peer_liveness' `lost`), a request that
-waited in prefill's bootstrap queue longer than `SGLANG_FORK_LOST_DECODE_HANDSHAKE_TIMEOUT`
-(engine clock) for its decode's handshake ends through the ledger (502 naming the decode),
-not after upstream's 300 s: sglang-router still routes to a dead decode (docs/gateway.md).
-Scheduler thread: BEFORE PrefillBootstrapQueue.pop_bootstrapped.
+While a decode is lost and not replaced, a request waiting for its handshake longer than
+`SGLANG_FORK_LOST_DECODE_HANDSHAKE_TIMEOUT` ends through the ledger (502), not after upstream's
+300 s (docs/gateway.md). Scheduler thread: BEFORE PrefillBootstrapQueue.pop_bootstrapped.
 """
 
 from __future__ import annotations
@@ -38,10 +36,6 @@ def parse(value: Optional[str]) -> float:
     return DEFAULT if value is None else positive_seconds(value, ENV, "valid", ACCEPTED, zero=True)
 
 
-def configured() -> float:
-    return parse(os.environ.get(ENV))
-
-
 def lost_decodes(monitor: Any) -> List[str]:
     """host:port of every decode declared lost and not replaced on its host."""
     if monitor is None:
@@ -51,14 +45,11 @@ def lost_decodes(monitor: Any) -> List[str]:
 
 
 def orphans(reqs: Sequence[Any], handshaken, now: float, timeout: float) -> List[Tuple[Any, float]]:
-    """(req, seconds waited) for each request still without its decode's handshake
-    after `timeout`; a request seen waiting for the first time is stamped `now`.
-    `handshaken(room)` tells whether decode's handshake for the room arrived."""
+    """(req, seconds waited) of each request without its decode's handshake (`handshaken(room)`)
+    after `timeout`; one seen waiting for the first time is stamped `now`."""
     out = []
     for req in reqs:
-        if getattr(req, _ENDED, None) is not None:
-            continue
-        if handshaken(req.bootstrap_room):
+        if getattr(req, _ENDED, None) is not None or handshaken(req.bootstrap_room):
             continue
         since = getattr(req, _SINCE, None)
         if since is None:
@@ -85,7 +76,7 @@ def before_pop_bootstrapped(queue, *args, **kwargs):
     if now < _next_scan[0] or not _decides():  # rank 0 decides; the poll's all-reduce spreads it
         return
     _next_scan[0] = now + SCAN_INTERVAL
-    timeout = configured()
+    timeout = parse(os.environ.get(ENV))
     kv_mgr = fork_touch.upstream(queue, "kv_manager")
     lost = lost_decodes(monitor_of(kv_mgr))
     if not lost or timeout == 0 or not hasattr(kv_mgr, "conclude_failure"):
@@ -105,4 +96,4 @@ def before_pop_bootstrapped(queue, *args, **kwargs):
 
 def validate_at_start(mgr: Any, queue: Any, *args: Any, **kwargs: Any) -> None:
     """AFTER PrefillBootstrapQueue._init_kv_manager: a bad knob stops the prefill."""
-    configured()
+    parse(os.environ.get(ENV))

@@ -1,8 +1,7 @@
 """A scheduler's PD queues and the requests in them, by stage: the one walker.
 
-The role of a scheduler, the stage names and where each stage's requests sit in
-upstream's scheduler, declared once. Read-only; a leaf (imports only `fork_touch`).
-Scheduler thread (the queues are the event loop's).
+Role, stage names and where each stage's requests sit, declared once. Read-only; a leaf
+(imports only `fork_touch`). Scheduler thread.
 """
 
 from __future__ import annotations
@@ -26,8 +25,7 @@ STAGES = (
     PREFILL_BOOTSTRAP, PREFILL_WAITING, PREFILL_RUNNING, PREFILL_INFLIGHT,
     DECODE_PREALLOC, DECODE_TRANSFER, DECODE_RUNNING,
 )
-# The kv manager's tables keyed by bootstrap room that a concluded room leaves behind
-# (upstream's Common/MooncakeKVManager in 0.5.23; a backend may lack some).
+# The kv manager's tables keyed by room that a concluded room leaves behind (a backend may lack some).
 ROOM_TABLES = (
     "request_status", "failure_records", "transfer_infos", "req_to_decode_prefix_len", "_staging_outstanding",
 )
@@ -44,20 +42,17 @@ def role(scheduler: Any) -> Optional[str]:
     return None
 
 
+_QUEUES = {  # queue stage -> its container: `Req` on prefill, `DecodeRequest` (`.req`, `.kv_receiver`) on decode
+    PREFILL_BOOTSTRAP: lambda s: s.disagg_prefill_bootstrap_queue.queue,
+    PREFILL_WAITING: lambda s: s.waiting_queue,
+    PREFILL_INFLIGHT: lambda s: s.disagg_prefill_inflight_queue,
+    DECODE_PREALLOC: lambda s: s.disagg_decode_prealloc_queue.queue,
+    DECODE_TRANSFER: lambda s: s.disagg_decode_transfer_queue.queue,
+}
+
+
 def queue_entries(scheduler: Any, stage: str) -> List[Any]:
-    """What the container of a queue stage holds: `Req` on prefill, `DecodeRequest`
-    (`.req`, `.kv_receiver`) in decode's prealloc and transfer queues."""
-    if stage == PREFILL_BOOTSTRAP:
-        return list(scheduler.disagg_prefill_bootstrap_queue.queue)
-    if stage == PREFILL_WAITING:
-        return list(scheduler.waiting_queue)
-    if stage == PREFILL_INFLIGHT:
-        return list(scheduler.disagg_prefill_inflight_queue)
-    if stage == DECODE_PREALLOC:
-        return list(scheduler.disagg_decode_prealloc_queue.queue)
-    if stage == DECODE_TRANSFER:
-        return list(scheduler.disagg_decode_transfer_queue.queue)
-    raise ValueError(f"{stage!r} is not a queue stage")
+    return list(_QUEUES[stage](scheduler))
 
 
 def _reqs_of(scheduler: Any, stage: str) -> List[Any]:
@@ -66,8 +61,7 @@ def _reqs_of(scheduler: Any, stage: str) -> List[Any]:
 
 
 def walk(scheduler: Any) -> Iterator[Tuple[str, Any]]:
-    """(stage, req) for every request this scheduler holds in a PD stage, queues first,
-    then what runs (a request may appear twice: the running batch and the last batch)."""
+    """(stage, req) for every request in a PD stage, queues first (a request may appear twice)."""
     r = role(scheduler)
     if r == PREFILL:
         for stage in (PREFILL_BOOTSTRAP, PREFILL_WAITING):
@@ -89,9 +83,7 @@ def walk(scheduler: Any) -> Iterator[Tuple[str, Any]]:
 
 
 def queued_reqs(scheduler: Any) -> List[Any]:
-    """Requests in this scheduler's PD queues (not the running batch): the waiting
-    queue, and prefill's bootstrap/inflight queues and chunked request, or decode's
-    prealloc/transfer queues."""
+    """Requests in this scheduler's PD queues and waiting queue (prefill: and its chunked request)."""
     r = role(scheduler)
     reqs = list(scheduler.waiting_queue)
     if r == PREFILL:
@@ -112,8 +104,7 @@ def held_reqs(scheduler: Any) -> List[Any]:
 
 
 def parked_reqs(scheduler: Any) -> List[Any]:
-    """Decode's requests kept outside the queues across a retract: held for
-    re-bootstrap and retracted (they own a room, no KV)."""
+    """Decode's requests held for re-bootstrap or retracted (they own a room, no KV)."""
     if role(scheduler) != DECODE:
         return []
     prealloc = scheduler.disagg_decode_prealloc_queue
@@ -121,8 +112,7 @@ def parked_reqs(scheduler: Any) -> List[Any]:
 
 
 def transfer_endpoints(scheduler: Any) -> List[Any]:
-    """Live KV senders (prefill: bootstrap, inflight, waiting) or receivers (decode:
-    prealloc, transfer) of the requests in the PD queues."""
+    """Live KV senders (prefill) or receivers (decode) of the requests in the PD queues."""
     r = role(scheduler)
     if r == PREFILL:
         stages, attr = (PREFILL_BOOTSTRAP, PREFILL_INFLIGHT, PREFILL_WAITING), "disagg_kv_sender"
@@ -134,22 +124,15 @@ def transfer_endpoints(scheduler: Any) -> List[Any]:
 
 def prefill_stage(scheduler: Any, req: Any) -> str:
     """Which prefill stage `req` is in (running: none of the queues)."""
-    bootstrap = scheduler.disagg_prefill_bootstrap_queue
-    if bootstrap is not None and req in bootstrap.queue:
-        return PREFILL_BOOTSTRAP
-    if req in scheduler.waiting_queue:
-        return PREFILL_WAITING
-    if req in scheduler.disagg_prefill_inflight_queue:
-        return PREFILL_INFLIGHT
-    return PREFILL_RUNNING
+    stages = (PREFILL_WAITING, PREFILL_INFLIGHT)
+    if scheduler.disagg_prefill_bootstrap_queue is not None:
+        stages = (PREFILL_BOOTSTRAP,) + stages
+    return next((st for st in stages if req in _QUEUES[st](scheduler)), PREFILL_RUNNING)
 
 
 def lengths(scheduler: Any) -> Dict[str, int]:
     """Queue lengths (the resource report's `queues`)."""
-    queues = {
-        "waiting": len(scheduler.waiting_queue),
-        "running": len(scheduler.running_batch.reqs),
-    }
+    queues = {"waiting": len(scheduler.waiting_queue), "running": len(scheduler.running_batch.reqs)}
     bootstrap = scheduler.disagg_prefill_bootstrap_queue
     if bootstrap is not None:
         queues["prefill_bootstrap"] = len(bootstrap.queue)
@@ -179,10 +162,8 @@ def kv_manager(scheduler: Any) -> Any:
 
 
 def fake_bootstrap_addr(original: Any, req: Any) -> str:
-    """AROUND `decode._bootstrap_addr`: a request sent to a fake-backend decode without
-    a bootstrap_host is the fake transfer upstream intends (`utils._is_fake_transfer`;
-    the tokenizer hands it a fake room), addressed at the fake host: upstream built
-    NetworkAddress(None, ...), and one such /generate killed the scheduler."""
+    """AROUND `decode._bootstrap_addr`: a host-less request to a fake-backend decode is the fake
+    transfer upstream intends, addressed at the fake host (upstream's None host killed the scheduler)."""
     from sglang.srt.disaggregation.utils import FAKE_BOOTSTRAP_HOST, _is_fake_transfer
     from sglang.srt.utils.network import NetworkAddress
 

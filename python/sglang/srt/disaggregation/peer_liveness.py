@@ -1,10 +1,8 @@
 """A crashed PD peer is noticed at once, its requests end (502), and its restart is served.
 
-One `PeerMonitor` thread per kv manager (mooncake) probes each peer it has state for once
-per heartbeat; a lost peer's rooms end through `room_ledger.end_room` (cause
-`peer_failure`), a gone incarnation's state is dropped, and a decode that may be alive
-(frozen, stalled) is held out until it answers again. What and why:
-docs/peer-liveness.md; threads and locks: docs/layout.md.
+One `PeerMonitor` thread per kv manager (mooncake) probes each peer once per heartbeat; a lost
+peer's rooms end through the ledger, a decode that may be alive is held out until it answers.
+What and why: docs/peer-liveness.md; threads and locks: docs/layout.md.
 """
 
 from __future__ import annotations
@@ -15,7 +13,6 @@ import socket
 import threading
 import time
 from collections import Counter, OrderedDict
-from http import HTTPStatus
 from typing import Any, Dict, List, Optional, Tuple
 
 from sglang.srt.disaggregation import fork_metrics, pd_queues, room_ledger
@@ -45,8 +42,7 @@ _MONITOR = room_ledger.PEER_MONITOR_ATTR
 
 
 def probe(host: str, port: int, timeout: float = CONNECT_TIMEOUT) -> str:
-    """ALIVE if something accepts a TCP connection at host:port, REFUSED if the host
-    answers that nothing listens there, SILENT if it does not answer in time."""
+    """ALIVE (a TCP connect succeeds), REFUSED (nothing listens) or SILENT (no answer in time)."""
     try:
         with socket.create_connection((host, port), timeout=timeout):
             return ALIVE
@@ -60,16 +56,11 @@ def loss_message(role_lost: str, peer: str, why: str) -> str:
     return f"{TAG}: {role_lost} peer {peer} lost ({why})"
 
 
-def abort_status(error_message: str, status_code):
-    """502 for a request that ended because its peer was lost; else unchanged."""
-    if error_message and any(t in error_message for t in (TAG, room_ledger.UPSTREAM_PREFILL_LOST)):
-        return HTTPStatus.BAD_GATEWAY
-    return status_code
+abort_status = room_ledger.lost_peer_status  # the verdict's 502
 
 
 def heartbeat_settings() -> Tuple[float, int]:
-    """Upstream's decode heartbeat knobs, with upstream's floors (2 s, 1 miss); prefill
-    uses the same ones, so both directions detect on the same schedule."""
+    """Upstream's decode heartbeat knobs, with its floors (2 s, 1 miss); prefill uses them too."""
     interval = envs.SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL.get()
     max_failures = envs.SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE.get()
     if not interval > 0 or max_failures < 1:
@@ -101,18 +92,12 @@ class PeerMonitor:
         self.interval, self.max_failures = heartbeat_settings()
         self.lock = threading.Lock()
         self.misses: Dict[str, int] = {}
-        # prefill: session -> (host, port) of each decode registration seen
-        self.known: Dict[str, Tuple[str, int]] = {}
-        # prefill: host -> peers lost there and not seen again; decode: bootstrap addrs
-        self.lost: Dict[str, List[str]] = {}
-        # prefill: sessions and host:port of decode incarnations declared lost (bounded)
-        self.gone: "OrderedDict[str, None]" = OrderedDict()
-        # prefill: session -> rooms whose failed write left a poison mark (dropped at its loss)
-        self.poisoned: Dict[str, set] = {}
-        # prefill: sessions seen blacklisted at the last tick (see _tick_prefill)
-        self.held_out: set = set()
-        # prefill: session -> host:port of each decode lost while it may be alive (held out)
-        self.held: Dict[str, str] = {}
+        self.known: Dict[str, Tuple[str, int]] = {}  # prefill: session -> decode (host, port)
+        self.lost: Dict[str, List[str]] = {}  # prefill: host -> lost peers there; decode: bootstrap addrs
+        self.gone: "OrderedDict[str, None]" = OrderedDict()  # prefill: lost sessions and host:port (bounded)
+        self.poisoned: Dict[str, set] = {}  # prefill: session -> rooms a failed write poison-marked
+        self.held_out: set = set()  # prefill: sessions blacklisted at the last tick
+        self.held: Dict[str, str] = {}  # prefill: session -> host:port lost while it may be alive
         self._probing: set = set()  # held sessions with a probe running
         self.thread = threading.Thread(target=self._run, name=f"ForkPeerMonitor-{role}", daemon=True)
 
@@ -124,10 +109,7 @@ class PeerMonitor:
             self.tick()
 
     def tick(self) -> None:
-        if self.role == "prefill":
-            self._tick_prefill()
-        else:
-            self._tick_decode()
+        (self._tick_prefill if self.role == "prefill" else self._tick_decode)()
 
     # -- prefill: decode sessions
 
@@ -164,12 +146,10 @@ class PeerMonitor:
         with mgr.session_lock:
             sessions = {s: (info.endpoint, int(info.dst_port)) for s, info in mgr.decode_kv_args_table.items()}
             blacklisted = {s for s in sessions if s in mgr.failed_sessions}
-            # a write that was still running when its peer was declared lost fails
-            # later and blacklists the dead session again: drop that entry too
+            # a write still running at the loss blacklists the dead session again later
             for session in [s for s in mgr.failed_sessions if s not in sessions and self.is_gone([s])]:
                 _forget_session(mgr, session)
-        # a status message for a room of a lost decode, sent after the loss (a write
-        # that was still running), re-opens a socket to it: close it again
+        # a status message sent after the loss re-opens a socket to a lost decode: close it
         for endpoint in list(getattr(mgr, "_socket_cache", {})):
             if self.endpoint_gone(endpoint):
                 _drop_socket(mgr, endpoint)
@@ -178,8 +158,7 @@ class PeerMonitor:
                 self.known.pop(session, None)  # dropped by someone else
                 self.misses.pop(session, None)
                 self.held.pop(session, None)
-        # still blacklisted a tick later (the probe loop had that long to let it back
-        # in), or silent: lost, but it may be alive, so it is held out
+        # still blacklisted a tick later, or silent: lost, but it may be alive (held out)
         held_out = set()
         for session, (host, port) in sessions.items():
             self.registered(session, host, port)
@@ -205,8 +184,7 @@ class PeerMonitor:
         self.held_out = held_out
 
     def registered(self, session: str, host: str, port: int) -> None:
-        """Bootstrap or monitor thread: watch a decode session; after a loss on its host,
-        it is the new incarnation."""
+        """Bootstrap or monitor thread: watch a decode session (after a loss there: its new incarnation)."""
         with self.lock:
             if session in self.known:
                 return
@@ -236,8 +214,8 @@ class PeerMonitor:
         return peer
 
     def lose_decode(self, session: str, why: str, keep: bool = False) -> List[int]:
-        """Monitor thread: end every room bound to decode `session` (502 naming it), count
-        the loss; `keep` (it may be alive) holds it out, else its incarnation is dropped."""
+        """Monitor thread: end every room bound to decode `session` (502), count the loss;
+        `keep` (it may be alive) holds it out, else its incarnation is dropped."""
         mgr = self.mgr
         with self.lock:
             host, port = self.known.get(session, (None, None))
@@ -251,10 +229,8 @@ class PeerMonitor:
         if keep:
             with mgr.session_lock:  # it was probed already: straight in
                 set.add(mgr.failed_sessions, session)
-        else:
-            # no new chunk is sent to it from here on
+        else:  # no new chunk is sent to it from here on
             self._drop_incarnation(session, host, port)
-        # fail its rooms (tag first: the tag must be there when the room is seen Failed)
         rooms = [room for room, infos in list(mgr.transfer_infos.items()) if session in infos]
         failed = []
         for room in rooms:
@@ -312,9 +288,7 @@ class PeerMonitor:
                 held = session in self.held
             if not held or session not in mgr.decode_kv_args_table:
                 return  # dropped meanwhile
-            if rc != 0:
-                # still out (upstream's probe loop drops a session no request asked
-                # for in a while from its blacklist without an answer)
+            if rc != 0:  # still out (upstream's probe loop may have let it back in)
                 set.add(mgr.failed_sessions, session)
                 return
             mgr._unblacklist_session(session)
@@ -352,12 +326,10 @@ class PeerMonitor:
             addrs = list(mgr.prefill_info_table)
         for addr in addrs:
             host, _, port = addr.rpartition(":")
-            if probe(host.strip("[]"), int(port)) == REFUSED:
-                # Upstream's heartbeat needs max_failures misses; a refusal is final.
+            if probe(host.strip("[]"), int(port)) == REFUSED:  # final; a silent one is upstream's heartbeat's
                 mgr._handle_node_failure(addr)
                 with mgr.session_pool_lock:
                     mgr.session_pool.pop(addr, None)
-            # a silent server is upstream's heartbeat's to count
 
     def report(self) -> Dict[str, Any]:
         with self.lock:
@@ -423,9 +395,7 @@ def _start(queue: Any, mgr: Any, role: str) -> None:
     labels = fork_metrics.scheduler_labels(getattr(queue, "scheduler", None))
     monitor = PeerMonitor(mgr, role, labels or {}, labels is not None)
     mgr.__dict__[_MONITOR] = monitor
-    if role == "prefill":
-        # mooncake's bootstrap thread looks the method up per message: a registration
-        # is seen at once (a restarted decode is recognised before its first request)
+    if role == "prefill":  # a registration is seen at once (a restarted decode, before its first request)
         def watching(publish):
             def publish_and_watch(session_id, decode_kv_args, *a, **kw):
                 result = publish(session_id, decode_kv_args, *a, **kw)
@@ -449,8 +419,7 @@ def on_decode_manager_init(mgr: Any, queue: Any, *args: Any, **kwargs: Any) -> N
 
 
 def around_handle_node_failure(original, mgr, failed_bootstrap_addr, *args, **kwargs):
-    """AROUND CommonKVManager._handle_node_failure (decode, heartbeat or monitor thread):
-    the lost prefill's rooms end through the ledger, then its drains are settled."""
+    """AROUND CommonKVManager._handle_node_failure (decode): end the rooms, settle the drains."""
     monitor = monitor_of(mgr)
     peer = failed_bootstrap_addr
     reason = loss_message("prefill", peer, "its bootstrap server does not answer")
@@ -466,8 +435,7 @@ def around_handle_node_failure(original, mgr, failed_bootstrap_addr, *args, **kw
             end_room(mgr, room, PEER_FAILURE, reason, peer=peer, tell=False)
             failed += 1
     result = original(mgr, failed_bootstrap_addr, *args, **kwargs)
-    # rooms decode ended before the loss and parked for this prefill's drain ack:
-    # nobody will ack (once `lost` is marked, a room parked later is acked at once)
+    # drains this prefill owes: nobody will ack (a room parked after `lost` is acked at once)
     ledger = ledger_of(mgr)
     if ledger is not None and monitor is not None:
         ledger.settle_peer(failed_bootstrap_addr)
@@ -490,14 +458,12 @@ def after_try_ensure_parallel_info(result, mgr, bootstrap_addr, *args, **kwargs)
 
 
 def around_conclude_transfer(original, mgr, *args, bootstrap_room=None, status=None, failure_reason=None, **kwargs):
-    """AROUND CommonKVManager.conclude_transfer (prefill, transfer workers): notes a
-    poisoned room's decode session, and names the peer in a dead session's failure."""
+    """AROUND CommonKVManager.conclude_transfer (prefill): poison marks, a dead peer named."""
     if status == KVPoll.Failed:
         infos = mgr.transfer_infos.get(bootstrap_room) or {}
         monitor = monitor_of(mgr)
         if monitor is not None and failure_reason and failure_reason.startswith(WRITE_FAILED):
-            # a failed write: if nothing listens at the peer any more, it is gone --
-            # known before the status below is pushed at it (which would block)
+            # nothing listens at the peer of a failed write: gone before the status is pushed (it would block)
             for session, info in list(infos.items()):
                 peer = f"{info.endpoint}:{info.dst_port}"
                 if not monitor.is_gone([peer]) and probe(info.endpoint, int(info.dst_port), 0.5) == REFUSED:
@@ -505,8 +471,7 @@ def around_conclude_transfer(original, mgr, *args, bootstrap_room=None, status=N
         if monitor is not None and bootstrap_room in getattr(mgr, "_deferred_ack_poisoned_rooms", ()):
             peers = [f"{i.endpoint}:{i.dst_port}" for i in list(infos.values())]
             peers += [f"{host}:{port}" for host, port in (kwargs.get("targets") or ())]
-            if monitor.is_gone(list(infos) + peers, failure_reason):
-                # a write to a peer already declared lost: nobody to ack or protect
+            if monitor.is_gone(list(infos) + peers, failure_reason):  # nobody to ack or protect
                 mgr._deferred_ack_poisoned_rooms.discard(bootstrap_room)
             else:
                 monitor.note_poisoned(bootstrap_room, list(infos))
@@ -525,8 +490,7 @@ def around_conclude_transfer(original, mgr, *args, bootstrap_room=None, status=N
 
 
 def around_send_multipart_locked(original, mgr, endpoint, parts, *args, **kwargs):
-    """AROUND CommonKVManager._send_multipart_locked (prefill, any thread): a push to a lost
-    decode is dropped (it would block 30 s, maybe holding `session_lock`)."""
+    """AROUND CommonKVManager._send_multipart_locked: a push to a lost decode is dropped."""
     monitor = monitor_of(mgr)
     if monitor is not None and monitor.role == "prefill" and monitor.endpoint_gone(endpoint):
         logger.debug("Not sending to %s: that decode peer was lost", endpoint)

@@ -1,9 +1,8 @@
 """PD queues release and re-register their transfer-engine buffers across a pause.
 
-After `release_memory_occupation` a PD queue has nothing registered with the transfer
-engine and no room state that no live request owns; on resume the buffer addresses are
-re-read before re-registering. Scheduler thread: AROUND hooks on the prefill bootstrap and
-decode prealloc queues' {release,resume}_memory_occupation (docs/pause-release-resume.md).
+Released, a PD queue has nothing registered and no room state no live request owns; on
+resume the buffer addresses are re-read first. Scheduler thread: AROUND hooks on the PD
+queues' {release,resume}_memory_occupation (docs/pause-release-resume.md).
 """
 
 from __future__ import annotations
@@ -18,8 +17,7 @@ logger = logging.getLogger(__name__)
 
 
 def refresh_addresses(queue) -> None:
-    """Re-read the KV and metadata buffer addresses (they may have moved while released)
-    into the kv_manager's kv_args, for the re-registration and the next handshake."""
+    """Re-read the KV and metadata buffer addresses (moved while released?) into kv_args."""
     from sglang.srt.disaggregation.utils import get_kv_transfer_buf_infos
 
     kv_args = queue.kv_manager.kv_args
@@ -37,11 +35,10 @@ def refresh_addresses(queue) -> None:
 def queue_resume(original, queue, *args, **kwargs):
     """AROUND {PrefillBootstrapQueue,DecodePreallocQueue}.resume_memory_occupation."""
     refresh_addresses(queue)
-    # Room state the peer re-created while this side was released (its own teardown
-    # messages, late handshakes of requests it ended) belongs to no live request.
+    # room state the peer re-created while this side was released belongs to no live request
     forget_orphan_rooms(queue.scheduler, queue.kv_manager)
     result = original(queue, *args, **kwargs)
-    _note_registration(queue.kv_manager, registered=True)
+    queue.kv_manager._fork_registered_regions = _regions(queue.kv_manager)
     pd_pause.scheduler_pause(queue.scheduler).released = False
     return result
 
@@ -50,7 +47,7 @@ def queue_release(original, queue, *args, **kwargs):
     """AROUND {PrefillBootstrapQueue,DecodePreallocQueue}.release_memory_occupation."""
     forget_orphan_rooms(queue.scheduler, queue.kv_manager)
     result = original(queue, *args, **kwargs)
-    _note_registration(queue.kv_manager, registered=False)
+    queue.kv_manager._fork_registered_regions = 0
     pd_pause.scheduler_pause(queue.scheduler).released = True
     return result
 
@@ -75,10 +72,6 @@ def forget_orphan_rooms(scheduler, kv_manager) -> int:
 def _regions(kv_manager) -> int:
     regions = getattr(kv_manager, "_registerable_regions", None)  # mooncake's; none on fake
     return len(regions()) if regions is not None else 0
-
-
-def _note_registration(kv_manager, registered: bool) -> None:
-    kv_manager._fork_registered_regions = _regions(kv_manager) if registered else 0
 
 
 def registration_report(kv_manager) -> Dict[str, Any]:

@@ -1,10 +1,8 @@
 """Why a PD request ended without a completion, and the count of it: one place.
 
-Every PD request that ends without a completion is counted once, under one cause, by
-role and stage (`COUNTS`, and `sglang:num_pd_request_end_causes_total` in `fork_metrics`).
+Counted once, under one cause, by role and stage (`COUNTS`, and the `end_cause` counter).
 Whoever ends a room `tag()`s it first (any thread; first tag wins); the queue that retires
 the request calls `record_end()` (scheduler thread), which counts it and forgets the tag.
-Decode's running requests an abort ends are counted by the two hooks at the end.
 """
 
 from __future__ import annotations
@@ -26,15 +24,13 @@ CAUSES = (CLIENT_ABORT, TIMEOUT, TRANSPORT, PEER_FAILURE, PAUSE)
 # (role, cause, stage) -> requests ended so in this process.
 COUNTS: Counter = Counter()
 
-# Per kv manager: room -> (cause, peer), newest last; bounded so a room whose request
-# never reaches a queue that records its end cannot grow it without limit.
+# Per kv manager: room -> (cause, peer), newest last, bounded.
 _ROOMS_ATTR = "fork_end_causes"
 MAX_TAGGED_ROOMS = 4096
 # Per request: (cause, peer) once known; and whether its end was already counted.
 _REQ_CAUSE = "fork_end_cause"
 _REQ_COUNTED = "fork_end_counted"
-# Guards the per-manager room tags: written by whichever thread ends a room (scheduler,
-# transfer workers, the peer monitor), popped by the scheduler. A leaf lock.
+# Guards the per-manager room tags (written by any thread, popped by the scheduler). A leaf lock.
 _lock = threading.Lock()
 
 
@@ -58,8 +54,7 @@ def tag(kv_manager: Any, room: int, cause: str, peer: Optional[str] = None) -> N
 
 
 def tag_req(req: Any, cause: str, peer: Optional[str] = None) -> None:
-    """Record why `req` is ending, for sites that hold the request rather than the room.
-    First tag wins."""
+    """Record why `req` is ending (sites that hold the request, not the room). First tag wins."""
     _check(cause)
     if getattr(req, _REQ_CAUSE, None) is None:
         setattr(req, _REQ_CAUSE, (cause, peer))
@@ -78,15 +73,12 @@ def _is_client_abort(req: Any) -> bool:
     """Upstream's client abort: `to_finish` / `finished_reason` FINISH_ABORT without a status."""
     from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
-    for reason in (getattr(req, "to_finish", None), getattr(req, "finished_reason", None)):
-        if isinstance(reason, FINISH_ABORT) and getattr(reason, "status_code", None) is None:
-            return True
-    return False
+    reasons = (getattr(req, "to_finish", None), getattr(req, "finished_reason", None))
+    return any(isinstance(r, FINISH_ABORT) and getattr(r, "status_code", None) is None for r in reasons)
 
 
 def cause_of(req: Any, kv_manager: Any = None, default: str = TRANSPORT) -> Tuple[str, Optional[str]]:
-    """(cause, peer) for `req`: its own tag, else its room's tag, else a client abort if
-    the client aborted it, else `default`."""
+    """(cause, peer) for `req`: its own tag, its room's, a client abort, else `default`."""
     _check(default)
     own = getattr(req, _REQ_CAUSE, None)
     if own is not None:
@@ -101,8 +93,7 @@ def cause_of(req: Any, kv_manager: Any = None, default: str = TRANSPORT) -> Tupl
 
 def record_end(scheduler: Any, req: Any, role: str, stage: str, kv_manager: Any = None,
                default: str = TRANSPORT) -> Optional[str]:
-    """Classify and count `req`'s end once (later calls return None); forget its room's
-    tag. Returns the cause counted."""
+    """Count `req`'s end once and forget its room's tag; the cause counted (later calls: None)."""
     if getattr(req, _REQ_COUNTED, False):
         return None
     cause, _peer = cause_of(req, kv_manager, default)
@@ -122,12 +113,6 @@ def _is_decode(scheduler: Any) -> bool:
     return getattr(scheduler, "disaggregation_mode", None) == DisaggregationMode.DECODE
 
 
-def _count_running_end(scheduler: Any, req: Any) -> None:
-    """Count, once, a decode running request an abort reached (tagged, or a client abort)."""
-    if getattr(req, _REQ_CAUSE, None) is not None or _is_client_abort(req):
-        record_end(scheduler, req, "decode", DECODE_RUNNING)
-
-
 def after_process_batch_result(result: Any, scheduler: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
     """AFTER Scheduler.process_batch_result (decode): count the batch's aborted requests."""
     if batch is None or not _is_decode(scheduler):
@@ -135,13 +120,13 @@ def after_process_batch_result(result: Any, scheduler: Any, batch: Any, *args: A
     from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
     for req in batch.reqs:
-        if isinstance(req.finished_reason, FINISH_ABORT):
-            _count_running_end(scheduler, req)
+        if isinstance(req.finished_reason, FINISH_ABORT) and (
+                getattr(req, _REQ_CAUSE, None) is not None or _is_client_abort(req)):
+            record_end(scheduler, req, "decode", DECODE_RUNNING)
     return result
 
 
 def before_send_abort_output(scheduler: Any, abort_req: Any, req: Any, *args: Any, **kwargs: Any) -> None:
-    """BEFORE Scheduler.send_abort_output (decode): count a tagged request an abort answers
-    from the waiting queue or the re-bootstrap hold (a rejected one carries no tag)."""
+    """BEFORE Scheduler.send_abort_output (decode): count a tagged request it answers."""
     if _is_decode(scheduler) and getattr(req, _REQ_CAUSE, None) is not None:
-        _count_running_end(scheduler, req)
+        record_end(scheduler, req, "decode", DECODE_RUNNING)

@@ -1,27 +1,14 @@
-"""The room ledger: the one way the fork ends a PD room, and its memory of ended rooms.
+"""The room ledger: the one way the fork ends a PD room, its memory of ended rooms, the verdict.
 
-Invariant: an end the fork decides (deadline, abort, pause/release, peer loss, failed
-chunk, a decode-side end before decode's scheduler) goes through `RoomLedger.end`, which
-does, in this order: tag the cause (`request_end_cause`: the tag must be there when
-anyone sees the room Failed), remember the room (a late handshake or ABORT from the
-peer finds the record), record the failure and mark the room Failed (only while the
-room exists: a record for a cleared room would be adopted by the next request reusing
-the room number), tell the peer (prefill: Failed status to the room's decode endpoints;
-decode: the receiver's ABORT). A lost peer is `end` for each of its rooms, and the drain
-acks it owes decode are settled (`settle_peer`). A request decode ends before its
-scheduler created the room tells prefill through `tell_prefill`.
-Threads and locks: `RoomLedger.lock` guards only the ledger's tables (drains, ended
-rooms, owned rooms); it is a leaf lock, never held while calling upstream (which takes
-`failure_lock`, socket locks, `session_lock`) or another lock of ours.
-Who calls: the hook `on_manager_init` (AFTER each PD queue's `_init_kv_manager`) creates
-it as `mgr.fork_room_ledger` (prefill: also wraps the ABORT handler); transfer_deadline,
-abort_retirement, pd_pause, peer_liveness, chunk_failures and lost_decode_handshake
-call `end_room`; the hooks below answer late handshakes and fail cancelled rooms.
+`RoomLedger.end` tags, remembers, marks Failed and tells the peer, in the order of
+docs/layout.md ("How a room ends"); `verdict` answers every PD request's failure end.
+Any thread (scheduler, bootstrap, transfer workers, peer monitor); `RoomLedger.lock` is a leaf.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import queue
 import sys
@@ -71,17 +58,19 @@ class Ended:
 
 
 class RoomLedger:
-    """Per kv manager: drains owed by peers (decode), ended/cancelled/owned rooms
-    (prefill). Threads: the scheduler, the bootstrap thread (ABORTs, handshakes), the
-    transfer workers, the peer monitor; one leaf lock."""
+    """Per kv manager: drains owed by peers (decode), ended/cancelled/owned rooms (prefill)."""
 
     def __init__(self, mgr: Any):
+        from sglang.srt.environ import envs
+
         self.mgr = mgr
         self.lock = threading.Lock()
         self.drains: "OrderedDict[int, Drain]" = OrderedDict()
         self.ended: "OrderedDict[int, Ended]" = OrderedDict()
         self.owned: set = set()  # rooms a live sender of this side owns
-        self.ttl_s = _ttl_s()
+        self.ttl_s = float(
+            envs.SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT.get() + envs.SGLANG_DISAGGREGATION_WAITING_TIMEOUT.get()
+        )
 
     # -- the ender
 
@@ -90,11 +79,7 @@ class RoomLedger:
         fail: bool = True, tell: bool = True, targets: Optional[list] = None,
         receiver: Any = None, remember: bool = False, cancel: bool = False,
     ) -> None:
-        """End `room` because of `cause` (None: the request carries its own) with
-        `reason`: tag, remember (`remember`: answer a late handshake; `cancel`: a new
-        sender for the room fails at creation), record + mark Failed (`fail`), tell the
-        peer (`tell`; `targets` on prefill, else the room's decode endpoints; on decode
-        `receiver`'s ABORT)."""
+        """End `room` for `cause` (None: the request's own) with `reason` (docs/layout.md)."""
         mgr = self.mgr
         if room is None:
             return
@@ -139,8 +124,7 @@ class RoomLedger:
             return record.reason
 
     def own(self, room: int) -> Optional[str]:
-        """A sender of this side now owns `room`: the reason to fail it at once if the
-        peer cancelled it first (the cancellation is used up), else None."""
+        """A sender now owns `room`: the reason to fail it if the peer cancelled it first."""
         now = engine_clock.now()
         with self.lock:
             self.owned.add(room)
@@ -163,8 +147,7 @@ class RoomLedger:
                 self.ended[room] = Ended("", False, False, engine_clock.now() + self.ttl_s)
 
     def note_abort(self, room: int, peer: str, why: Optional[str] = None) -> bool:
-        """The peer's ABORT for `room`: kept as a cancellation unless this side owns the
-        room or remembers it already (ended here, or cancelled). Returns whether kept."""
+        """The peer's ABORT for a room this side neither owns nor remembers: kept as a cancellation."""
         with self.lock:
             self._expire(engine_clock.now())
             if room in self.owned or room in self.ended:
@@ -225,14 +208,6 @@ class RoomLedger:
             return {"drains": len(self.drains), "ended": len(self.ended)}
 
 
-def _ttl_s() -> float:
-    from sglang.srt.environ import envs
-
-    return float(
-        envs.SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT.get() + envs.SGLANG_DISAGGREGATION_WAITING_TIMEOUT.get()
-    )
-
-
 def ledger_of(mgr: Any) -> Optional[RoomLedger]:
     return getattr(mgr, "__dict__", {}).get(ATTR)
 
@@ -246,7 +221,7 @@ def end_room(mgr: Any, room: int, cause: Optional[str], reason: str, **kwargs: A
 
 
 def report(mgr: Any) -> Optional[int]:
-    """How many peer cancellations are remembered (bounded; held by no request)."""
+    """How many peer cancellations are remembered (resource report)."""
     ledger = ledger_of(mgr)
     return None if ledger is None or not hasattr(mgr, "_handle_abort_notification") else ledger.cancelled()
 
@@ -255,9 +230,7 @@ def report(mgr: Any) -> Optional[int]:
 
 
 def on_manager_init(mgr: Any, queue_: Any, *args: Any, **kwargs: Any) -> None:
-    """AFTER `PrefillBootstrapQueue/DecodePreallocQueue._init_kv_manager` (result: the
-    manager): the one place a ledger is created. On prefill it wraps the bootstrap
-    thread's ABORT handler on the instance (looked up per message)."""
+    """AFTER each PD queue's `_init_kv_manager`: the ledger; prefill: its ABORT handler (SWAPS)."""
     from sglang.srt.disaggregation.utils import DisaggregationMode
 
     if mgr is None or ATTR in getattr(mgr, "__dict__", {}):
@@ -266,17 +239,13 @@ def on_manager_init(mgr: Any, queue_: Any, *args: Any, **kwargs: Any) -> None:
     if getattr(mgr, "disaggregation_mode", None) == DisaggregationMode.PREFILL:
         from sglang.srt.managers import fork_touch
 
-        # declared in fork_plugin.SWAPS for mooncake and nixl; other managers: no-op
         fork_touch.swap(mgr, "_handle_abort_notification",
                         lambda original: lambda msg: _handle_abort(ledger, original, msg), by=__name__)
     return None
 
 
 def _handle_abort(ledger: RoomLedger, original: Any, msg: List[bytes]) -> bool:
-    """Decode's ABORT, before upstream's handler: for a room prefill has not created
-    yet it is kept (the room fails at creation); for a live room it records why (decode
-    ended it: an abort there), so prefill ends the request as an abort, not as a
-    failure "for an unknown reason from another rank"."""
+    """Decode's ABORT (bootstrap thread), before upstream's: cancels a room not created yet, else records why."""
     from sglang.srt.disaggregation.common.conn import ABORT_TAG, AbortNotification
 
     mgr = ledger.mgr
@@ -294,15 +263,11 @@ def _handle_abort(ledger: RoomLedger, original: Any, msg: List[bytes]) -> bool:
         room = note.room
         peer = f"{note.decode_ip}:{note.decode_port}" if note.decode_ip else "(unknown)"
         kept = ledger.note_abort(room, peer, why)
-        if kept:
-            # Decode's handshake may have created the room (WaitingForInput) though no
-            # sender owns it: nobody would clear that state, so drop it now.
+        if kept:  # decode's handshake may have created it, though no sender owns it
             _drop_unowned_room(mgr, room)
         status = mgr.request_status.get(room)
         if status is not None and status != KVPoll.Success:
-            with mgr.failure_lock:
-                # Re-checked under the lock failure_exception() pops with: a room
-                # cleared meanwhile must not get a record back.
+            with mgr.failure_lock:  # re-checked: a room cleared meanwhile gets no record back
                 if room in mgr.request_status:
                     mgr.failure_records.setdefault(room, _with_why(DECODE_ABORT_REASON.format(room=room), why))
     handled = original(msg)
@@ -312,15 +277,12 @@ def _handle_abort(ledger: RoomLedger, original: Any, msg: List[bytes]) -> bool:
 
 
 def _with_why(reason: str, why: Optional[str]) -> str:
-    """Decode's reason, with the message of the pause or release that ended the room
-    (the verdict answers that message, end cause "pause")."""
+    """Decode's reason, with the pause's or release's message that ended the room."""
     return f"{reason.rstrip('.')}{PEER_WHY}{why}" if why else reason
 
 
 def _drop_unowned_room(mgr: Any, room: int) -> None:
-    """Drop what prefill's bootstrap thread stored for a room no sender owns (decode's
-    handshake: status, transfer infos, prefix length, a failure record): nobody would
-    clear it otherwise."""
+    """Drop what the bootstrap thread stored for a room no sender owns (nobody else would)."""
     for name in ("request_status", "transfer_infos", "req_to_decode_prefix_len", "failure_records"):
         table = getattr(mgr, name, None)
         if isinstance(table, dict):
@@ -328,8 +290,7 @@ def _drop_unowned_room(mgr: Any, room: int) -> None:
 
 
 def on_prefill_create_sender(result: Any, queue_: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
-    """AFTER `PrefillBootstrapQueue.create_sender`: a room decode already ended is
-    Failed before it waits for a handshake; pop_bootstrapped retires it next."""
+    """AFTER `PrefillBootstrapQueue.create_sender`: a room decode already ended fails at once."""
     mgr = queue_.kv_manager
     ledger = ledger_of(mgr)
     if not result or ledger is None or req.bootstrap_room is None or not hasattr(mgr, "_handle_abort_notification"):
@@ -344,8 +305,7 @@ def on_prefill_create_sender(result: Any, queue_: Any, req: Any, *args: Any, **k
 
 
 def on_sender_clear(result: Any, sender: Any, *args: Any, **kwargs: Any) -> None:
-    """AFTER `CommonKVSender.clear`: a room this prefill failed is remembered as ended
-    (decode answers our Failed with an ABORT, which cancels no room still to come)."""
+    """AFTER `CommonKVSender.clear`: a room this prefill failed is remembered as ended."""
     ledger = ledger_of(sender.kv_mgr)
     if ledger is not None:
         ledger.disown(sender.bootstrap_room, sender.conclude_state == KVPoll.Failed)
@@ -353,18 +313,11 @@ def on_sender_clear(result: Any, sender: Any, *args: Any, **kwargs: Any) -> None
 
 
 def around_update_status(original, mgr, bootstrap_room, status, *args, **kwargs):
-    """AROUND CommonKVManager.update_status. Decode's handshake (WaitingForInput) for a
-    room prefill ended and cleared would re-create it and leak it: answer decode Failed
-    with the recorded reason at once and drop what the bootstrap thread stored. If the
-    room is Failed but not cleared yet, the handshake lands (clear() drops it) and
-    decode, which the failure could not reach before, is told now."""
-    ledger = ledger_of(mgr)
-    if status != KVPoll.WaitingForInput or ledger is None or not ledger.ended:
-        return original(mgr, bootstrap_room, status, *args, **kwargs)
-    current = mgr.request_status.get(bootstrap_room)
-    if current is not None and current != KVPoll.Failed:
-        return original(mgr, bootstrap_room, status, *args, **kwargs)
-    reason = ledger.late_answer(bootstrap_room, pop=current is None)
+    """AROUND CommonKVManager.update_status: a late handshake for an ended room is answered Failed."""
+    ledger, current = ledger_of(mgr), mgr.request_status.get(bootstrap_room)
+    reason = None
+    if status == KVPoll.WaitingForInput and ledger is not None and ledger.ended and current in (None, KVPoll.Failed):
+        reason = ledger.late_answer(bootstrap_room, pop=current is None)
     if reason is None:
         return original(mgr, bootstrap_room, status, *args, **kwargs)
     targets = mgr._room_notify_targets(bootstrap_room)
@@ -374,25 +327,20 @@ def around_update_status(original, mgr, bootstrap_room, status, *args, **kwargs)
         mgr.req_to_decode_prefix_len.pop(bootstrap_room, None)
     else:
         result = original(mgr, bootstrap_room, status, *args, **kwargs)
-    mgr.send_kv_status_message(
-        targets=targets, bootstrap_room=bootstrap_room, status=KVPoll.Failed, failure_reason=reason
-    )
+    mgr.send_kv_status_message(targets=targets, bootstrap_room=bootstrap_room, status=KVPoll.Failed,
+                               failure_reason=reason)
     return result
 
 
 def around_record_failure(original, mgr, bootstrap_room, failure_reason, *args, **kwargs):
-    """AROUND CommonKVManager.record_failure (the one hook on it). Not recorded: on
-    decode, a failure for a room already ended and cleared (e.g. prefill's answer to a
-    late handshake: no receiver would ever pop it); anywhere, a vaguer reason over a
-    peer-loss one (the root cause, answered 502). On decode, prefill's word that it
-    lost this decode (a frozen one hears it once it runs again) tags a peer failure."""
+    """AROUND CommonKVManager.record_failure: none for a cleared room (decode) or over a peer loss; tags our loss."""
     from sglang.srt.disaggregation.utils import DisaggregationMode
 
     if getattr(mgr, "disaggregation_mode", None) == DisaggregationMode.DECODE:
         if bootstrap_room not in mgr.request_status:
             logger.debug("room_ledger: dropping failure for ended room %s: %s", bootstrap_room, failure_reason)
             return None
-        if (failure_reason or "").startswith(PEER_LOST_TAG):  # prefill lost this decode (it was frozen)
+        if (failure_reason or "").startswith(PEER_LOST_TAG):
             request_end_cause.tag(mgr, bootstrap_room, request_end_cause.PEER_FAILURE)
     current = mgr.failure_records.get(bootstrap_room)
     if current and current.startswith(PEER_LOST_TAG) and not (failure_reason or "").startswith(PEER_LOST_TAG):
@@ -402,9 +350,8 @@ def around_record_failure(original, mgr, bootstrap_room, failure_reason, *args, 
 
 # ----------------------------------------------------------------------------- the verdict
 
-# How a failure reason names its cause, when it crossed the wire or came from upstream.
-# Declared here, where the verdict reads them; the modules that write them use these
-# names (so the verdict imports none of them: no import circle).
+# How a failure reason names its cause (declared here, where the verdict reads them; the
+# modules that write them use these names, so the verdict imports none of them).
 DEADLINE_TAG = "PD transfer deadline exceeded"  # transfer_deadline.TAG
 PEER_LOST_TAG = "PD peer lost"  # peer_liveness.TAG
 UPSTREAM_PREFILL_LOST = "Lost connection with prefill instance"  # upstream's decode heartbeat
@@ -413,100 +360,62 @@ UPSTREAM_ABORT_REASON = "Aborted by AbortReq"  # upstream's Common{Sender,Receiv
 ABORT_REASONS = (ABORT_TAG, UPSTREAM_ABORT_REASON)
 CLIENT_ABORT_MESSAGE = "Aborted by the client."
 RELEASE_MARKER = "engine memory released"  # pd_pause.RELEASE_MARKER
-# A message that names the pause or the release ends the request as a pause abort
-# (end cause "pause"), never as a client abort or a failure (pd_pause.PAUSE_MARKERS).
+# A message naming the pause or the release ends the request as a pause abort (end cause "pause").
 PAUSE_MARKERS = ("pause_generation", RELEASE_MARKER)
 PEER_WHY = " was aborted: "  # peer_reason: what the peer is told, then why
-REJECTED = "rejected by"  # a scheduler's rejection, told to the peer with its message
+REJECTED = "rejected by"  # a tokenizer's or scheduler's rejection, told to the peer with its message
 
 # Per request, set by the module that decided its end (read only here).
 PAUSE_ABORT = "_fork_pause_abort"  # pd_pause: the pause/release message
 REQUESTED_ABORT = "fork_abort_verdict"  # abort_retirement: (message, status) the AbortReq asked for
 DEADLINE_EXPIRED = "fork_transfer_deadline_message"  # transfer_deadline: its message
 
-# What the client is answered when a PD request ends on a failure path, first match
-# wins. Each row: (cause, HTTP status or None for "the one the row carries"), why:
-#  - deadline (504): the request outlived its transfer deadline; whatever failed
-#    meanwhile is a consequence of waiting too long.
-#  - pause (upstream's abort answer: 200, finish_reason "abort", the pause/release
-#    message): pause/release ended it, as upstream answers a request its pause
-#    aborted; RL clients recycle exactly that as a partial rollout. The transfer
-#    failure it caused is not the client's problem.
-#  - requested abort (the AbortReq's own): a client abort (200 abort), an SLA abort
-#    (503): the failure of its room is the abort's consequence.
-#  - peer abort (client abort answer): the peer ended the room because its request was
-#    aborted there (a pause or release there: its message, counted "pause"; its
-#    scheduler's rejection: "rejected by ..." with the rejection's message).
-#  - the failure itself: its message; status 504 / 503 / 502 if the reason names a
-#    deadline (504), a lost peer (502) or a release (the abort answer: the peer's
-#    reason crossed the wire), else the caller's (500).
-# Statuses are HTTPStatus members, never plain ints: upstream's OpenAI streaming path
-# treats an abort as an error event only when isinstance(status_code, HTTPStatus); a
-# plain 504 there ends the stream as a graceful abort.
-VERDICT_TABLE = (
-    ("deadline", HTTPStatus.GATEWAY_TIMEOUT),
-    ("pause", None),
-    ("requested_abort", None),
-    ("peer_abort", None),
-    ("failure", None),
-)
-# Reasons that, carried in a message, set the status of the row that kept it.
-MESSAGE_STATUS = (("deadline_tag", HTTPStatus.GATEWAY_TIMEOUT), ("release", None))
+# What the client is answered when a PD request ends on a failure path: the first cause
+# found wins (the statuses and why each row wins: docs/layout.md). Statuses are HTTPStatus
+# members, never plain ints: upstream's OpenAI streaming path treats an abort as an error
+# event only when isinstance(status_code, HTTPStatus).
+VERDICT_TABLE = ("deadline", "pause", "requested_abort", "peer_abort", "failure")
 
 
-# What a message says, by the texts that say it.
-MARKERS = {
-    "deadline_tag": (DEADLINE_TAG,),
-    "release": PAUSE_MARKERS,  # the pause's or a release's message
-    "peer_abort": ABORT_REASONS,
-    "peer_lost": (PEER_LOST_TAG, UPSTREAM_PREFILL_LOST),
-}
+def lost_peer_status(error_message: str, status_code: Any) -> Any:
+    """502 for a request that ended because its peer was lost; else `status_code`."""
+    lost = error_message and any(t in error_message for t in (PEER_LOST_TAG, UPSTREAM_PREFILL_LOST))
+    return HTTPStatus.BAD_GATEWAY if lost else status_code
 
 
 def verdict(req: Any, error_message: str, status_code: Any) -> Tuple[str, Any]:
     """(message, status) `prepare_abort` reports for `req`, by VERDICT_TABLE."""
     text = str(error_message or "")
-    markers = MARKERS
     found = {
         "deadline": getattr(req, DEADLINE_EXPIRED, None),
         "pause": getattr(req, PAUSE_ABORT, None),
         "requested_abort": getattr(req, REQUESTED_ABORT, None),
-        "peer_abort": any(t in text for t in markers["peer_abort"]) or None,
+        "peer_abort": any(t in text for t in ABORT_REASONS) or None,
         "failure": True,
     }
-    for cause, status in VERDICT_TABLE:
-        if found[cause] is None:
-            continue
-        if cause == "deadline":
-            return found[cause], status
-        if cause == "pause":
-            message, status = found[cause], status
-        elif cause == "requested_abort":
-            message, status = found[cause]
-        elif cause == "peer_abort" and any(t in text for t in markers["release"]):
-            # the peer's pause or release ended it: its message (peer_reason)
-            message, status = text.rsplit(PEER_WHY, 1)[-1], None
-        elif cause == "peer_abort":
-            # the peer's client aborted it (upstream's abort message), or the peer's
-            # scheduler rejected it (named): an abort answer either way
-            request_end_cause.tag_req(req, request_end_cause.CLIENT_ABORT)
-            said = text.rsplit(PEER_WHY, 1)[-1] if PEER_WHY + REJECTED in text else None
-            message, status = said or CLIENT_ABORT_MESSAGE, None
-        else:
-            message = error_message
-            if any(t in text for t in markers["peer_lost"]):
-                status = HTTPStatus.BAD_GATEWAY
-            else:
-                status = status_code
-        for name, by_message in MESSAGE_STATUS:
-            if any(t in str(message or "") for t in markers[name]):
-                if name == "release":  # counted as the pause's end, not a failure
-                    request_end_cause.tag_req(req, request_end_cause.PAUSE)
-                else:  # the peer's deadline ended it: answered 504, counted as a timeout
-                    request_end_cause.tag_req(req, request_end_cause.TIMEOUT)
-                return message, by_message
-        return message, status
-    raise AssertionError("VERDICT_TABLE ends with the failure row")
+    cause = next(c for c in VERDICT_TABLE if found[c] is not None)
+    if cause == "deadline":
+        return found[cause], HTTPStatus.GATEWAY_TIMEOUT
+    if cause == "pause":
+        message, status = found[cause], None
+    elif cause == "requested_abort":
+        message, status = found[cause]
+    elif cause == "peer_abort" and any(t in text for t in PAUSE_MARKERS):  # the peer's pause or release
+        message, status = text.rsplit(PEER_WHY, 1)[-1], None
+    elif cause == "peer_abort":  # the peer's client abort, or its scheduler's rejection (named)
+        request_end_cause.tag_req(req, request_end_cause.CLIENT_ABORT)
+        said = text.rsplit(PEER_WHY, 1)[-1] if PEER_WHY + REJECTED in text else None
+        message, status = said or CLIENT_ABORT_MESSAGE, None
+    else:
+        message, status = error_message, lost_peer_status(text, status_code)
+    said = str(message or "")
+    if DEADLINE_TAG in said:  # the peer's deadline ended it: 504, counted as a timeout
+        request_end_cause.tag_req(req, request_end_cause.TIMEOUT)
+        return message, HTTPStatus.GATEWAY_TIMEOUT
+    if any(t in said for t in PAUSE_MARKERS):  # the pause's or a release's end, not a failure
+        request_end_cause.tag_req(req, request_end_cause.PAUSE)
+        return message, None
+    return message, status
 
 
 def prepare_abort_verdict(original, req, error_message, status_code=None, *args, **kwargs):
@@ -518,34 +427,20 @@ def prepare_abort_verdict(original, req, error_message, status_code=None, *args,
 # ----------------------------------------------------------------------------- telling prefill
 
 
-def tell_prefill(host: Optional[str], port: Optional[int], room: Optional[int], why: str) -> bool:
-    """Tell the prefill at bootstrap `host:port` that decode ended `room` (never created
-    on decode's scheduler, or created before prefill's info was fetched). Returns at
-    once; a worker thread fetches prefill's rank endpoints from its bootstrap server
-    (cached) and sends upstream's ABORT to each rank, so prefill fails its copy at once
-    or, if it has not created it yet, at creation (cancelled_rooms)."""
-    if host is None or port is None or room is None:
-        return False
-    _teller().submit(f"{host}:{port}", int(room), why)
-    return True
+def tell_prefill(host: Optional[str], port: Optional[int], room: Optional[int], why: str) -> None:
+    """Decode ended `room` before prefill heard of it: the teller thread sends prefill ABORT."""
+    if host is not None and port is not None and room is not None:
+        _teller().submit(f"{host}:{port}", int(room), why)
 
 
 def tell_own_bootstrap(host: Optional[str], port: Optional[int], room: Optional[int], rid: Any, why: str) -> None:
-    """Prefill ended `room` before its scheduler created it (its pause gate, its
-    scheduler's rejection): tell prefill's own bootstrap thread (`host:port` is prefill's
-    own), which answers decode's handshake Failed now or when it lands
-    (`_ended_on_prefill`). Returns at once (the same worker thread as `tell_prefill`)."""
+    """Prefill ended `room` before its scheduler: the teller tells its own bootstrap thread."""
     if host is not None and port is not None and room is not None:
         _teller().submit(f"{host}:{port}", int(room), why, reason=peer_reason(rid, room, "prefill", why))
 
 
 def ended_at_gate(role: Any, obj: Any, why: str) -> None:
-    """A request one side's tokenizer ended before sending it to its scheduler (pause
-    gate). Decode: its prefill copy must not wait for a handshake that will never come
-    (`tell_prefill`). Prefill: its decode copy must not wait for KV that will never
-    come: prefill's own bootstrap thread is told (the request's bootstrap address is
-    prefill's own), which answers decode's handshake Failed, now or when it arrives
-    (`_ended_on_prefill`)."""
+    """A request one side's tokenizer ended (pause gate): the other side's copy is told."""
     role = str(getattr(role, "value", role))
     if role not in ("decode", "prefill"):
         return
@@ -582,19 +477,14 @@ ENDED_ON_PREFILL = b"~fork-ended-on-prefill"
 
 
 def peer_reason(rid: Any, room: int, side: str, why: Optional[str] = None) -> str:
-    """What the peer is told of a request `side` ended; `why` (the abort's message) only
-    for a pause or release end, so the peer ends its copy as that too (`verdict`), or
-    for a scheduler's rejection (the peer answers naming it)."""
+    """What the peer is told of a request `side` ended (`why` only for a pause or rejection)."""
     told_why = why and (any(m in str(why) for m in PAUSE_MARKERS) or str(why).startswith(REJECTED))
     said = f"{PEER_WHY}{why}" if told_why else " was aborted."
     return f"{ABORT_TAG} on {side}: request {rid} (bootstrap_room={room}){said}"
 
 
 def _ended_on_prefill(ledger: "RoomLedger", room: int, reason: str) -> None:
-    """Prefill's bootstrap thread (the one that stores decode's handshakes, so none
-    races this): a request prefill's tokenizer ended before its scheduler saw it. A
-    handshake already here is answered Failed now and dropped; one still to come is
-    answered when it lands (`around_update_status`)."""
+    """Bootstrap thread: answer decode's handshake for a room prefill ended, now or when it lands."""
     mgr = ledger.mgr
     with ledger.lock:
         if room in ledger.owned:  # a live sender owns the number: not this request's room
@@ -609,11 +499,7 @@ def _ended_on_prefill(ledger: "RoomLedger", room: int, reason: str) -> None:
 
 
 def after_send_abort_output(result: Any, scheduler: Any, abort_req: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
-    """AFTER `Scheduler.send_abort_output`: a request one side's scheduler rejected
-    before it entered that side's first PD queue (its room never existed there:
-    priority, validation, a full queue) still ends the other side's copy at once --
-    decode's rejection through prefill's ABORT, prefill's through its own bootstrap
-    thread, as at the gate (`ended_at_gate`)."""
+    """AFTER Scheduler.send_abort_output: a scheduler's rejection ends the other side's copy."""
     from sglang.srt.disaggregation.utils import DisaggregationMode, TransferBackend
 
     mode = scheduler.disaggregation_mode
@@ -630,12 +516,9 @@ def after_send_abort_output(result: Any, scheduler: Any, abort_req: Any, req: An
 
 
 def after_ensure_abort_notified(result: Any, receiver: Any, *args: Any, **kwargs: Any) -> Any:
-    """AFTER `CommonKVReceiver.ensure_abort_notified` (decode; the one hook on it).
-    A room decode ended before it knew prefill's rank endpoints (the first request to
-    that prefill) sent no ABORT: tell prefill through its bootstrap server instead
-    (once per receiver). A room armed for prefill's drain ack is noted against that
-    prefill, so its loss settles it; a prefill already lost is acked for at once (it
-    will never ack, and no write of it can still land)."""
+    """AFTER `CommonKVReceiver.ensure_abort_notified` (decode): a room ended before prefill's
+    rank endpoints were known is told through prefill's bootstrap server (once); a room
+    armed for prefill's drain ack is noted against that prefill (its loss settles it)."""
     addr = upstream(receiver, "bootstrap_addr")
     if not (receiver.abort_notified or getattr(receiver, "bootstrap_infos", None) is not None  # set lazily
             or getattr(receiver, "_fork_told_prefill", False)
@@ -662,7 +545,7 @@ class _Teller:
     """One daemon thread per process; a bounded queue (a full one drops, logged)."""
 
     def __init__(self):
-        self.q: "queue.Queue[Tuple[str, int, str]]" = queue.Queue(maxsize=4096)
+        self.q: "queue.Queue[Tuple[str, int, str, Optional[str]]]" = queue.Queue(maxsize=4096)
         self.endpoints: Dict[str, List[dict]] = {}
         self.thread = threading.Thread(target=self._run, name="ForkRoomLedgerTeller", daemon=True)
         self.thread.start()
@@ -714,30 +597,19 @@ def _teller() -> _Teller:
 
 
 def _rank_endpoints(addr: str) -> List[dict]:
-    """Every prefill rank's {rank_ip, rank_port} from its bootstrap server (upstream's
-    /route: first the parallel layout, then each rank)."""
+    """Every prefill rank's {rank_ip, rank_port} from its bootstrap server's /route."""
     import requests
 
-    layout = requests.get(
-        f"http://{addr}/route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1",
-        timeout=5,
-    )
-    layout.raise_for_status()
-    info = layout.json()
-    out, seen = [], set()
-    for dp in range(int(info.get("dp_size") or 1)):
-        for cp in range(int(info.get("attn_cp_size") or 1)):
-            for tp in range(int(info.get("attn_tp_size") or 1)):
-                for pp in range(int(info.get("pp_size") or 1)):
-                    r = requests.get(
-                        f"http://{addr}/route?prefill_dp_rank={dp}&prefill_cp_rank={cp}"
-                        f"&target_tp_rank={tp}&target_pp_rank={pp}",
-                        timeout=5,
-                    )
-                    r.raise_for_status()
-                    rank = r.json()
-                    key = (rank["rank_ip"], rank["rank_port"])
-                    if key not in seen:
-                        seen.add(key)
-                        out.append(rank)
-    return out
+    def route(dp: int, cp: int, tp: int, pp: int) -> dict:
+        r = requests.get(f"http://{addr}/route?prefill_dp_rank={dp}&prefill_cp_rank={cp}"
+                         f"&target_tp_rank={tp}&target_pp_rank={pp}", timeout=5)
+        r.raise_for_status()
+        return r.json()
+
+    info = route(-1, -1, -1, -1)
+    sizes = (int(info.get(k) or 1) for k in ("dp_size", "attn_cp_size", "attn_tp_size", "pp_size"))
+    ranks = {}
+    for dp, cp, tp, pp in itertools.product(*(range(n) for n in sizes)):
+        rank = route(dp, cp, tp, pp)
+        ranks.setdefault((rank["rank_ip"], rank["rank_port"]), rank)
+    return list(ranks.values())

@@ -1,9 +1,7 @@
 """Transfer deadlines: no PD request stays in one transfer stage longer than the deadline.
 
-BEFORE hooks on each PD queue's poll (scheduler thread) end, through the room ledger, every
-request in that stage longer than `transfer_deadline_knob.configured()` on `engine_clock`
-(504, the peer told); only rank 0 decides, the poll's all-reduce spreads it. What and why:
-docs/transfer-deadline.md.
+BEFORE each PD queue's poll (scheduler thread, rank 0 decides), an overdue request ends through
+the ledger (504, the peer told). What and why: docs/transfer-deadline.md.
 """
 
 from __future__ import annotations
@@ -25,21 +23,18 @@ logger = logging.getLogger(__name__)
 _STAMP = "fork_transfer_stage"
 _EXPIRED = room_ledger.DEADLINE_EXPIRED
 
-# A queue is scanned at most every deadline/SCAN_DIVISOR seconds (capped at
-# MAX_SCAN_INTERVAL): a request is seen entering a stage at most one interval late and
-# expires at most two intervals late, and a 10k-request queue is not walked each pass.
+# A queue is scanned at most every deadline/SCAN_DIVISOR s (capped): a request expires at
+# most two intervals late, and a 10k-request queue is not walked each pass.
 SCAN_DIVISOR = 50
 MAX_SCAN_INTERVAL = 1.0
 
-# Expired requests by stage in this process (what the Prometheus counter also counts).
 COUNTS: Counter = Counter()
 _next_scan: dict = {}
 _NEVER = float("-inf")
 
 
 def overdue(stage: str, reqs: Sequence[Any], now: float, deadline: float) -> List[Tuple[int, float]]:
-    """(index, seconds in stage) for each request of `reqs` past `deadline` in `stage`.
-    A request seen in `stage` for the first time is stamped with `now`."""
+    """(index, seconds in stage) of each request past `deadline` in `stage` (a new one is stamped `now`)."""
     late = []
     for i, req in enumerate(reqs):
         stamp = getattr(req, _STAMP, None)
@@ -71,8 +66,7 @@ def _decides() -> bool:
 
 
 def _expire(scheduler, stage: str, queue: Sequence[Any], side: str, keep=None) -> None:
-    """Expire the overdue entries of `queue` (prefill: Req; decode: DecodeRequest),
-    only those `keep` accepts if given."""
+    """Expire the overdue entries of `queue` (prefill: Req; decode: DecodeRequest) `keep` accepts."""
     if not queue:
         return
     now = engine_clock.now()
@@ -82,8 +76,7 @@ def _expire(scheduler, stage: str, queue: Sequence[Any], side: str, keep=None) -
     _next_scan[stage] = now + min(deadline / SCAN_DIVISOR, MAX_SCAN_INTERVAL)
     reqs = queue if side == "prefill" else [entry.req for entry in queue]
     for i, elapsed in overdue(stage, reqs, now, deadline):
-        # `keep` only for the overdue ones: upstream's is_aborted costs ~8 µs a request,
-        # which made a scan of 10k waiting requests 7x dearer than the other stages'.
+        # `keep` only for the overdue ones: upstream's is_aborted costs ~8 µs a request
         if keep is not None and not keep(queue[i]):
             continue
         req = reqs[i]
@@ -102,14 +95,12 @@ def _expire(scheduler, stage: str, queue: Sequence[Any], side: str, keep=None) -
         fork_metrics.inc("transfer_timeout", fork_metrics.scheduler_labels(scheduler), stage=stage)
 
 
-def before_pop_bootstrapped(queue, *args, **kwargs):
-    """BEFORE PrefillBootstrapQueue.pop_bootstrapped."""
+def before_pop_bootstrapped(queue, *args, **kwargs):  # BEFORE PrefillBootstrapQueue.pop_bootstrapped
     _expire(queue.scheduler, PREFILL_BOOTSTRAP, queue.queue, "prefill")
 
 
 def before_resolve_waiting(scheduler, *args, **kwargs):
-    """BEFORE SchedulerDisaggregationPrefillMixin.resolve_waiting_queue_bootstrap:
-    the requests it polls (PD, not aborted)."""
+    """BEFORE SchedulerDisaggregationPrefillMixin.resolve_waiting_queue_bootstrap (PD, not aborted)."""
     from sglang.srt.disaggregation.utils import is_aborted
 
     _expire(
@@ -118,18 +109,15 @@ def before_resolve_waiting(scheduler, *args, **kwargs):
     )
 
 
-def before_prefill_inflight(scheduler, *args, **kwargs):
-    """BEFORE SchedulerDisaggregationPrefillMixin.process_disagg_prefill_inflight_queue."""
+def before_prefill_inflight(scheduler, *args, **kwargs):  # BEFORE process_disagg_prefill_inflight_queue
     _expire(scheduler, PREFILL_INFLIGHT, scheduler.disagg_prefill_inflight_queue, "prefill")
 
 
-def before_pop_preallocated(queue, *args, **kwargs):
-    """BEFORE DecodePreallocQueue.pop_preallocated."""
+def before_pop_preallocated(queue, *args, **kwargs):  # BEFORE DecodePreallocQueue.pop_preallocated
     _expire(queue.scheduler, DECODE_PREALLOC, queue.queue, "decode")
 
 
-def before_pop_transferred(queue, *args, **kwargs):
-    """BEFORE DecodeTransferQueue.pop_transferred."""
+def before_pop_transferred(queue, *args, **kwargs):  # BEFORE DecodeTransferQueue.pop_transferred
     _expire(queue.scheduler, DECODE_TRANSFER, queue.queue, "decode")
 
 

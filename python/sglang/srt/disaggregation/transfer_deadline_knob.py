@@ -1,8 +1,6 @@
-"""The transfer deadline knob: one value, checked before anything starts.
-
-`--disaggregation-transfer-timeout` wins over `SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT`
-(default 600 s); both are validated while ServerArgs resolve (`validate`, before any
-process is spawned). Light on purpose: imported by the arg parser.
+"""The transfer deadline knob: `--disaggregation-transfer-timeout` wins over
+`SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT` (default 600 s); both validated while ServerArgs
+resolve. Light on purpose: imported by the arg parser. Also the fork's `positive_seconds`.
 """
 
 from __future__ import annotations
@@ -30,8 +28,7 @@ class TransferTimeoutError(ValueError):
 
 def positive_seconds(value, source: str, what: str, accepted: str, error: type = ValueError,
                      zero: bool = False) -> float:
-    """`value` as a finite number of seconds > 0 (>= 0 with `zero`), else `error` naming
-    `source` (the knob), what it is not, and what is accepted. Shared by the fork's knobs."""
+    """`value` as finite seconds > 0 (>= 0 with `zero`), else `error` naming the knob `source`."""
     try:
         seconds = float(value)
     except (TypeError, ValueError):
@@ -55,8 +52,7 @@ def parse_arg(text: str) -> float:
 
 
 def validate(arg_value: Optional[float]) -> float:
-    """Check the server argument and the environment variable (both, whichever is
-    set); returns the deadline in effect."""
+    """Check the server argument and the env variable (both, when set); the deadline in effect."""
     env_value = os.environ.get(ENV)
     env_seconds = None if env_value is None else parse(env_value, ENV)
     if arg_value is not None:

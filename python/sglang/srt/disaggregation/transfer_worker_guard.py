@@ -1,9 +1,8 @@
 """A prefill transfer worker that dies does not strand its rooms.
 
-When a mooncake transfer worker thread raises, the room it was sending ends through
-the ledger (500 naming the exception, decode told), its in-flight count is dropped and
-the worker loop starts again on the same queue. Installed (a class patch, SWAPS) by a
-BEFORE hook on `PrefillBootstrapQueue._init_kv_manager`, in the scheduler process.
+When a mooncake transfer worker raises, its rooms in flight end through the ledger (500,
+decode told) and the loop starts again on the same queue. A class patch (SWAPS) installed
+BEFORE `PrefillBootstrapQueue._init_kv_manager`.
 """
 
 from __future__ import annotations
@@ -19,8 +18,7 @@ logger = logging.getLogger(__name__)
 
 
 def rooms_in_flight(kv_mgr, queue) -> list:
-    """Rooms with a chunk dequeued but not finished by the worker of `queue` (sharded as
-    MooncakeKVManager.add_transfer_request routes a room's chunks)."""
+    """Rooms with a chunk in flight on `queue`'s worker (sharded as add_transfer_request does)."""
     queues = kv_mgr.transfer_queues
     shard = next(i for i, q in enumerate(queues) if q is queue)
 
@@ -32,8 +30,7 @@ def rooms_in_flight(kv_mgr, queue) -> list:
 
 
 def around_transfer_worker(original, kv_mgr, queue, *args, **kwargs):
-    """Upstream's worker loop, run again on the same queue after it raised (it consumed
-    the failing chunk: no spin); the rooms it had in flight end through the ledger."""
+    """Upstream's worker loop, run again after it raised; its rooms end through the ledger."""
     while True:
         try:
             return original(kv_mgr, queue, *args, **kwargs)
