@@ -124,7 +124,7 @@ def paused_loop_tick(result, scheduler, *args, **kwargs):
     """AFTER Scheduler._record_scheduler_state_for_paused_engine (every iteration of
     a paused event loop): for a while after an abort, keep retiring what it failed,
     so rooms that conclude a moment later (drain acks) are answered during the
-    pause too."""
+    pause too; otherwise wait for input instead of spinning (`wait_for_input_while_paused`)."""
     sp = pd_pause.scheduler_pause(scheduler)
     if pd_pause.pd_role(scheduler) is None:
         return result
