@@ -16,7 +16,7 @@ from collections import OrderedDict
 from typing import List
 
 from sglang.srt.disaggregation import pd_queues
-from sglang.srt.managers import pd_pause
+from sglang.srt.managers import fork_touch, pd_pause
 
 logger = logging.getLogger(__name__)
 
@@ -118,15 +118,37 @@ def paused_loop_tick(result, scheduler, *args, **kwargs):
     """AFTER Scheduler._record_scheduler_state_for_paused_engine (every iteration of
     a paused event loop): for a while after an abort, keep retiring what it failed,
     so rooms that conclude a moment later (drain acks) are answered during the
-    pause too."""
+    pause too; otherwise wait for input instead of spinning (`wait_for_input_while_paused`)."""
     sp = pd_pause.scheduler_pause(scheduler)
-    if sp.released or pd_queues.role(scheduler) is None:
+    if pd_queues.role(scheduler) is None:
         return result
-    if sp.pump_until and time.monotonic() < sp.pump_until:
+    if not sp.released and sp.pump_until and time.monotonic() < sp.pump_until:
         pd_pause.pump_pd_queues(scheduler)
-    else:
-        sp.pump_until = 0.0
+        return result
+    sp.pump_until = 0.0
+    wait_for_input_while_paused(scheduler)
     return result
+
+
+# Upstream's paused loop polls its input sockets without blocking, so a paused PD
+# scheduler spun a core for the whole pause (and in abort mode, which upstream never
+# tells the scheduler, the fork's pause made it spin where upstream's slept): on 2
+# shared cores the HTTP processes answering the paused requests, the peer server and
+# the weight load waited for that core (bench/README.md). With nothing to pump, the
+# paused loop now waits on the same sockets upstream's idle sleeper waits on (any
+# request, continue_generation or an abort wakes it at once), at most this long.
+PAUSED_INPUT_WAIT_MS = 50
+
+
+def wait_for_input_while_paused(scheduler) -> None:
+    """Block until the scheduler's input sockets have a request, at most
+    PAUSED_INPUT_WAIT_MS, through upstream's idle sleeper (--sleep-on-idle; without it
+    the loop spins as upstream's does)."""
+    from sglang.srt.managers.scheduler_components.idle_sleeper import IdleSleeper
+
+    sleeper = fork_touch.upstream(scheduler, "idle_sleeper")
+    if isinstance(sleeper, IdleSleeper):  # zmq sockets (not the Rust server's ring)
+        fork_touch.upstream(sleeper, "poller").poll(PAUSED_INPUT_WAIT_MS)
 
 
 def _holds_in_batch(scheduler, recv_req) -> bool:
