@@ -65,8 +65,22 @@ def tiny_model() -> Path:
 # module gets a fresh one): nothing a module did leaks into another. The modules that
 # claim a shared deployment run next to each other (pytest_collection_modifyitems), and
 # each shared deployment is taken apart after the last module that claims it.
-SHARED_FIXTURES = {"shared_pd": "pd", "shared_single": "single"}
-SHARED_ROLES = {"pd": ("prefill", "decode"), "single": ("single",)}
+#
+# "liveness" is the 1P1D of the modules that kill, freeze and restart a peer
+# (test_peer_liveness_e2e, test_room_ledger_e2e): fast peer-loss detection (a 2 s
+# heartbeat, upstream's floor), the transfer deadline as the fallback (15 s, well above
+# detection) and schedulers that reject a request naming a priority. Each knob is inert
+# until its event (a lost peer, a transfer past 15 s, a priority), so the two modules
+# share one start; each asserts the env it relies on (shared_env). A server a module
+# killed is restarted by that module, on the same ports, before it hands it back.
+LIVENESS_ENV = {
+    "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": "2.0",
+    "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": "2",
+    "SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT": "15.0",
+}
+LIVENESS_ARGS = ("--abort-on-priority-when-disabled",)
+SHARED_FIXTURES = {"shared_pd": "pd", "shared_single": "single", "shared_liveness": "liveness"}
+SHARED_ROLES = {"pd": ("prefill", "decode"), "single": ("single",), "liveness": ("prefill", "decode")}
 PROBE_TEXT = "shared deployment probe: the quick brown fox"
 PROBE_TOKENS = 4
 PROBE_TIMEOUT_S = 60.0
@@ -83,7 +97,9 @@ def _shared_keys(item) -> "set[str]":
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(session, config, items):
     """Run the modules that claim a shared deployment next to each other (those that
-    claim the 1P1D first, then those that claim only the control server; otherwise in
+    claim the 1P1D first, then those that claim only the control server, then the
+    peer-liveness 1P1D; among them, a module that kills shared servers
+    (KILLS_SHARED_SERVERS = True) after those that only serve through them; otherwise in
     collection order, each module's tests in their order), where the first of them
     was, and note the last module that claims each deployment."""
     modules: "list[str]" = []
@@ -99,7 +115,9 @@ def pytest_collection_modifyitems(session, config, items):
         keys[name] |= _shared_keys(item)
     users = [m for m in modules if keys[m]]
     if users:
-        grouped = sorted(users, key=lambda m: ("pd" not in keys[m], "single" not in keys[m], modules.index(m)))
+        kills = {m: bool(getattr(by_module[m][0].module, "KILLS_SHARED_SERVERS", False)) for m in users}
+        grouped = sorted(users, key=lambda m: (
+            "pd" not in keys[m], kills[m], *(key not in keys[m] for key in SHARED_ROLES), modules.index(m)))
         order = []
         for m in modules:
             if m == users[0]:
@@ -131,6 +149,9 @@ class SharedDeployments:
             return PDCluster(self.model)
         if key == "single":
             return SingleServer(self.model)
+        if key == "liveness":
+            return PDCluster(self.model, prefill_env=LIVENESS_ENV, decode_env=LIVENESS_ENV,
+                             prefill_args=LIVENESS_ARGS, decode_args=LIVENESS_ARGS)
         raise KeyError(key)
 
     def url(self, key: str) -> str:
@@ -252,6 +273,30 @@ def shared_single(shared_deployments, request):
     yield from _claim(shared_deployments, "single", request)
 
 
+@pytest.fixture(scope="module")
+def shared_liveness(shared_deployments, request):
+    """A claim on the shared peer-liveness 1P1D (LIVENESS_ENV, LIVENESS_ARGS)."""
+    yield from _claim(shared_deployments, "liveness", request)
+
+
+def shared_env(deployment: Deployment, roles, env, args=()) -> None:
+    """Fail unless every role of a shared deployment runs with `env` and `args` (what
+    the module's bounds and cases are derived from)."""
+    for role in roles:
+        have = deployment[role].env
+        missing = {k: v for k, v in env.items() if have.get(k) != v}
+        missing.update({a: "argument" for a in args if a not in deployment[role].argv})
+        assert not missing, f"shared {role} lacks {missing}"
+
+
+def resume_frozen(deployment: Deployment) -> None:
+    """Resume every live server of a deployment (a test may have failed while it was
+    frozen) before the deployment is checked and handed back."""
+    for server in deployment.servers.values():
+        if server.is_alive():
+            server.resume()
+
+
 class Deployments:
     """Starts deployments for one test module and takes them all apart after it
     (resuming frozen servers first). `pd(...)` takes PDCluster's keywords;
@@ -348,15 +393,18 @@ def decode_h():
         yield h
 
 
-# The production Rust gateway (sglang-router, its defaults) with self-registered
-# engines, a mini LB over the same engines and a plain control server.
+# The production Rust gateway (sglang-router, its defaults) over the engines of the
+# shared default 1P1D, which register themselves with it; that 1P1D's own mini LB is the
+# mini LB over the same engines; and the plain control server.
 @pytest.fixture(scope="module")
-def gateway_deployment(deployments, shared_single):
-    """(PDCluster(balancer="router"), MiniLB over its engines, the shared SingleServer)."""
-    from testing.pd_cluster import MiniLB
+def gateway_deployment(shared_deployments, shared_pd, shared_single, deployments):
+    """(Gateway over the shared 1P1D's engines, the shared 1P1D (its url: the mini LB
+    over the same engines), the shared SingleServer). The gateway is the module's own
+    (taken apart after it, before the 1P1D is checked and handed back)."""
+    from testing.pd_cluster import Gateway
 
-    cluster, single = deployments.pd_and_single(shared_single, balancer="router")
-    mini = MiniLB(cluster["prefill"].url, cluster.bootstrap_port, cluster["decode"].url,
-                  log_dir=str(cluster.log_dir))
-    deployments._start(mini)
-    return cluster, mini, single
+    shared_deployments.take(shared_pd, shared_single)
+    pd = shared_pd.deployment
+    gateway = Gateway(pd)
+    deployments._start(gateway)
+    return gateway, pd, shared_single.deployment
