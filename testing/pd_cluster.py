@@ -736,58 +736,6 @@ class PDCluster(Deployment):
         return parse_prometheus(body.decode())
 
 
-class Gateway(PDCluster):
-    """The production Rust gateway (role 'lb', as PDCluster(balancer="router") starts
-    it: no workers on its command line, its own defaults unless `lb_args` says
-    otherwise) over the prefill and decode engines of a 1P1D that already runs; each
-    engine registers itself once the gateway is healthy. The engines are reachable as
-    gateway["prefill"] / ["decode"] (a test may kill and restart them on their ports);
-    launch and teardown start and stop the gateway alone, the engines stay their
-    deployment's."""
-
-    def __init__(self, engines: PDCluster, *, lb_env: Optional[Mapping[str, str]] = None,
-                 lb_args: Sequence[str] = (), log_dir: Optional[str] = None):
-        Deployment.__init__(self, log_dir)
-        self.balancer = "router"
-        self.engines = engines
-        self.bootstrap_port = engines.bootstrap_port
-        lb_port, self.prometheus_port = free_ports(2)
-        for role in ("prefill", "decode"):
-            self.servers[role] = engines[role]
-        self._add("lb", [
-            fork_python(), "-m", "sglang_router.launch_router", "--pd-disaggregation",
-            "--host", HOST, "--port", str(lb_port),
-            "--prometheus-host", HOST, "--prometheus-port", str(self.prometheus_port),
-            *lb_args,
-        ], _role_env(lb_env), lb_port)
-
-    def launch(self) -> "Gateway":
-        try:
-            self.servers["lb"].start()
-        except BaseException:
-            self.teardown()
-            raise
-        self._t0 = time.monotonic()
-        return self
-
-    def wait_healthy(self, timeout: float = DEFAULT_HEALTH_TIMEOUT) -> "Gateway":
-        try:
-            self.servers["lb"].wait_healthy(timeout)
-            self.startup_seconds["lb"] = time.monotonic() - self._t0
-            for role in ("prefill", "decode"):
-                self.register_worker(role)
-        except BaseException:
-            self.teardown()
-            raise
-        return self
-
-    def teardown(self) -> None:
-        try:
-            self.servers["lb"].kill()
-        except Exception as e:
-            raise ClusterError(f"teardown left processes: {e}") from e
-
-
 class MiniLB(Deployment):
     """A mini load balancer (role 'mini_lb') in front of engines that already run, e.g.
     beside the Rust gateway of a PDCluster(balancer="router") to compare the two."""

@@ -97,11 +97,10 @@ def _shared_keys(item) -> "set[str]":
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(session, config, items):
     """Run the modules that claim a shared deployment next to each other (those that
-    claim the 1P1D first, then those that claim only the control server, then the
-    peer-liveness 1P1D; among them, a module that kills shared servers
-    (KILLS_SHARED_SERVERS = True) after those that only serve through them; otherwise in
-    collection order, each module's tests in their order), where the first of them
-    was, and note the last module that claims each deployment."""
+    claim the 1P1D first, then those that claim only the control server, then those
+    that claim the peer-liveness 1P1D; otherwise in collection order, each module's
+    tests in their order), where the first of them was, and note the last module that
+    claims each deployment."""
     modules: "list[str]" = []
     keys: "dict[str, set]" = {}
     by_module: "dict[str, list]" = {}
@@ -115,9 +114,7 @@ def pytest_collection_modifyitems(session, config, items):
         keys[name] |= _shared_keys(item)
     users = [m for m in modules if keys[m]]
     if users:
-        kills = {m: bool(getattr(by_module[m][0].module, "KILLS_SHARED_SERVERS", False)) for m in users}
-        grouped = sorted(users, key=lambda m: (
-            "pd" not in keys[m], kills[m], *(key not in keys[m] for key in SHARED_ROLES), modules.index(m)))
+        grouped = sorted(users, key=lambda m: (*(key not in keys[m] for key in SHARED_ROLES), modules.index(m)))
         order = []
         for m in modules:
             if m == users[0]:
@@ -393,18 +390,15 @@ def decode_h():
         yield h
 
 
-# The production Rust gateway (sglang-router, its defaults) over the engines of the
-# shared default 1P1D, which register themselves with it; that 1P1D's own mini LB is the
-# mini LB over the same engines; and the plain control server.
+# The production Rust gateway (sglang-router, its defaults) with self-registered
+# engines, a mini LB over the same engines and a plain control server.
 @pytest.fixture(scope="module")
-def gateway_deployment(shared_deployments, shared_pd, shared_single, deployments):
-    """(Gateway over the shared 1P1D's engines, the shared 1P1D (its url: the mini LB
-    over the same engines), the shared SingleServer). The gateway is the module's own
-    (taken apart after it, before the 1P1D is checked and handed back)."""
-    from testing.pd_cluster import Gateway
+def gateway_deployment(deployments, shared_single):
+    """(PDCluster(balancer="router"), MiniLB over its engines, the shared SingleServer)."""
+    from testing.pd_cluster import MiniLB
 
-    shared_deployments.take(shared_pd, shared_single)
-    pd = shared_pd.deployment
-    gateway = Gateway(pd)
-    deployments._start(gateway)
-    return gateway, pd, shared_single.deployment
+    cluster, single = deployments.pd_and_single(shared_single, balancer="router")
+    mini = MiniLB(cluster["prefill"].url, cluster.bootstrap_port, cluster["decode"].url,
+                  log_dir=str(cluster.log_dir))
+    deployments._start(mini)
+    return cluster, mini, single

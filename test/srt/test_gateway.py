@@ -2,9 +2,9 @@
 --pd-disaggregation` without `--mini-lb`, its default retries / circuit breaker /
 health checks), engines self-registered with `POST /workers` as RL frameworks do.
 
-One deployment for the module (conftest.gateway_deployment: the gateway over the
-engines of the shared default 1P1D, that 1P1D's mini LB over the same engines, the
-plain control server); each test starts by checking the deployment is idle.
+One deployment for the module (conftest.gateway_deployment: the gateway cluster, a
+mini LB over the same engines, a plain control server); each test starts by checking
+the deployment is idle.
 """
 
 from __future__ import annotations
@@ -25,9 +25,6 @@ from testing.pd_cluster import (
 )
 
 pytestmark = pytest.mark.e2e
-# It kills and restarts the shared 1P1D's decode: run after the modules that only serve
-# through that 1P1D (conftest.pytest_collection_modifyitems).
-KILLS_SHARED_SERVERS = True
 
 PD_ROLES = ("prefill", "decode")
 N_REQUESTS = 20
