@@ -65,8 +65,22 @@ def tiny_model() -> Path:
 # module gets a fresh one): nothing a module did leaks into another. The modules that
 # claim a shared deployment run next to each other (pytest_collection_modifyitems), and
 # each shared deployment is taken apart after the last module that claims it.
-SHARED_FIXTURES = {"shared_pd": "pd", "shared_single": "single"}
-SHARED_ROLES = {"pd": ("prefill", "decode"), "single": ("single",)}
+#
+# "liveness" is the 1P1D of the modules that kill, freeze and restart a peer
+# (test_peer_liveness_e2e, test_room_ledger_e2e): fast peer-loss detection (a 2 s
+# heartbeat, upstream's floor), the transfer deadline as the fallback (15 s, well above
+# detection) and schedulers that reject a request naming a priority. Each knob is inert
+# until its event (a lost peer, a transfer past 15 s, a priority), so the two modules
+# share one start; each asserts the env it relies on (shared_env). A server a module
+# killed is restarted by that module, on the same ports, before it hands it back.
+LIVENESS_ENV = {
+    "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": "2.0",
+    "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": "2",
+    "SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT": "15.0",
+}
+LIVENESS_ARGS = ("--abort-on-priority-when-disabled",)
+SHARED_FIXTURES = {"shared_pd": "pd", "shared_single": "single", "shared_liveness": "liveness"}
+SHARED_ROLES = {"pd": ("prefill", "decode"), "single": ("single",), "liveness": ("prefill", "decode")}
 PROBE_TEXT = "shared deployment probe: the quick brown fox"
 PROBE_TOKENS = 4
 PROBE_TIMEOUT_S = 60.0
@@ -83,9 +97,10 @@ def _shared_keys(item) -> "set[str]":
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(session, config, items):
     """Run the modules that claim a shared deployment next to each other (those that
-    claim the 1P1D first, then those that claim only the control server; otherwise in
-    collection order, each module's tests in their order), where the first of them
-    was, and note the last module that claims each deployment."""
+    claim the 1P1D first, then those that claim only the control server, then those
+    that claim the peer-liveness 1P1D; otherwise in collection order, each module's
+    tests in their order), where the first of them was, and note the last module that
+    claims each deployment."""
     modules: "list[str]" = []
     keys: "dict[str, set]" = {}
     by_module: "dict[str, list]" = {}
@@ -99,7 +114,7 @@ def pytest_collection_modifyitems(session, config, items):
         keys[name] |= _shared_keys(item)
     users = [m for m in modules if keys[m]]
     if users:
-        grouped = sorted(users, key=lambda m: ("pd" not in keys[m], "single" not in keys[m], modules.index(m)))
+        grouped = sorted(users, key=lambda m: (*(key not in keys[m] for key in SHARED_ROLES), modules.index(m)))
         order = []
         for m in modules:
             if m == users[0]:
@@ -131,6 +146,9 @@ class SharedDeployments:
             return PDCluster(self.model)
         if key == "single":
             return SingleServer(self.model)
+        if key == "liveness":
+            return PDCluster(self.model, prefill_env=LIVENESS_ENV, decode_env=LIVENESS_ENV,
+                             prefill_args=LIVENESS_ARGS, decode_args=LIVENESS_ARGS)
         raise KeyError(key)
 
     def url(self, key: str) -> str:
@@ -250,6 +268,30 @@ def shared_pd(shared_deployments, request):
 def shared_single(shared_deployments, request):
     """A claim on the shared default plain control server."""
     yield from _claim(shared_deployments, "single", request)
+
+
+@pytest.fixture(scope="module")
+def shared_liveness(shared_deployments, request):
+    """A claim on the shared peer-liveness 1P1D (LIVENESS_ENV, LIVENESS_ARGS)."""
+    yield from _claim(shared_deployments, "liveness", request)
+
+
+def shared_env(deployment: Deployment, roles, env, args=()) -> None:
+    """Fail unless every role of a shared deployment runs with `env` and `args` (what
+    the module's bounds and cases are derived from)."""
+    for role in roles:
+        have = deployment[role].env
+        missing = {k: v for k, v in env.items() if have.get(k) != v}
+        missing.update({a: "argument" for a in args if a not in deployment[role].argv})
+        assert not missing, f"shared {role} lacks {missing}"
+
+
+def resume_frozen(deployment: Deployment) -> None:
+    """Resume every live server of a deployment (a test may have failed while it was
+    frozen) before the deployment is checked and handed back."""
+    for server in deployment.servers.values():
+        if server.is_alive():
+            server.resume()
 
 
 class Deployments:

@@ -19,6 +19,7 @@ import time
 
 import pytest
 
+from conftest import resume_frozen, shared_env
 from testing.pd_checks import (
     assert_idle,
     delta,
@@ -49,8 +50,14 @@ PD_ROLES = ("prefill", "decode")
 
 
 @pytest.fixture(scope="module")
-def cluster(deployments):
-    return deployments.pd(prefill_env=ENV, decode_env=ENV)
+def cluster(shared_liveness):
+    """The shared peer-liveness 1P1D (conftest), running with ENV."""
+    c = shared_liveness.deployment
+    shared_env(c, PD_ROLES, ENV)
+    try:
+        yield c
+    finally:
+        resume_frozen(c)
 
 
 @pytest.fixture(scope="module")

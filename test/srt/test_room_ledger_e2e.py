@@ -21,7 +21,7 @@ import time
 
 import pytest
 
-from conftest import assert_idle
+from conftest import assert_idle, resume_frozen, shared_env
 from testing.pd_checks import (
     at_gate,
     cluster_end_causes,
@@ -33,7 +33,6 @@ from testing.pd_checks import (
 )
 from testing.pd_cluster import (
     HOST,
-    PDCluster,
     generate,
     http_get,
     http_post_json,
@@ -61,19 +60,15 @@ IDLE_AFTER_LOSS_S = HEARTBEAT + 2.0
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_model):
-    # either scheduler rejects a request that names a priority (hole 1, a rejection)
-    c = PDCluster(str(tiny_model), prefill_env=ENV, decode_env=ENV,
-                  prefill_args=("--abort-on-priority-when-disabled",),
-                  decode_args=("--abort-on-priority-when-disabled",))
-    c.start()
+def cluster(shared_liveness):
+    """The shared peer-liveness 1P1D (conftest): ENV, and either scheduler rejects a
+    request that names a priority (hole 1, a rejection)."""
+    c = shared_liveness.deployment
+    shared_env(c, PD_ROLES, ENV, ("--abort-on-priority-when-disabled",))
     try:
         yield c
     finally:
-        for role in PD_ROLES:
-            if c[role].is_alive():
-                c[role].resume()
-        c.teardown()
+        resume_frozen(c)
 
 
 def _body(text: str, room: int, cluster, rid: str) -> dict:
