@@ -193,6 +193,19 @@ def _bootstrap_queue(server) -> int:
     return server.resources()["queues"]["prefill_bootstrap"]
 
 
+def _prefill_copy_ends_at_once(prefill, leg, t0) -> None:
+    """Prefill's copy, waiting for decode's handshake, was let go within about a second
+    of `t0` (it waited for its bootstrap timeout), answered as an abort."""
+    wait_until(lambda: _bootstrap_queue(prefill) == 0, 5, "prefill's bootstrap queue to empty",
+               interval=0.05, on_timeout=lambda: str(prefill.resources()["queues"]))
+    emptied = time.monotonic() - t0
+    leg.join(10)
+    assert not leg.is_alive(), "prefill's leg hangs"
+    assert emptied <= 1.5, emptied  # "about a second" on two loaded cores
+    assert leg.ended_at - t0 <= 5.0, leg.ended_at - t0
+    assert _abort_answer(leg), (leg.status, leg.body)
+
+
 def _gate_or_abort_answer(r) -> bool:
     """What decode's pause gate answers an aborted request, relayed by the load
     balancer: upstream's abort answer (200, finish_reason abort; issue 14)."""
@@ -276,14 +289,7 @@ def test_request_decodes_scheduler_rejects_reaches_prefill_at_once(cluster):
     status, reply = http_post_json(decode.url + "/generate", dict(_body("rejected by decode: hello", room, cluster, rid),
                                                                    priority=1), timeout=30)
     assert status == 503 and "priority" in str(reply), (status, reply)
-    wait_until(lambda: _bootstrap_queue(prefill) == 0, 5, "prefill's bootstrap queue to empty",
-               interval=0.05, on_timeout=lambda: str(prefill.resources()["queues"]))
-    emptied = time.monotonic() - t0
-    leg.join(10)
-    assert not leg.is_alive(), "prefill's leg hangs"
-    assert emptied <= 1.5, emptied  # "about a second" on two loaded cores
-    assert leg.ended_at - t0 <= 5.0, leg.ended_at - t0
-    assert _abort_answer(leg), (leg.status, leg.body)
+    _prefill_copy_ends_at_once(prefill, leg, t0)
     assert_idle(cluster, PD_ROLES, baseline, timeout=5)
     # prefill ended its copy as decode's end (an abort), not as a bootstrap failure
     assert _metric(prefill, END_CAUSES, role="prefill", cause="client_abort") == aborts + 1
@@ -382,14 +388,7 @@ def test_request_decodes_tokenizer_rejects_reaches_prefill_at_once(cluster):
     t0 = time.monotonic()
     status, reply = http_post_json(cluster["decode"].url + "/generate", _too_long(body), timeout=30)
     assert status == 400 and "context length" in str(reply), (status, reply)
-    wait_until(lambda: _bootstrap_queue(prefill) == 0, 5, "prefill's bootstrap queue to empty",
-               interval=0.05, on_timeout=lambda: str(prefill.resources()["queues"]))
-    emptied = time.monotonic() - t0
-    leg.join(10)
-    assert not leg.is_alive(), "prefill's leg hangs"
-    assert emptied <= 1.5, emptied  # "about a second" on two loaded cores
-    assert leg.ended_at - t0 <= 5.0, leg.ended_at - t0
-    assert _abort_answer(leg), (leg.status, leg.body)
+    _prefill_copy_ends_at_once(prefill, leg, t0)
     assert_idle(cluster, PD_ROLES, baseline, timeout=5)
     assert _metric(prefill, END_CAUSES, role="prefill", cause="client_abort") == aborts + 1
     assert _metric(prefill, "sglang:num_bootstrap_failed_reqs_total") == failed
