@@ -21,10 +21,6 @@ PREFILL_INFLIGHT = "prefill_inflight"  # disagg_prefill_inflight_queue (KV being
 DECODE_PREALLOC = "decode_prealloc"  # DecodePreallocQueue.queue (DecodeRequest)
 DECODE_TRANSFER = "decode_transfer"  # DecodeTransferQueue.queue (DecodeRequest)
 DECODE_RUNNING = "decode_running"  # waiting_queue (transferred), running batch
-STAGES = (
-    PREFILL_BOOTSTRAP, PREFILL_WAITING, PREFILL_RUNNING, PREFILL_INFLIGHT,
-    DECODE_PREALLOC, DECODE_TRANSFER, DECODE_RUNNING,
-)
 # The kv manager's tables keyed by room that a concluded room leaves behind (a backend may lack some).
 ROOM_TABLES = (
     "request_status", "failure_records", "transfer_infos", "req_to_decode_prefix_len", "_staging_outstanding",
@@ -42,56 +38,45 @@ def role(scheduler: Any) -> Optional[str]:
     return None
 
 
-_QUEUES = {  # queue stage -> its container: `Req` on prefill, `DecodeRequest` (`.req`, `.kv_receiver`) on decode
+def _prefill_running(s: Any) -> List[Any]:
+    last = s.last_batch.reqs if s.last_batch is not None else None
+    return ([s.chunked_req] if s.chunked_req is not None else []) + list(last or ())
+
+
+_QUEUES = {  # stage -> its requests: `Req` on prefill, `DecodeRequest` (`.req`, `.kv_receiver`) in decode's queues
     PREFILL_BOOTSTRAP: lambda s: s.disagg_prefill_bootstrap_queue.queue,
     PREFILL_WAITING: lambda s: s.waiting_queue,
+    PREFILL_RUNNING: _prefill_running,
     PREFILL_INFLIGHT: lambda s: s.disagg_prefill_inflight_queue,
     DECODE_PREALLOC: lambda s: s.disagg_decode_prealloc_queue.queue,
     DECODE_TRANSFER: lambda s: s.disagg_decode_transfer_queue.queue,
+    DECODE_RUNNING: lambda s: list(s.waiting_queue) + list(s.running_batch.reqs),
 }
-
-
-def queue_entries(scheduler: Any, stage: str) -> List[Any]:
-    return list(_QUEUES[stage](scheduler))
+_WALK = {
+    PREFILL: (PREFILL_BOOTSTRAP, PREFILL_WAITING, PREFILL_RUNNING, PREFILL_INFLIGHT),
+    DECODE: (DECODE_PREALLOC, DECODE_TRANSFER, DECODE_RUNNING),
+}
+_QUEUED = {PREFILL: (PREFILL_BOOTSTRAP, PREFILL_INFLIGHT), DECODE: (DECODE_PREALLOC, DECODE_TRANSFER)}
 
 
 def _reqs_of(scheduler: Any, stage: str) -> List[Any]:
-    entries = queue_entries(scheduler, stage)
+    entries = list(_QUEUES[stage](scheduler))
     return [e.req for e in entries] if stage in (DECODE_PREALLOC, DECODE_TRANSFER) else entries
 
 
 def walk(scheduler: Any) -> Iterator[Tuple[str, Any]]:
     """(stage, req) for every request in a PD stage, queues first (a request may appear twice)."""
-    r = role(scheduler)
-    if r == PREFILL:
-        for stage in (PREFILL_BOOTSTRAP, PREFILL_WAITING):
-            for req in _reqs_of(scheduler, stage):
-                yield stage, req
-        if scheduler.chunked_req is not None:
-            yield PREFILL_RUNNING, scheduler.chunked_req
-        last = scheduler.last_batch
-        for req in (last.reqs if last is not None else None) or ():
-            yield PREFILL_RUNNING, req
-        for req in _reqs_of(scheduler, PREFILL_INFLIGHT):
-            yield PREFILL_INFLIGHT, req
-    elif r == DECODE:
-        for stage in (DECODE_PREALLOC, DECODE_TRANSFER):
-            for req in _reqs_of(scheduler, stage):
-                yield stage, req
-        for req in list(scheduler.waiting_queue) + list(scheduler.running_batch.reqs):
-            yield DECODE_RUNNING, req
+    for stage in _WALK.get(role(scheduler), ()):
+        for req in _reqs_of(scheduler, stage):
+            yield stage, req
 
 
 def queued_reqs(scheduler: Any) -> List[Any]:
     """Requests in this scheduler's PD queues and waiting queue (prefill: and its chunked request)."""
     r = role(scheduler)
-    reqs = list(scheduler.waiting_queue)
-    if r == PREFILL:
-        reqs += _reqs_of(scheduler, PREFILL_BOOTSTRAP) + _reqs_of(scheduler, PREFILL_INFLIGHT)
-        if scheduler.chunked_req is not None:
-            reqs.append(scheduler.chunked_req)
-    elif r == DECODE:
-        reqs += _reqs_of(scheduler, DECODE_PREALLOC) + _reqs_of(scheduler, DECODE_TRANSFER)
+    reqs = list(scheduler.waiting_queue) + [req for st in _QUEUED.get(r, ()) for req in _reqs_of(scheduler, st)]
+    if r == PREFILL and scheduler.chunked_req is not None:
+        reqs.append(scheduler.chunked_req)
     return reqs
 
 
@@ -114,12 +99,11 @@ def parked_reqs(scheduler: Any) -> List[Any]:
 def transfer_endpoints(scheduler: Any) -> List[Any]:
     """Live KV senders (prefill) or receivers (decode) of the requests in the PD queues."""
     r = role(scheduler)
-    if r == PREFILL:
-        stages, attr = (PREFILL_BOOTSTRAP, PREFILL_INFLIGHT, PREFILL_WAITING), "disagg_kv_sender"
-    else:
-        stages, attr = ((DECODE_PREALLOC, DECODE_TRANSFER) if r == DECODE else ()), "kv_receiver"
-    out = [upstream(e, attr) for stage in stages for e in queue_entries(scheduler, stage)]
+    stages = _QUEUED.get(r, ()) + ((PREFILL_WAITING,) if r == PREFILL else ())
+    attr = "disagg_kv_sender" if r == PREFILL else "kv_receiver"
+    out = [upstream(e, attr) for stage in stages for e in _QUEUES[stage](scheduler)]
     return [x for x in out if x is not None]
+
 
 
 def prefill_stage(scheduler: Any, req: Any) -> str:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from typing import Any, List, Sequence, Tuple
+from typing import Any, Sequence
 
 from sglang.srt.disaggregation import fork_metrics, request_end_cause, room_ledger
 from sglang.srt.disaggregation.pd_queues import (
@@ -19,42 +19,14 @@ from sglang.srt.managers.engine_clock import engine_clock
 
 logger = logging.getLogger(__name__)
 
-# Per request: (stage, entered_at on engine_clock) and, once expired, the message.
-_STAMP = "fork_transfer_stage"
-_EXPIRED = room_ledger.DEADLINE_EXPIRED
-
+_STAMP = "fork_transfer_stage"  # per request: (stage, entered_at on engine_clock)
+TAG = room_ledger.DEADLINE_TAG  # opens every deadline message, the room's failure reason at the peer too
 # A queue is scanned at most every deadline/SCAN_DIVISOR s (capped): a request expires at
 # most two intervals late, and a 10k-request queue is not walked each pass.
 SCAN_DIVISOR = 50
 MAX_SCAN_INTERVAL = 1.0
-
 COUNTS: Counter = Counter()
 _next_scan: dict = {}
-_NEVER = float("-inf")
-
-
-def overdue(stage: str, reqs: Sequence[Any], now: float, deadline: float) -> List[Tuple[int, float]]:
-    """(index, seconds in stage) of each request past `deadline` in `stage` (a new one is stamped `now`)."""
-    late = []
-    for i, req in enumerate(reqs):
-        stamp = getattr(req, _STAMP, None)
-        if stamp is None or stamp[0] != stage:
-            setattr(req, _STAMP, (stage, now))
-        elif now - stamp[1] > deadline and getattr(req, _EXPIRED, None) is None:
-            late.append((i, now - stamp[1]))
-    return late
-
-
-# Opens every deadline message; it travels to the peer as the room's failure reason.
-TAG = room_ledger.DEADLINE_TAG
-
-
-def message(stage: str, req: Any, elapsed: float, deadline: float) -> str:
-    return (
-        f"{TAG}: request {req.rid} (bootstrap_room="
-        f"{req.bootstrap_room}) spent {elapsed:.1f}s in stage {stage}, over the "
-        f"{deadline:g}s deadline. Raise {ENV} or {ARG} if transfers legitimately take longer."
-    )
 
 
 def _decides() -> bool:
@@ -66,25 +38,33 @@ def _decides() -> bool:
 
 
 def _expire(scheduler, stage: str, queue: Sequence[Any], side: str, keep=None) -> None:
-    """Expire the overdue entries of `queue` (prefill: Req; decode: DecodeRequest) `keep` accepts."""
+    """Stamp the entries of `queue` (prefill: Req; decode: DecodeRequest) new to `stage`; end the overdue ones
+    `keep` accepts."""
     if not queue:
         return
     now = engine_clock.now()
-    if now < _next_scan.get(stage, _NEVER) or not _decides():  # the common case: one lookup per pass
+    if now < _next_scan.get(stage, float("-inf")) or not _decides():  # the common case: one lookup per pass
         return
     deadline = configured()
     _next_scan[stage] = now + min(deadline / SCAN_DIVISOR, MAX_SCAN_INTERVAL)
-    reqs = queue if side == "prefill" else [entry.req for entry in queue]
-    for i, elapsed in overdue(stage, reqs, now, deadline):
-        # `keep` only for the overdue ones: upstream's is_aborted costs ~8 µs a request
-        if keep is not None and not keep(queue[i]):
+    for entry in list(queue):
+        req = entry if side == "prefill" else entry.req
+        stamp = getattr(req, _STAMP, None)
+        if stamp is None or stamp[0] != stage:
+            setattr(req, _STAMP, (stage, now))
             continue
-        req = reqs[i]
-        endpoint = req.disagg_kv_sender if side == "prefill" else queue[i].kv_receiver
+        if now - stamp[1] <= deadline or getattr(req, room_ledger.DEADLINE_EXPIRED, None) is not None:
+            continue
+        # `keep` only for the overdue ones: upstream's is_aborted costs ~8 µs a request
+        if keep is not None and not keep(entry):
+            continue
+        endpoint = req.disagg_kv_sender if side == "prefill" else entry.kv_receiver
         if endpoint is None:
             continue
-        text = message(stage, req, elapsed, deadline)
-        setattr(req, _EXPIRED, text)
+        text = (f"{TAG}: request {req.rid} (bootstrap_room={req.bootstrap_room}) spent {now - stamp[1]:.1f}s in "
+                f"stage {stage}, over the {deadline:g}s deadline. Raise {ENV} or {ARG} if transfers legitimately "
+                "take longer.")
+        setattr(req, room_ledger.DEADLINE_EXPIRED, text)
         logger.warning(text)
         if hasattr(endpoint.kv_mgr, "record_failure"):  # the peer told; prefill: a late handshake fails too
             room_ledger.end_room(endpoint.kv_mgr, req.bootstrap_room, request_end_cause.TIMEOUT, text,
