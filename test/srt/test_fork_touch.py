@@ -21,7 +21,7 @@ SWAPPED = {  # "target <- the hook that makes the swap"
     f"{MOONCAKE}._handle_abort_notification <- {D}.room_ledger:on_manager_init",
     f"{MOONCAKE}.failed_sessions <- {D}.chunk_failures:on_prefill_manager_init",
     f"{MOONCAKE}._send_probe <- {D}.chunk_failures:on_prefill_manager_init",
-    f"{MOONCAKE}.transfer_worker <- {D}.transfer_worker_guard:install",
+    f"{MOONCAKE}.transfer_worker <- {D}.chunk_failures:guard_transfer_worker",
 }
 SIZES = dict(kv_tokens=512, req_slots=4, metadata_slots=4, max_context_len=64)
 

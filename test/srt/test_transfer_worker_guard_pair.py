@@ -1,4 +1,4 @@
-"""transfer_worker_guard over real mooncake (TCP loopback, two processes, queue harness
+"""chunk_failures.guard_transfer_worker over real mooncake (TCP loopback, two processes, queue harness
 on each side), with no transfer deadline to fall back on (the default, 600 s): an
 exception in a prefill transfer worker moves the room it was sending to Failed on both
 sides with a reason naming the exception, within seconds (upstream: Transferring
@@ -22,7 +22,7 @@ def test_worker_exception_fails_its_room_naming_it_and_nothing_is_held(pair):
     assert_pair_idle(pair)
     assert pair.prefill.call("swaps_applied")[
         "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.transfer_worker"
-        " <- sglang.srt.disaggregation.transfer_worker_guard:install"]
+        " <- sglang.srt.disaggregation.chunk_failures:guard_transfer_worker"]
     failed_before = {s.role: s.call("counter", "increment_transfer_failed_reqs") for s in (pair.prefill, pair.decode)}
     pair.prefill.call("break_transfer_engine_once")
     room = pair.submit(prompt_len=12)

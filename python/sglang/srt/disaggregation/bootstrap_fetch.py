@@ -39,8 +39,7 @@ _local = threading.local()  # .routes: the endpoints served during one _init_rec
 class BootstrapFetch:
     """Per decode kv manager: fetches running, their uncollected outcomes, and totals."""
 
-    def __init__(self, mgr: Any):
-        self.mgr = mgr
+    def __init__(self):
         self.lock = threading.Lock()
         self.running: Dict[Key, float] = {}
         self.outcomes: Dict[Key, Outcome] = {}
@@ -63,14 +62,14 @@ class BootstrapFetch:
             value, error = job(), None
         except BaseException as e:  # handed to the scheduler thread, which raises it
             value, error = None, e
-        finally:
-            _local.fetching = False
-        if error is not None or not value:
+        _local.fetching = False
+        failed = error is not None or not value
+        if failed:
             logger.warning("bootstrap_fetch: %s from prefill %s failed: %r", key[0], key[1], error or value)
         with self.lock:
             self.running.pop(key, None)
             self.outcomes[key] = Outcome(value, error, time.monotonic(), info)
-            if error is not None or not value:
+            if failed:
                 self.totals[f"{key[0]}_failed"] += 1
 
     def peek(self, key: Key) -> Optional[Outcome]:
@@ -95,7 +94,7 @@ def fetch_of(mgr: Any, create: bool = False) -> Optional[BootstrapFetch]:
     """The manager's BootstrapFetch (made by the first hook that needs it); None but on decode."""
     fetch = getattr(mgr, "__dict__", {}).get(ATTR)
     if fetch is None and create and "prefill_info_table" in getattr(mgr, "__dict__", {}):
-        fetch = mgr.__dict__.setdefault(ATTR, BootstrapFetch(mgr))
+        fetch = mgr.__dict__.setdefault(ATTR, BootstrapFetch())
     return fetch
 
 
@@ -119,7 +118,11 @@ def _fetch_routes(receiver_cls: type, addr: str, dp: int, info: Any) -> Dict[Key
 
 
 def around_ensure_prefill_info(original, queue, addr_to_reqs, *args, **kwargs):
-    """AROUND DecodePreallocQueue._ensure_prefill_info: fetch unknown prefills' info on the pool."""
+    """AROUND DecodePreallocQueue._ensure_prefill_info: fetch unknown prefills' info on the pool. Before upstream's
+    last attempt fails the requests as "Aborted by AbortReq." (a client abort), record the real reason: an
+    unreachable prefill, a lost peer (502)."""
+    from sglang.srt.disaggregation.room_ledger import PEER_LOST_TAG
+
     mgr = queue.kv_manager
     fetch = fetch_of(mgr, create=True)
     if fetch is None:
@@ -127,42 +130,30 @@ def around_ensure_prefill_info(original, queue, addr_to_reqs, *args, **kwargs):
     table = fork_touch.upstream(mgr, "prefill_info_table")
     last_attempt = fork_touch.upstream(queue, "_ensure_last_attempt_time")
     interval = fork_touch.upstream(queue, "_ensure_retry_interval")
+    counts = fork_touch.upstream(queue, "_ensure_retry_count")
+    last = fork_touch.upstream(queue, "_max_ensure_retries")
     now = time.monotonic()
     asked, waiting = {}, []
     for addr, reqs in addr_to_reqs.items():
-        if addr in table or fetch.peek(("info", addr)) is not None:
-            asked[addr] = reqs
+        outcome = None if addr in table else fetch.peek(("info", addr))
+        if addr not in table and outcome is None:
+            if now - last_attempt.get(addr, float("-inf")) >= interval:  # upstream's fetch, with its hooks
+                fetch.start(("info", addr), lambda addr=addr: mgr.try_ensure_parallel_info(addr))
+            waiting.extend(reqs)
             continue
-        if now - last_attempt.get(addr, float("-inf")) >= interval:  # upstream's fetch, with its hooks
-            fetch.start(("info", addr), lambda addr=addr: mgr.try_ensure_parallel_info(addr))
-        waiting.extend(reqs)
+        asked[addr] = reqs
+        n = counts.get(addr, 0) + 1
+        if outcome is None or n < last or (outcome.error is None and outcome.value):
+            continue
+        reason = (f"{PEER_LOST_TAG}: prefill bootstrap server {addr} unreachable: could not fetch its parallel "
+                  f"info after {n} attempts")
+        for decode_req in reqs:
+            if decode_req.kv_receiver is not None and decode_req.req.bootstrap_room is not None:
+                mgr.record_failure(decode_req.req.bootstrap_room, reason)
     if not asked:
         return {}, waiting
-    _name_unreachable(queue, mgr, fetch, table, asked)
     ready, remaining = original(queue, asked, *args, **kwargs)
     return ready, remaining + waiting
-
-
-UNREACHABLE = "{tag}: prefill bootstrap server {addr} unreachable: could not fetch its parallel info after {n} attempts"
-
-
-def _name_unreachable(queue: Any, mgr: Any, fetch: BootstrapFetch, table: Any, asked: Dict[str, Any]) -> None:
-    """Before upstream's last attempt fails the requests as "Aborted by AbortReq." (a client
-    abort), record the real reason: an unreachable prefill, a lost peer (502)."""
-    from sglang.srt.disaggregation.room_ledger import PEER_LOST_TAG
-
-    counts = fork_touch.upstream(queue, "_ensure_retry_count")
-    last = fork_touch.upstream(queue, "_max_ensure_retries")
-    for addr, reqs in asked.items():
-        n = counts.get(addr, 0) + 1
-        outcome = fetch.peek(("info", addr))
-        if addr in table or n < last or outcome is None or (outcome.error is None and outcome.value):
-            continue
-        reason = UNREACHABLE.format(tag=PEER_LOST_TAG, addr=addr, n=n)
-        for decode_req in reqs:
-            room = decode_req.req.bootstrap_room
-            if decode_req.kv_receiver is not None and room is not None:
-                mgr.record_failure(room, reason)
 
 
 def around_try_ensure_parallel_info(original, mgr, bootstrap_addr, *args, **kwargs):

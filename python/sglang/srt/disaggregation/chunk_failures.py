@@ -2,7 +2,8 @@
 
 Transfer workers (patch lines): `checked()` each write's return code, `conclude_failure` /
 `conclude_transfer`; a decode session is blacklisted only once a probe shows it dead
-(`SessionBlacklist`, probe threads). What and why: docs/chunk-failures.md.
+(`SessionBlacklist`, probe threads); a worker that raises ends its rooms in flight and starts
+again (`guard_transfer_worker`). What and why: docs/chunk-failures.md, docs/transfer-deadline.md.
 """
 
 from __future__ import annotations
@@ -11,11 +12,12 @@ import concurrent.futures
 import contextlib
 import ctypes
 import dataclasses
+import functools
 import logging
 import os
 import threading
 import time
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from sglang.srt.disaggregation import fork_metrics
 from sglang.srt.disaggregation.base import KVPoll
@@ -64,11 +66,8 @@ class FaultPlan:
 
     def __init__(self, faults: List[_Fault]):
         self.faults = faults
-        self._rooms: Dict[int, List[_Fault]] = {}
+        self._rids: Dict[int, str] = {}  # room -> rid, for rooms a rid selector matches
         self._lock = threading.Lock()
-        for f in faults:
-            if f.selector == "room":
-                self._rooms.setdefault(int(f.value), []).append(f)
 
     @classmethod
     def parse(cls, spec: str) -> Optional["FaultPlan"]:
@@ -89,15 +88,16 @@ class FaultPlan:
         return cls(faults) if faults else None
 
     def bind(self, rid: str, room: int) -> None:
-        for f in self.faults:
-            if f.selector == "rid" and isinstance(rid, str) and rid.startswith(f.value):
-                with self._lock:
-                    self._rooms.setdefault(room, []).append(f)
+        if isinstance(rid, str) and any(f.selector == "rid" and rid.startswith(f.value) for f in self.faults):
+            with self._lock:
+                self._rids[room] = rid
 
     def take(self, room: int, kind: str) -> Optional[_Fault]:
         with self._lock:
-            for f in self._rooms.get(room, ()):
-                if f.kind == kind and room not in f.fired:
+            rid = self._rids.get(room, None)
+            for f in self.faults:
+                hit = int(f.value) == room if f.selector == "room" else rid is not None and rid.startswith(f.value)
+                if f.kind == kind and hit and room not in f.fired:
                     f.fired.add(room)
                     return f
         return None
@@ -164,14 +164,13 @@ def probe_session(mgr: Any, send_probe: Any, session_id: str) -> int:
     with mgr.session_lock:
         info = mgr.decode_kv_args_table.get(session_id)
     peer_ptrs = [p for p in (getattr(info, "dst_kv_ptrs", None) or []) if p]
-    scratch = getattr(mgr, "fork_probe_scratch", None)
-    if not peer_ptrs or scratch is None:
+    if not peer_ptrs:
         return rc
     engine = getattr(mgr.engine, "engine", mgr.engine)
     for attempt in range(READ_ATTEMPTS):
         if attempt:
             time.sleep(RECONNECT_COOLDOWN_S + 0.2)  # the transport's cooldown, then a new round
-        rc = engine.transfer_sync_read(session_id, ctypes.addressof(scratch), peer_ptrs[0], READ_BYTES)
+        rc = engine.transfer_sync_read(session_id, ctypes.addressof(mgr.fork_probe_scratch), peer_ptrs[0], READ_BYTES)
         if rc == 0:
             if attempt:
                 logger.warning("Session %s: a read failed once after it answered a probe (its data connections "
@@ -193,40 +192,34 @@ def probe_timeout() -> float:
     return PROBE_TIMEOUT_DEFAULT if value is None else positive_seconds(value, PROBE_TIMEOUT_ENV, "valid", accepted)
 
 
-class SessionProbe:
-    """The manager's `_send_probe`: `probe_session` on its own thread, waited for at most `timeout` s."""
+def bounded_probe(mgr: Any, send_probe: Any, timeout: float) -> Callable[[str], int]:
+    """The manager's `_send_probe`: `probe_session` on its own thread (one per session at a time), waited for at
+    most `timeout` s."""
+    lock, running = threading.Lock(), {}
 
-    def __init__(self, mgr: Any, send_probe: Any, timeout: float):
-        self.mgr = mgr
-        self.send_probe = send_probe
-        self.timeout = timeout
-        self._lock = threading.Lock()
-        self._running: Dict[str, concurrent.futures.Future] = {}
-
-    def __call__(self, session_id: str) -> int:
-        with self._lock:
-            future = self._running.get(session_id)
-            if future is None:
-                future = self._running[session_id] = concurrent.futures.Future()
-                threading.Thread(target=self._run, args=(session_id, future), name="ForkSessionProbeIO",
-                                 daemon=True).start()
-        try:
-            return future.result(timeout=self.timeout)
-        except concurrent.futures.TimeoutError:
-            logger.warning("Session %s: no answer to a probe within %gs (%s)", session_id, self.timeout,
-                           PROBE_TIMEOUT_ENV)
-            return -1
-
-    def _run(self, session_id: str, future: concurrent.futures.Future) -> None:
+    def run(session_id: str, future: concurrent.futures.Future) -> None:
         rc = -1
         try:
-            rc = probe_session(self.mgr, self.send_probe, session_id)
+            rc = probe_session(mgr, send_probe, session_id)
         except Exception:
             logger.exception("Session %s: the probe raised; counted as no answer", session_id)
-        finally:
-            with self._lock:
-                self._running.pop(session_id, None)
-            future.set_result(rc)
+        with lock:
+            running.pop(session_id, None)
+        future.set_result(rc)
+
+    def probe(session_id: str) -> int:
+        with lock:
+            future = running.get(session_id)
+            if future is None:
+                future = running[session_id] = concurrent.futures.Future()
+                threading.Thread(target=run, args=(session_id, future), name="ForkSessionProbeIO", daemon=True).start()
+        try:
+            return future.result(timeout=timeout)
+        except concurrent.futures.TimeoutError:
+            logger.warning("Session %s: no answer to a probe within %gs (%s)", session_id, timeout, PROBE_TIMEOUT_ENV)
+            return -1
+
+    return probe
 
 
 class SessionBlacklist(set):
@@ -241,9 +234,7 @@ class SessionBlacklist(set):
         if session_id in self or session_id in self._probing:
             return
         self._probing.add(session_id)
-        threading.Thread(
-            target=self._confirm, args=(session_id,), name="ForkSessionProbe", daemon=True
-        ).start()
+        threading.Thread(target=self._confirm, args=(session_id,), name="ForkSessionProbe", daemon=True).start()
 
     def _confirm(self, session_id: str) -> None:
         rc = self._mgr._send_probe(session_id)
@@ -277,7 +268,7 @@ def on_prefill_manager_init(mgr: Any, queue: Any, *args: Any, **kwargs: Any) -> 
         timeout = probe_timeout()
         scratch = mgr.fork_probe_scratch = ctypes.create_string_buffer(READ_BYTES)
         mgr.engine.register(ctypes.addressof(scratch), READ_BYTES)  # kept for the manager's life
-        fork_touch.swap(mgr, "_send_probe", lambda send_probe: SessionProbe(mgr, send_probe, timeout), by=__name__)
+        fork_touch.swap(mgr, "_send_probe", lambda send_probe: bounded_probe(mgr, send_probe, timeout), by=__name__)
 
 
 def on_prefill_add(result: Any, queue: Any, req: Any, *args: Any, **kwargs: Any) -> None:
@@ -301,3 +292,47 @@ def on_sender_clear(result: Any, sender: Any, *args: Any, **kwargs: Any) -> None
     outstanding = getattr(mgr, "_staging_outstanding", None)
     if outstanding is not None and room not in mgr.request_status and outstanding.get(room) == 0:
         outstanding.pop(room, None)
+
+
+def _rooms_in_flight(kv_mgr: Any, queue: Any) -> List[int]:
+    """Rooms with a chunk in flight on `queue`'s worker (sharded as add_transfer_request does)."""
+    queues = kv_mgr.transfer_queues
+    shard = next(i for i, q in enumerate(queues) if q is queue)
+
+    def shard_of(room: int) -> Optional[int]:
+        sessions = list(kv_mgr.transfer_infos.get(room) or ())
+        return sum(int(s.rsplit(":", 1)[1]) for s in sessions) % len(queues) if sessions else None
+
+    return [room for room, count in list(kv_mgr._staging_outstanding.items()) if count > 0 and shard_of(room) == shard]
+
+
+def _guarded(original: Any) -> Any:
+    """Upstream's transfer worker loop, run again after it raised; its rooms in flight end through the ledger
+    (500, decode told)."""
+
+    @functools.wraps(original)
+    def transfer_worker(kv_mgr: Any, queue: Any, *args: Any, **kwargs: Any) -> Any:
+        while True:
+            try:
+                return original(kv_mgr, queue, *args, **kwargs)
+            except Exception as exc:
+                if fork_touch.upstream(kv_mgr, "_stopped"):
+                    raise
+                for room in _rooms_in_flight(kv_mgr, queue):
+                    reason = f"KV transfer worker raised while sending room {room}: {exc!r}; restarted"
+                    logger.error(reason)
+                    if kv_mgr.request_status.get(room) not in (None, KVPoll.Success):
+                        end_room(kv_mgr, room, None, reason)
+                    kv_mgr._staging_outstanding.pop(room, None)
+
+    transfer_worker.fork_guarded = True
+    return transfer_worker
+
+
+def guard_transfer_worker(*args: Any, **kwargs: Any) -> None:
+    """BEFORE PrefillBootstrapQueue._init_kv_manager: a class patch (SWAPS) of MooncakeKVManager.transfer_worker,
+    made once."""
+    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
+
+    if not getattr(fork_touch.upstream(MooncakeKVManager, "transfer_worker"), "fork_guarded", False):
+        fork_touch.swap(MooncakeKVManager, "transfer_worker", _guarded, by=__name__, kind="class")

@@ -13,7 +13,6 @@ from typing import Optional
 ENV = "SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT"
 ARG = "--disaggregation-transfer-timeout"
 DEFAULT = 600.0
-ACCEPTED = "a finite number of seconds > 0 (e.g. 600)"
 HELP = (
     "PD transfer deadline in seconds (float > 0). Bounds a request's time in each "
     "PD queue: prefill bootstrap, waiting (after bootstrap) and inflight; decode "
@@ -22,42 +21,35 @@ HELP = (
 )
 
 
-class TransferTimeoutError(ValueError):
-    pass
-
-
-def positive_seconds(value, source: str, what: str, accepted: str, error: type = ValueError,
-                     zero: bool = False) -> float:
-    """`value` as finite seconds > 0 (>= 0 with `zero`), else `error` naming the knob `source`."""
+def positive_seconds(value, source: str, what: str, accepted: str, zero: bool = False) -> float:
+    """`value` as finite seconds > 0 (>= 0 with `zero`), else ValueError naming the knob `source`."""
     try:
         seconds = float(value)
     except (TypeError, ValueError):
         seconds = math.nan
     if not (math.isfinite(seconds) and (seconds > 0 or (zero and seconds == 0))):
-        raise error(f"{source}={value!r} is not {what}: expected {accepted}.")
+        raise ValueError(f"{source}={value!r} is not {what}: expected {accepted}.")
     return seconds
 
 
 def parse(value, source: str) -> float:
-    """`value` as a deadline in seconds, or TransferTimeoutError naming `source`."""
-    return positive_seconds(value, source, "a valid PD transfer deadline", ACCEPTED, TransferTimeoutError)
+    """`value` as a deadline in seconds, or ValueError naming `source`."""
+    return positive_seconds(value, source, "a valid PD transfer deadline", "a finite number of seconds > 0 (e.g. 600)")
 
 
 def parse_arg(text: str) -> float:
     """argparse type for ARG: the message names the flag and the accepted range."""
     try:
         return parse(text, ARG)
-    except TransferTimeoutError as e:
+    except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def validate(arg_value: Optional[float]) -> float:
-    """Check the server argument and the env variable (both, when set); the deadline in effect."""
+    """Check the env variable and the server argument (both, when set); the deadline in effect."""
     env_value = os.environ.get(ENV)
-    env_seconds = None if env_value is None else parse(env_value, ENV)
-    if arg_value is not None:
-        return parse(arg_value, ARG)
-    return DEFAULT if env_seconds is None else env_seconds
+    env_seconds = DEFAULT if env_value is None else parse(env_value, ENV)
+    return env_seconds if arg_value is None else parse(arg_value, ARG)
 
 
 def configured() -> float:
@@ -66,6 +58,4 @@ def configured() -> float:
     from sglang.srt.runtime_context import get_disagg
 
     arg_value = getattr(get_disagg(), "disaggregation_transfer_timeout", None)
-    if arg_value is not None:
-        return float(arg_value)
-    return float(envs.SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT.get())
+    return float(envs.SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT.get() if arg_value is None else arg_value)

@@ -100,7 +100,7 @@ HOOKS: list[tuple[str, str, HookType]] = [
      "sglang.srt.disaggregation.lost_decode_handshake:validate_at_start", AFTER),
     # A transfer worker that raises fails its in-flight room and starts again.
     ("sglang.srt.disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager",
-     "sglang.srt.disaggregation.transfer_worker_guard:install", BEFORE),
+     "sglang.srt.disaggregation.chunk_failures:guard_transfer_worker", BEFORE),
     # chunk_failures: failed chunk writes fail only their room, on both sides
     ("sglang.srt.disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager",
      "sglang.srt.disaggregation.chunk_failures:on_prefill_manager_init", AFTER),
@@ -180,7 +180,7 @@ SWAPS: list[tuple[str, str, str, str]] = [
      "sglang.srt.disaggregation.chunk_failures:on_prefill_manager_init", "instance", "prefill"),
     # a transfer worker that raises fails its in-flight room and starts again
     ("sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.transfer_worker",
-     "sglang.srt.disaggregation.transfer_worker_guard:install", "class", "prefill"),
+     "sglang.srt.disaggregation.chunk_failures:guard_transfer_worker", "class", "prefill"),
 ]
 
 
