@@ -187,9 +187,15 @@ class _Worker:
         return self.h.counters.counts[name]
 
     def chunk_failures(self) -> dict:
-        from sglang.srt.disaggregation.chunk_failures import chunk_failure_counts
+        """(kind, role) -> count of `sglang:num_transfer_chunk_failures_total` in this process."""
+        from sglang.srt.disaggregation import fork_metrics
 
-        return chunk_failure_counts()
+        out = {}
+        for metric in fork_metrics.counter("chunk_failure", {}).collect():
+            for sample in metric.samples:
+                if sample.name.endswith("_total"):
+                    out[(sample.labels["kind"], sample.labels["role"])] = sample.value
+        return out
 
     def session_id(self) -> str:
         return self.h.kv_manager.get_session_id()

@@ -191,8 +191,7 @@ def around_init_receiver(original, queue, decode_req, prefill_dp_rank, *args, **
         return None
     if outcome.error is not None:
         logger.warning("bootstrap_fetch: endpoints of prefill %s: %r; upstream fetches them", addr, outcome.error)
-        return original(queue, decode_req, prefill_dp_rank, *args, **kwargs)
-    _local.routes = outcome.value
+    _local.routes = outcome.value  # None after an error
     try:
         return original(queue, decode_req, prefill_dp_rank, *args, **kwargs)
     finally:
@@ -202,10 +201,9 @@ def around_init_receiver(original, queue, decode_req, prefill_dp_rank, *args, **
 def around_get_bootstrap_info_from_server(original, receiver, prefill_dp_rank, prefill_cp_rank,
                                           target_tp_rank, target_pp_rank, *args, **kwargs):
     """AROUND CommonKVReceiver._get_bootstrap_info_from_server: the endpoint fetched on the pool."""
-    routes = getattr(_local, "routes", None)
+    routes = getattr(_local, "routes", None) or {}
     key = (receiver.bootstrap_addr, prefill_dp_rank, prefill_cp_rank, target_tp_rank, target_pp_rank)
-    if routes is not None and key in routes:
-        route = routes[key]
-        return None if route is None else dict(route)
+    if key in routes:
+        return None if routes[key] is None else dict(routes[key])
     return original(receiver, prefill_dp_rank, prefill_cp_rank, target_tp_rank, target_pp_rank,
                     *args, **kwargs)

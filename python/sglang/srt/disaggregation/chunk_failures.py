@@ -42,16 +42,6 @@ def chunk_kind(failure_reason: Optional[str]) -> Optional[str]:
     return next((kind for kind, prefix in _REASON_PREFIX.items() if prefix in (failure_reason or "")), None)
 
 
-def chunk_failure_counts() -> Dict[Tuple[str, str], float]:
-    """(kind, role) -> count, for tests and the resource report."""
-    out: Dict[Tuple[str, str], float] = {}
-    for metric in fork_metrics.counter("chunk_failure", {}).collect():
-        for sample in metric.samples:
-            if sample.name.endswith("_total"):
-                out[(sample.labels["kind"], sample.labels["role"])] = sample.value
-    return out
-
-
 @dataclasses.dataclass
 class _Fault:
     kind: str  # kv | aux | state
@@ -180,16 +170,8 @@ def probe_session(mgr: Any, send_probe: Any, session_id: str) -> int:
     return rc
 
 
-# Bounds a probe of a frozen peer (mooncake's own timeouts: 60 s handshake, 30 s read).
+# Bounds a probe of a frozen peer (mooncake's own timeouts: 60 s handshake, 30 s read); default 5 s.
 PROBE_TIMEOUT_ENV = "SGLANG_FORK_SESSION_PROBE_TIMEOUT"
-PROBE_TIMEOUT_DEFAULT = 5.0
-
-
-def probe_timeout() -> float:
-    """The knob in seconds (default 5); ValueError naming it when not valid (at start)."""
-    value = os.environ.get(PROBE_TIMEOUT_ENV)
-    accepted = "a finite number of seconds > 0 (e.g. 5)"
-    return PROBE_TIMEOUT_DEFAULT if value is None else positive_seconds(value, PROBE_TIMEOUT_ENV, "valid", accepted)
 
 
 def bounded_probe(mgr: Any, send_probe: Any, timeout: float) -> Callable[[str], int]:
@@ -265,7 +247,8 @@ def on_prefill_manager_init(mgr: Any, queue: Any, *args: Any, **kwargs: Any) -> 
     with getattr(mgr, "session_lock", contextlib.nullcontext()):  # mooncake's (prefill)
         swapped = fork_touch.swap(mgr, "failed_sessions", probing, by=__name__)
     if swapped is not None:
-        timeout = probe_timeout()
+        timeout = positive_seconds(os.environ.get(PROBE_TIMEOUT_ENV, "5"), PROBE_TIMEOUT_ENV, "valid",
+                                   "a finite number of seconds > 0 (e.g. 5)")
         scratch = mgr.fork_probe_scratch = ctypes.create_string_buffer(READ_BYTES)
         mgr.engine.register(ctypes.addressof(scratch), READ_BYTES)  # kept for the manager's life
         fork_touch.swap(mgr, "_send_probe", lambda send_probe: bounded_probe(mgr, send_probe, timeout), by=__name__)

@@ -108,9 +108,7 @@ def transfer_endpoints(scheduler: Any) -> List[Any]:
 
 def prefill_stage(scheduler: Any, req: Any) -> str:
     """Which prefill stage `req` is in (running: none of the queues)."""
-    stages = (PREFILL_WAITING, PREFILL_INFLIGHT)
-    if scheduler.disagg_prefill_bootstrap_queue is not None:
-        stages = (PREFILL_BOOTSTRAP,) + stages
+    stages = (PREFILL_BOOTSTRAP, PREFILL_WAITING, PREFILL_INFLIGHT)
     return next((st for st in stages if req in _QUEUES[st](scheduler)), PREFILL_RUNNING)
 
 

@@ -1,8 +1,7 @@
 """PD queues release and re-register their transfer-engine buffers across a pause.
 
-Released, a PD queue has nothing registered and no room state no live request owns; on
-resume the buffer addresses are re-read first. Scheduler thread: AROUND hooks on the PD
-queues' {release,resume}_memory_occupation (docs/pause-release-resume.md).
+Released, a PD queue has nothing registered and no room state no live request owns; on resume the buffer
+addresses are re-read first. Scheduler thread (docs/pause-release-resume.md).
 """
 
 from __future__ import annotations
@@ -16,8 +15,9 @@ from sglang.srt.managers import fork_touch, pd_pause
 logger = logging.getLogger(__name__)
 
 
-def refresh_addresses(queue) -> None:
-    """Re-read the KV and metadata buffer addresses (moved while released?) into kv_args."""
+def queue_resume(original, queue, *args, **kwargs):
+    """AROUND {PrefillBootstrapQueue,DecodePreallocQueue}.resume_memory_occupation: the KV and metadata buffer
+    addresses (moved while released?) re-read into kv_args first."""
     from sglang.srt.disaggregation.utils import get_kv_transfer_buf_infos
 
     kv_args = queue.kv_manager.kv_args
@@ -30,11 +30,6 @@ def refresh_addresses(queue) -> None:
         if len(now) == len(getattr(kv_args, name)) and now != list(getattr(kv_args, name)):
             setattr(kv_args, name, now)
             logger.info("pd_pause: %s changed across release; re-registering", name)
-
-
-def queue_resume(original, queue, *args, **kwargs):
-    """AROUND {PrefillBootstrapQueue,DecodePreallocQueue}.resume_memory_occupation."""
-    refresh_addresses(queue)
     # room state the peer re-created while this side was released belongs to no live request
     forget_orphan_rooms(queue.scheduler, queue.kv_manager)
     result = original(queue, *args, **kwargs)
@@ -52,21 +47,16 @@ def queue_release(original, queue, *args, **kwargs):
     return result
 
 
-def forget_orphan_rooms(scheduler, kv_manager) -> int:
+def forget_orphan_rooms(scheduler, kv_manager) -> None:
     """Drop room state no live request owns (no transfer can run at release or resume)."""
     reqs = pd_queues.queued_reqs(scheduler) + list(scheduler.running_batch.reqs) + pd_queues.parked_reqs(scheduler)
     live = {fork_touch.upstream(r, "bootstrap_room") for r in reqs}
-    dropped = 0
-    for name in pd_queues.ROOM_TABLES:
-        table = getattr(kv_manager, name, None)
-        if not isinstance(table, dict):
-            continue
-        for room in [r for r in list(table) if r not in live]:
-            table.pop(room, None)
-            dropped += 1
-    if dropped:
-        logger.info("pd_pause: dropped %d room-table entries of ended requests", dropped)
-    return dropped
+    tables = [t for name in pd_queues.ROOM_TABLES if isinstance(t := getattr(kv_manager, name, None), dict)]
+    orphans = [(table, room) for table in tables for room in list(table) if room not in live]
+    for table, room in orphans:
+        table.pop(room, None)
+    if orphans:
+        logger.info("pd_pause: dropped %d room-table entries of ended requests", len(orphans))
 
 
 def _regions(kv_manager) -> int:
