@@ -1,20 +1,28 @@
-"""Transfer deadlines: no PD request stays in one transfer stage longer than the deadline.
+"""Transfer deadlines: no PD request stays in one transfer stage longer than the deadline, and decode's
+scheduler never waits on a prefill's bootstrap server.
 
-BEFORE each PD queue's poll (scheduler thread, rank 0 decides), an overdue request ends through
-the ledger (504, the peer told). What and why: docs/transfer-deadline.md.
+BEFORE each PD queue's poll (scheduler thread, rank 0 decides), an overdue request ends through the ledger (504,
+the peer told). Decode's fetches of a prefill's parallel info and rank endpoints run on a pool
+(`ForkBootstrapFetch_<n>`) while the request waits in `pending_reqs`; scheduler-thread AROUND hooks start fetches
+and take outcomes. What and why: docs/transfer-deadline.md.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+import time
+import types
 from collections import Counter
-from typing import Any, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Dict, NamedTuple, Optional, Sequence, Tuple
 
 from sglang.srt.disaggregation import fork_metrics, request_end_cause, room_ledger
 from sglang.srt.disaggregation.pd_queues import (
     DECODE_PREALLOC, DECODE_TRANSFER, PREFILL_BOOTSTRAP, PREFILL_INFLIGHT, PREFILL_WAITING,
 )
 from sglang.srt.disaggregation.transfer_deadline_knob import ARG, ENV, configured
+from sglang.srt.managers import fork_touch
 from sglang.srt.managers.engine_clock import engine_clock
 
 logger = logging.getLogger(__name__)
@@ -104,3 +112,193 @@ def before_pop_transferred(queue, *args, **kwargs):  # BEFORE DecodeTransferQueu
 def reset_scan_schedule() -> None:
     """Forget when each stage was last scanned (tests that move the clock around)."""
     _next_scan.clear()
+
+
+# Decode's bootstrap fetches: the scheduler starts them and takes their outcomes, the pool runs them.
+ATTR = "fork_bootstrap_fetch"  # the one attribute on a decode kv manager
+WORKERS = 4  # fetches in flight at once (one per prefill, or per prefill dp rank)
+# An outcome nobody collected by then is dropped: a new request starts a fresh fetch.
+STALE_S = 10.0
+
+Key = Tuple[Any, ...]  # ("info", addr) or ("routes", addr, prefill_dp_rank)
+
+
+class Outcome(NamedTuple):
+    value: Any  # info: upstream's bool; routes: {(addr, dp, cp, tp, pp): route or None}
+    error: Optional[BaseException]
+    done_at: float
+    info: Any  # routes: the PrefillServerInfo they were fetched for
+
+
+_local = threading.local()  # .routes: the endpoints served during one _init_receiver
+
+
+class BootstrapFetch:
+    """Per decode kv manager: fetches running, their uncollected outcomes, and totals."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.running: Dict[Key, float] = {}
+        self.outcomes: Dict[Key, Outcome] = {}
+        self.totals: Counter = Counter()
+        self.pool = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="ForkBootstrapFetch")
+
+    def start(self, key: Key, job: Callable[[], Any], info: Any = None) -> bool:
+        """Run `job` on the pool unless a fetch for `key` runs or its outcome waits."""
+        with self.lock:
+            if key in self.running or key in self.outcomes:
+                return False
+            self.running[key] = time.monotonic()
+            self.totals[f"{key[0]}_started"] += 1
+        self.pool.submit(self._run, key, job, info)
+        return True
+
+    def _run(self, key: Key, job: Callable[[], Any], info: Any) -> None:  # pool thread
+        _local.fetching = True
+        try:
+            value, error = job(), None
+        except BaseException as e:  # handed to the scheduler thread, which raises it
+            value, error = None, e
+        _local.fetching = False
+        failed = error is not None or not value
+        if failed:
+            logger.warning("bootstrap_fetch: %s from prefill %s failed: %r", key[0], key[1], error or value)
+        with self.lock:
+            self.running.pop(key, None)
+            self.outcomes[key] = Outcome(value, error, time.monotonic(), info)
+            if failed:
+                self.totals[f"{key[0]}_failed"] += 1
+
+    def peek(self, key: Key) -> Optional[Outcome]:
+        """The outcome waiting for `key`, not taken (a stale one is dropped)."""
+        with self.lock:
+            outcome = self.outcomes.get(key)
+            if outcome is not None and time.monotonic() - outcome.done_at > STALE_S:
+                del self.outcomes[key]
+                return None
+            return outcome
+
+    def take(self, key: Key) -> Optional[Outcome]:
+        with self.lock:
+            return self.outcomes.pop(key, None)
+
+    def report(self) -> Dict[str, int]:
+        with self.lock:
+            return {"running": len(self.running), "outcomes": len(self.outcomes), **self.totals}
+
+
+def fetch_of(mgr: Any, create: bool = False) -> Optional[BootstrapFetch]:
+    """The manager's BootstrapFetch (made by the first hook that needs it); None but on decode."""
+    fetch = getattr(mgr, "__dict__", {}).get(ATTR)
+    if fetch is None and create and "prefill_info_table" in getattr(mgr, "__dict__", {}):
+        fetch = mgr.__dict__.setdefault(ATTR, BootstrapFetch())
+    return fetch
+
+
+def fetch_report(mgr: Any) -> Optional[Dict[str, int]]:
+    fetch = fetch_of(mgr)
+    return None if fetch is None else fetch.report()
+
+
+def _fetch_routes(receiver_cls: type, addr: str, dp: int, info: Any) -> Dict[Key, Optional[dict]]:
+    """Every rank endpoint `receiver.init` will ask for, in upstream's order, up to the first
+    that fails (as init does). Upstream's getter reads only the receiver's address."""
+    get = receiver_cls._get_bootstrap_info_from_server
+    peer, routes = types.SimpleNamespace(bootstrap_addr=addr), {}
+    for cp in info.target_cp_ranks:
+        for tp in info.target_tp_ranks:
+            for pp in reversed(info.target_pp_ranks):
+                route = routes[(addr, dp, cp, tp, pp)] = get(peer, dp, cp, tp, pp)
+                if route is None:
+                    return routes
+    return routes
+
+
+def around_ensure_prefill_info(original, queue, addr_to_reqs, *args, **kwargs):
+    """AROUND DecodePreallocQueue._ensure_prefill_info: fetch unknown prefills' info on the pool. Before upstream's
+    last attempt fails the requests as "Aborted by AbortReq." (a client abort), record the real reason: an
+    unreachable prefill, a lost peer (502)."""
+    mgr = queue.kv_manager
+    fetch = fetch_of(mgr, create=True)
+    if fetch is None:
+        return original(queue, addr_to_reqs, *args, **kwargs)
+    table = fork_touch.upstream(mgr, "prefill_info_table")
+    last_attempt = fork_touch.upstream(queue, "_ensure_last_attempt_time")
+    interval = fork_touch.upstream(queue, "_ensure_retry_interval")
+    counts = fork_touch.upstream(queue, "_ensure_retry_count")
+    last = fork_touch.upstream(queue, "_max_ensure_retries")
+    now = time.monotonic()
+    asked, waiting = {}, []
+    for addr, reqs in addr_to_reqs.items():
+        outcome = None if addr in table else fetch.peek(("info", addr))
+        if addr not in table and outcome is None:
+            if now - last_attempt.get(addr, float("-inf")) >= interval:  # upstream's fetch, with its hooks
+                fetch.start(("info", addr), lambda addr=addr: mgr.try_ensure_parallel_info(addr))
+            waiting.extend(reqs)
+            continue
+        asked[addr] = reqs
+        n = counts.get(addr, 0) + 1
+        if outcome is None or n < last or (outcome.error is None and outcome.value):
+            continue
+        reason = (f"{room_ledger.PEER_LOST_TAG}: prefill bootstrap server {addr} unreachable: could not fetch its "
+                  f"parallel info after {n} attempts")
+        for decode_req in reqs:
+            if decode_req.kv_receiver is not None and decode_req.req.bootstrap_room is not None:
+                mgr.record_failure(decode_req.req.bootstrap_room, reason)
+    if not asked:
+        return {}, waiting
+    ready, remaining = original(queue, asked, *args, **kwargs)
+    return ready, remaining + waiting
+
+
+def around_try_ensure_parallel_info(original, mgr, bootstrap_addr, *args, **kwargs):
+    """AROUND CommonKVManager.try_ensure_parallel_info: the scheduler takes a fetched outcome."""
+    fetch = fetch_of(mgr)
+    outcome = None if fetch is None or getattr(_local, "fetching", False) else fetch.take(("info", bootstrap_addr))
+    if outcome is None:
+        return original(mgr, bootstrap_addr, *args, **kwargs)
+    if outcome.error is not None:
+        raise outcome.error
+    # the info may have been dropped since (upstream's heartbeat lost the prefill)
+    return bool(outcome.value) and bootstrap_addr in mgr.prefill_info_table
+
+
+def around_init_receiver(original, queue, decode_req, prefill_dp_rank, *args, **kwargs):
+    """AROUND DecodePreallocQueue._init_receiver: wait (pending) for rank endpoints fetched here."""
+    mgr = queue.kv_manager
+    fetch = fetch_of(mgr, create=True)
+    receiver = decode_req.kv_receiver
+    addr = getattr(receiver, "bootstrap_addr", None)
+    info = None if fetch is None else fork_touch.upstream(mgr, "prefill_info_table").get(addr)
+    if info is None or fork_touch.upstream(receiver, "conclude_state") is not None:  # failed: init returns
+        return original(queue, decode_req, prefill_dp_rank, *args, **kwargs)
+    # upstream's pool has this prefill dp rank's endpoints (keys of `_setup_bootstrap_infos`)
+    pool = fork_touch.upstream(mgr, "connection_pool")
+    with fork_touch.upstream(mgr, "connection_lock"):
+        connected = all(f"{addr}_{prefill_dp_rank}_{cp}_{info.target_tp_rank}" in pool for cp in info.target_cp_ranks)
+    if connected:
+        return original(queue, decode_req, prefill_dp_rank, *args, **kwargs)
+    key = ("routes", addr, prefill_dp_rank)
+    outcome = fetch.take(key) if fetch.peek(key) is not None else None
+    if outcome is None or outcome.info is not info:  # none yet, or for a prefill since replaced
+        fetch.start(key, lambda: _fetch_routes(type(receiver), addr, prefill_dp_rank, info), info)
+        queue.pending_reqs.append(decode_req)
+        return None
+    if outcome.error is not None:
+        logger.warning("bootstrap_fetch: endpoints of prefill %s: %r; upstream fetches them", addr, outcome.error)
+    _local.routes = outcome.value  # None after an error
+    try:
+        return original(queue, decode_req, prefill_dp_rank, *args, **kwargs)
+    finally:
+        _local.routes = None
+
+
+def around_get_bootstrap_info_from_server(original, receiver, prefill_dp_rank, prefill_cp_rank,
+                                          target_tp_rank, target_pp_rank, *args, **kwargs):
+    """AROUND CommonKVReceiver._get_bootstrap_info_from_server: the endpoint fetched on the pool."""
+    routes = getattr(_local, "routes", None) or {}
+    key = (receiver.bootstrap_addr, prefill_dp_rank, prefill_cp_rank, target_tp_rank, target_pp_rank)
+    if key in routes:
+        return None if routes[key] is None else dict(routes[key])
+    return original(receiver, prefill_dp_rank, prefill_cp_rank, target_tp_rank, target_pp_rank,
+                    *args, **kwargs)

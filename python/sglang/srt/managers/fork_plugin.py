@@ -132,15 +132,15 @@ HOOKS: list[tuple[str, str, HookType]] = [
      "sglang.srt.disaggregation.peer_liveness:after_try_ensure_parallel_info", AFTER),
     ("sglang.srt.disaggregation.common.conn.CommonKVManager.conclude_transfer",
      "sglang.srt.disaggregation.peer_liveness:around_conclude_transfer", AROUND),
-    # bootstrap_fetch: decode fetches a prefill's info and endpoints on its pool, not the scheduler
+    # transfer_deadline: decode fetches a prefill's info and endpoints on its pool, not the scheduler
     ("sglang.srt.disaggregation.decode.DecodePreallocQueue._ensure_prefill_info",
-     "sglang.srt.disaggregation.bootstrap_fetch:around_ensure_prefill_info", AROUND),
+     "sglang.srt.disaggregation.transfer_deadline:around_ensure_prefill_info", AROUND),
     ("sglang.srt.disaggregation.common.conn.CommonKVManager.try_ensure_parallel_info",
-     "sglang.srt.disaggregation.bootstrap_fetch:around_try_ensure_parallel_info", AROUND),
+     "sglang.srt.disaggregation.transfer_deadline:around_try_ensure_parallel_info", AROUND),
     ("sglang.srt.disaggregation.decode.DecodePreallocQueue._init_receiver",
-     "sglang.srt.disaggregation.bootstrap_fetch:around_init_receiver", AROUND),
+     "sglang.srt.disaggregation.transfer_deadline:around_init_receiver", AROUND),
     ("sglang.srt.disaggregation.common.conn.CommonKVReceiver._get_bootstrap_info_from_server",
-     "sglang.srt.disaggregation.bootstrap_fetch:around_get_bootstrap_info_from_server", AROUND),
+     "sglang.srt.disaggregation.transfer_deadline:around_get_bootstrap_info_from_server", AROUND),
     # The start-up check of SWAPS: last, after every AFTER hook above that makes a swap.
     ("sglang.srt.disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager",
      "sglang.srt.managers.fork_touch:check_at_start", AFTER),
