@@ -185,9 +185,10 @@ def bounded_probe(mgr: Any, send_probe: Any, timeout: float) -> Callable[[str], 
             rc = probe_session(mgr, send_probe, session_id)
         except Exception:
             logger.exception("Session %s: the probe raised; counted as no answer", session_id)
-        with lock:
-            running.pop(session_id, None)
-        future.set_result(rc)
+        finally:
+            with lock:
+                running.pop(session_id, None)
+            future.set_result(rc)
 
     def probe(session_id: str) -> int:
         with lock:
