@@ -1,7 +1,8 @@
 """A crashed PD peer is noticed at once, its requests end (502), and its restart is served.
 
 One `PeerMonitor` thread per kv manager (mooncake) probes each peer once per heartbeat; a lost
-peer's rooms end through the ledger, a decode that may be alive is held out until it answers.
+peer's rooms end through the ledger, a decode that may be alive is held out until it answers;
+a prefill request still waiting for a lost decode's handshake ends within seconds (docs/gateway.md).
 What and why: docs/peer-liveness.md; threads and locks: docs/layout.md.
 """
 
@@ -9,18 +10,22 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import socket
 import threading
 import time
 from collections import Counter, OrderedDict
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from sglang.srt.disaggregation import fork_metrics, pd_queues, room_ledger
 from sglang.srt.disaggregation.base import KVPoll
 from sglang.srt.disaggregation.request_end_cause import PEER_FAILURE, tag
 from sglang.srt.disaggregation.room_ledger import end_room, ledger_of
+from sglang.srt.disaggregation.transfer_deadline import _decides
+from sglang.srt.disaggregation.transfer_deadline_knob import positive_seconds
 from sglang.srt.environ import envs
 from sglang.srt.managers import fork_touch
+from sglang.srt.managers.engine_clock import engine_clock
 
 logger = logging.getLogger(__name__)
 
@@ -409,7 +414,8 @@ def _start(queue: Any, mgr: Any, role: str) -> None:
 
 
 def on_prefill_manager_init(mgr: Any, queue: Any, *args: Any, **kwargs: Any) -> None:
-    """AFTER PrefillBootstrapQueue._init_kv_manager (result: the manager)."""
+    """AFTER PrefillBootstrapQueue._init_kv_manager (result: the manager); a bad knob stops the prefill."""
+    handshake_timeout(os.environ.get(HANDSHAKE_ENV))
     _start(queue, mgr, "prefill")
 
 
@@ -496,3 +502,77 @@ def around_send_multipart_locked(original, mgr, endpoint, parts, *args, **kwargs
         logger.debug("Not sending to %s: that decode peer was lost", endpoint)
         return None
     return original(mgr, endpoint, parts, *args, **kwargs)
+
+
+# ----------------------------------------------------------------------------- a gateway's lost decode
+
+HANDSHAKE_ENV = "SGLANG_FORK_LOST_DECODE_HANDSHAKE_TIMEOUT"
+_SINCE = "fork_handshake_wait_since"  # per request: engine-clock time first seen waiting for its handshake
+_ENDED = "fork_lost_decode_handshake"
+SCAN_INTERVAL = 0.5
+_next_scan = [float("-inf")]
+
+
+def handshake_timeout(value: Optional[str]) -> float:
+    """HANDSHAKE_ENV in seconds (default 5, 0: off); ValueError naming it when not valid."""
+    if value is None:
+        return 5.0
+    return positive_seconds(value, HANDSHAKE_ENV, "valid", "a finite number of seconds >= 0 (0 turns the rule off)",
+                            zero=True)
+
+
+def lost_decodes(monitor: Any) -> List[str]:
+    """host:port of every decode declared lost and not replaced on its host."""
+    if monitor is None:
+        return []
+    with monitor.lock:
+        return [peer for peers in monitor.lost.values() for peer in peers]
+
+
+def orphans(reqs: Sequence[Any], handshaken, now: float, timeout: float) -> List[Tuple[Any, float]]:
+    """(req, seconds waited) of each request without its decode's handshake (`handshaken(room)`)
+    after `timeout`; one seen waiting for the first time is stamped `now`."""
+    out = []
+    for req in reqs:
+        if getattr(req, _ENDED, None) is not None or handshaken(req.bootstrap_room):
+            continue
+        since = getattr(req, _SINCE, None)
+        if since is None:
+            setattr(req, _SINCE, now)
+        elif now - since > timeout:
+            out.append((req, now - since))
+    return out
+
+
+def orphan_message(req: Any, waited: float, lost: Sequence[str], timeout: float) -> str:
+    return (
+        f"{TAG}: no decode took request {req.rid} (bootstrap_room={req.bootstrap_room}) "
+        f"within {waited:.1f}s while decode peer {', '.join(lost)} is lost and not replaced "
+        f"(a balancer still routing to it?); {HANDSHAKE_ENV}={timeout:g}"
+    )
+
+
+def before_pop_bootstrapped(queue, *args, **kwargs):
+    """BEFORE PrefillBootstrapQueue.pop_bootstrapped (scheduler thread): orphans of a lost decode end (502)."""
+    if not queue.queue:
+        return
+    now = engine_clock.now()
+    if now < _next_scan[0] or not _decides():  # rank 0 decides; the poll's all-reduce spreads it
+        return
+    _next_scan[0] = now + SCAN_INTERVAL
+    timeout = handshake_timeout(os.environ.get(HANDSHAKE_ENV))
+    kv_mgr = fork_touch.upstream(queue, "kv_manager")
+    lost = lost_decodes(monitor_of(kv_mgr))
+    if not lost or timeout == 0 or not hasattr(kv_mgr, "conclude_failure"):
+        for req in queue.queue:  # nothing is lost: forget the stamps
+            if getattr(req, _SINCE, None) is not None:
+                setattr(req, _SINCE, None)
+        return
+    infos = kv_mgr.transfer_infos
+    for req, waited in orphans(queue.queue, lambda room: room in infos, now, timeout):
+        if fork_touch.upstream(req, "disagg_kv_sender") is None:
+            continue
+        text = orphan_message(req, waited, lost, timeout)
+        setattr(req, _ENDED, text)
+        logger.warning(text)
+        end_room(kv_mgr, req.bootstrap_room, PEER_FAILURE, text, peer=lost[0])

@@ -95,9 +95,7 @@ HOOKS: list[tuple[str, str, HookType]] = [
      "sglang.srt.managers.pd_pause_state:around_is_locked", AROUND),
     # A prefill request routed to a lost decode ends within seconds as peer loss (docs/gateway.md).
     ("sglang.srt.disaggregation.prefill.PrefillBootstrapQueue.pop_bootstrapped",
-     "sglang.srt.disaggregation.lost_decode_handshake:before_pop_bootstrapped", BEFORE),
-    ("sglang.srt.disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager",
-     "sglang.srt.disaggregation.lost_decode_handshake:validate_at_start", AFTER),
+     "sglang.srt.disaggregation.peer_liveness:before_pop_bootstrapped", BEFORE),
     # A transfer worker that raises fails its in-flight room and starts again.
     ("sglang.srt.disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager",
      "sglang.srt.disaggregation.transfer_worker_guard:install", BEFORE),
