@@ -17,7 +17,7 @@ import threading
 import time
 from typing import Any, Dict, List, Optional, Set, Tuple
 
-from sglang.srt.disaggregation import fork_metrics
+from sglang.srt.disaggregation import request_end_cause
 from sglang.srt.disaggregation.base import KVPoll
 from sglang.srt.disaggregation.room_ledger import end_room
 from sglang.srt.disaggregation.transfer_deadline_knob import positive_seconds
@@ -43,7 +43,7 @@ def chunk_kind(failure_reason: Optional[str]) -> Optional[str]:
 def chunk_failure_counts() -> Dict[Tuple[str, str], float]:
     """(kind, role) -> count, for tests and the resource report."""
     out: Dict[Tuple[str, str], float] = {}
-    for metric in fork_metrics.counter("chunk_failure", {}).collect():
+    for metric in request_end_cause.counter("chunk_failure", {}).collect():
         for sample in metric.samples:
             if sample.name.endswith("_total"):
                 out[(sample.labels["kind"], sample.labels["role"])] = sample.value
@@ -114,7 +114,7 @@ def checked(mgr: Any, room: int, kind: str, rc: int) -> int:
             logger.warning("Injected %s chunk write failure for room %s", kind, room)
             rc = -1
     if rc != 0:
-        fork_metrics.inc("chunk_failure", {}, kind=kind, role="prefill")
+        request_end_cause.inc("chunk_failure", {}, kind=kind, role="prefill")
         logger.warning("The %s chunk write of room %s failed (rc=%s); failing the room", kind, room, rc)
         _expire_poison_later(mgr, room)
     return rc
@@ -291,7 +291,7 @@ def on_decode_transfer_failure(result: Any, queue: Any, failure_reason: str, *ar
     """AFTER `DecodeTransferQueue._record_transfer_failure`: count by chunk kind."""
     kind = chunk_kind(failure_reason)
     if kind is not None:
-        fork_metrics.inc("chunk_failure", {}, kind=kind, role="decode")
+        request_end_cause.inc("chunk_failure", {}, kind=kind, role="decode")
 
 
 def on_sender_clear(result: Any, sender: Any, *args: Any, **kwargs: Any) -> None:

@@ -17,7 +17,7 @@ import time
 from collections import Counter, OrderedDict
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from sglang.srt.disaggregation import fork_metrics, pd_queues, room_ledger
+from sglang.srt.disaggregation import pd_queues, request_end_cause, room_ledger
 from sglang.srt.disaggregation.base import KVPoll
 from sglang.srt.disaggregation.request_end_cause import PEER_FAILURE, tag
 from sglang.srt.disaggregation.room_ledger import end_room, ledger_of
@@ -80,7 +80,7 @@ def heartbeat_settings() -> Tuple[float, int]:
 def _count(monitor: "PeerMonitor", kind: str, peer: str) -> None:
     COUNTS[(kind, monitor.role, peer)] += 1
     key = "peer_loss" if kind == "loss" else "peer_recovery"
-    fork_metrics.inc(key, monitor.labels if monitor.metrics else None, role=monitor.role, peer=peer)
+    request_end_cause.inc(key, monitor.labels if monitor.metrics else None, role=monitor.role, peer=peer)
 
 
 # ----------------------------------------------------------------------------- the monitor
@@ -397,7 +397,7 @@ def _start(queue: Any, mgr: Any, role: str) -> None:
     needed = ("decode_kv_args_table", "session_lock") if role == "prefill" else ("prefill_info_table", "connection_lock")
     if mgr is None or not all(hasattr(mgr, a) for a in needed) or monitor_of(mgr) is not None:
         return  # fake transfer backend, or not mooncake
-    labels = fork_metrics.scheduler_labels(getattr(queue, "scheduler", None))
+    labels = request_end_cause.scheduler_labels(getattr(queue, "scheduler", None))
     monitor = PeerMonitor(mgr, role, labels or {}, labels is not None)
     mgr.__dict__[_MONITOR] = monitor
     if role == "prefill":  # a registration is seen at once (a restarted decode, before its first request)
