@@ -1,13 +1,13 @@
 """The room ledger: the one way the fork ends a PD room, its memory of ended rooms, the verdict.
 
-`RoomLedger.end` tags, remembers, marks Failed and tells the peer, in the order of
-docs/layout.md ("How a room ends"); `verdict` answers every PD request's failure end.
-Any thread (scheduler, bootstrap, transfer workers, peer monitor); `RoomLedger.lock` is a leaf.
+`RoomLedger.end` does the ending in the order of docs/layout.md ("How a room ends"); `verdict`
+answers every PD request's failure end. Any thread; `RoomLedger.lock` is a leaf.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import queue
@@ -18,8 +18,9 @@ from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any, Dict, List, Optional, Tuple
 
-from sglang.srt.disaggregation import request_end_cause
+from sglang.srt.disaggregation import pd_queues, request_end_cause
 from sglang.srt.disaggregation.base import KVPoll
+from sglang.srt.disaggregation.pd_queues import DECODE_TRANSFER, PREFILL_INFLIGHT, PREFILL_RUNNING, PREFILL_WAITING
 from sglang.srt.managers.engine_clock import engine_clock
 from sglang.srt.managers.fork_touch import upstream
 
@@ -29,7 +30,7 @@ ATTR = "fork_room_ledger"
 PEER_MONITOR_ATTR = "fork_peer_monitor"  # peer_liveness._MONITOR
 MAX_RECORDS = 65536
 NEVER = float("inf")
-# Opens with abort_retirement.ABORT_TAG: decode ended the request (its ABORT carries no
+# Opens with ABORT_TAG: decode ended the request (its ABORT carries no
 # cause), so prefill's leg ends as an abort, not as a bootstrap failure.
 CANCEL_REASON = "PD request aborted on decode: the decode peer {peer} aborted room {room} before prefill received the request"
 DECODE_ABORT_REASON = "PD request aborted on decode: bootstrap_room={room} was aborted by the decode peer."
@@ -203,10 +204,6 @@ class RoomLedger:
             logger.info("room_ledger: prefill peer %s lost; drains of %d rooms acked on its behalf", peer, len(owed))
         return [room for room, _ in owed]
 
-    def report(self) -> Dict[str, int]:
-        with self.lock:
-            return {"drains": len(self.drains), "ended": len(self.ended)}
-
 
 def ledger_of(mgr: Any) -> Optional[RoomLedger]:
     return getattr(mgr, "__dict__", {}).get(ATTR)
@@ -234,14 +231,13 @@ def on_manager_init(mgr: Any, queue_: Any, *args: Any, **kwargs: Any) -> None:
     from sglang.srt.disaggregation.utils import DisaggregationMode
 
     if mgr is None or ATTR in getattr(mgr, "__dict__", {}):
-        return None
+        return
     ledger = mgr.__dict__[ATTR] = RoomLedger(mgr)
     if getattr(mgr, "disaggregation_mode", None) == DisaggregationMode.PREFILL:
         from sglang.srt.managers import fork_touch
 
         fork_touch.swap(mgr, "_handle_abort_notification",
                         lambda original: lambda msg: _handle_abort(ledger, original, msg), by=__name__)
-    return None
 
 
 def _handle_abort(ledger: RoomLedger, original: Any, msg: List[bytes]) -> bool:
@@ -283,10 +279,8 @@ def _with_why(reason: str, why: Optional[str]) -> str:
 
 def _drop_unowned_room(mgr: Any, room: int) -> None:
     """Drop what the bootstrap thread stored for a room no sender owns (nobody else would)."""
-    for name in ("request_status", "transfer_infos", "req_to_decode_prefix_len", "failure_records"):
-        table = getattr(mgr, name, None)
-        if isinstance(table, dict):
-            table.pop(room, None)  # one dict op: atomic
+    for table in (mgr.request_status, mgr.transfer_infos, mgr.req_to_decode_prefix_len, mgr.failure_records):
+        table.pop(room, None)  # one dict op: atomic
 
 
 def on_prefill_create_sender(result: Any, queue_: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
@@ -294,14 +288,13 @@ def on_prefill_create_sender(result: Any, queue_: Any, req: Any, *args: Any, **k
     mgr = queue_.kv_manager
     ledger = ledger_of(mgr)
     if not result or ledger is None or req.bootstrap_room is None or not hasattr(mgr, "_handle_abort_notification"):
-        return None
+        return
     reason = ledger.own(req.bootstrap_room)
     if reason is not None:
         logger.info("room_ledger: %s (rid=%s)", reason, req.rid)
         # the ABORT handler may have dropped the room the sender had just opened
         mgr.request_status.setdefault(req.bootstrap_room, KVPoll.Bootstrapping)
         ledger.end(req.bootstrap_room, None, reason, tell=False)
-    return None
 
 
 def on_sender_clear(result: Any, sender: Any, *args: Any, **kwargs: Any) -> None:
@@ -309,7 +302,6 @@ def on_sender_clear(result: Any, sender: Any, *args: Any, **kwargs: Any) -> None
     ledger = ledger_of(sender.kv_mgr)
     if ledger is not None:
         ledger.disown(sender.bootstrap_room, sender.conclude_state == KVPoll.Failed)
-    return None
 
 
 def around_update_status(original, mgr, bootstrap_room, status, *args, **kwargs):
@@ -355,7 +347,7 @@ def around_record_failure(original, mgr, bootstrap_room, failure_reason, *args, 
 DEADLINE_TAG = "PD transfer deadline exceeded"  # transfer_deadline.TAG
 PEER_LOST_TAG = "PD peer lost"  # peer_liveness.TAG
 UPSTREAM_PREFILL_LOST = "Lost connection with prefill instance"  # upstream's decode heartbeat
-ABORT_TAG = "PD request aborted"  # abort_retirement.ABORT_TAG
+ABORT_TAG = "PD request aborted"  # opens the reason a room carries to the peer when its request was aborted
 UPSTREAM_ABORT_REASON = "Aborted by AbortReq"  # upstream's Common{Sender,Receiver}.abort()
 ABORT_REASONS = (ABORT_TAG, UPSTREAM_ABORT_REASON)
 CLIENT_ABORT_MESSAGE = "Aborted by the client."
@@ -367,7 +359,7 @@ REJECTED = "rejected by"  # a tokenizer's or scheduler's rejection, told to the 
 
 # Per request, set by the module that decided its end (read only here).
 PAUSE_ABORT = "_fork_pause_abort"  # pd_pause: the pause/release message
-REQUESTED_ABORT = "fork_abort_verdict"  # abort_retirement: (message, status) the AbortReq asked for
+REQUESTED_ABORT = "fork_abort_verdict"  # before_abort_request: (message, status) the AbortReq asked for
 DEADLINE_EXPIRED = "fork_transfer_deadline_message"  # transfer_deadline: its message
 
 # What the client is answered when a PD request ends on a failure path: the first cause
@@ -424,6 +416,125 @@ def prepare_abort_verdict(original, req, error_message, status_code=None, *args,
     return original(req, error_message, status_code, *args, **kwargs)
 
 
+# ----------------------------------------------------------------------------- aborts (scheduler thread)
+# An AbortReq marks each PD request it reaches with the verdict it asked for; prefill tells
+# decode at once and clears the room on its retire paths; patched lines call
+# `counts_as_failure` and `finish_transferred` (docs/aborts.md).
+
+
+def requested_verdict(recv_req: Any) -> Tuple[str, Optional[int], str]:
+    """(message, status, cause) an AbortReq asks for (client abort: no status; SLA abort: 503)."""
+    if recv_req.abort_message:
+        return recv_req.abort_message, HTTPStatus.SERVICE_UNAVAILABLE, request_end_cause.TIMEOUT
+    reason = recv_req.finished_reason or {}
+    if reason.get("status_code") is not None:
+        return reason.get("message") or "Aborted", reason["status_code"], request_end_cause.CLIENT_ABORT
+    if any(m in str(reason.get("message") or "") for m in PAUSE_MARKERS):  # pause(abort), release
+        return reason["message"], None, request_end_cause.PAUSE
+    return CLIENT_ABORT_MESSAGE, None, request_end_cause.CLIENT_ABORT
+
+
+def _kv_mgr(req):
+    sender = upstream(req, "disagg_kv_sender")
+    return None if sender is None else upstream(sender, "kv_mgr")
+
+
+def _retire_prefill_room(scheduler, req, stage: str) -> None:
+    """`req` ended here at `stage`: drop its room's transfer state, count its end."""
+    kv_mgr = _kv_mgr(req)
+    if kv_mgr is not None:
+        req.disagg_kv_sender.clear()
+        with getattr(kv_mgr, "failure_lock", None) or contextlib.nullcontext():  # fake: neither
+            getattr(kv_mgr, "failure_records", {}).pop(req.bootstrap_room, None)
+    request_end_cause.record_end(scheduler, req, "prefill", stage, kv_mgr)
+
+
+def before_abort_request(scheduler, recv_req, *args, **kwargs) -> None:
+    """BEFORE Scheduler.abort_request: mark the PD requests it reaches; prefill tells decode at once."""
+    role = pd_queues.role(scheduler)
+    if role is None:
+        return
+    message, status, cause = requested_verdict(recv_req)
+    seen = set()
+    for stage, req in pd_queues.walk(scheduler):
+        if id(req) in seen or not (recv_req.abort_all or req.rid.startswith(recv_req.rid or "")) or req.finished():
+            continue
+        seen.add(id(req))
+        if getattr(req, REQUESTED_ABORT, None) is not None:
+            continue  # already aborted: a second abort changes nothing
+        setattr(req, REQUESTED_ABORT, (message, status))
+        request_end_cause.tag_req(req, cause)
+        if role == "prefill":
+            kv_mgr = _kv_mgr(req)
+            room = req.bootstrap_room
+            if kv_mgr is not None and room is not None and hasattr(kv_mgr, "send_kv_status_message"):
+                if getattr(kv_mgr, "request_status", {}).get(room) != KVPoll.Success:
+                    reason = peer_reason(req.rid, room, "prefill", message)
+                    end_room(kv_mgr, room, None, reason, fail=False, remember=True)
+
+
+def counts_as_failure(scheduler, req, role: str, stage: Optional[str] = None, kv_mgr=None) -> bool:
+    """Patched failure paths: count `req`'s end once; whether upstream counts a failure too."""
+    if stage is None:
+        stage = pd_queues.prefill_stage(scheduler, req) if role == "prefill" else DECODE_TRANSFER
+    if kv_mgr is None and role == "prefill":
+        kv_mgr = _kv_mgr(req)
+    cause = request_end_cause.record_end(scheduler, req, role, stage, kv_mgr)
+    if cause is None:
+        cause = request_end_cause.cause_of(req, kv_mgr)[0]
+    return cause not in (request_end_cause.CLIENT_ABORT, request_end_cause.PAUSE)
+
+
+def finish_transferred(scheduler, req) -> bool:
+    """Prefill inflight, Success polled: whether `req` ends as an abort (a pending one wins)."""
+    from sglang.srt.disaggregation.utils import is_aborted, prepare_abort
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+    if isinstance(req.finished_reason, FINISH_ABORT):
+        return True
+    if not (is_aborted(req) or getattr(req, REQUESTED_ABORT, None) is not None):
+        return False
+    pending = req.to_finish
+    if getattr(req, REQUESTED_ABORT, None) is None and isinstance(pending, FINISH_ABORT):
+        if pending.status_code is None:
+            setattr(req, REQUESTED_ABORT, (CLIENT_ABORT_MESSAGE, None))
+            request_end_cause.tag_req(req, request_end_cause.CLIENT_ABORT)
+        else:
+            setattr(req, REQUESTED_ABORT, (pending.message, pending.status_code))
+            request_end_cause.tag_req(req, request_end_cause.TIMEOUT)
+    req.to_finish = None
+    prepare_abort(req, CLIENT_ABORT_MESSAGE)
+    kv_mgr = _kv_mgr(req)
+    request_end_cause.record_end(scheduler, req, "prefill", PREFILL_INFLIGHT, kv_mgr)
+    if kv_mgr is not None and hasattr(kv_mgr, "send_kv_status_message"):  # decode must not run it
+        reason = peer_reason(req.rid, req.bootstrap_room, "prefill", getattr(req, REQUESTED_ABORT)[0])
+        end_room(kv_mgr, req.bootstrap_room, None, reason, fail=False, remember=True)
+    return True
+
+
+def after_retire_aborted(result, scheduler, req, *args, **kwargs):
+    """AFTER SchedulerDisaggregationPrefillMixin._retire_aborted_prefill_result: its room ends here."""
+    if result:
+        _retire_prefill_room(scheduler, req, PREFILL_RUNNING)
+    return result
+
+
+def after_release_aborted_waiting(result, scheduler, req, *args, **kwargs):
+    """AFTER release_aborted_prefill_waiting_req: upstream never clears the room."""
+    _retire_prefill_room(scheduler, req, PREFILL_WAITING)
+    return result
+
+
+def around_pending_chunked_abort(original, scheduler, *args, **kwargs):
+    """AROUND Scheduler.process_pending_chunked_abort: clear the retired request's room."""
+    req = upstream(scheduler, "_pending_chunked_abort_req")
+    retiring = req is not None and scheduler.chunked_req is req
+    result = original(scheduler, *args, **kwargs)
+    if retiring and scheduler.chunked_req is not req and pd_queues.role(scheduler) == "prefill":
+        _retire_prefill_room(scheduler, req, PREFILL_RUNNING)
+    return result
+
+
 # ----------------------------------------------------------------------------- telling prefill
 
 
@@ -445,9 +556,8 @@ def ended_at_gate(role: Any, obj: Any, why: str) -> None:
     if role not in ("decode", "prefill"):
         return
     rooms = obj.bootstrap_room if isinstance(obj.bootstrap_room, list) else [obj.bootstrap_room]
-    hosts = obj.bootstrap_host if isinstance(obj.bootstrap_host, list) else [obj.bootstrap_host] * len(rooms)
-    ports = obj.bootstrap_port if isinstance(obj.bootstrap_port, list) else [obj.bootstrap_port] * len(rooms)
-    rids = obj.rid if isinstance(obj.rid, list) else [obj.rid] * len(rooms)
+    hosts, ports, rids = ((v if isinstance(v, list) else [v] * len(rooms))
+                          for v in (obj.bootstrap_host, obj.bootstrap_port, obj.rid))
     for host, port, room, rid in zip(hosts, ports, rooms, rids):
         if role == "decode":
             tell_prefill(host, port, room, why)
@@ -456,11 +566,8 @@ def ended_at_gate(role: Any, obj: Any, why: str) -> None:
 
 
 def before_release_on_failure(tokenizer_manager: Any, request_states: Any, *args: Any, **kwargs: Any) -> None:
-    """BEFORE `TokenizerManager._release_req_states_on_failure` (generate_request's
-    failure path; HTTP thread): a request that failed before it reached this side's
-    scheduler (its validation or tokenization raised; its client went away at the pause
-    gate) never had a room here, so its peer's copy is told, as at the gate
-    (`ended_at_gate`). A rejection names itself ("rejected by <side>'s tokenizer (...)")."""
+    """BEFORE `TokenizerManager._release_req_states_on_failure` (HTTP thread): a request that failed
+    before this side's scheduler (rejected, or its client gone at the gate) has its peer's copy told."""
     exc = sys.exc_info()[1]
     role = str(getattr(tokenizer_manager.disaggregation_mode, "value", ""))
     rejected = isinstance(exc, Exception) and not isinstance(exc, asyncio.CancelledError)
