@@ -9,6 +9,7 @@ What and why: docs/peer-liveness.md; threads and locks: docs/layout.md.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import socket
@@ -29,13 +30,10 @@ from sglang.srt.managers.engine_clock import engine_clock
 
 logger = logging.getLogger(__name__)
 
-# Opens every failure reason this module records; the verdict answers it 502.
-TAG = room_ledger.PEER_LOST_TAG
-# How upstream's transfer worker fails a room whose decode session is blacklisted
-# (mooncake/conn.py); reworded by `around_conclude_transfer`.
+TAG = room_ledger.PEER_LOST_TAG  # opens every failure reason this module records; the verdict answers it 502
+# Upstream's reason for a room whose decode session is blacklisted; reworded by `around_conclude_transfer`.
 UPSTREAM_SESSION_DEAD = "Decode instance could be dead, remote mooncake session"
-# Opens the transfer worker's reasons for a failed write (and the one above).
-WRITE_FAILED = ("Failed to send", UPSTREAM_SESSION_DEAD)
+WRITE_FAILED = ("Failed to send", UPSTREAM_SESSION_DEAD)  # how upstream's reasons for a failed write open
 
 ALIVE, REFUSED, SILENT = "alive", "refused", "silent"
 CONNECT_TIMEOUT = 1.0
@@ -172,9 +170,8 @@ class PeerMonitor:
                 continue
             if session in blacklisted:
                 if session in self.held_out:
-                    self.lose_decode(
-                        session, "a KV write failed and its transfer session does not answer a probe", keep=True
-                    )
+                    self.lose_decode(session, "a KV write failed and its transfer session does not answer a probe",
+                                     keep=True)
                     continue
                 held_out.add(session)
             verdict = probe(host, port)
@@ -201,10 +198,8 @@ class PeerMonitor:
         for s in stale:
             self._drop_held(s, "a new decode registered at its address", addr_gone=False)
         if old is not None:
-            logger.warning(
-                "PD peer recovered: decode peer %s:%s registered (session %s), replacing lost %s",
-                host, port, session, old,
-            )
+            logger.warning("PD peer recovered: decode peer %s:%s registered (session %s), replacing lost %s",
+                           host, port, session, old)
             _count(self, "recovery", host)
 
     def _unlost(self, host: str, peer: Optional[str] = None) -> Optional[str]:
@@ -236,15 +231,11 @@ class PeerMonitor:
                 set.add(mgr.failed_sessions, session)
         else:  # no new chunk is sent to it from here on
             self._drop_incarnation(session, host, port)
-        rooms = [room for room, infos in list(mgr.transfer_infos.items()) if session in infos]
-        failed = []
-        for room in rooms:
-            if mgr.request_status.get(room) in (None, KVPoll.Success):
-                continue
-            # other decode ranks of the room wait for it too
+        failed = [room for room, infos in list(mgr.transfer_infos.items())
+                  if session in infos and mgr.request_status.get(room) not in (None, KVPoll.Success)]
+        for room in failed:  # other decode ranks of the room wait for it too
             targets = None if keep else [t for t in mgr._room_notify_targets(room) if t != (host, port)]
             end_room(mgr, room, PEER_FAILURE, reason, peer=peer, targets=targets)
-            failed.append(room)
         with self.lock:
             self.lost.setdefault(host, []).append(peer)
         if not keep:
@@ -337,33 +328,26 @@ class PeerMonitor:
                     mgr.session_pool.pop(addr, None)
 
     def report(self) -> Dict[str, Any]:
-        with self.lock:
-            lost = sum(len(v) for v in self.lost.values())
-            held = len(self.held)
         prefill = self.role == "prefill"
-        return {"watched": len(self.known) if prefill else None, "lost_unrecovered": lost,
-                "held_out": held if prefill else None}
+        with self.lock:
+            return {"watched": len(self.known) if prefill else None, "held_out": len(self.held) if prefill else None,
+                    "lost_unrecovered": sum(map(len, self.lost.values()))}
 
 
 def _forget_session(mgr: Any, session: str) -> None:
     """Drop a decode session's blacklist and layout entries (caller holds session_lock)."""
     set.discard(mgr.failed_sessions, session)
-    mgr.session_failures.pop(session, None)
-    getattr(mgr, "failed_session_probes", {}).pop(session, None)
-    getattr(mgr, "state_layout_rejections", {}).pop(session, None)
-    getattr(mgr, "state_strides_validated", set()).discard(session)
+    for table in (mgr.session_failures, mgr.failed_session_probes, mgr.state_layout_rejections):
+        table.pop(session, None)
+    mgr.state_strides_validated.discard(session)
 
 
 def _drop_socket(mgr: Any, endpoint: str) -> None:
     """Close the cached push socket to a lost endpoint, not while a sender uses it."""
-    lock = getattr(mgr, "_socket_lock", None)
-    if lock is None:
-        return
-    with lock:
+    with mgr._socket_lock:
         sock = mgr._socket_cache.pop(endpoint, None)
-        monitor = getattr(mgr, "_monitor_cache", {}).pop(endpoint, None)
-    send_lock = getattr(mgr, "_socket_send_locks", {}).get(endpoint)
-    with send_lock if send_lock is not None else contextlib.nullcontext():
+        monitor = mgr._monitor_cache.pop(endpoint, None)
+    with mgr._socket_send_locks.get(endpoint) or contextlib.nullcontext():
         if sock is not None:
             sock.close(linger=0)
     if monitor is not None:
@@ -401,16 +385,15 @@ def _start(queue: Any, mgr: Any, role: str) -> None:
     monitor = PeerMonitor(mgr, role, labels or {}, labels is not None)
     mgr.__dict__[_MONITOR] = monitor
     if role == "prefill":  # a registration is seen at once (a restarted decode, before its first request)
-        def watching(publish):
-            def publish_and_watch(session_id, decode_kv_args, *a, **kw):
-                result = publish(session_id, decode_kv_args, *a, **kw)
-                monitor.registered(session_id, decode_kv_args.endpoint, int(decode_kv_args.dst_port))
-                return result
-
-            return publish_and_watch
-
-        fork_touch.swap(mgr, "_publish_peer_registration", watching, by=__name__)
+        fork_touch.swap(mgr, "_publish_peer_registration",
+                        lambda publish: functools.partial(_publish_and_watch, monitor, publish), by=__name__)
     monitor.thread.start()
+
+
+def _publish_and_watch(monitor: PeerMonitor, publish: Any, session_id: str, decode_kv_args: Any, *args, **kwargs):
+    result = publish(session_id, decode_kv_args, *args, **kwargs)
+    monitor.registered(session_id, decode_kv_args.endpoint, int(decode_kv_args.dst_port))
+    return result
 
 
 def on_prefill_manager_init(mgr: Any, queue: Any, *args: Any, **kwargs: Any) -> None:
@@ -487,12 +470,9 @@ def around_conclude_transfer(original, mgr, *args, bootstrap_room=None, status=N
                 session, info = dead[0]
                 peer = f"{info.endpoint}:{info.dst_port}"
                 tag(mgr, bootstrap_room, PEER_FAILURE, peer)
-                failure_reason = loss_message(
-                    "decode", peer, f"a KV write failed and its transfer session {session} does not answer a probe"
-                )
-    return original(
-        mgr, *args, bootstrap_room=bootstrap_room, status=status, failure_reason=failure_reason, **kwargs
-    )
+                failure_reason = loss_message("decode", peer, f"a KV write failed and its transfer session {session} "
+                                              "does not answer a probe")
+    return original(mgr, *args, bootstrap_room=bootstrap_room, status=status, failure_reason=failure_reason, **kwargs)
 
 
 def around_send_multipart_locked(original, mgr, endpoint, parts, *args, **kwargs):

@@ -69,9 +69,8 @@ class RoomLedger:
         self.drains: "OrderedDict[int, Drain]" = OrderedDict()
         self.ended: "OrderedDict[int, Ended]" = OrderedDict()
         self.owned: set = set()  # rooms a live sender of this side owns
-        self.ttl_s = float(
-            envs.SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT.get() + envs.SGLANG_DISAGGREGATION_WAITING_TIMEOUT.get()
-        )
+        self.ttl_s = float(envs.SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT.get()
+                           + envs.SGLANG_DISAGGREGATION_WAITING_TIMEOUT.get())
 
     # -- the ender
 
@@ -84,7 +83,7 @@ class RoomLedger:
         mgr = self.mgr
         if room is None:
             return
-        if cause is not None:
+        if cause is not None:  # first: before anyone can see Failed
             request_end_cause.tag(mgr, room, cause, peer)
         if remember or cancel:
             self.remember(room, reason, answer=remember, cancel=cancel)
@@ -96,11 +95,10 @@ class RoomLedger:
         if receiver is not None:
             receiver.ensure_abort_notified()
         elif hasattr(mgr, "send_kv_status_message"):
-            if targets is None:
-                targets = mgr._room_notify_targets(room) if hasattr(mgr, "_room_notify_targets") else None
-            mgr.send_kv_status_message(
-                targets=targets, bootstrap_room=room, status=KVPoll.Failed, failure_reason=reason
-            )
+            if targets is None and hasattr(mgr, "_room_notify_targets"):
+                targets = mgr._room_notify_targets(room)
+            mgr.send_kv_status_message(targets=targets, bootstrap_room=room, status=KVPoll.Failed,
+                                       failure_reason=reason)
 
     # -- memory of ended rooms (prefill)
 
@@ -540,14 +538,12 @@ def around_pending_chunked_abort(original, scheduler, *args, **kwargs):
 
 def tell_prefill(host: Optional[str], port: Optional[int], room: Optional[int], why: str) -> None:
     """Decode ended `room` before prefill heard of it: the teller thread sends prefill ABORT."""
-    if host is not None and port is not None and room is not None:
-        _teller().submit(f"{host}:{port}", int(room), why)
+    _tell(host, port, room, why)
 
 
 def tell_own_bootstrap(host: Optional[str], port: Optional[int], room: Optional[int], rid: Any, why: str) -> None:
     """Prefill ended `room` before its scheduler: the teller tells its own bootstrap thread."""
-    if host is not None and port is not None and room is not None:
-        _teller().submit(f"{host}:{port}", int(room), why, reason=peer_reason(rid, room, "prefill", why))
+    _tell(host, port, room, why, reason=peer_reason(rid, room, "prefill", why))
 
 
 def ended_at_gate(role: Any, obj: Any, why: str) -> None:
@@ -648,59 +644,47 @@ def after_ensure_abort_notified(result: Any, receiver: Any, *args: Any, **kwargs
     return result
 
 
-class _Teller:
-    """One daemon thread per process; a bounded queue (a full one drops, logged)."""
-
-    def __init__(self):
-        self.q: "queue.Queue[Tuple[str, int, str, Optional[str]]]" = queue.Queue(maxsize=4096)
-        self.endpoints: Dict[str, List[dict]] = {}
-        self.thread = threading.Thread(target=self._run, name="ForkRoomLedgerTeller", daemon=True)
-        self.thread.start()
-
-    def submit(self, addr: str, room: int, why: str, reason: Optional[str] = None) -> None:
-        """`reason` None: decode's ABORT for `room`; else prefill's own end of it."""
-        try:
-            self.q.put_nowait((addr, room, why, reason))
-        except queue.Full:
-            logger.warning("room_ledger: cannot tell prefill %s that room %s ended (queue full)", addr, room)
-
-    def _run(self) -> None:
-        while True:
-            addr, room, why, reason = self.q.get()
-            try:
-                self._send(addr, room, reason)
-                logger.info("room_ledger: told prefill %s that room %s ended on %s (%s)",
-                            addr, room, "decode" if reason is None else "prefill", why)
-            except Exception as e:  # best effort: prefill's deadline remains the fallback
-                self.endpoints.pop(addr, None)
-                logger.warning("room_ledger: could not tell prefill %s that room %s ended: %r", addr, room, e)
-
-    def _send(self, addr: str, room: int, reason: Optional[str]) -> None:
-        from sglang.srt.disaggregation.common.conn import ABORT_TAG, AbortNotification, CommonKVReceiver
-
-        infos = self.endpoints.get(addr)
-        if infos is None:
-            infos = self.endpoints[addr] = _rank_endpoints(addr)
-        if reason is None:
-            message = AbortNotification(room=room).to_zmq()
-        else:
-            message = [ABORT_TAG, str(room).encode("ascii"), ENDED_ON_PREFILL, reason.encode("utf-8")]
-        for info in infos:
-            sock, lock = CommonKVReceiver._connect_to_bootstrap_server(info)
-            with lock:
-                sock.send_multipart(message)
-
-
+_tells: "queue.Queue[Tuple[str, int, str, Optional[str]]]" = queue.Queue(maxsize=4096)  # a full one drops, logged
+_teller: List[threading.Thread] = []  # one daemon thread per process, started at the first tell
 _teller_lock = threading.Lock()
-_teller_instance: Optional[_Teller] = None
 
 
-def _teller() -> _Teller:
-    global _teller_instance
+def _tell(host: Optional[str], port: Optional[int], room: Optional[int], why: str, reason: Optional[str] = None):
+    """For the teller thread: `reason` None: decode's ABORT for `room`; else prefill's own end of it."""
+    if host is None or port is None or room is None:
+        return
     with _teller_lock:
-        if _teller_instance is None:
-            _teller_instance = _Teller()
-        return _teller_instance
+        if not _teller:
+            _teller.append(threading.Thread(target=_run_teller, name="ForkRoomLedgerTeller", daemon=True))
+            _teller[0].start()
+    try:
+        _tells.put_nowait((f"{host}:{port}", int(room), why, reason))
+    except queue.Full:
+        logger.warning("room_ledger: cannot tell prefill %s:%s that room %s ended (queue full)", host, port, room)
+
+
+def _run_teller() -> None:
+    from sglang.srt.disaggregation.common.conn import ABORT_TAG, AbortNotification, CommonKVReceiver
+
+    endpoints: Dict[str, List[dict]] = {}  # prefill bootstrap address -> its ranks' endpoints
+    while True:
+        addr, room, why, reason = _tells.get()
+        try:
+            if addr not in endpoints:
+                endpoints[addr] = _rank_endpoints(addr)
+            if reason is None:
+                message = AbortNotification(room=room).to_zmq()
+            else:
+                message = [ABORT_TAG, str(room).encode("ascii"), ENDED_ON_PREFILL, reason.encode("utf-8")]
+            for info in endpoints[addr]:
+                sock, lock = CommonKVReceiver._connect_to_bootstrap_server(info)
+                with lock:
+                    sock.send_multipart(message)
+            logger.info("room_ledger: told prefill %s that room %s ended on %s (%s)",
+                        addr, room, "decode" if reason is None else "prefill", why)
+        except Exception as e:  # best effort: prefill's deadline remains the fallback
+            endpoints.pop(addr, None)
+            logger.warning("room_ledger: could not tell prefill %s that room %s ended: %r", addr, room, e)
 
 
 def _rank_endpoints(addr: str) -> List[dict]:
