@@ -1,9 +1,8 @@
 """A crashed PD peer is noticed at once, its requests end (502), and its restart is served.
 
-One `PeerMonitor` thread per kv manager (mooncake) probes each peer once per heartbeat; a lost
-peer's rooms end through the ledger, a decode that may be alive is held out until it answers;
-a prefill request still waiting for a lost decode's handshake ends within seconds (docs/gateway.md).
-What and why: docs/peer-liveness.md; threads and locks: docs/layout.md.
+One `PeerMonitor` thread per (mooncake) kv manager probes each peer once per heartbeat; a lost
+peer's rooms end through the ledger; a decode that may be alive is held out until it answers; a
+request waiting for a lost decode's handshake ends within seconds. docs/peer-liveness.md, docs/gateway.md.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """Why a PD request ended without a completion, counted once; and every counter the fork adds.
 
-Whoever ends a room `tag()`s it first (any thread; first tag wins); the queue that retires
-the request calls `record_end()` (scheduler thread), which counts it (`COUNTS`, the `end_cause`
-counter) and forgets the tag. Counters (`COUNTERS`: names and labels are public) are created
-on first use (importing prometheus_client when plugins load would leave multiprocess mode).
+Whoever ends a room `tag()`s it first (any thread; first tag wins); the queue that retires the request
+calls `record_end()` (scheduler thread), which counts it and forgets the tag. `COUNTERS`: names and
+labels are public; each is made at first use (importing prometheus_client early leaves multiprocess mode).
 """
 
 from __future__ import annotations

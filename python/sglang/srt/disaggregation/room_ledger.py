@@ -130,14 +130,12 @@ class RoomLedger:
             record = self.ended.get(room)
             if record is None:
                 return None
-            if record.cancel and record.expiry > now:
+            reason = record.reason if record.cancel and record.expiry > now else None
+            if reason is not None:
                 record.cancel = False
-                if not record.answer:
-                    del self.ended[room]
-                return record.reason
             if not record.answer:
-                del self.ended[room]  # a new lifecycle (decode re-bootstraps rooms)
-            return None
+                del self.ended[room]  # consumed, or a new lifecycle (decode re-bootstraps rooms)
+            return reason
 
     def disown(self, room: int, failed: bool) -> None:
         with self.lock:
@@ -514,13 +512,11 @@ def after_retire_aborted(result, scheduler, req, *args, **kwargs):
     """AFTER SchedulerDisaggregationPrefillMixin._retire_aborted_prefill_result: its room ends here."""
     if result:
         _retire_prefill_room(scheduler, req, PREFILL_RUNNING)
-    return result
 
 
 def after_release_aborted_waiting(result, scheduler, req, *args, **kwargs):
     """AFTER release_aborted_prefill_waiting_req: upstream never clears the room."""
     _retire_prefill_room(scheduler, req, PREFILL_WAITING)
-    return result
 
 
 def around_pending_chunked_abort(original, scheduler, *args, **kwargs):
@@ -536,16 +532,6 @@ def around_pending_chunked_abort(original, scheduler, *args, **kwargs):
 # ----------------------------------------------------------------------------- telling prefill
 
 
-def tell_prefill(host: Optional[str], port: Optional[int], room: Optional[int], why: str) -> None:
-    """Decode ended `room` before prefill heard of it: the teller thread sends prefill ABORT."""
-    _tell(host, port, room, why)
-
-
-def tell_own_bootstrap(host: Optional[str], port: Optional[int], room: Optional[int], rid: Any, why: str) -> None:
-    """Prefill ended `room` before its scheduler: the teller tells its own bootstrap thread."""
-    _tell(host, port, room, why, reason=peer_reason(rid, room, "prefill", why))
-
-
 def ended_at_gate(role: Any, obj: Any, why: str) -> None:
     """A request one side's tokenizer ended (pause gate): the other side's copy is told."""
     role = str(getattr(role, "value", role))
@@ -555,10 +541,7 @@ def ended_at_gate(role: Any, obj: Any, why: str) -> None:
     hosts, ports, rids = ((v if isinstance(v, list) else [v] * len(rooms))
                           for v in (obj.bootstrap_host, obj.bootstrap_port, obj.rid))
     for host, port, room, rid in zip(hosts, ports, rooms, rids):
-        if role == "decode":
-            tell_prefill(host, port, room, why)
-        else:
-            tell_own_bootstrap(host, port, room, rid, why)
+        tell_prefill(host, port, room, why, None if role == "decode" else peer_reason(rid, room, "prefill", why))
 
 
 def before_release_on_failure(tokenizer_manager: Any, request_states: Any, *args: Any, **kwargs: Any) -> None:
@@ -601,24 +584,24 @@ def _ended_on_prefill(ledger: "RoomLedger", room: int, reason: str) -> None:
                 room, reason, "told" if targets else "will be told at its handshake")
 
 
-def after_send_abort_output(result: Any, scheduler: Any, abort_req: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+def after_send_abort_output(result: Any, scheduler: Any, abort_req: Any, req: Any, *args: Any, **kwargs: Any) -> None:
     """AFTER Scheduler.send_abort_output: a scheduler's rejection ends the other side's copy."""
     from sglang.srt.disaggregation.utils import DisaggregationMode, TransferBackend
 
     mode = scheduler.disaggregation_mode
     if req.bootstrap_room is None:
-        return result
+        return
     if (mode == DisaggregationMode.DECODE and scheduler.transfer_backend != TransferBackend.FAKE
             and not req.time_stats.decode_prealloc_queue_entry_time):
         tell_prefill(req.bootstrap_host, req.bootstrap_port, req.bootstrap_room, "rejected by decode's scheduler")
     elif mode == DisaggregationMode.PREFILL and req.disagg_kv_sender is None:  # no room here
         said = (getattr(abort_req, "finished_reason", None) or {}).get("message")
         why = f"{REJECTED} prefill's scheduler" + (f" ({said})" if said else "")
-        tell_own_bootstrap(req.bootstrap_host, req.bootstrap_port, req.bootstrap_room, req.rid, why)
-    return result
+        tell_prefill(req.bootstrap_host, req.bootstrap_port, req.bootstrap_room, why,
+                     peer_reason(req.rid, req.bootstrap_room, "prefill", why))
 
 
-def after_ensure_abort_notified(result: Any, receiver: Any, *args: Any, **kwargs: Any) -> Any:
+def after_ensure_abort_notified(result: Any, receiver: Any, *args: Any, **kwargs: Any) -> None:
     """AFTER `CommonKVReceiver.ensure_abort_notified` (decode): a room ended before prefill's
     rank endpoints were known is told through prefill's bootstrap server (once); a room
     armed for prefill's drain ack is noted against that prefill (its loss settles it)."""
@@ -630,18 +613,17 @@ def after_ensure_abort_notified(result: Any, receiver: Any, *args: Any, **kwargs
         host, _, port = str(addr).rpartition(":")
         tell_prefill(host.strip("[]"), int(port), receiver.bootstrap_room,
                      "ended on decode before prefill's info was fetched")
-        return result
+        return
     mgr = receiver.kv_mgr
     # peer_liveness' monitor, read by its attribute (peer_liveness imports this module)
     monitor, ledger = mgr.__dict__.get(PEER_MONITOR_ATTR), ledger_of(mgr)
     generation = upstream(receiver, "_abort_generation")
     room = receiver.bootstrap_room
     if monitor is None or ledger is None or generation is None or room not in mgr._deferred_abort_ack_tracker:
-        return result
+        return
     ledger.note_drain(room, addr, generation, len(receiver.bootstrap_infos or ()))
     if addr in monitor.lost:  # lost already, or meanwhile (settle_peer may have run)
         ledger.settle_peer(addr)
-    return result
 
 
 _tells: "queue.Queue[Tuple[str, int, str, Optional[str]]]" = queue.Queue(maxsize=4096)  # a full one drops, logged
@@ -649,8 +631,9 @@ _teller: List[threading.Thread] = []  # one daemon thread per process, started a
 _teller_lock = threading.Lock()
 
 
-def _tell(host: Optional[str], port: Optional[int], room: Optional[int], why: str, reason: Optional[str] = None):
-    """For the teller thread: `reason` None: decode's ABORT for `room`; else prefill's own end of it."""
+def tell_prefill(host: Optional[str], port: Optional[int], room: Optional[int], why: str, reason: Optional[str] = None):
+    """The teller thread tells prefill's bootstrap thread that `room` ended before that side's scheduler saw it:
+    `reason` None: decode's ABORT for it; else prefill's own end of it (answered at decode's handshake)."""
     if host is None or port is None or room is None:
         return
     with _teller_lock:
