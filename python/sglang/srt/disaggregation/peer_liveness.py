@@ -406,29 +406,27 @@ def on_decode_manager_init(mgr: Any, queue: Any, *args: Any, **kwargs: Any) -> N
     _start(queue, mgr, "decode")
 
 
-def around_handle_node_failure(original, mgr, failed_bootstrap_addr, *args, **kwargs):
-    """AROUND CommonKVManager._handle_node_failure (decode): end the rooms, settle the drains."""
+def around_handle_node_failure(original, mgr, peer, *args, **kwargs):
+    """AROUND CommonKVManager._handle_node_failure(bootstrap addr) (decode): end the rooms, settle the drains."""
     monitor = monitor_of(mgr)
-    peer = failed_bootstrap_addr
     reason = loss_message("prefill", peer, "its bootstrap server does not answer")
-    known = failed_bootstrap_addr in mgr.prefill_info_table
+    known = peer in mgr.prefill_info_table
     if monitor is not None:
         with monitor.lock:  # the first of two concurrent callers claims the loss
-            known = known and failed_bootstrap_addr not in monitor.lost
+            known = known and peer not in monitor.lost
             if known:
-                monitor.lost[failed_bootstrap_addr] = [peer]
-    failed = 0
-    for room in list(mgr.addr_to_rooms_tracker.get(failed_bootstrap_addr, ())):
-        if mgr.request_status.get(room) not in (None, KVPoll.Success):
-            end_room(mgr, room, PEER_FAILURE, reason, peer=peer, tell=False)
-            failed += 1
-    result = original(mgr, failed_bootstrap_addr, *args, **kwargs)
+                monitor.lost[peer] = [peer]
+    failed = [room for room in list(mgr.addr_to_rooms_tracker.get(peer, ()))
+              if mgr.request_status.get(room) not in (None, KVPoll.Success)]
+    for room in failed:
+        end_room(mgr, room, PEER_FAILURE, reason, peer=peer, tell=False)
+    result = original(mgr, peer, *args, **kwargs)
     # drains this prefill owes: nobody will ack (a room parked after `lost` is acked at once)
     ledger = ledger_of(mgr)
     if ledger is not None and monitor is not None:
-        ledger.settle_peer(failed_bootstrap_addr)
+        ledger.settle_peer(peer)
     if known and monitor is not None:
-        logger.error("%s: %d requests failed, its connection info dropped", reason, failed)
+        logger.error("%s: %d requests failed, its connection info dropped", reason, len(failed))
         _count(monitor, "loss", peer)
     return result
 

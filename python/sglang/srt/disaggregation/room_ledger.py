@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any, Dict, List, Optional, Tuple
 
-from sglang.srt.disaggregation import pd_queues, request_end_cause
+from sglang.srt.disaggregation import pd_queues, request_end_cause as end_cause
 from sglang.srt.disaggregation.base import KVPoll
 from sglang.srt.disaggregation.pd_queues import DECODE_TRANSFER, PREFILL_INFLIGHT, PREFILL_RUNNING, PREFILL_WAITING
 from sglang.srt.managers.engine_clock import engine_clock
@@ -84,7 +84,7 @@ class RoomLedger:
         if room is None:
             return
         if cause is not None:  # first: before anyone can see Failed
-            request_end_cause.tag(mgr, room, cause, peer)
+            end_cause.tag(mgr, room, cause, peer)
         if remember or cancel:
             self.remember(room, reason, answer=remember, cancel=cancel)
         if fail and room in getattr(mgr, "request_status", {}):
@@ -149,8 +149,7 @@ class RoomLedger:
             self._expire(engine_clock.now())
             if room in self.owned or room in self.ended:
                 return False
-        self.remember(room, _with_why(CANCEL_REASON.format(peer=peer, room=room), why),
-                      answer=False, cancel=True)
+        self.remember(room, _with_why(CANCEL_REASON.format(peer=peer, room=room), why), answer=False, cancel=True)
         return True
 
     def drop_cancel(self, room: int) -> None:
@@ -329,7 +328,7 @@ def around_record_failure(original, mgr, bootstrap_room, failure_reason, *args, 
             logger.debug("room_ledger: dropping failure for ended room %s: %s", bootstrap_room, failure_reason)
             return None
         if (failure_reason or "").startswith(PEER_LOST_TAG):
-            request_end_cause.tag(mgr, bootstrap_room, request_end_cause.PEER_FAILURE)
+            end_cause.tag(mgr, bootstrap_room, end_cause.PEER_FAILURE)
     current = mgr.failure_records.get(bootstrap_room)
     if current and current.startswith(PEER_LOST_TAG) and not (failure_reason or "").startswith(PEER_LOST_TAG):
         return None
@@ -391,17 +390,17 @@ def verdict(req: Any, error_message: str, status_code: Any) -> Tuple[str, Any]:
     elif cause == "peer_abort" and any(t in text for t in PAUSE_MARKERS):  # the peer's pause or release
         message, status = text.rsplit(PEER_WHY, 1)[-1], None
     elif cause == "peer_abort":  # the peer's client abort, or its scheduler's rejection (named)
-        request_end_cause.tag_req(req, request_end_cause.CLIENT_ABORT)
+        end_cause.tag_req(req, end_cause.CLIENT_ABORT)
         said = text.rsplit(PEER_WHY, 1)[-1] if PEER_WHY + REJECTED in text else None
         message, status = said or CLIENT_ABORT_MESSAGE, None
     else:
         message, status = error_message, lost_peer_status(text, status_code)
     said = str(message or "")
     if DEADLINE_TAG in said:  # the peer's deadline ended it: 504, counted as a timeout
-        request_end_cause.tag_req(req, request_end_cause.TIMEOUT)
+        end_cause.tag_req(req, end_cause.TIMEOUT)
         return message, HTTPStatus.GATEWAY_TIMEOUT
     if any(t in said for t in PAUSE_MARKERS):  # the pause's or a release's end, not a failure
-        request_end_cause.tag_req(req, request_end_cause.PAUSE)
+        end_cause.tag_req(req, end_cause.PAUSE)
         return message, None
     return message, status
 
@@ -421,13 +420,13 @@ def prepare_abort_verdict(original, req, error_message, status_code=None, *args,
 def requested_verdict(recv_req: Any) -> Tuple[str, Optional[int], str]:
     """(message, status, cause) an AbortReq asks for (client abort: no status; SLA abort: 503)."""
     if recv_req.abort_message:
-        return recv_req.abort_message, HTTPStatus.SERVICE_UNAVAILABLE, request_end_cause.TIMEOUT
+        return recv_req.abort_message, HTTPStatus.SERVICE_UNAVAILABLE, end_cause.TIMEOUT
     reason = recv_req.finished_reason or {}
     if reason.get("status_code") is not None:
-        return reason.get("message") or "Aborted", reason["status_code"], request_end_cause.CLIENT_ABORT
+        return reason.get("message") or "Aborted", reason["status_code"], end_cause.CLIENT_ABORT
     if any(m in str(reason.get("message") or "") for m in PAUSE_MARKERS):  # pause(abort), release
-        return reason["message"], None, request_end_cause.PAUSE
-    return CLIENT_ABORT_MESSAGE, None, request_end_cause.CLIENT_ABORT
+        return reason["message"], None, end_cause.PAUSE
+    return CLIENT_ABORT_MESSAGE, None, end_cause.CLIENT_ABORT
 
 
 def _kv_mgr(req):
@@ -442,7 +441,7 @@ def _retire_prefill_room(scheduler, req, stage: str) -> None:
         req.disagg_kv_sender.clear()
         with getattr(kv_mgr, "failure_lock", None) or contextlib.nullcontext():  # fake: neither
             getattr(kv_mgr, "failure_records", {}).pop(req.bootstrap_room, None)
-    request_end_cause.record_end(scheduler, req, "prefill", stage, kv_mgr)
+    end_cause.record_end(scheduler, req, "prefill", stage, kv_mgr)
 
 
 def before_abort_request(scheduler, recv_req, *args, **kwargs) -> None:
@@ -459,14 +458,12 @@ def before_abort_request(scheduler, recv_req, *args, **kwargs) -> None:
         if getattr(req, REQUESTED_ABORT, None) is not None:
             continue  # already aborted: a second abort changes nothing
         setattr(req, REQUESTED_ABORT, (message, status))
-        request_end_cause.tag_req(req, cause)
-        if role == "prefill":
-            kv_mgr = _kv_mgr(req)
-            room = req.bootstrap_room
-            if kv_mgr is not None and room is not None and hasattr(kv_mgr, "send_kv_status_message"):
-                if getattr(kv_mgr, "request_status", {}).get(room) != KVPoll.Success:
-                    reason = peer_reason(req.rid, room, "prefill", message)
-                    end_room(kv_mgr, room, None, reason, fail=False, remember=True)
+        end_cause.tag_req(req, cause)
+        kv_mgr = _kv_mgr(req) if role == "prefill" else None
+        room = req.bootstrap_room
+        if (hasattr(kv_mgr, "send_kv_status_message") and room is not None  # not on decode, not fake
+                and getattr(kv_mgr, "request_status", {}).get(room) != KVPoll.Success):
+            end_room(kv_mgr, room, None, peer_reason(req.rid, room, "prefill", message), fail=False, remember=True)
 
 
 def counts_as_failure(scheduler, req, role: str, stage: Optional[str] = None, kv_mgr=None) -> bool:
@@ -475,10 +472,8 @@ def counts_as_failure(scheduler, req, role: str, stage: Optional[str] = None, kv
         stage = pd_queues.prefill_stage(scheduler, req) if role == "prefill" else DECODE_TRANSFER
     if kv_mgr is None and role == "prefill":
         kv_mgr = _kv_mgr(req)
-    cause = request_end_cause.record_end(scheduler, req, role, stage, kv_mgr)
-    if cause is None:
-        cause = request_end_cause.cause_of(req, kv_mgr)[0]
-    return cause not in (request_end_cause.CLIENT_ABORT, request_end_cause.PAUSE)
+    cause = end_cause.record_end(scheduler, req, role, stage, kv_mgr) or end_cause.cause_of(req, kv_mgr)[0]
+    return cause not in (end_cause.CLIENT_ABORT, end_cause.PAUSE)
 
 
 def finish_transferred(scheduler, req) -> bool:
@@ -492,16 +487,14 @@ def finish_transferred(scheduler, req) -> bool:
         return False
     pending = req.to_finish
     if getattr(req, REQUESTED_ABORT, None) is None and isinstance(pending, FINISH_ABORT):
-        if pending.status_code is None:
-            setattr(req, REQUESTED_ABORT, (CLIENT_ABORT_MESSAGE, None))
-            request_end_cause.tag_req(req, request_end_cause.CLIENT_ABORT)
-        else:
-            setattr(req, REQUESTED_ABORT, (pending.message, pending.status_code))
-            request_end_cause.tag_req(req, request_end_cause.TIMEOUT)
+        client = pending.status_code is None
+        asked = (CLIENT_ABORT_MESSAGE, None) if client else (pending.message, pending.status_code)
+        setattr(req, REQUESTED_ABORT, asked)
+        end_cause.tag_req(req, end_cause.CLIENT_ABORT if client else end_cause.TIMEOUT)
     req.to_finish = None
     prepare_abort(req, CLIENT_ABORT_MESSAGE)
     kv_mgr = _kv_mgr(req)
-    request_end_cause.record_end(scheduler, req, "prefill", PREFILL_INFLIGHT, kv_mgr)
+    end_cause.record_end(scheduler, req, "prefill", PREFILL_INFLIGHT, kv_mgr)
     if kv_mgr is not None and hasattr(kv_mgr, "send_kv_status_message"):  # decode must not run it
         reason = peer_reason(req.rid, req.bootstrap_room, "prefill", getattr(req, REQUESTED_ABORT)[0])
         end_room(kv_mgr, req.bootstrap_room, None, reason, fail=False, remember=True)
@@ -576,8 +569,7 @@ def _ended_on_prefill(ledger: "RoomLedger", room: int, reason: str) -> None:
         if room in ledger.owned:  # a live sender owns the number: not this request's room
             return
     targets = mgr._room_notify_targets(room)
-    ledger.end(room, None, reason, fail=False, tell=bool(targets), targets=targets,
-               remember=not targets, cancel=True)
+    ledger.end(room, None, reason, fail=False, tell=bool(targets), targets=targets, remember=not targets, cancel=True)
     if targets:
         _drop_unowned_room(mgr, room)
     logger.info("room_ledger: room %s ended on prefill before its scheduler saw it (%s); decode %s",
