@@ -66,11 +66,8 @@ def heartbeat_settings() -> Tuple[float, int]:
     interval = envs.SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL.get()
     max_failures = envs.SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE.get()
     if not interval > 0 or max_failures < 1:
-        raise ValueError(
-            "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL must be > 0 and "
-            "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE >= 1 "
-            f"(got {interval!r}, {max_failures!r})"
-        )
+        raise ValueError("SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL must be > 0 and "
+                         f"SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE >= 1 (got {interval!r}, {max_failures!r})")
     return max(interval, 2.0), max_failures
 
 

@@ -139,15 +139,10 @@ def _is_client_abort(req: Any) -> bool:
 def cause_of(req: Any, kv_manager: Any = None, default: str = TRANSPORT) -> Tuple[str, Optional[str]]:
     """(cause, peer) for `req`: its own tag, its room's, a client abort, else `default`."""
     _check(default)
-    own = getattr(req, _REQ_CAUSE, None)
-    if own is not None:
-        return own
-    tagged = _rooms(kv_manager).get(getattr(req, "bootstrap_room", None))
+    tagged = getattr(req, _REQ_CAUSE, None) or _rooms(kv_manager).get(getattr(req, "bootstrap_room", None))
     if tagged is not None:
         return tagged
-    if _is_client_abort(req):
-        return CLIENT_ABORT, None
-    return default, None
+    return (CLIENT_ABORT if _is_client_abort(req) else default), None
 
 
 def record_end(scheduler: Any, req: Any, role: str, stage: str, kv_manager: Any = None,
@@ -166,17 +161,16 @@ def record_end(scheduler: Any, req: Any, role: str, stage: str, kv_manager: Any 
     return cause
 
 
-def after_process_batch_result(result: Any, scheduler: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
+def after_process_batch_result(result: Any, scheduler: Any, batch: Any, *args: Any, **kwargs: Any) -> None:
     """AFTER Scheduler.process_batch_result (decode): count the batch's aborted requests."""
     if batch is None or pd_queues.role(scheduler) != pd_queues.DECODE:
-        return result
+        return
     from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
     for req in batch.reqs:
         if isinstance(req.finished_reason, FINISH_ABORT) and (
                 getattr(req, _REQ_CAUSE, None) is not None or _is_client_abort(req)):
             record_end(scheduler, req, "decode", pd_queues.DECODE_RUNNING)
-    return result
 
 
 def before_send_abort_output(scheduler: Any, abort_req: Any, req: Any, *args: Any, **kwargs: Any) -> None:
