@@ -153,10 +153,9 @@ class PeerMonitor:
             if self.endpoint_gone(endpoint):
                 _drop_socket(mgr, endpoint)
         with self.lock:
-            for session in [s for s in self.known if s not in sessions]:
-                self.known.pop(session, None)  # dropped by someone else
-                self.misses.pop(session, None)
-                self.held.pop(session, None)
+            for session in [s for s in self.known if s not in sessions]:  # dropped by someone else
+                for table in (self.known, self.misses, self.held):
+                    table.pop(session, None)
         # still blacklisted a tick later, or silent: lost, but it may be alive (held out)
         held_out = set()
         for session, (host, port) in sessions.items():

@@ -357,10 +357,9 @@ PAUSE_ABORT = "_fork_pause_abort"  # pd_pause: the pause/release message
 REQUESTED_ABORT = "fork_abort_verdict"  # before_abort_request: (message, status) the AbortReq asked for
 DEADLINE_EXPIRED = "fork_transfer_deadline_message"  # transfer_deadline: its message
 
-# What the client is answered when a PD request ends on a failure path: the first cause
-# found wins (the statuses and why each row wins: docs/layout.md). Statuses are HTTPStatus
-# members, never plain ints: upstream's OpenAI streaming path treats an abort as an error
-# event only when isinstance(status_code, HTTPStatus).
+# What the client is answered when a PD request ends on a failure path: the first cause found wins (the statuses and why
+# each row wins: docs/layout.md). Statuses are HTTPStatus members, never plain ints: upstream's OpenAI streaming path
+# treats an abort as an error event only when isinstance(status_code, HTTPStatus).
 VERDICT_TABLE = ("deadline", "pause", "requested_abort", "peer_abort", "failure")
 
 
@@ -412,9 +411,8 @@ def prepare_abort_verdict(original, req, error_message, status_code=None, *args,
 
 
 # ----------------------------------------------------------------------------- aborts (scheduler thread)
-# An AbortReq marks each PD request it reaches with the verdict it asked for; prefill tells
-# decode at once and clears the room on its retire paths; patched lines call
-# `counts_as_failure` and `finish_transferred` (docs/aborts.md).
+# An AbortReq marks each PD request it reaches with the verdict it asked for; prefill tells decode at once and clears
+# the room on its retire paths; patched lines call `counts_as_failure` and `finish_transferred` (docs/aborts.md).
 
 
 def requested_verdict(recv_req: Any) -> Tuple[str, Optional[int], str]:
@@ -549,9 +547,8 @@ def before_release_on_failure(tokenizer_manager: Any, request_states: Any, *args
             ended_at_gate(role, state.obj, why)
 
 
-# A prefill-side end sent to prefill's own bootstrap thread: [ABORT_TAG, room, mark,
-# reason]. A manager without our ABORT wrapper parses it as upstream's ABORT with a bad
-# return address (logged) and only fails the room.
+# A prefill-side end sent to prefill's own bootstrap thread: [ABORT_TAG, room, mark, reason]. A manager without our
+# ABORT wrapper parses it as upstream's ABORT with a bad return address (logged) and only fails the room.
 ENDED_ON_PREFILL = b"~fork-ended-on-prefill"
 
 
@@ -609,8 +606,7 @@ def after_ensure_abort_notified(result: Any, receiver: Any, *args: Any, **kwargs
     mgr = receiver.kv_mgr
     # peer_liveness' monitor, read by its attribute (peer_liveness imports this module)
     monitor, ledger = mgr.__dict__.get(PEER_MONITOR_ATTR), ledger_of(mgr)
-    generation = upstream(receiver, "_abort_generation")
-    room = receiver.bootstrap_room
+    generation, room = upstream(receiver, "_abort_generation"), receiver.bootstrap_room
     if monitor is None or ledger is None or generation is None or room not in mgr._deferred_abort_ack_tracker:
         return
     ledger.note_drain(room, addr, generation, len(receiver.bootstrap_infos or ()))
