@@ -488,10 +488,8 @@ _next_scan = [float("-inf")]
 
 def handshake_timeout(value: Optional[str]) -> float:
     """HANDSHAKE_ENV in seconds (default 5, 0: off); ValueError naming it when not valid."""
-    if value is None:
-        return 5.0
-    return positive_seconds(value, HANDSHAKE_ENV, "valid", "a finite number of seconds >= 0 (0 turns the rule off)",
-                            zero=True)
+    accepted = "a finite number of seconds >= 0 (0 turns the rule off)"
+    return 5.0 if value is None else positive_seconds(value, HANDSHAKE_ENV, "valid", accepted, zero=True)
 
 
 def lost_decodes(monitor: Any) -> List[str]:
@@ -518,11 +516,9 @@ def orphans(reqs: Sequence[Any], handshaken, now: float, timeout: float) -> List
 
 
 def orphan_message(req: Any, waited: float, lost: Sequence[str], timeout: float) -> str:
-    return (
-        f"{TAG}: no decode took request {req.rid} (bootstrap_room={req.bootstrap_room}) "
-        f"within {waited:.1f}s while decode peer {', '.join(lost)} is lost and not replaced "
-        f"(a balancer still routing to it?); {HANDSHAKE_ENV}={timeout:g}"
-    )
+    return (f"{TAG}: no decode took request {req.rid} (bootstrap_room={req.bootstrap_room}) within {waited:.1f}s "
+            f"while decode peer {', '.join(lost)} is lost and not replaced (a balancer still routing to it?); "
+            f"{HANDSHAKE_ENV}={timeout:g}")
 
 
 def before_pop_bootstrapped(queue, *args, **kwargs):

@@ -186,8 +186,8 @@ class RoomLedger:
                     break
                 self.drains.popitem(last=False)
 
-    def settle_peer(self, peer: str) -> List[int]:
-        """Ack, on behalf of the lost `peer`, every drain it still owes; returns the rooms."""
+    def settle_peer(self, peer: str) -> None:
+        """Ack, on behalf of the lost `peer`, every drain it still owes."""
         with self.lock:
             owed = [(room, d) for room, d in self.drains.items() if d.peer == peer]
             for room, _ in owed:
@@ -197,7 +197,6 @@ class RoomLedger:
                 self.mgr.note_abort_ack(room, -1 - i, drain.generation)  # ranks no live prefill uses
         if owed:
             logger.info("room_ledger: prefill peer %s lost; drains of %d rooms acked on its behalf", peer, len(owed))
-        return [room for room, _ in owed]
 
 
 def ledger_of(mgr: Any) -> Optional[RoomLedger]:
@@ -206,10 +205,7 @@ def ledger_of(mgr: Any) -> Optional[RoomLedger]:
 
 def end_room(mgr: Any, room: int, cause: Optional[str], reason: str, **kwargs: Any) -> None:
     """`RoomLedger.end` on `mgr`'s ledger (made here if a hook-less manager has none)."""
-    ledger = ledger_of(mgr)
-    if ledger is None:
-        ledger = mgr.__dict__.setdefault(ATTR, RoomLedger(mgr))
-    ledger.end(room, cause, reason, **kwargs)
+    (ledger_of(mgr) or mgr.__dict__.setdefault(ATTR, RoomLedger(mgr))).end(room, cause, reason, **kwargs)
 
 
 def report(mgr: Any) -> Optional[int]:
@@ -256,8 +252,7 @@ def _handle_abort(ledger: RoomLedger, original: Any, msg: List[bytes]) -> bool:
         kept = ledger.note_abort(room, peer, why)
         if kept:  # decode's handshake may have created it, though no sender owns it
             _drop_unowned_room(mgr, room)
-        status = mgr.request_status.get(room)
-        if status is not None and status != KVPoll.Success:
+        if mgr.request_status.get(room) not in (None, KVPoll.Success):
             with mgr.failure_lock:  # re-checked: a room cleared meanwhile gets no record back
                 if room in mgr.request_status:
                     mgr.failure_records.setdefault(room, _with_why(DECODE_ABORT_REASON.format(room=room), why))
