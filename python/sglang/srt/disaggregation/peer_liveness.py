@@ -427,7 +427,7 @@ def around_handle_node_failure(original, mgr, peer, *args, **kwargs):
     return result
 
 
-def after_try_ensure_parallel_info(result, mgr, bootstrap_addr, *args, **kwargs):
+def after_try_ensure_parallel_info(result, mgr, bootstrap_addr, *args, **kwargs) -> None:
     """AFTER CommonKVManager.try_ensure_parallel_info: a lost prefill fetched again is back."""
     monitor = monitor_of(mgr)
     if result and monitor is not None and bootstrap_addr in monitor.lost:
@@ -436,7 +436,6 @@ def after_try_ensure_parallel_info(result, mgr, bootstrap_addr, *args, **kwargs)
         if back:
             logger.warning("PD peer recovered: prefill peer %s answers again; its new info fetched", bootstrap_addr)
             _count(monitor, "recovery", bootstrap_addr)
-    return result
 
 
 def around_conclude_transfer(original, mgr, *args, bootstrap_room=None, status=None, failure_reason=None, **kwargs):

@@ -67,8 +67,7 @@ _made_lock = threading.Lock()  # guards the counters' creation (any thread count
 
 def scheduler_labels(scheduler: Any) -> Optional[Dict[str, str]]:
     """The scheduler's metric labels, or None when its metrics are off."""
-    reporter = getattr(scheduler, "metrics_reporter", None)
-    if reporter is None or not getattr(reporter, "enable_metrics", False):
+    if not getattr(getattr(scheduler, "metrics_reporter", None), "enable_metrics", False):
         return None
     labels = getattr(getattr(scheduler, "metrics_collector", None), "labels", None)
     return dict(labels) if isinstance(labels, dict) else {}
