@@ -19,8 +19,6 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from sglang.srt.disaggregation import pd_queues, request_end_cause, room_ledger
 from sglang.srt.disaggregation.base import KVPoll
-from sglang.srt.disaggregation.request_end_cause import PEER_FAILURE, tag
-from sglang.srt.disaggregation.room_ledger import end_room, ledger_of
 from sglang.srt.disaggregation.transfer_deadline import _decides
 from sglang.srt.disaggregation.transfer_deadline_knob import positive_seconds
 from sglang.srt.environ import envs
@@ -230,7 +228,7 @@ class PeerMonitor:
                   if session in infos and mgr.request_status.get(room) not in (None, KVPoll.Success)]
         for room in failed:  # other decode ranks of the room wait for it too
             targets = None if keep else [t for t in mgr._room_notify_targets(room) if t != (host, port)]
-            end_room(mgr, room, PEER_FAILURE, reason, peer=peer, targets=targets)
+            room_ledger.end_room(mgr, room, request_end_cause.PEER_FAILURE, reason, peer=peer, targets=targets)
         with self.lock:
             self.lost.setdefault(host, []).append(peer)
         if not keep:
@@ -415,10 +413,10 @@ def around_handle_node_failure(original, mgr, peer, *args, **kwargs):
     failed = [room for room in list(mgr.addr_to_rooms_tracker.get(peer, ()))
               if mgr.request_status.get(room) not in (None, KVPoll.Success)]
     for room in failed:
-        end_room(mgr, room, PEER_FAILURE, reason, peer=peer, tell=False)
+        room_ledger.end_room(mgr, room, request_end_cause.PEER_FAILURE, reason, peer=peer, tell=False)
     result = original(mgr, peer, *args, **kwargs)
     # drains this prefill owes: nobody will ack (a room parked after `lost` is acked at once)
-    ledger = ledger_of(mgr)
+    ledger = room_ledger.ledger_of(mgr)
     if ledger is not None and monitor is not None:
         ledger.settle_peer(peer)
     if known and monitor is not None:
@@ -461,7 +459,7 @@ def around_conclude_transfer(original, mgr, *args, bootstrap_room=None, status=N
             if dead:
                 session, info = dead[0]
                 peer = f"{info.endpoint}:{info.dst_port}"
-                tag(mgr, bootstrap_room, PEER_FAILURE, peer)
+                request_end_cause.tag(mgr, bootstrap_room, request_end_cause.PEER_FAILURE, peer)
                 failure_reason = loss_message("decode", peer, f"a KV write failed and its transfer session {session} "
                                               "does not answer a probe")
     return original(mgr, *args, bootstrap_room=bootstrap_room, status=status, failure_reason=failure_reason, **kwargs)
@@ -543,4 +541,4 @@ def before_pop_bootstrapped(queue, *args, **kwargs):
         text = orphan_message(req, waited, lost, timeout)
         setattr(req, _ENDED, text)
         logger.warning(text)
-        end_room(kv_mgr, req.bootstrap_room, PEER_FAILURE, text, peer=lost[0])
+        room_ledger.end_room(kv_mgr, req.bootstrap_room, request_end_cause.PEER_FAILURE, text, peer=lost[0])

@@ -21,6 +21,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from sglang.srt.disaggregation import pd_queues, request_end_cause as end_cause
 from sglang.srt.disaggregation.base import KVPoll
 from sglang.srt.disaggregation.pd_queues import DECODE_TRANSFER, PREFILL_INFLIGHT, PREFILL_RUNNING, PREFILL_WAITING
+from sglang.srt.managers import fork_touch
 from sglang.srt.managers.engine_clock import engine_clock
 from sglang.srt.managers.fork_touch import upstream
 
@@ -225,8 +226,6 @@ def on_manager_init(mgr: Any, queue_: Any, *args: Any, **kwargs: Any) -> None:
         return
     ledger = mgr.__dict__[ATTR] = RoomLedger(mgr)
     if getattr(mgr, "disaggregation_mode", None) == DisaggregationMode.PREFILL:
-        from sglang.srt.managers import fork_touch
-
         fork_touch.swap(mgr, "_handle_abort_notification",
                         lambda original: lambda msg: _handle_abort(ledger, original, msg), by=__name__)
 
