@@ -13,11 +13,7 @@ from typing import Any, Dict, Optional, Tuple
 
 from sglang.srt.disaggregation import pd_queues
 
-CLIENT_ABORT = "client_abort"
-TIMEOUT = "timeout"
-TRANSPORT = "transport"
-PEER_FAILURE = "peer_failure"
-PAUSE = "pause"
+CLIENT_ABORT, TIMEOUT, TRANSPORT, PEER_FAILURE, PAUSE = "client_abort", "timeout", "transport", "peer_failure", "pause"
 CAUSES = (CLIENT_ABORT, TIMEOUT, TRANSPORT, PEER_FAILURE, PAUSE)
 
 # (role, cause, stage) -> requests ended so in this process.
