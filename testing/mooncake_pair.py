@@ -188,10 +188,10 @@ class _Worker:
 
     def chunk_failures(self) -> dict:
         """(kind, role) -> count of `sglang:num_transfer_chunk_failures_total` in this process."""
-        from sglang.srt.disaggregation import fork_metrics
+        from sglang.srt.disaggregation import request_end_cause
 
         out = {}
-        for metric in fork_metrics.counter("chunk_failure", {}).collect():
+        for metric in request_end_cause.counter("chunk_failure", {}).collect():
             for sample in metric.samples:
                 if sample.name.endswith("_total"):
                     out[(sample.labels["kind"], sample.labels["role"])] = sample.value

@@ -9,8 +9,9 @@ and not as a bootstrap/transfer failure), and that nothing is held afterwards.
 
 import pytest
 
-from sglang.srt.disaggregation import abort_retirement as ar
+from sglang.srt.disaggregation import pd_queues
 from sglang.srt.disaggregation import request_end_cause as ec
+from sglang.srt.disaggregation import room_ledger as ar
 from sglang.srt.managers.schedule_batch import FINISH_ABORT
 from testing.pd_checks import is_client_abort
 from testing.queue_harness import KVPoll, Notice, PrefillHarness
@@ -95,7 +96,7 @@ def test_prefill_bootstrap_queue_abort(prefill):
     assert_client_abort(h, req)
     assert h.faults.calls_for(room, "send") == []
     assert len(told_decode(h, room)) == 1
-    assert_counted(h, "prefill", ar.PREFILL_BOOTSTRAP)
+    assert_counted(h, "prefill", pd_queues.PREFILL_BOOTSTRAP)
     assert_room_gone(h, room)
 
 
@@ -115,7 +116,7 @@ def test_prefill_bootstrap_queue_pause_abort(prefill):
         h.scheduler.abort_request(AbortReq(abort_all=True, finished_reason=pd_pause.pause_finish_reason()))
     h.faults.release(room)
     h.tick()
-    _assert_ended_as_pause(h, req, ("prefill", ec.PAUSE, ar.PREFILL_BOOTSTRAP))
+    _assert_ended_as_pause(h, req, ("prefill", ec.PAUSE, pd_queues.PREFILL_BOOTSTRAP))
     notices = told_decode(h, room)
     assert len(notices) == 1 and pd_pause.PAUSE_ABORT_MESSAGE in notices[0].reason, notices
     assert_room_gone(h, room)
@@ -134,7 +135,7 @@ def test_prefill_waiting_queue_abort(prefill):
     assert_client_abort(h, req)
     assert h.faults.calls_for(room, "send") == []
     assert len(told_decode(h, room)) == 1
-    assert_counted(h, "prefill", ar.PREFILL_WAITING)
+    assert_counted(h, "prefill", pd_queues.PREFILL_WAITING)
     # upstream: request_status (Failed) and failure_records kept the room forever
     assert_room_gone(h, room)
 
@@ -150,7 +151,7 @@ def test_prefill_abort_while_batch_runs_sends_no_kv(prefill):
     assert h.outputs.final(req.rid).output_ids == ()  # no token streamed
     assert h.faults.calls_for(room, "send") == []  # KV never exposed to decode
     assert len(told_decode(h, room)) == 1
-    assert_counted(h, "prefill", ar.PREFILL_RUNNING)
+    assert_counted(h, "prefill", pd_queues.PREFILL_RUNNING)
     assert_room_gone(h, room)
 
 
@@ -168,7 +169,7 @@ def test_prefill_abort_between_chunks(prefill):
     assert not any(c.detail["last"] for c in h.faults.calls_for(room, "send"))
     assert len(h.faults.calls_for(room, "send")) <= sent + 1  # at most the chunk already computed
     assert len(told_decode(h, room)) == 1
-    assert_counted(h, "prefill", ar.PREFILL_RUNNING)
+    assert_counted(h, "prefill", pd_queues.PREFILL_RUNNING)
     assert_room_gone(h, room)
 
 
@@ -184,7 +185,7 @@ def test_prefill_inflight_abort(prefill):
     h.tick()
     assert_client_abort(h, req)
     assert len(told_decode(h, room)) == 1
-    assert_counted(h, "prefill", ar.PREFILL_INFLIGHT)
+    assert_counted(h, "prefill", pd_queues.PREFILL_INFLIGHT)
     assert_room_gone(h, room)
 
 
@@ -202,7 +203,7 @@ def test_prefill_transfer_done_while_abort_pending_is_not_a_success(prefill):
     assert h.room_state(room) == "Success"
     assert_client_abort(h, req)  # upstream: 200, finish_reason length
     assert len(told_decode(h, room)) == 1  # decode must not run it either
-    assert_counted(h, "prefill", ar.PREFILL_INFLIGHT)
+    assert_counted(h, "prefill", pd_queues.PREFILL_INFLIGHT)
     assert_room_gone(h, room)
 
 
@@ -215,7 +216,7 @@ def test_prefill_failure_still_counts_as_failure(prefill):
     assert h.outputs.status_code(req.rid) == 500
     counts, causes = h.before
     assert h.counters.counts["increment_bootstrap_failed_reqs"] == counts.get("increment_bootstrap_failed_reqs", 0) + 1
-    key = ("prefill", ec.TRANSPORT, ar.PREFILL_BOOTSTRAP)
+    key = ("prefill", ec.TRANSPORT, pd_queues.PREFILL_BOOTSTRAP)
     assert ec.COUNTS[key] == causes.get(key, 0) + 1
     h.assert_baseline(h.idle)
 
@@ -239,7 +240,7 @@ def test_prefill_bad_aborts_are_harmless(prefill):
     h.tick()
     assert_client_abort(h, req)
     assert len(told_decode(h, req.bootstrap_room)) == 1
-    assert_counted(h, "prefill", ar.PREFILL_INFLIGHT)
+    assert_counted(h, "prefill", pd_queues.PREFILL_INFLIGHT)
     assert_room_gone(h, req.bootstrap_room)
 
 
@@ -257,7 +258,7 @@ def test_decode_prealloc_abort(decode):
     h.tick()
     assert_client_abort(h, req)
     assert h.faults.notices_for(room) == [Notice(room, "prefill", KVPoll.Failed, "abort")]
-    assert_counted(h, "decode", ar.DECODE_PREALLOC)
+    assert_counted(h, "decode", pd_queues.DECODE_PREALLOC)
     assert h.room_entries(room) == []
     h.assert_baseline(h.idle)
 
@@ -274,7 +275,7 @@ def test_decode_transfer_abort(decode):
     assert_client_abort(h, req)
     assert h.outputs.final(req.rid).output_ids == ()
     assert h.faults.notices_for(room) == [Notice(room, "prefill", KVPoll.Failed, "abort")]
-    assert_counted(h, "decode", ar.DECODE_TRANSFER)
+    assert_counted(h, "decode", pd_queues.DECODE_TRANSFER)
     assert h.room_entries(room) == []
     h.assert_baseline(h.idle)
 
@@ -297,7 +298,7 @@ def test_decode_ends_a_room_prefill_aborted_as_an_abort(decode, stage):
     h.tick()
     assert_client_abort(h, req)
     assert h.outputs.final(req.rid).output_ids == ()
-    assert_counted(h, "decode", ar.DECODE_PREALLOC if stage == "prealloc" else ar.DECODE_TRANSFER)
+    assert_counted(h, "decode", pd_queues.DECODE_PREALLOC if stage == "prealloc" else pd_queues.DECODE_TRANSFER)
     assert h.room_entries(room) == []
     h.assert_baseline(h.idle)
     h.faults.release(room)
@@ -316,7 +317,7 @@ def test_decode_ends_a_room_prefills_pause_ended_as_a_pause_abort(decode):
     h.kv_manager.record_failure(room, ar.peer_reason(req.rid, room, "prefill", pd_pause.PAUSE_ABORT_MESSAGE))
     h.faults.set(room, KVPoll.Failed)
     h.tick()
-    _assert_ended_as_pause(h, req, ("decode", ec.PAUSE, ar.DECODE_TRANSFER))
+    _assert_ended_as_pause(h, req, ("decode", ec.PAUSE, pd_queues.DECODE_TRANSFER))
     assert h.room_entries(room) == []
     h.assert_baseline(h.idle)
     h.faults.release(room)
@@ -345,7 +346,7 @@ def test_deadline_expiry_counts_as_timeout(monkeypatch):
         h.tick()
         assert h.outputs.status_code(req.rid) == 504
         new = {k: v - causes.get(k, 0) for k, v in ec.COUNTS.items() if v != causes.get(k, 0)}
-        assert new == {("prefill", ec.TIMEOUT, ar.PREFILL_INFLIGHT): 1}, new
+        assert new == {("prefill", ec.TIMEOUT, pd_queues.PREFILL_INFLIGHT): 1}, new
         assert h.counters.counts["increment_transfer_failed_reqs"] == 1
         assert ec.tagged_rooms(h.kv_manager) == 0
         h.faults.release(req.bootstrap_room)

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from sglang.srt.disaggregation import abort_retirement as ar
+from sglang.srt.disaggregation import room_ledger as ar
 from testing.pd_checks import is_client_abort, pair_fixture, pair_is_idle, wait_pair_idle
 from testing.pd_cluster import wait_until
 

@@ -25,7 +25,7 @@ pair = pair_fixture(prepare=_first_request, **SIZES)
 
 
 def _ended_as_abort(side, room) -> bool:
-    """The client-abort answer (abort_retirement): no error status."""
+    """The client-abort answer (room_ledger's aborts): no error status."""
     return is_client_abort(side.call("final_reason", room))
 
 
@@ -99,7 +99,7 @@ def test_abort_while_prefill_paused_then_late_handshake(pair):
     finally:
         pair.prefill.call("set_paused", False)
     assert took < ANSWER_S, took
-    # prefill's client abort reaches decode's leg as an abort (abort_retirement)
+    # prefill's client abort reaches decode's leg as an abort (room_ledger's aborts)
     assert _ended_as_abort(pair.decode, room), pair.decode.call("final_reason", room)
     # the fence stays until it expires (bounded) or a new prefill copy of the room
     # (a re-bootstrap) fails on it: here one comes

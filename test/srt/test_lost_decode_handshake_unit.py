@@ -1,4 +1,4 @@
-"""lost_decode_handshake's pure parts (no servers): which bootstrap-queue requests are
+"""peer_liveness' lost-decode handshake rule, its pure parts (no servers): which bootstrap-queue requests are
 orphans of a lost decode, the message (answered 502 as a peer loss), the knob."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from sglang.srt.disaggregation import lost_decode_handshake as ldh
+from sglang.srt.disaggregation import peer_liveness as ldh
 from sglang.srt.disaggregation.peer_liveness import abort_status
 
 
@@ -37,17 +37,17 @@ def test_lost_decodes_lists_the_unreplaced_ones():
 
 
 def test_the_message_is_answered_as_a_peer_loss():
-    text = ldh.message(_req(7), 5.2, ["127.0.0.1:4000"], 5.0)
-    assert "127.0.0.1:4000" in text and "bootstrap_room=7" in text and ldh.ENV in text
+    text = ldh.orphan_message(_req(7), 5.2, ["127.0.0.1:4000"], 5.0)
+    assert "127.0.0.1:4000" in text and "bootstrap_room=7" in text and ldh.HANDSHAKE_ENV in text
     assert abort_status(text, HTTPStatus.INTERNAL_SERVER_ERROR) == HTTPStatus.BAD_GATEWAY
 
 
 @pytest.mark.parametrize("value,expected", [(None, 5.0), ("0", 0.0), ("2.5", 2.5)])
 def test_knob_values(value, expected):
-    assert ldh.parse(value) == expected
+    assert ldh.handshake_timeout(value) == expected
 
 
 @pytest.mark.parametrize("value", ["-1", "nan", "inf", "soon"])
 def test_knob_rejects_bad_values_naming_itself(value):
-    with pytest.raises(ValueError, match=ldh.ENV):
-        ldh.parse(value)
+    with pytest.raises(ValueError, match=ldh.HANDSHAKE_ENV):
+        ldh.handshake_timeout(value)

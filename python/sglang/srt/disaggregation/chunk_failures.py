@@ -19,7 +19,7 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
-from sglang.srt.disaggregation import fork_metrics
+from sglang.srt.disaggregation import request_end_cause
 from sglang.srt.disaggregation.base import KVPoll
 from sglang.srt.disaggregation.room_ledger import end_room
 from sglang.srt.disaggregation.transfer_deadline_knob import positive_seconds
@@ -104,7 +104,7 @@ def checked(mgr: Any, room: int, kind: str, rc: int) -> int:
             logger.warning("Injected %s chunk write failure for room %s", kind, room)
             rc = -1
     if rc != 0:
-        fork_metrics.inc("chunk_failure", {}, kind=kind, role="prefill")
+        request_end_cause.inc("chunk_failure", {}, kind=kind, role="prefill")
         logger.warning("The %s chunk write of room %s failed (rc=%s); failing the room", kind, room, rc)
         _expire_poison_later(mgr, room)
     return rc
@@ -266,7 +266,7 @@ def on_decode_transfer_failure(result: Any, queue: Any, failure_reason: str, *ar
     """AFTER `DecodeTransferQueue._record_transfer_failure`: count by chunk kind."""
     kind = chunk_kind(failure_reason)
     if kind is not None:
-        fork_metrics.inc("chunk_failure", {}, kind=kind, role="decode")
+        request_end_cause.inc("chunk_failure", {}, kind=kind, role="decode")
 
 
 def on_sender_clear(result: Any, sender: Any, *args: Any, **kwargs: Any) -> None:

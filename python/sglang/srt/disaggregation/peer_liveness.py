@@ -1,36 +1,36 @@
 """A crashed PD peer is noticed at once, its requests end (502), and its restart is served.
 
-One `PeerMonitor` thread per kv manager (mooncake) probes each peer once per heartbeat; a lost
-peer's rooms end through the ledger, a decode that may be alive is held out until it answers.
-What and why: docs/peer-liveness.md; threads and locks: docs/layout.md.
+One `PeerMonitor` thread per (mooncake) kv manager probes each peer once per heartbeat; a lost
+peer's rooms end through the ledger; a decode that may be alive is held out until it answers; a
+request waiting for a lost decode's handshake ends within seconds. docs/peer-liveness.md, docs/gateway.md.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
+import os
 import socket
 import threading
 import time
 from collections import Counter, OrderedDict
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from sglang.srt.disaggregation import fork_metrics, pd_queues, room_ledger
+from sglang.srt.disaggregation import pd_queues, request_end_cause, room_ledger
 from sglang.srt.disaggregation.base import KVPoll
-from sglang.srt.disaggregation.request_end_cause import PEER_FAILURE, tag
-from sglang.srt.disaggregation.room_ledger import end_room, ledger_of
+from sglang.srt.disaggregation.transfer_deadline import _decides
+from sglang.srt.disaggregation.transfer_deadline_knob import positive_seconds
 from sglang.srt.environ import envs
 from sglang.srt.managers import fork_touch
+from sglang.srt.managers.engine_clock import engine_clock
 
 logger = logging.getLogger(__name__)
 
-# Opens every failure reason this module records; the verdict answers it 502.
-TAG = room_ledger.PEER_LOST_TAG
-# How upstream's transfer worker fails a room whose decode session is blacklisted
-# (mooncake/conn.py); reworded by `around_conclude_transfer`.
+TAG = room_ledger.PEER_LOST_TAG  # opens every failure reason this module records; the verdict answers it 502
+# Upstream's reason for a room whose decode session is blacklisted; reworded by `around_conclude_transfer`.
 UPSTREAM_SESSION_DEAD = "Decode instance could be dead, remote mooncake session"
-# Opens the transfer worker's reasons for a failed write (and the one above).
-WRITE_FAILED = ("Failed to send", UPSTREAM_SESSION_DEAD)
+WRITE_FAILED = ("Failed to send", UPSTREAM_SESSION_DEAD)  # how upstream's reasons for a failed write open
 
 ALIVE, REFUSED, SILENT = "alive", "refused", "silent"
 CONNECT_TIMEOUT = 1.0
@@ -64,18 +64,15 @@ def heartbeat_settings() -> Tuple[float, int]:
     interval = envs.SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL.get()
     max_failures = envs.SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE.get()
     if not interval > 0 or max_failures < 1:
-        raise ValueError(
-            "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL must be > 0 and "
-            "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE >= 1 "
-            f"(got {interval!r}, {max_failures!r})"
-        )
+        raise ValueError("SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL must be > 0 and "
+                         f"SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE >= 1 (got {interval!r}, {max_failures!r})")
     return max(interval, 2.0), max_failures
 
 
 def _count(monitor: "PeerMonitor", kind: str, peer: str) -> None:
     COUNTS[(kind, monitor.role, peer)] += 1
     key = "peer_loss" if kind == "loss" else "peer_recovery"
-    fork_metrics.inc(key, monitor.labels if monitor.metrics else None, role=monitor.role, peer=peer)
+    request_end_cause.inc(key, monitor.labels if monitor.metrics else None, role=monitor.role, peer=peer)
 
 
 # ----------------------------------------------------------------------------- the monitor
@@ -154,10 +151,9 @@ class PeerMonitor:
             if self.endpoint_gone(endpoint):
                 _drop_socket(mgr, endpoint)
         with self.lock:
-            for session in [s for s in self.known if s not in sessions]:
-                self.known.pop(session, None)  # dropped by someone else
-                self.misses.pop(session, None)
-                self.held.pop(session, None)
+            for session in [s for s in self.known if s not in sessions]:  # dropped by someone else
+                for table in (self.known, self.misses, self.held):
+                    table.pop(session, None)
         # still blacklisted a tick later, or silent: lost, but it may be alive (held out)
         held_out = set()
         for session, (host, port) in sessions.items():
@@ -167,9 +163,8 @@ class PeerMonitor:
                 continue
             if session in blacklisted:
                 if session in self.held_out:
-                    self.lose_decode(
-                        session, "a KV write failed and its transfer session does not answer a probe", keep=True
-                    )
+                    self.lose_decode(session, "a KV write failed and its transfer session does not answer a probe",
+                                     keep=True)
                     continue
                 held_out.add(session)
             verdict = probe(host, port)
@@ -196,10 +191,8 @@ class PeerMonitor:
         for s in stale:
             self._drop_held(s, "a new decode registered at its address", addr_gone=False)
         if old is not None:
-            logger.warning(
-                "PD peer recovered: decode peer %s:%s registered (session %s), replacing lost %s",
-                host, port, session, old,
-            )
+            logger.warning("PD peer recovered: decode peer %s:%s registered (session %s), replacing lost %s",
+                           host, port, session, old)
             _count(self, "recovery", host)
 
     def _unlost(self, host: str, peer: Optional[str] = None) -> Optional[str]:
@@ -231,15 +224,11 @@ class PeerMonitor:
                 set.add(mgr.failed_sessions, session)
         else:  # no new chunk is sent to it from here on
             self._drop_incarnation(session, host, port)
-        rooms = [room for room, infos in list(mgr.transfer_infos.items()) if session in infos]
-        failed = []
-        for room in rooms:
-            if mgr.request_status.get(room) in (None, KVPoll.Success):
-                continue
-            # other decode ranks of the room wait for it too
+        failed = [room for room, infos in list(mgr.transfer_infos.items())
+                  if session in infos and mgr.request_status.get(room) not in (None, KVPoll.Success)]
+        for room in failed:  # other decode ranks of the room wait for it too
             targets = None if keep else [t for t in mgr._room_notify_targets(room) if t != (host, port)]
-            end_room(mgr, room, PEER_FAILURE, reason, peer=peer, targets=targets)
-            failed.append(room)
+            room_ledger.end_room(mgr, room, request_end_cause.PEER_FAILURE, reason, peer=peer, targets=targets)
         with self.lock:
             self.lost.setdefault(host, []).append(peer)
         if not keep:
@@ -332,33 +321,26 @@ class PeerMonitor:
                     mgr.session_pool.pop(addr, None)
 
     def report(self) -> Dict[str, Any]:
-        with self.lock:
-            lost = sum(len(v) for v in self.lost.values())
-            held = len(self.held)
         prefill = self.role == "prefill"
-        return {"watched": len(self.known) if prefill else None, "lost_unrecovered": lost,
-                "held_out": held if prefill else None}
+        with self.lock:
+            return {"watched": len(self.known) if prefill else None, "held_out": len(self.held) if prefill else None,
+                    "lost_unrecovered": sum(map(len, self.lost.values()))}
 
 
 def _forget_session(mgr: Any, session: str) -> None:
     """Drop a decode session's blacklist and layout entries (caller holds session_lock)."""
     set.discard(mgr.failed_sessions, session)
-    mgr.session_failures.pop(session, None)
-    getattr(mgr, "failed_session_probes", {}).pop(session, None)
-    getattr(mgr, "state_layout_rejections", {}).pop(session, None)
-    getattr(mgr, "state_strides_validated", set()).discard(session)
+    for table in (mgr.session_failures, mgr.failed_session_probes, mgr.state_layout_rejections):
+        table.pop(session, None)
+    mgr.state_strides_validated.discard(session)
 
 
 def _drop_socket(mgr: Any, endpoint: str) -> None:
     """Close the cached push socket to a lost endpoint, not while a sender uses it."""
-    lock = getattr(mgr, "_socket_lock", None)
-    if lock is None:
-        return
-    with lock:
+    with mgr._socket_lock:
         sock = mgr._socket_cache.pop(endpoint, None)
-        monitor = getattr(mgr, "_monitor_cache", {}).pop(endpoint, None)
-    send_lock = getattr(mgr, "_socket_send_locks", {}).get(endpoint)
-    with send_lock if send_lock is not None else contextlib.nullcontext():
+        monitor = mgr._monitor_cache.pop(endpoint, None)
+    with mgr._socket_send_locks.get(endpoint) or contextlib.nullcontext():
         if sock is not None:
             sock.close(linger=0)
     if monitor is not None:
@@ -392,24 +374,24 @@ def _start(queue: Any, mgr: Any, role: str) -> None:
     needed = ("decode_kv_args_table", "session_lock") if role == "prefill" else ("prefill_info_table", "connection_lock")
     if mgr is None or not all(hasattr(mgr, a) for a in needed) or monitor_of(mgr) is not None:
         return  # fake transfer backend, or not mooncake
-    labels = fork_metrics.scheduler_labels(getattr(queue, "scheduler", None))
+    labels = request_end_cause.scheduler_labels(getattr(queue, "scheduler", None))
     monitor = PeerMonitor(mgr, role, labels or {}, labels is not None)
     mgr.__dict__[_MONITOR] = monitor
     if role == "prefill":  # a registration is seen at once (a restarted decode, before its first request)
-        def watching(publish):
-            def publish_and_watch(session_id, decode_kv_args, *a, **kw):
-                result = publish(session_id, decode_kv_args, *a, **kw)
-                monitor.registered(session_id, decode_kv_args.endpoint, int(decode_kv_args.dst_port))
-                return result
-
-            return publish_and_watch
-
-        fork_touch.swap(mgr, "_publish_peer_registration", watching, by=__name__)
+        fork_touch.swap(mgr, "_publish_peer_registration",
+                        lambda publish: functools.partial(_publish_and_watch, monitor, publish), by=__name__)
     monitor.thread.start()
 
 
+def _publish_and_watch(monitor: PeerMonitor, publish: Any, session_id: str, decode_kv_args: Any, *args, **kwargs):
+    result = publish(session_id, decode_kv_args, *args, **kwargs)
+    monitor.registered(session_id, decode_kv_args.endpoint, int(decode_kv_args.dst_port))
+    return result
+
+
 def on_prefill_manager_init(mgr: Any, queue: Any, *args: Any, **kwargs: Any) -> None:
-    """AFTER PrefillBootstrapQueue._init_kv_manager (result: the manager)."""
+    """AFTER PrefillBootstrapQueue._init_kv_manager (result: the manager); a bad knob stops the prefill."""
+    handshake_timeout(os.environ.get(HANDSHAKE_ENV))
     _start(queue, mgr, "prefill")
 
 
@@ -418,34 +400,32 @@ def on_decode_manager_init(mgr: Any, queue: Any, *args: Any, **kwargs: Any) -> N
     _start(queue, mgr, "decode")
 
 
-def around_handle_node_failure(original, mgr, failed_bootstrap_addr, *args, **kwargs):
-    """AROUND CommonKVManager._handle_node_failure (decode): end the rooms, settle the drains."""
+def around_handle_node_failure(original, mgr, peer, *args, **kwargs):
+    """AROUND CommonKVManager._handle_node_failure(bootstrap addr) (decode): end the rooms, settle the drains."""
     monitor = monitor_of(mgr)
-    peer = failed_bootstrap_addr
     reason = loss_message("prefill", peer, "its bootstrap server does not answer")
-    known = failed_bootstrap_addr in mgr.prefill_info_table
+    known = peer in mgr.prefill_info_table
     if monitor is not None:
         with monitor.lock:  # the first of two concurrent callers claims the loss
-            known = known and failed_bootstrap_addr not in monitor.lost
+            known = known and peer not in monitor.lost
             if known:
-                monitor.lost[failed_bootstrap_addr] = [peer]
-    failed = 0
-    for room in list(mgr.addr_to_rooms_tracker.get(failed_bootstrap_addr, ())):
-        if mgr.request_status.get(room) not in (None, KVPoll.Success):
-            end_room(mgr, room, PEER_FAILURE, reason, peer=peer, tell=False)
-            failed += 1
-    result = original(mgr, failed_bootstrap_addr, *args, **kwargs)
+                monitor.lost[peer] = [peer]
+    failed = [room for room in list(mgr.addr_to_rooms_tracker.get(peer, ()))
+              if mgr.request_status.get(room) not in (None, KVPoll.Success)]
+    for room in failed:
+        room_ledger.end_room(mgr, room, request_end_cause.PEER_FAILURE, reason, peer=peer, tell=False)
+    result = original(mgr, peer, *args, **kwargs)
     # drains this prefill owes: nobody will ack (a room parked after `lost` is acked at once)
-    ledger = ledger_of(mgr)
+    ledger = room_ledger.ledger_of(mgr)
     if ledger is not None and monitor is not None:
-        ledger.settle_peer(failed_bootstrap_addr)
+        ledger.settle_peer(peer)
     if known and monitor is not None:
-        logger.error("%s: %d requests failed, its connection info dropped", reason, failed)
+        logger.error("%s: %d requests failed, its connection info dropped", reason, len(failed))
         _count(monitor, "loss", peer)
     return result
 
 
-def after_try_ensure_parallel_info(result, mgr, bootstrap_addr, *args, **kwargs):
+def after_try_ensure_parallel_info(result, mgr, bootstrap_addr, *args, **kwargs) -> None:
     """AFTER CommonKVManager.try_ensure_parallel_info: a lost prefill fetched again is back."""
     monitor = monitor_of(mgr)
     if result and monitor is not None and bootstrap_addr in monitor.lost:
@@ -454,7 +434,6 @@ def after_try_ensure_parallel_info(result, mgr, bootstrap_addr, *args, **kwargs)
         if back:
             logger.warning("PD peer recovered: prefill peer %s answers again; its new info fetched", bootstrap_addr)
             _count(monitor, "recovery", bootstrap_addr)
-    return result
 
 
 def around_conclude_transfer(original, mgr, *args, bootstrap_room=None, status=None, failure_reason=None, **kwargs):
@@ -480,13 +459,10 @@ def around_conclude_transfer(original, mgr, *args, bootstrap_room=None, status=N
             if dead:
                 session, info = dead[0]
                 peer = f"{info.endpoint}:{info.dst_port}"
-                tag(mgr, bootstrap_room, PEER_FAILURE, peer)
-                failure_reason = loss_message(
-                    "decode", peer, f"a KV write failed and its transfer session {session} does not answer a probe"
-                )
-    return original(
-        mgr, *args, bootstrap_room=bootstrap_room, status=status, failure_reason=failure_reason, **kwargs
-    )
+                request_end_cause.tag(mgr, bootstrap_room, request_end_cause.PEER_FAILURE, peer)
+                failure_reason = loss_message("decode", peer, f"a KV write failed and its transfer session {session} "
+                                              "does not answer a probe")
+    return original(mgr, *args, bootstrap_room=bootstrap_room, status=status, failure_reason=failure_reason, **kwargs)
 
 
 def around_send_multipart_locked(original, mgr, endpoint, parts, *args, **kwargs):
@@ -496,3 +472,73 @@ def around_send_multipart_locked(original, mgr, endpoint, parts, *args, **kwargs
         logger.debug("Not sending to %s: that decode peer was lost", endpoint)
         return None
     return original(mgr, endpoint, parts, *args, **kwargs)
+
+
+# ----------------------------------------------------------------------------- a gateway's lost decode
+
+HANDSHAKE_ENV = "SGLANG_FORK_LOST_DECODE_HANDSHAKE_TIMEOUT"
+_SINCE = "fork_handshake_wait_since"  # per request: engine-clock time first seen waiting for its handshake
+_ENDED = "fork_lost_decode_handshake"
+SCAN_INTERVAL = 0.5
+_next_scan = [float("-inf")]
+
+
+def handshake_timeout(value: Optional[str]) -> float:
+    """HANDSHAKE_ENV in seconds (default 5, 0: off); ValueError naming it when not valid."""
+    accepted = "a finite number of seconds >= 0 (0 turns the rule off)"
+    return 5.0 if value is None else positive_seconds(value, HANDSHAKE_ENV, "valid", accepted, zero=True)
+
+
+def lost_decodes(monitor: Any) -> List[str]:
+    """host:port of every decode declared lost and not replaced on its host."""
+    if monitor is None:
+        return []
+    with monitor.lock:
+        return [peer for peers in monitor.lost.values() for peer in peers]
+
+
+def orphans(reqs: Sequence[Any], handshaken, now: float, timeout: float) -> List[Tuple[Any, float]]:
+    """(req, seconds waited) of each request without its decode's handshake (`handshaken(room)`)
+    after `timeout`; one seen waiting for the first time is stamped `now`."""
+    out = []
+    for req in reqs:
+        if getattr(req, _ENDED, None) is not None or handshaken(req.bootstrap_room):
+            continue
+        since = getattr(req, _SINCE, None)
+        if since is None:
+            setattr(req, _SINCE, now)
+        elif now - since > timeout:
+            out.append((req, now - since))
+    return out
+
+
+def orphan_message(req: Any, waited: float, lost: Sequence[str], timeout: float) -> str:
+    return (f"{TAG}: no decode took request {req.rid} (bootstrap_room={req.bootstrap_room}) within {waited:.1f}s "
+            f"while decode peer {', '.join(lost)} is lost and not replaced (a balancer still routing to it?); "
+            f"{HANDSHAKE_ENV}={timeout:g}")
+
+
+def before_pop_bootstrapped(queue, *args, **kwargs):
+    """BEFORE PrefillBootstrapQueue.pop_bootstrapped (scheduler thread): orphans of a lost decode end (502)."""
+    if not queue.queue:
+        return
+    now = engine_clock.now()
+    if now < _next_scan[0] or not _decides():  # rank 0 decides; the poll's all-reduce spreads it
+        return
+    _next_scan[0] = now + SCAN_INTERVAL
+    timeout = handshake_timeout(os.environ.get(HANDSHAKE_ENV))
+    kv_mgr = fork_touch.upstream(queue, "kv_manager")
+    lost = lost_decodes(monitor_of(kv_mgr))
+    if not lost or timeout == 0 or not hasattr(kv_mgr, "conclude_failure"):
+        for req in queue.queue:  # nothing is lost: forget the stamps
+            if getattr(req, _SINCE, None) is not None:
+                setattr(req, _SINCE, None)
+        return
+    infos = kv_mgr.transfer_infos
+    for req, waited in orphans(queue.queue, lambda room: room in infos, now, timeout):
+        if fork_touch.upstream(req, "disagg_kv_sender") is None:
+            continue
+        text = orphan_message(req, waited, lost, timeout)
+        setattr(req, _ENDED, text)
+        logger.warning(text)
+        room_ledger.end_room(kv_mgr, req.bootstrap_room, request_end_cause.PEER_FAILURE, text, peer=lost[0])

@@ -1,24 +1,19 @@
-"""Why a PD request ended without a completion, and the count of it: one place.
+"""Why a PD request ended without a completion, counted once; and every counter the fork adds.
 
-Counted once, under one cause, by role and stage (`COUNTS`, and the `end_cause` counter).
-Whoever ends a room `tag()`s it first (any thread; first tag wins); the queue that retires
-the request calls `record_end()` (scheduler thread), which counts it and forgets the tag.
+Whoever ends a room `tag()`s it first (any thread; first tag wins); the queue that retires the request
+calls `record_end()` (scheduler thread), which counts it and forgets the tag. `COUNTERS`: names and
+labels are public; each is made at first use (importing prometheus_client early leaves multiprocess mode).
 """
 
 from __future__ import annotations
 
 import threading
 from collections import Counter, OrderedDict
-from typing import Any, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
-from sglang.srt.disaggregation import fork_metrics
-from sglang.srt.disaggregation.pd_queues import DECODE_RUNNING
+from sglang.srt.disaggregation import pd_queues
 
-CLIENT_ABORT = "client_abort"
-TIMEOUT = "timeout"
-TRANSPORT = "transport"
-PEER_FAILURE = "peer_failure"
-PAUSE = "pause"
+CLIENT_ABORT, TIMEOUT, TRANSPORT, PEER_FAILURE, PAUSE = "client_abort", "timeout", "transport", "peer_failure", "pause"
 CAUSES = (CLIENT_ABORT, TIMEOUT, TRANSPORT, PEER_FAILURE, PAUSE)
 
 # (role, cause, stage) -> requests ended so in this process.
@@ -32,6 +27,65 @@ _REQ_CAUSE = "fork_end_cause"
 _REQ_COUNTED = "fork_end_counted"
 # Guards the per-manager room tags (written by any thread, popped by the scheduler). A leaf lock.
 _lock = threading.Lock()
+
+# key -> (name, documentation, the counter's own label names); labelled by the scheduler's labels first.
+COUNTERS = {
+    "end_cause": (
+        "sglang:num_pd_request_end_causes_total",
+        "PD requests that ended without a completion, by role, cause "
+        "(client_abort, pause, timeout, transport, peer_failure) and stage.",
+        ("role", "cause", "stage"),
+    ),
+    "transfer_timeout": (
+        "sglang:num_transfer_timeout_reqs_total",
+        "PD requests aborted (HTTP 504) by the transfer deadline, by stage.",
+        ("stage",),
+    ),
+    "chunk_failure": (
+        "sglang:num_transfer_chunk_failures_total",
+        "Failed KV/aux/extra-state chunk writes of a PD transfer, by chunk kind and role.",
+        ("kind", "role"),
+    ),
+    "peer_loss": (
+        "sglang:num_pd_peer_losses_total",
+        "PD peers declared lost (their requests failed, their state dropped)",
+        ("role", "peer"),
+    ),
+    "peer_recovery": (
+        "sglang:num_pd_peer_recoveries_total",
+        "PD peers seen again after a loss (a restarted incarnation accepted)",
+        ("role", "peer"),
+    ),
+}
+_made: Dict[str, Any] = {}
+_made_lock = threading.Lock()  # guards the counters' creation (any thread counts)
+
+
+def scheduler_labels(scheduler: Any) -> Optional[Dict[str, str]]:
+    """The scheduler's metric labels, or None when its metrics are off."""
+    if not getattr(getattr(scheduler, "metrics_reporter", None), "enable_metrics", False):
+        return None
+    labels = getattr(getattr(scheduler, "metrics_collector", None), "labels", None)
+    return dict(labels) if isinstance(labels, dict) else {}
+
+
+def counter(key: str, base_labels: Dict[str, str]) -> Any:
+    """The counter `key` (created on first use with `base_labels`' names first)."""
+    with _made_lock:
+        if key not in _made:
+            from prometheus_client import Counter as PromCounter
+
+            name, doc, own = COUNTERS[key]
+            _made[key] = PromCounter(name=name, documentation=doc, labelnames=list(base_labels) + list(own))
+        return _made[key]
+
+
+def inc(key: str, base_labels: Optional[Dict[str, str]], **labels: str) -> None:
+    """Count one under `key`; nothing when `base_labels` is None (metrics off)."""
+    if base_labels is None:
+        return
+    base = {k: v for k, v in base_labels.items() if k not in labels}
+    counter(key, base).labels(**base, **labels).inc(1)
 
 
 def _check(cause: str) -> None:
@@ -80,15 +134,10 @@ def _is_client_abort(req: Any) -> bool:
 def cause_of(req: Any, kv_manager: Any = None, default: str = TRANSPORT) -> Tuple[str, Optional[str]]:
     """(cause, peer) for `req`: its own tag, its room's, a client abort, else `default`."""
     _check(default)
-    own = getattr(req, _REQ_CAUSE, None)
-    if own is not None:
-        return own
-    tagged = _rooms(kv_manager).get(getattr(req, "bootstrap_room", None))
+    tagged = getattr(req, _REQ_CAUSE, None) or _rooms(kv_manager).get(getattr(req, "bootstrap_room", None))
     if tagged is not None:
         return tagged
-    if _is_client_abort(req):
-        return CLIENT_ABORT, None
-    return default, None
+    return (CLIENT_ABORT if _is_client_abort(req) else default), None
 
 
 def record_end(scheduler: Any, req: Any, role: str, stage: str, kv_manager: Any = None,
@@ -103,30 +152,23 @@ def record_end(scheduler: Any, req: Any, role: str, stage: str, kv_manager: Any 
         with _lock:
             rooms.pop(getattr(req, "bootstrap_room", None), None)
     COUNTS[(role, cause, stage)] += 1
-    fork_metrics.inc("end_cause", fork_metrics.scheduler_labels(scheduler), role=role, cause=cause, stage=stage)
+    inc("end_cause", scheduler_labels(scheduler), role=role, cause=cause, stage=stage)
     return cause
 
 
-def _is_decode(scheduler: Any) -> bool:
-    from sglang.srt.disaggregation.utils import DisaggregationMode
-
-    return getattr(scheduler, "disaggregation_mode", None) == DisaggregationMode.DECODE
-
-
-def after_process_batch_result(result: Any, scheduler: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
+def after_process_batch_result(result: Any, scheduler: Any, batch: Any, *args: Any, **kwargs: Any) -> None:
     """AFTER Scheduler.process_batch_result (decode): count the batch's aborted requests."""
-    if batch is None or not _is_decode(scheduler):
-        return result
+    if batch is None or pd_queues.role(scheduler) != pd_queues.DECODE:
+        return
     from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
     for req in batch.reqs:
         if isinstance(req.finished_reason, FINISH_ABORT) and (
                 getattr(req, _REQ_CAUSE, None) is not None or _is_client_abort(req)):
-            record_end(scheduler, req, "decode", DECODE_RUNNING)
-    return result
+            record_end(scheduler, req, "decode", pd_queues.DECODE_RUNNING)
 
 
 def before_send_abort_output(scheduler: Any, abort_req: Any, req: Any, *args: Any, **kwargs: Any) -> None:
     """BEFORE Scheduler.send_abort_output (decode): count a tagged request it answers."""
-    if _is_decode(scheduler) and getattr(req, _REQ_CAUSE, None) is not None:
-        record_end(scheduler, req, "decode", DECODE_RUNNING)
+    if pd_queues.role(scheduler) == pd_queues.DECODE and getattr(req, _REQ_CAUSE, None) is not None:
+        record_end(scheduler, req, "decode", pd_queues.DECODE_RUNNING)

@@ -1,13 +1,13 @@
 """The room ledger: the one way the fork ends a PD room, its memory of ended rooms, the verdict.
 
-`RoomLedger.end` tags, remembers, marks Failed and tells the peer, in the order of
-docs/layout.md ("How a room ends"); `verdict` answers every PD request's failure end.
-Any thread (scheduler, bootstrap, transfer workers, peer monitor); `RoomLedger.lock` is a leaf.
+`RoomLedger.end` does the ending in the order of docs/layout.md ("How a room ends"); `verdict`
+answers every PD request's failure end. Any thread; `RoomLedger.lock` is a leaf.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import queue
@@ -18,8 +18,10 @@ from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any, Dict, List, Optional, Tuple
 
-from sglang.srt.disaggregation import request_end_cause
+from sglang.srt.disaggregation import pd_queues, request_end_cause as end_cause
 from sglang.srt.disaggregation.base import KVPoll
+from sglang.srt.disaggregation.pd_queues import DECODE_TRANSFER, PREFILL_INFLIGHT, PREFILL_RUNNING, PREFILL_WAITING
+from sglang.srt.managers import fork_touch
 from sglang.srt.managers.engine_clock import engine_clock
 from sglang.srt.managers.fork_touch import upstream
 
@@ -29,7 +31,7 @@ ATTR = "fork_room_ledger"
 PEER_MONITOR_ATTR = "fork_peer_monitor"  # peer_liveness._MONITOR
 MAX_RECORDS = 65536
 NEVER = float("inf")
-# Opens with abort_retirement.ABORT_TAG: decode ended the request (its ABORT carries no
+# Opens with ABORT_TAG: decode ended the request (its ABORT carries no
 # cause), so prefill's leg ends as an abort, not as a bootstrap failure.
 CANCEL_REASON = "PD request aborted on decode: the decode peer {peer} aborted room {room} before prefill received the request"
 DECODE_ABORT_REASON = "PD request aborted on decode: bootstrap_room={room} was aborted by the decode peer."
@@ -68,9 +70,8 @@ class RoomLedger:
         self.drains: "OrderedDict[int, Drain]" = OrderedDict()
         self.ended: "OrderedDict[int, Ended]" = OrderedDict()
         self.owned: set = set()  # rooms a live sender of this side owns
-        self.ttl_s = float(
-            envs.SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT.get() + envs.SGLANG_DISAGGREGATION_WAITING_TIMEOUT.get()
-        )
+        self.ttl_s = float(envs.SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT.get()
+                           + envs.SGLANG_DISAGGREGATION_WAITING_TIMEOUT.get())
 
     # -- the ender
 
@@ -83,8 +84,8 @@ class RoomLedger:
         mgr = self.mgr
         if room is None:
             return
-        if cause is not None:
-            request_end_cause.tag(mgr, room, cause, peer)
+        if cause is not None:  # first: before anyone can see Failed
+            end_cause.tag(mgr, room, cause, peer)
         if remember or cancel:
             self.remember(room, reason, answer=remember, cancel=cancel)
         if fail and room in getattr(mgr, "request_status", {}):
@@ -95,11 +96,10 @@ class RoomLedger:
         if receiver is not None:
             receiver.ensure_abort_notified()
         elif hasattr(mgr, "send_kv_status_message"):
-            if targets is None:
-                targets = mgr._room_notify_targets(room) if hasattr(mgr, "_room_notify_targets") else None
-            mgr.send_kv_status_message(
-                targets=targets, bootstrap_room=room, status=KVPoll.Failed, failure_reason=reason
-            )
+            if targets is None and hasattr(mgr, "_room_notify_targets"):
+                targets = mgr._room_notify_targets(room)
+            mgr.send_kv_status_message(targets=targets, bootstrap_room=room, status=KVPoll.Failed,
+                                       failure_reason=reason)
 
     # -- memory of ended rooms (prefill)
 
@@ -131,14 +131,12 @@ class RoomLedger:
             record = self.ended.get(room)
             if record is None:
                 return None
-            if record.cancel and record.expiry > now:
+            reason = record.reason if record.cancel and record.expiry > now else None
+            if reason is not None:
                 record.cancel = False
-                if not record.answer:
-                    del self.ended[room]
-                return record.reason
             if not record.answer:
-                del self.ended[room]  # a new lifecycle (decode re-bootstraps rooms)
-            return None
+                del self.ended[room]  # consumed, or a new lifecycle (decode re-bootstraps rooms)
+            return reason
 
     def disown(self, room: int, failed: bool) -> None:
         with self.lock:
@@ -152,8 +150,7 @@ class RoomLedger:
             self._expire(engine_clock.now())
             if room in self.owned or room in self.ended:
                 return False
-        self.remember(room, _with_why(CANCEL_REASON.format(peer=peer, room=room), why),
-                      answer=False, cancel=True)
+        self.remember(room, _with_why(CANCEL_REASON.format(peer=peer, room=room), why), answer=False, cancel=True)
         return True
 
     def drop_cancel(self, room: int) -> None:
@@ -190,8 +187,8 @@ class RoomLedger:
                     break
                 self.drains.popitem(last=False)
 
-    def settle_peer(self, peer: str) -> List[int]:
-        """Ack, on behalf of the lost `peer`, every drain it still owes; returns the rooms."""
+    def settle_peer(self, peer: str) -> None:
+        """Ack, on behalf of the lost `peer`, every drain it still owes."""
         with self.lock:
             owed = [(room, d) for room, d in self.drains.items() if d.peer == peer]
             for room, _ in owed:
@@ -201,11 +198,6 @@ class RoomLedger:
                 self.mgr.note_abort_ack(room, -1 - i, drain.generation)  # ranks no live prefill uses
         if owed:
             logger.info("room_ledger: prefill peer %s lost; drains of %d rooms acked on its behalf", peer, len(owed))
-        return [room for room, _ in owed]
-
-    def report(self) -> Dict[str, int]:
-        with self.lock:
-            return {"drains": len(self.drains), "ended": len(self.ended)}
 
 
 def ledger_of(mgr: Any) -> Optional[RoomLedger]:
@@ -214,10 +206,7 @@ def ledger_of(mgr: Any) -> Optional[RoomLedger]:
 
 def end_room(mgr: Any, room: int, cause: Optional[str], reason: str, **kwargs: Any) -> None:
     """`RoomLedger.end` on `mgr`'s ledger (made here if a hook-less manager has none)."""
-    ledger = ledger_of(mgr)
-    if ledger is None:
-        ledger = mgr.__dict__.setdefault(ATTR, RoomLedger(mgr))
-    ledger.end(room, cause, reason, **kwargs)
+    (ledger_of(mgr) or mgr.__dict__.setdefault(ATTR, RoomLedger(mgr))).end(room, cause, reason, **kwargs)
 
 
 def report(mgr: Any) -> Optional[int]:
@@ -234,14 +223,11 @@ def on_manager_init(mgr: Any, queue_: Any, *args: Any, **kwargs: Any) -> None:
     from sglang.srt.disaggregation.utils import DisaggregationMode
 
     if mgr is None or ATTR in getattr(mgr, "__dict__", {}):
-        return None
+        return
     ledger = mgr.__dict__[ATTR] = RoomLedger(mgr)
     if getattr(mgr, "disaggregation_mode", None) == DisaggregationMode.PREFILL:
-        from sglang.srt.managers import fork_touch
-
         fork_touch.swap(mgr, "_handle_abort_notification",
                         lambda original: lambda msg: _handle_abort(ledger, original, msg), by=__name__)
-    return None
 
 
 def _handle_abort(ledger: RoomLedger, original: Any, msg: List[bytes]) -> bool:
@@ -265,8 +251,7 @@ def _handle_abort(ledger: RoomLedger, original: Any, msg: List[bytes]) -> bool:
         kept = ledger.note_abort(room, peer, why)
         if kept:  # decode's handshake may have created it, though no sender owns it
             _drop_unowned_room(mgr, room)
-        status = mgr.request_status.get(room)
-        if status is not None and status != KVPoll.Success:
+        if mgr.request_status.get(room) not in (None, KVPoll.Success):
             with mgr.failure_lock:  # re-checked: a room cleared meanwhile gets no record back
                 if room in mgr.request_status:
                     mgr.failure_records.setdefault(room, _with_why(DECODE_ABORT_REASON.format(room=room), why))
@@ -283,10 +268,8 @@ def _with_why(reason: str, why: Optional[str]) -> str:
 
 def _drop_unowned_room(mgr: Any, room: int) -> None:
     """Drop what the bootstrap thread stored for a room no sender owns (nobody else would)."""
-    for name in ("request_status", "transfer_infos", "req_to_decode_prefix_len", "failure_records"):
-        table = getattr(mgr, name, None)
-        if isinstance(table, dict):
-            table.pop(room, None)  # one dict op: atomic
+    for table in (mgr.request_status, mgr.transfer_infos, mgr.req_to_decode_prefix_len, mgr.failure_records):
+        table.pop(room, None)  # one dict op: atomic
 
 
 def on_prefill_create_sender(result: Any, queue_: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
@@ -294,14 +277,13 @@ def on_prefill_create_sender(result: Any, queue_: Any, req: Any, *args: Any, **k
     mgr = queue_.kv_manager
     ledger = ledger_of(mgr)
     if not result or ledger is None or req.bootstrap_room is None or not hasattr(mgr, "_handle_abort_notification"):
-        return None
+        return
     reason = ledger.own(req.bootstrap_room)
     if reason is not None:
         logger.info("room_ledger: %s (rid=%s)", reason, req.rid)
         # the ABORT handler may have dropped the room the sender had just opened
         mgr.request_status.setdefault(req.bootstrap_room, KVPoll.Bootstrapping)
         ledger.end(req.bootstrap_room, None, reason, tell=False)
-    return None
 
 
 def on_sender_clear(result: Any, sender: Any, *args: Any, **kwargs: Any) -> None:
@@ -309,7 +291,6 @@ def on_sender_clear(result: Any, sender: Any, *args: Any, **kwargs: Any) -> None
     ledger = ledger_of(sender.kv_mgr)
     if ledger is not None:
         ledger.disown(sender.bootstrap_room, sender.conclude_state == KVPoll.Failed)
-    return None
 
 
 def around_update_status(original, mgr, bootstrap_room, status, *args, **kwargs):
@@ -341,7 +322,7 @@ def around_record_failure(original, mgr, bootstrap_room, failure_reason, *args, 
             logger.debug("room_ledger: dropping failure for ended room %s: %s", bootstrap_room, failure_reason)
             return None
         if (failure_reason or "").startswith(PEER_LOST_TAG):
-            request_end_cause.tag(mgr, bootstrap_room, request_end_cause.PEER_FAILURE)
+            end_cause.tag(mgr, bootstrap_room, end_cause.PEER_FAILURE)
     current = mgr.failure_records.get(bootstrap_room)
     if current and current.startswith(PEER_LOST_TAG) and not (failure_reason or "").startswith(PEER_LOST_TAG):
         return None
@@ -355,7 +336,7 @@ def around_record_failure(original, mgr, bootstrap_room, failure_reason, *args, 
 DEADLINE_TAG = "PD transfer deadline exceeded"  # transfer_deadline.TAG
 PEER_LOST_TAG = "PD peer lost"  # peer_liveness.TAG
 UPSTREAM_PREFILL_LOST = "Lost connection with prefill instance"  # upstream's decode heartbeat
-ABORT_TAG = "PD request aborted"  # abort_retirement.ABORT_TAG
+ABORT_TAG = "PD request aborted"  # opens the reason a room carries to the peer when its request was aborted
 UPSTREAM_ABORT_REASON = "Aborted by AbortReq"  # upstream's Common{Sender,Receiver}.abort()
 ABORT_REASONS = (ABORT_TAG, UPSTREAM_ABORT_REASON)
 CLIENT_ABORT_MESSAGE = "Aborted by the client."
@@ -367,13 +348,12 @@ REJECTED = "rejected by"  # a tokenizer's or scheduler's rejection, told to the 
 
 # Per request, set by the module that decided its end (read only here).
 PAUSE_ABORT = "_fork_pause_abort"  # pd_pause: the pause/release message
-REQUESTED_ABORT = "fork_abort_verdict"  # abort_retirement: (message, status) the AbortReq asked for
+REQUESTED_ABORT = "fork_abort_verdict"  # before_abort_request: (message, status) the AbortReq asked for
 DEADLINE_EXPIRED = "fork_transfer_deadline_message"  # transfer_deadline: its message
 
-# What the client is answered when a PD request ends on a failure path: the first cause
-# found wins (the statuses and why each row wins: docs/layout.md). Statuses are HTTPStatus
-# members, never plain ints: upstream's OpenAI streaming path treats an abort as an error
-# event only when isinstance(status_code, HTTPStatus).
+# What the client is answered when a PD request ends on a failure path: the first cause found wins (the statuses and why
+# each row wins: docs/layout.md). Statuses are HTTPStatus members, never plain ints: upstream's OpenAI streaming path
+# treats an abort as an error event only when isinstance(status_code, HTTPStatus).
 VERDICT_TABLE = ("deadline", "pause", "requested_abort", "peer_abort", "failure")
 
 
@@ -403,17 +383,17 @@ def verdict(req: Any, error_message: str, status_code: Any) -> Tuple[str, Any]:
     elif cause == "peer_abort" and any(t in text for t in PAUSE_MARKERS):  # the peer's pause or release
         message, status = text.rsplit(PEER_WHY, 1)[-1], None
     elif cause == "peer_abort":  # the peer's client abort, or its scheduler's rejection (named)
-        request_end_cause.tag_req(req, request_end_cause.CLIENT_ABORT)
+        end_cause.tag_req(req, end_cause.CLIENT_ABORT)
         said = text.rsplit(PEER_WHY, 1)[-1] if PEER_WHY + REJECTED in text else None
         message, status = said or CLIENT_ABORT_MESSAGE, None
     else:
         message, status = error_message, lost_peer_status(text, status_code)
     said = str(message or "")
     if DEADLINE_TAG in said:  # the peer's deadline ended it: 504, counted as a timeout
-        request_end_cause.tag_req(req, request_end_cause.TIMEOUT)
+        end_cause.tag_req(req, end_cause.TIMEOUT)
         return message, HTTPStatus.GATEWAY_TIMEOUT
     if any(t in said for t in PAUSE_MARKERS):  # the pause's or a release's end, not a failure
-        request_end_cause.tag_req(req, request_end_cause.PAUSE)
+        end_cause.tag_req(req, end_cause.PAUSE)
         return message, None
     return message, status
 
@@ -424,19 +404,117 @@ def prepare_abort_verdict(original, req, error_message, status_code=None, *args,
     return original(req, error_message, status_code, *args, **kwargs)
 
 
+# ----------------------------------------------------------------------------- aborts (scheduler thread)
+# An AbortReq marks each PD request it reaches with the verdict it asked for; prefill tells decode at once and clears
+# the room on its retire paths; patched lines call `counts_as_failure` and `finish_transferred` (docs/aborts.md).
+
+
+def requested_verdict(recv_req: Any) -> Tuple[str, Optional[int], str]:
+    """(message, status, cause) an AbortReq asks for (client abort: no status; SLA abort: 503)."""
+    if recv_req.abort_message:
+        return recv_req.abort_message, HTTPStatus.SERVICE_UNAVAILABLE, end_cause.TIMEOUT
+    reason = recv_req.finished_reason or {}
+    if reason.get("status_code") is not None:
+        return reason.get("message") or "Aborted", reason["status_code"], end_cause.CLIENT_ABORT
+    if any(m in str(reason.get("message") or "") for m in PAUSE_MARKERS):  # pause(abort), release
+        return reason["message"], None, end_cause.PAUSE
+    return CLIENT_ABORT_MESSAGE, None, end_cause.CLIENT_ABORT
+
+
+def _kv_mgr(req):
+    sender = upstream(req, "disagg_kv_sender")
+    return None if sender is None else upstream(sender, "kv_mgr")
+
+
+def _retire_prefill_room(scheduler, req, stage: str) -> None:
+    """`req` ended here at `stage`: drop its room's transfer state, count its end."""
+    kv_mgr = _kv_mgr(req)
+    if kv_mgr is not None:
+        req.disagg_kv_sender.clear()
+        with getattr(kv_mgr, "failure_lock", None) or contextlib.nullcontext():  # fake: neither
+            getattr(kv_mgr, "failure_records", {}).pop(req.bootstrap_room, None)
+    end_cause.record_end(scheduler, req, "prefill", stage, kv_mgr)
+
+
+def before_abort_request(scheduler, recv_req, *args, **kwargs) -> None:
+    """BEFORE Scheduler.abort_request: mark the PD requests it reaches; prefill tells decode at once."""
+    role = pd_queues.role(scheduler)
+    if role is None:
+        return
+    message, status, cause = requested_verdict(recv_req)
+    seen = set()
+    for stage, req in pd_queues.walk(scheduler):
+        if id(req) in seen or not (recv_req.abort_all or req.rid.startswith(recv_req.rid or "")) or req.finished():
+            continue
+        seen.add(id(req))
+        if getattr(req, REQUESTED_ABORT, None) is not None:
+            continue  # already aborted: a second abort changes nothing
+        setattr(req, REQUESTED_ABORT, (message, status))
+        end_cause.tag_req(req, cause)
+        kv_mgr = _kv_mgr(req) if role == "prefill" else None
+        room = req.bootstrap_room
+        if (hasattr(kv_mgr, "send_kv_status_message") and room is not None  # not on decode, not fake
+                and getattr(kv_mgr, "request_status", {}).get(room) != KVPoll.Success):
+            end_room(kv_mgr, room, None, peer_reason(req.rid, room, "prefill", message), fail=False, remember=True)
+
+
+def counts_as_failure(scheduler, req, role: str, stage: Optional[str] = None, kv_mgr=None) -> bool:
+    """Patched failure paths: count `req`'s end once; whether upstream counts a failure too."""
+    if stage is None:
+        stage = pd_queues.prefill_stage(scheduler, req) if role == "prefill" else DECODE_TRANSFER
+    if kv_mgr is None and role == "prefill":
+        kv_mgr = _kv_mgr(req)
+    cause = end_cause.record_end(scheduler, req, role, stage, kv_mgr) or end_cause.cause_of(req, kv_mgr)[0]
+    return cause not in (end_cause.CLIENT_ABORT, end_cause.PAUSE)
+
+
+def finish_transferred(scheduler, req) -> bool:
+    """Prefill inflight, Success polled: whether `req` ends as an abort (a pending one wins)."""
+    from sglang.srt.disaggregation.utils import is_aborted, prepare_abort
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+    if isinstance(req.finished_reason, FINISH_ABORT):
+        return True
+    if not (is_aborted(req) or getattr(req, REQUESTED_ABORT, None) is not None):
+        return False
+    pending = req.to_finish
+    if getattr(req, REQUESTED_ABORT, None) is None and isinstance(pending, FINISH_ABORT):
+        client = pending.status_code is None
+        asked = (CLIENT_ABORT_MESSAGE, None) if client else (pending.message, pending.status_code)
+        setattr(req, REQUESTED_ABORT, asked)
+        end_cause.tag_req(req, end_cause.CLIENT_ABORT if client else end_cause.TIMEOUT)
+    req.to_finish = None
+    prepare_abort(req, CLIENT_ABORT_MESSAGE)
+    kv_mgr = _kv_mgr(req)
+    end_cause.record_end(scheduler, req, "prefill", PREFILL_INFLIGHT, kv_mgr)
+    if kv_mgr is not None and hasattr(kv_mgr, "send_kv_status_message"):  # decode must not run it
+        reason = peer_reason(req.rid, req.bootstrap_room, "prefill", getattr(req, REQUESTED_ABORT)[0])
+        end_room(kv_mgr, req.bootstrap_room, None, reason, fail=False, remember=True)
+    return True
+
+
+def after_retire_aborted(result, scheduler, req, *args, **kwargs):
+    """AFTER SchedulerDisaggregationPrefillMixin._retire_aborted_prefill_result: its room ends here."""
+    if result:
+        _retire_prefill_room(scheduler, req, PREFILL_RUNNING)
+
+
+def after_release_aborted_waiting(result, scheduler, req, *args, **kwargs):
+    """AFTER release_aborted_prefill_waiting_req: upstream never clears the room."""
+    _retire_prefill_room(scheduler, req, PREFILL_WAITING)
+
+
+def around_pending_chunked_abort(original, scheduler, *args, **kwargs):
+    """AROUND Scheduler.process_pending_chunked_abort: clear the retired request's room."""
+    req = upstream(scheduler, "_pending_chunked_abort_req")
+    retiring = req is not None and scheduler.chunked_req is req
+    result = original(scheduler, *args, **kwargs)
+    if retiring and scheduler.chunked_req is not req and pd_queues.role(scheduler) == "prefill":
+        _retire_prefill_room(scheduler, req, PREFILL_RUNNING)
+    return result
+
+
 # ----------------------------------------------------------------------------- telling prefill
-
-
-def tell_prefill(host: Optional[str], port: Optional[int], room: Optional[int], why: str) -> None:
-    """Decode ended `room` before prefill heard of it: the teller thread sends prefill ABORT."""
-    if host is not None and port is not None and room is not None:
-        _teller().submit(f"{host}:{port}", int(room), why)
-
-
-def tell_own_bootstrap(host: Optional[str], port: Optional[int], room: Optional[int], rid: Any, why: str) -> None:
-    """Prefill ended `room` before its scheduler: the teller tells its own bootstrap thread."""
-    if host is not None and port is not None and room is not None:
-        _teller().submit(f"{host}:{port}", int(room), why, reason=peer_reason(rid, room, "prefill", why))
 
 
 def ended_at_gate(role: Any, obj: Any, why: str) -> None:
@@ -445,22 +523,15 @@ def ended_at_gate(role: Any, obj: Any, why: str) -> None:
     if role not in ("decode", "prefill"):
         return
     rooms = obj.bootstrap_room if isinstance(obj.bootstrap_room, list) else [obj.bootstrap_room]
-    hosts = obj.bootstrap_host if isinstance(obj.bootstrap_host, list) else [obj.bootstrap_host] * len(rooms)
-    ports = obj.bootstrap_port if isinstance(obj.bootstrap_port, list) else [obj.bootstrap_port] * len(rooms)
-    rids = obj.rid if isinstance(obj.rid, list) else [obj.rid] * len(rooms)
+    hosts, ports, rids = ((v if isinstance(v, list) else [v] * len(rooms))
+                          for v in (obj.bootstrap_host, obj.bootstrap_port, obj.rid))
     for host, port, room, rid in zip(hosts, ports, rooms, rids):
-        if role == "decode":
-            tell_prefill(host, port, room, why)
-        else:
-            tell_own_bootstrap(host, port, room, rid, why)
+        tell_prefill(host, port, room, why, None if role == "decode" else peer_reason(rid, room, "prefill", why))
 
 
 def before_release_on_failure(tokenizer_manager: Any, request_states: Any, *args: Any, **kwargs: Any) -> None:
-    """BEFORE `TokenizerManager._release_req_states_on_failure` (generate_request's
-    failure path; HTTP thread): a request that failed before it reached this side's
-    scheduler (its validation or tokenization raised; its client went away at the pause
-    gate) never had a room here, so its peer's copy is told, as at the gate
-    (`ended_at_gate`). A rejection names itself ("rejected by <side>'s tokenizer (...)")."""
+    """BEFORE `TokenizerManager._release_req_states_on_failure` (HTTP thread): a request that failed
+    before this side's scheduler (rejected, or its client gone at the gate) has its peer's copy told."""
     exc = sys.exc_info()[1]
     role = str(getattr(tokenizer_manager.disaggregation_mode, "value", ""))
     rejected = isinstance(exc, Exception) and not isinstance(exc, asyncio.CancelledError)
@@ -470,9 +541,8 @@ def before_release_on_failure(tokenizer_manager: Any, request_states: Any, *args
             ended_at_gate(role, state.obj, why)
 
 
-# A prefill-side end sent to prefill's own bootstrap thread: [ABORT_TAG, room, mark,
-# reason]. A manager without our ABORT wrapper parses it as upstream's ABORT with a bad
-# return address (logged) and only fails the room.
+# A prefill-side end sent to prefill's own bootstrap thread: [ABORT_TAG, room, mark, reason]. A manager without our
+# ABORT wrapper parses it as upstream's ABORT with a bad return address (logged) and only fails the room.
 ENDED_ON_PREFILL = b"~fork-ended-on-prefill"
 
 
@@ -490,32 +560,31 @@ def _ended_on_prefill(ledger: "RoomLedger", room: int, reason: str) -> None:
         if room in ledger.owned:  # a live sender owns the number: not this request's room
             return
     targets = mgr._room_notify_targets(room)
-    ledger.end(room, None, reason, fail=False, tell=bool(targets), targets=targets,
-               remember=not targets, cancel=True)
+    ledger.end(room, None, reason, fail=False, tell=bool(targets), targets=targets, remember=not targets, cancel=True)
     if targets:
         _drop_unowned_room(mgr, room)
     logger.info("room_ledger: room %s ended on prefill before its scheduler saw it (%s); decode %s",
                 room, reason, "told" if targets else "will be told at its handshake")
 
 
-def after_send_abort_output(result: Any, scheduler: Any, abort_req: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+def after_send_abort_output(result: Any, scheduler: Any, abort_req: Any, req: Any, *args: Any, **kwargs: Any) -> None:
     """AFTER Scheduler.send_abort_output: a scheduler's rejection ends the other side's copy."""
     from sglang.srt.disaggregation.utils import DisaggregationMode, TransferBackend
 
     mode = scheduler.disaggregation_mode
     if req.bootstrap_room is None:
-        return result
+        return
     if (mode == DisaggregationMode.DECODE and scheduler.transfer_backend != TransferBackend.FAKE
             and not req.time_stats.decode_prealloc_queue_entry_time):
         tell_prefill(req.bootstrap_host, req.bootstrap_port, req.bootstrap_room, "rejected by decode's scheduler")
     elif mode == DisaggregationMode.PREFILL and req.disagg_kv_sender is None:  # no room here
         said = (getattr(abort_req, "finished_reason", None) or {}).get("message")
         why = f"{REJECTED} prefill's scheduler" + (f" ({said})" if said else "")
-        tell_own_bootstrap(req.bootstrap_host, req.bootstrap_port, req.bootstrap_room, req.rid, why)
-    return result
+        tell_prefill(req.bootstrap_host, req.bootstrap_port, req.bootstrap_room, why,
+                     peer_reason(req.rid, req.bootstrap_room, "prefill", why))
 
 
-def after_ensure_abort_notified(result: Any, receiver: Any, *args: Any, **kwargs: Any) -> Any:
+def after_ensure_abort_notified(result: Any, receiver: Any, *args: Any, **kwargs: Any) -> None:
     """AFTER `CommonKVReceiver.ensure_abort_notified` (decode): a room ended before prefill's
     rank endpoints were known is told through prefill's bootstrap server (once); a room
     armed for prefill's drain ack is noted against that prefill (its loss settles it)."""
@@ -527,73 +596,60 @@ def after_ensure_abort_notified(result: Any, receiver: Any, *args: Any, **kwargs
         host, _, port = str(addr).rpartition(":")
         tell_prefill(host.strip("[]"), int(port), receiver.bootstrap_room,
                      "ended on decode before prefill's info was fetched")
-        return result
+        return
     mgr = receiver.kv_mgr
     # peer_liveness' monitor, read by its attribute (peer_liveness imports this module)
     monitor, ledger = mgr.__dict__.get(PEER_MONITOR_ATTR), ledger_of(mgr)
-    generation = upstream(receiver, "_abort_generation")
-    room = receiver.bootstrap_room
+    generation, room = upstream(receiver, "_abort_generation"), receiver.bootstrap_room
     if monitor is None or ledger is None or generation is None or room not in mgr._deferred_abort_ack_tracker:
-        return result
+        return
     ledger.note_drain(room, addr, generation, len(receiver.bootstrap_infos or ()))
     if addr in monitor.lost:  # lost already, or meanwhile (settle_peer may have run)
         ledger.settle_peer(addr)
-    return result
 
 
-class _Teller:
-    """One daemon thread per process; a bounded queue (a full one drops, logged)."""
-
-    def __init__(self):
-        self.q: "queue.Queue[Tuple[str, int, str, Optional[str]]]" = queue.Queue(maxsize=4096)
-        self.endpoints: Dict[str, List[dict]] = {}
-        self.thread = threading.Thread(target=self._run, name="ForkRoomLedgerTeller", daemon=True)
-        self.thread.start()
-
-    def submit(self, addr: str, room: int, why: str, reason: Optional[str] = None) -> None:
-        """`reason` None: decode's ABORT for `room`; else prefill's own end of it."""
-        try:
-            self.q.put_nowait((addr, room, why, reason))
-        except queue.Full:
-            logger.warning("room_ledger: cannot tell prefill %s that room %s ended (queue full)", addr, room)
-
-    def _run(self) -> None:
-        while True:
-            addr, room, why, reason = self.q.get()
-            try:
-                self._send(addr, room, reason)
-                logger.info("room_ledger: told prefill %s that room %s ended on %s (%s)",
-                            addr, room, "decode" if reason is None else "prefill", why)
-            except Exception as e:  # best effort: prefill's deadline remains the fallback
-                self.endpoints.pop(addr, None)
-                logger.warning("room_ledger: could not tell prefill %s that room %s ended: %r", addr, room, e)
-
-    def _send(self, addr: str, room: int, reason: Optional[str]) -> None:
-        from sglang.srt.disaggregation.common.conn import ABORT_TAG, AbortNotification, CommonKVReceiver
-
-        infos = self.endpoints.get(addr)
-        if infos is None:
-            infos = self.endpoints[addr] = _rank_endpoints(addr)
-        if reason is None:
-            message = AbortNotification(room=room).to_zmq()
-        else:
-            message = [ABORT_TAG, str(room).encode("ascii"), ENDED_ON_PREFILL, reason.encode("utf-8")]
-        for info in infos:
-            sock, lock = CommonKVReceiver._connect_to_bootstrap_server(info)
-            with lock:
-                sock.send_multipart(message)
-
-
+_tells: "queue.Queue[Tuple[str, int, str, Optional[str]]]" = queue.Queue(maxsize=4096)  # a full one drops, logged
+_teller: List[threading.Thread] = []  # one daemon thread per process, started at the first tell
 _teller_lock = threading.Lock()
-_teller_instance: Optional[_Teller] = None
 
 
-def _teller() -> _Teller:
-    global _teller_instance
+def tell_prefill(host: Optional[str], port: Optional[int], room: Optional[int], why: str, reason: Optional[str] = None):
+    """The teller thread tells prefill's bootstrap thread that `room` ended before that side's scheduler saw it:
+    `reason` None: decode's ABORT for it; else prefill's own end of it (answered at decode's handshake)."""
+    if host is None or port is None or room is None:
+        return
     with _teller_lock:
-        if _teller_instance is None:
-            _teller_instance = _Teller()
-        return _teller_instance
+        if not _teller:
+            _teller.append(threading.Thread(target=_run_teller, name="ForkRoomLedgerTeller", daemon=True))
+            _teller[0].start()
+    try:
+        _tells.put_nowait((f"{host}:{port}", int(room), why, reason))
+    except queue.Full:
+        logger.warning("room_ledger: cannot tell prefill %s:%s that room %s ended (queue full)", host, port, room)
+
+
+def _run_teller() -> None:
+    from sglang.srt.disaggregation.common.conn import ABORT_TAG, AbortNotification, CommonKVReceiver
+
+    endpoints: Dict[str, List[dict]] = {}  # prefill bootstrap address -> its ranks' endpoints
+    while True:
+        addr, room, why, reason = _tells.get()
+        try:
+            if addr not in endpoints:
+                endpoints[addr] = _rank_endpoints(addr)
+            if reason is None:
+                message = AbortNotification(room=room).to_zmq()
+            else:
+                message = [ABORT_TAG, str(room).encode("ascii"), ENDED_ON_PREFILL, reason.encode("utf-8")]
+            for info in endpoints[addr]:
+                sock, lock = CommonKVReceiver._connect_to_bootstrap_server(info)
+                with lock:
+                    sock.send_multipart(message)
+            logger.info("room_ledger: told prefill %s that room %s ended on %s (%s)",
+                        addr, room, "decode" if reason is None else "prefill", why)
+        except Exception as e:  # best effort: prefill's deadline remains the fallback
+            endpoints.pop(addr, None)
+            logger.warning("room_ledger: could not tell prefill %s that room %s ended: %r", addr, room, e)
 
 
 def _rank_endpoints(addr: str) -> List[dict]:

@@ -17,7 +17,7 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Dict, NamedTuple, Optional, Sequence, Tuple
 
-from sglang.srt.disaggregation import fork_metrics, request_end_cause, room_ledger
+from sglang.srt.disaggregation import request_end_cause, room_ledger
 from sglang.srt.disaggregation.pd_queues import (
     DECODE_PREALLOC, DECODE_TRANSFER, PREFILL_BOOTSTRAP, PREFILL_INFLIGHT, PREFILL_WAITING,
 )
@@ -80,7 +80,7 @@ def _expire(scheduler, stage: str, queue: Sequence[Any], side: str, keep=None) -
         else:  # fake transfer: no peer
             endpoint.abort()
         COUNTS[stage] += 1
-        fork_metrics.inc("transfer_timeout", fork_metrics.scheduler_labels(scheduler), stage=stage)
+        request_end_cause.inc("transfer_timeout", request_end_cause.scheduler_labels(scheduler), stage=stage)
 
 
 def before_pop_bootstrapped(queue, *args, **kwargs):  # BEFORE PrefillBootstrapQueue.pop_bootstrapped

@@ -95,9 +95,7 @@ HOOKS: list[tuple[str, str, HookType]] = [
      "sglang.srt.managers.pd_pause_state:around_is_locked", AROUND),
     # A prefill request routed to a lost decode ends within seconds as peer loss (docs/gateway.md).
     ("sglang.srt.disaggregation.prefill.PrefillBootstrapQueue.pop_bootstrapped",
-     "sglang.srt.disaggregation.lost_decode_handshake:before_pop_bootstrapped", BEFORE),
-    ("sglang.srt.disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager",
-     "sglang.srt.disaggregation.lost_decode_handshake:validate_at_start", AFTER),
+     "sglang.srt.disaggregation.peer_liveness:before_pop_bootstrapped", BEFORE),
     # A transfer worker that raises fails its in-flight room and starts again.
     ("sglang.srt.disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager",
      "sglang.srt.disaggregation.chunk_failures:guard_transfer_worker", BEFORE),
@@ -110,15 +108,15 @@ HOOKS: list[tuple[str, str, HookType]] = [
      "sglang.srt.disaggregation.chunk_failures:on_sender_clear", AFTER),
     ("sglang.srt.disaggregation.decode.DecodeTransferQueue._record_transfer_failure",
      "sglang.srt.disaggregation.chunk_failures:on_decode_transfer_failure", AFTER),
-    # abort_retirement: aborts end as aborts, never successes, and leave nothing behind.
+    # room_ledger (aborts): aborts end as aborts, never successes, and leave nothing behind.
     ("sglang.srt.managers.scheduler.Scheduler.abort_request",
-     "sglang.srt.disaggregation.abort_retirement:before_abort_request", BEFORE),
+     "sglang.srt.disaggregation.room_ledger:before_abort_request", BEFORE),
     ("sglang.srt.disaggregation.prefill.SchedulerDisaggregationPrefillMixin._retire_aborted_prefill_result",
-     "sglang.srt.disaggregation.abort_retirement:after_retire_aborted", AFTER),
+     "sglang.srt.disaggregation.room_ledger:after_retire_aborted", AFTER),
     ("sglang.srt.disaggregation.prefill.SchedulerDisaggregationPrefillMixin.release_aborted_prefill_waiting_req",
-     "sglang.srt.disaggregation.abort_retirement:after_release_aborted_waiting", AFTER),
+     "sglang.srt.disaggregation.room_ledger:after_release_aborted_waiting", AFTER),
     ("sglang.srt.managers.scheduler.Scheduler.process_pending_chunked_abort",
-     "sglang.srt.disaggregation.abort_retirement:around_pending_chunked_abort", AROUND),
+     "sglang.srt.disaggregation.room_ledger:around_pending_chunked_abort", AROUND),
     # peer_liveness: a crashed peer is noticed at once, its requests end (502), a restart is served.
     ("sglang.srt.disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager",
      "sglang.srt.disaggregation.peer_liveness:on_prefill_manager_init", AFTER),
