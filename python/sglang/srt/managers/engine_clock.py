@@ -27,10 +27,14 @@ class EngineClock:
         if self._paused_at is None:
             self._paused_at = self._monotonic()
 
-    def resume(self) -> None:
-        if self._paused_at is not None:
-            self._paused_total += self._monotonic() - self._paused_at
-            self._paused_at = None
+    def resume(self) -> float:
+        """Restart the clock; returns how long it stood still (0.0 if it was running)."""
+        if self._paused_at is None:
+            return 0.0
+        paused = self._monotonic() - self._paused_at
+        self._paused_total += paused
+        self._paused_at = None
+        return paused
 
 
 engine_clock = EngineClock()

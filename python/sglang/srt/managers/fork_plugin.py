@@ -20,7 +20,7 @@ HOOKS: list[tuple[str, str, HookType]] = [
     ("sglang.srt.managers.tokenizer_control_mixin.TokenizerControlMixin.get_internal_state",
      "sglang.srt.managers.pd_pause_state:tm_internal_state", AROUND),
     # pause/release/resume/continue with PD requests in flight: the tokenizer side (pd_pause_state: state
-    # machine, pause gate), the scheduler side (pd_pause, pd_pause_aborts), the PD queues' buffers (queue_memory)
+    # machine, pause gate), the scheduler side (pd_pause), the PD queues' buffers (queue_memory)
     ("sglang.srt.managers.tokenizer_manager.TokenizerManager.pause_generation",
      "sglang.srt.managers.pd_pause_state:tm_pause_generation", AROUND),
     ("sglang.srt.managers.tokenizer_manager.TokenizerManager.continue_generation",
@@ -40,7 +40,7 @@ HOOKS: list[tuple[str, str, HookType]] = [
     ("sglang.srt.managers.scheduler.Scheduler.continue_generation",
      "sglang.srt.managers.pd_pause:scheduler_continue_generation", AFTER),
     ("sglang.srt.managers.scheduler.Scheduler.abort_request",
-     "sglang.srt.managers.pd_pause_aborts:abort_while_paused", AROUND),
+     "sglang.srt.managers.pd_pause:abort_while_paused", AROUND),
     ("sglang.srt.managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager.release_memory_occupation",
      "sglang.srt.managers.pd_pause:weight_updater_release", AROUND),
     ("sglang.srt.disaggregation.prefill.PrefillBootstrapQueue.release_memory_occupation",
@@ -52,7 +52,7 @@ HOOKS: list[tuple[str, str, HookType]] = [
     ("sglang.srt.disaggregation.decode.DecodePreallocQueue.resume_memory_occupation",
      "sglang.srt.disaggregation.queue_memory:queue_resume", AROUND),
     ("sglang.srt.managers.scheduler.Scheduler._record_scheduler_state_for_paused_engine",
-     "sglang.srt.managers.pd_pause_aborts:paused_loop_tick", AFTER),
+     "sglang.srt.managers.pd_pause:paused_loop_tick", AFTER),
     # A fake-backend decode serves a request sent without bootstrap_host (upstream crashed).
     ("sglang.srt.disaggregation.decode._bootstrap_addr",
      "sglang.srt.disaggregation.pd_queues:fake_bootstrap_addr", AROUND),
@@ -148,10 +148,10 @@ HOOKS: list[tuple[str, str, HookType]] = [
      "sglang.srt.managers.fork_touch:check_at_start", AFTER),
     # decode's ABORT for a room the pause or a release ended names it: prefill's copy ends as that pause's abort
     ("sglang.srt.disaggregation.common.conn.AbortNotification.to_zmq",
-     "sglang.srt.managers.pd_pause_aborts:abort_notification_with_why", AROUND),
+     "sglang.srt.managers.pd_pause:abort_notification_with_why", AROUND),
     # a queued request the pause or a release ended keeps its message when a later bare abort_all answers it
     ("sglang.srt.managers.scheduler.Scheduler.send_abort_output",
-     "sglang.srt.managers.pd_pause_aborts:pause_answer_kept", BEFORE),
+     "sglang.srt.managers.pd_pause:pause_answer_kept", BEFORE),
     # decode's running requests an abort ends are counted by cause (request_end_cause)
     ("sglang.srt.managers.scheduler.Scheduler.process_batch_result",
      "sglang.srt.disaggregation.request_end_cause:after_process_batch_result", AFTER),

@@ -1,17 +1,18 @@
-"""The scheduler side of pause/release/resume with PD requests in flight.
+"""The scheduler side of pause/release/resume with PD requests in flight (scheduler thread: hooks in
+fork_plugin.HOOKS and the decode patch's `poll_transfers_while_retracted`).
 
-While paused nothing is computed, yet every request is accounted for: at release what runs
-is retracted (decode re-bootstraps it on continue) and what sits in the PD queues is
-aborted through upstream's own retire paths until the queues are empty, before they
-deregister their buffers (`queue_memory`); paused time counts against no timer
-(`engine_clock`). Scheduler thread: hooks in fork_plugin.HOOKS and the decode patch
-(`poll_transfers_while_retracted`). Aborts that arrive while paused: `pd_pause_aborts`.
+At release what runs is retracted and what sits in the PD queues is aborted through upstream's own retire paths
+until the queues are empty, before `queue_memory` deregisters their buffers; paused time counts against no timer
+(`engine_clock`). An abort that reaches a paused engine is answered in the call that delivers it, wherever the
+request sits; a request the pause or a release ended keeps that abort's message, on both sides.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from collections import OrderedDict
 from typing import Any, Dict, List, Optional
 
 from sglang.srt.disaggregation import pd_queues, room_ledger
@@ -24,6 +25,7 @@ RELEASE_ABORT_MESSAGE = "Aborted: engine memory released during pause (mode={mod
 RELEASE_NO_PAUSE_MESSAGE = "Aborted: engine memory released without a pause."
 PAUSE_ABORT_MESSAGE = "Aborted by pause_generation(mode=abort)."
 DRAIN_DEADLINE_S = 10.0
+ABORT_PUMP_WINDOW_S = 5.0  # after an abort while paused, the paused loop keeps retiring what concludes late
 
 # Start times (time.time()) that upstream's transfer senders/receivers measure their
 # bootstrap and waiting timeouts from (disaggregation/common/conn.py).
@@ -49,7 +51,6 @@ class _SchedulerPause:
 
     def __init__(self):
         self.mode: Optional[str] = None
-        self.paused_at_wall: Optional[float] = None
         self.pumping = False
         self.draining = False  # inside _abort_all_and_drain
         self.released = False  # PD queues released (KV buffers deregistered)
@@ -57,10 +58,9 @@ class _SchedulerPause:
 
 
 def scheduler_pause(scheduler) -> _SchedulerPause:
-    sp = getattr(scheduler, "_fork_pd_pause", None)
-    if sp is None:
-        sp = scheduler._fork_pd_pause = _SchedulerPause()
-    return sp
+    if not hasattr(scheduler, "_fork_pd_pause"):
+        scheduler._fork_pd_pause = _SchedulerPause()
+    return scheduler._fork_pd_pause
 
 
 def scheduler_pause_generation(original, scheduler, recv_req):
@@ -77,31 +77,21 @@ def scheduler_pause_generation(original, scheduler, recv_req):
         original(scheduler, recv_req)
     if sp.mode is None or recv_req.mode == "retract":
         sp.mode = recv_req.mode
-    if sp.paused_at_wall is None:
-        sp.paused_at_wall = time.time()
     engine_clock.pause()
 
 
 def _drop_finished_batches(scheduler) -> None:
-    """Requests the abort finished (answered, KV freed) can still be listed in the
-    running / last batch: upstream drops them when it builds its next batch, which a
-    paused scheduler never does, so a weight update's cache flush found the engine busy
-    (400 "requests are still running or queued"). A batch whose requests all finished
-    is emptied as upstream's own filter does; one with a live request is left alone."""
+    """Empty the running / last batch if all its requests finished (as upstream's filter does when it builds
+    its next batch, which a paused scheduler never does): a weight update's cache flush would find it busy."""
     for batch in (scheduler.running_batch, scheduler.last_batch):
         if batch is not None and batch.reqs and all(req.finished() for req in batch.reqs):
             batch.filter_batch()
 
 
 def scheduler_continue_generation(result, scheduler, recv_req, *args, **kwargs):
-    """AFTER Scheduler.continue_generation: restart the clock, shift upstream timers."""
-    sp = scheduler_pause(scheduler)
-    if sp.paused_at_wall is not None:
-        shift_upstream_timers(scheduler, time.time() - sp.paused_at_wall)
-    sp.paused_at_wall = None
-    sp.mode = None
-    engine_clock.resume()
-    return result
+    """AFTER Scheduler.continue_generation: restart the clock, shift upstream timers by the paused time."""
+    scheduler_pause(scheduler).mode = None
+    shift_upstream_timers(scheduler, engine_clock.resume())
 
 
 def shift_upstream_timers(scheduler, paused_seconds: float) -> int:
@@ -190,11 +180,8 @@ def _abort_all_and_drain(scheduler, message: str) -> None:
         # of such a room (same room) then ends on both sides as the release's abort.
         end_prefill_rooms(scheduler, list(ended.values()), message + " (room {room})")
     if not _pd_queues_empty(scheduler):
-        logger.warning(
-            "pd_pause: PD queues not empty %.0fs after abort_all: %s",
-            DRAIN_DEADLINE_S,
-            pd_queues.lengths(scheduler),
-        )
+        logger.warning("pd_pause: PD queues not empty %.0fs after abort_all: %s", DRAIN_DEADLINE_S,
+                       pd_queues.lengths(scheduler))
 
 
 def end_prefill_rooms(scheduler, reqs: List[Any], reason: str) -> None:
@@ -226,9 +213,8 @@ def end_in_flight(scheduler) -> None:
     sp = scheduler_pause(scheduler)
     paused = sp.mode is not None
     if not fork_touch.upstream(scheduler, "_engine_paused"):
-        # Release without a pause (upstream's colocated RL loop): the tokenizer let it
-        # through only with nothing in flight, and holds new requests at its gate.
-        # Settle what the queues still hold (decode's pending drain acks); anything
+        # Release without a pause (the colocated RL loop; the tokenizer let it through idle and holds new
+        # requests at its gate): settle what the queues still hold (decode's pending drain acks); anything
         # that slipped in is retracted/aborted as in a pause, never asserted on.
         idle = scheduler.is_fully_idle(ignore_waiting=False)  # upstream's own idle check
         if idle and _pd_queues_empty(scheduler):
@@ -282,18 +268,206 @@ def weight_updater_release(original, weight_updater, recv_req, *args, **kwargs):
 
 
 def report(scheduler) -> Dict[str, Any]:
-    sp = scheduler_pause(scheduler)
-    return {
-        "paused": bool(fork_touch.upstream(scheduler, "_engine_paused")),
-        "mode": sp.mode,
-        "clock_paused": engine_clock.paused,
-    }
+    return {"paused": bool(fork_touch.upstream(scheduler, "_engine_paused")),
+            "mode": scheduler_pause(scheduler).mode, "clock_paused": engine_clock.paused}
 
 
 def poll_transfers_while_retracted(scheduler) -> list:
-    """Decode with retracted requests allocates nothing new, but still retires the
-    transfers in flight (finished ones move on, failed/timed-out ones are seen)."""
+    """Decode with retracted requests allocates nothing new, but still retires the transfers in flight
+    (finished ones move on, failed/timed-out ones are seen)."""
     transfer = scheduler.disagg_decode_transfer_queue
-    if not transfer.queue:
-        return []
-    return transfer.pop_transferred()
+    return transfer.pop_transferred() if transfer.queue else []
+
+
+# ----------------------------------------------------------------------------- aborts while paused
+
+def abort_while_paused(original, scheduler, recv_req, *args, **kwargs):
+    """AROUND Scheduler.abort_request: while paused, answer the abort now, wherever
+    the request sits, and return what it held."""
+    sp = scheduler_pause(scheduler)
+    role = pd_queues.role(scheduler)
+    if role == "decode":
+        note_why(scheduler, recv_req)
+    if not getattr(scheduler, "_engine_paused", False) or role is None or sp.pumping or sp.draining:
+        result = original(scheduler, recv_req, *args, **kwargs)
+        if role is not None:
+            keep_pause_verdict(scheduler, recv_req)
+        return result
+    places = {stage for stage, r in pd_queues.walk(scheduler) if _matches(recv_req, r.rid)}
+    places |= {"parked" for r in pd_queues.parked_reqs(scheduler) if _matches(recv_req, r.rid)}
+    matched = [r for r in pd_queues.held_reqs(scheduler) if _matches(recv_req, r.rid)]
+    logger.info("pd_pause: abort while paused (rid=%r, all=%s) found in %s",
+                recv_req.rid, recv_req.abort_all, sorted(places))
+    result = original(scheduler, recv_req, *args, **kwargs)
+    sp.pump_until = time.monotonic() + ABORT_PUMP_WINDOW_S
+    if _holds_in_batch(scheduler, recv_req):
+        # An in-place pause holds the last batch as it was (decode: running requests with their KV;
+        # prefill: a forward whose result is unprocessed), answered only after the next pass. Upstream's
+        # retract settles it now: decode's others re-bootstrap on continue, prefill's result is processed.
+        from sglang.srt.managers.io_struct import PauseGenerationReqInput
+
+        mode = sp.mode
+        scheduler.pause_generation(PauseGenerationReqInput(mode="retract"))
+        sp.mode = mode
+    if role == "decode":
+        _abort_held_rebootstrap(scheduler, recv_req)
+    keep_pause_verdict(scheduler, recv_req)
+    pump_pd_queues(scheduler)
+    if role == "prefill":
+        end_prefill_rooms(scheduler, matched, "Aborted by AbortReq while prefill was paused (room {room})")
+    return result
+
+
+def keep_pause_verdict(scheduler, recv_req=None) -> None:
+    """A running request the pause or a release ended (its verdict,
+    `room_ledger.REQUESTED_ABORT`, names it) ends with that message, not upstream's bare
+    FINISH_ABORT() that each repeat of the abort-mode pause's abort_all sets again. A
+    request in flight the verdict marking did not see (decode's last batch: admitted as
+    the pause's abort landed) gets the verdict of `recv_req` when that is the pause's."""
+    from sglang.srt.disaggregation import request_end_cause
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+    asked = _pause_message(recv_req)
+    for req in scheduler.collect_inflight_reqs():
+        verdict = getattr(req, room_ledger.REQUESTED_ABORT, None)
+        pending = req.to_finish
+        if not isinstance(pending, FINISH_ABORT):
+            continue
+        if verdict is None and asked is not None and pending.status_code is None and _matches(recv_req, req.rid):
+            verdict = (asked, None)
+            setattr(req, room_ledger.REQUESTED_ABORT, verdict)
+            request_end_cause.tag_req(req, request_end_cause.PAUSE)
+        if verdict is not None and names_pause(verdict[0]) and pending.message != verdict[0]:
+            req.to_finish = FINISH_ABORT(verdict[0], verdict[1])
+
+
+def _pause_message(recv_req) -> "str | None":
+    """The message of an abort the pause or a release sent (no error status), or None."""
+    reason = getattr(recv_req, "finished_reason", None) or {}
+    message = reason.get("message")
+    return message if reason.get("status_code") is None and names_pause(message) else None
+
+
+def pause_answer_kept(scheduler, abort_req, req, *args, **kwargs) -> None:
+    """BEFORE Scheduler.send_abort_output: upstream answers a queued request a later
+    abort reaches with that abort's reason, none for the bare abort_all the abort-mode
+    pause repeats (the tokenizer then says "Abort in waiting queue"). A request the
+    pause or a release already ended keeps that message."""
+    if abort_req.finished_reason is not None or pd_queues.role(scheduler) is None:
+        return
+    verdict = getattr(req, room_ledger.REQUESTED_ABORT, None)
+    message = verdict[0] if verdict is not None and verdict[1] is None else getattr(req, room_ledger.PAUSE_ABORT, None)
+    if message is not None and names_pause(message):
+        abort_req.finished_reason = pause_finish_reason(message)
+
+
+def paused_loop_tick(result, scheduler, *args, **kwargs):
+    """AFTER Scheduler._record_scheduler_state_for_paused_engine (every iteration of
+    a paused event loop): for a while after an abort, keep retiring what it failed,
+    so rooms that conclude a moment later (drain acks) are answered during the
+    pause too; otherwise wait for input instead of spinning (`wait_for_input_while_paused`)."""
+    sp = scheduler_pause(scheduler)
+    if pd_queues.role(scheduler) is None:
+        return result
+    if not sp.released and sp.pump_until and time.monotonic() < sp.pump_until:
+        pump_pd_queues(scheduler)
+        return result
+    sp.pump_until = 0.0
+    wait_for_input_while_paused(scheduler)
+    return result
+
+
+# Upstream's paused loop polls its input sockets without blocking: a paused PD scheduler spun a core that the
+# HTTP processes, the peer and the weight load waited for (bench/README.md). With nothing to pump it now waits
+# on the sockets upstream's idle sleeper waits on (a request, continue or an abort wakes it), at most this long.
+PAUSED_INPUT_WAIT_MS = 50
+
+
+def wait_for_input_while_paused(scheduler) -> None:
+    """Block until the scheduler's input sockets have a request, at most
+    PAUSED_INPUT_WAIT_MS, through upstream's idle sleeper (--sleep-on-idle; without it
+    the loop spins as upstream's does)."""
+    from sglang.srt.managers.scheduler_components.idle_sleeper import IdleSleeper
+
+    sleeper = fork_touch.upstream(scheduler, "idle_sleeper")
+    if isinstance(sleeper, IdleSleeper):  # zmq sockets (not the Rust server's ring)
+        fork_touch.upstream(sleeper, "poller").poll(PAUSED_INPUT_WAIT_MS)
+
+
+def _holds_in_batch(scheduler, recv_req) -> bool:
+    """The abort hits a request only the next forward pass would retire: decode's
+    running batch, or prefill's last batch while its result is still unprocessed."""
+    if pd_queues.role(scheduler) == "prefill":
+        batch = scheduler.last_batch
+        if batch is None or not scheduler.enable_overlap or not scheduler.result_queue:
+            return False
+        reqs = list(batch.reqs)
+    else:
+        reqs = list(scheduler.running_batch.reqs)
+        if scheduler.last_batch is not None:
+            reqs += list(scheduler.last_batch.reqs)
+    return any(_matches(recv_req, r.rid) for r in reqs)
+
+
+def _matches(recv_req, rid: str) -> bool:
+    return recv_req.abort_all or rid.startswith(recv_req.rid)
+
+
+def _abort_held_rebootstrap(scheduler, recv_req) -> None:
+    """Requests a retract pause holds for re-bootstrap own no KV; answer them."""
+    from sglang.srt.disaggregation.utils import prepare_abort
+    from sglang.srt.managers.scheduler import _make_abort_req
+
+    prealloc = scheduler.disagg_decode_prealloc_queue
+    kept = []
+    for req in prealloc.held_rebootstrap_reqs:
+        if _matches(recv_req, req.rid):
+            prepare_abort(req, "Aborted by AbortReq.")
+            scheduler.send_abort_output(_make_abort_req(req, finished_reason=recv_req.finished_reason), req)
+        else:
+            kept.append(req)
+    prealloc.held_rebootstrap_reqs = kept
+
+
+# ----------------------------------------------------------------------------- why, to prefill
+
+# Decode appends [room_ledger.WHY_FRAME, message] to the ABORT of a room its pause or a release ended (upstream's
+# names only the room); prefill's ABORT handler strips them. room -> (message, until): set by the scheduler, read
+# by the thread sending the ABORT; bounded, and only for WHY_TTL_S (a room re-bootstrapped after a retract pause
+# and aborted later by its client must not carry the pause's message).
+MAX_WHY_ROOMS = 4096
+WHY_TTL_S = 30.0
+_why: "OrderedDict[int, tuple]" = OrderedDict()
+_why_lock = threading.Lock()
+
+
+def note_why(scheduler, recv_req) -> None:
+    """Decode, before upstream handles an abort that names the pause or a release: the
+    ABORT of each room it reaches in the PD queues will carry the abort's message."""
+    message = _pause_message(recv_req)
+    if message is None:
+        return
+    prealloc = scheduler.disagg_decode_prealloc_queue
+    transfer = scheduler.disagg_decode_transfer_queue
+    until = time.monotonic() + WHY_TTL_S
+    with _why_lock:
+        for entry in list(prealloc.queue) + list(transfer.queue):
+            room = entry.req.bootstrap_room
+            if room is not None and _matches(recv_req, entry.req.rid):
+                _why.pop(room, None)
+                _why[room] = (message, until)
+        while len(_why) > MAX_WHY_ROOMS:
+            _why.popitem(last=False)
+
+
+def abort_notification_with_why(original, note, *args, **kwargs):
+    """AROUND AbortNotification.to_zmq (decode's ABORT to prefill): append the message
+    of the pause or release that ended the room, if one did."""
+    frames = original(note, *args, **kwargs)
+    if not _why:
+        return frames
+    with _why_lock:
+        message, until = _why.get(note.room, (None, 0.0))
+    if message is None or time.monotonic() > until:
+        return frames
+    return list(frames) + [room_ledger.WHY_FRAME, message.encode("utf-8")]
