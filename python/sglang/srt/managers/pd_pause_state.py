@@ -1,14 +1,9 @@
-"""The tokenizer side of pause/release/resume/continue (the HTTP process's event loop).
+"""The tokenizer side of pause/release/resume/continue (the HTTP process's event loop; hooks in
+fork_plugin.HOOKS, the tokenizer_manager and http_server patches; the scheduler side is `pd_pause`).
 
-Which call the engine accepts in which state: every sequence upstream answers 200 on an
-idle engine is accepted with upstream's effect; a call upstream cannot survive is answered
-409 naming the state and the call to make, and changes nothing (docs/pause-release-resume.md).
-The pause gate: a request aborted while it waits there leaves at once with upstream's abort
-answer (200, finish_reason "abort", a message naming the client or abort_all and the pause
-or the release). Also /health while held, the abort-mode pause's wait for its aborted
-requests. Who calls: hooks in fork_plugin.HOOKS, the tokenizer_manager patch (`gate_open`,
-`gate_aborted`, `gate_abort_answers`) and the http_server patches. The scheduler side is
-`pd_pause`.
+Every sequence upstream answers 200 on an idle engine is accepted with upstream's effect; a call upstream
+cannot survive is answered 409 naming the state and the call to make, and changes nothing. A request aborted
+while it waits at the pause gate leaves at once with upstream's abort answer (docs/pause-release-resume.md).
 """
 
 from __future__ import annotations
@@ -16,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from http import HTTPStatus
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 from fastapi import HTTPException
 
@@ -29,9 +24,8 @@ PAUSE_MODES = ("abort", "in_place", "retract")
 # upstream's GPU_MEMORY_ALL_TYPES (sglang.srt.constants), in its order
 KV_CACHE, WEIGHTS, CUDA_GRAPH = "kv_cache", "weights", "cuda_graph"
 ALL_TAGS = (KV_CACHE, WEIGHTS, CUDA_GRAPH)
-# Released cuda graphs go back with the KV cache when the caller resumes kv_cache alone
-# (the loop weights -> kv_cache after a release of everything): serving with graphs
-# released would fault on a GPU. A later resume of cuda_graph is then a no-op.
+# Released cuda graphs go back with the KV cache when the caller resumes kv_cache alone (serving with graphs
+# released would fault on a GPU); a later resume of cuda_graph is then a no-op.
 RESUMED_WITH_KV = (CUDA_GRAPH,)
 
 RUNNING, PAUSED, RELEASED, RESUMED = "running", "paused", "released", "resumed"
@@ -45,8 +39,7 @@ _HINT = {
 
 
 class PauseStateError(HTTPException):
-    """An out-of-order pause/release/resume/continue call; nothing was changed.
-    An HTTPException, so upstream's handlers answer it with its status (409)."""
+    """An out-of-order pause/release/resume/continue call (nothing changed): upstream's handlers answer 409."""
 
     def __init__(self, message: str):
         super().__init__(status_code=HTTPStatus.CONFLICT, detail=message)
@@ -86,8 +79,7 @@ class EnginePauseState:
             f"{hint or _HINT[self.state]}"
         )
 
-    def check(self, op: str, mode: Optional[str] = None, tags: Optional[List[str]] = None,
-              in_flight: int = 0) -> None:
+    def check(self, op: str, mode: Optional[str] = None, tags: Optional[List[str]] = None, in_flight: int = 0) -> None:
         """Raise PauseStateError (409) if `op` is not accepted now; change nothing."""
         if self.busy is not None:
             raise PauseStateError(
@@ -112,8 +104,7 @@ class EnginePauseState:
                 )
         elif op == "resume_memory_occupation":
             named = self.resume_named(tags)
-            unknown = [t for t in named
-                       if t not in self.released and t not in self.auto_resumed]
+            unknown = [t for t in named if t not in self.released and t not in self.auto_resumed]
             if not named:
                 self._reject(op, "nothing is released")
             if unknown:
@@ -154,8 +145,7 @@ class EnginePauseState:
             self.released = [t for t in self.released if t not in resumed]
 
     def as_dict(self) -> Dict[str, Any]:
-        return {"state": self.state, "mode": self.mode, "released": list(self.released),
-                "busy": self.busy}
+        return {"state": self.state, "mode": self.mode, "released": list(self.released), "busy": self.busy}
 
 
 def tags_of_list(tags: Optional[List[str]]) -> List[str]:
@@ -164,54 +154,43 @@ def tags_of_list(tags: Optional[List[str]]) -> List[str]:
 
 
 def _state_of(tokenizer_manager) -> EnginePauseState:
-    state = getattr(tokenizer_manager, "_fork_pause_state", None)
-    if state is None:
-        state = tokenizer_manager._fork_pause_state = EnginePauseState()
-    return state
+    if not hasattr(tokenizer_manager, "_fork_pause_state"):
+        tokenizer_manager._fork_pause_state = EnginePauseState()
+    return tokenizer_manager._fork_pause_state
 
 
-async def _set_gate(tokenizer_manager, closed: bool) -> None:
+async def _set_gate(tokenizer_manager, closed: Optional[bool] = None) -> None:
+    """Close or open the pause gate (None: leave it as it is) and wake its waiters to look again."""
     async with tokenizer_manager.is_pause_cond:
-        tokenizer_manager.is_pause = closed
-        if not closed:
-            tokenizer_manager.is_pause_cond.notify_all()
+        if closed is not None:
+            tokenizer_manager.is_pause = closed
+        tokenizer_manager.is_pause_cond.notify_all()
 
 
-def _guarded(op: str, mode_of: Callable[[Any], Optional[str]] = lambda obj: None):
+def _guarded(op: str):
     async def around(original, tokenizer_manager, obj, *args, **kwargs):
         state = _state_of(tokenizer_manager)
-        mode = mode_of(obj)
+        mode = obj.mode if op == "pause_generation" else None
         tags = getattr(obj, "tags", None)
-        if op == "continue_generation" and state.mode is None and not state.released:
+        if op == "continue_generation" and state.serving():
             return None  # not paused: nothing to continue (upstream: a no-op too)
         if op == "pause_generation" and state.mode is not None and mode == state.mode:
             return None  # already paused in this mode: a no-op
         if op == "release_memory_occupation" and state.mode is None:
-            # No pause: hold new requests at the pause gate first, then check (no
-            # await between) that nothing is in flight.
-            closing = not state.gate_closed_by_release
-            if closing:
-                tokenizer_manager.is_pause = True
-            try:
-                state.check(op, mode, tags, len(tokenizer_manager.rid_to_state))
-            except PauseStateError:
-                if closing:
-                    await _set_gate(tokenizer_manager, False)
-                raise
-            state.gate_closed_by_release = True
+            # No pause: check that nothing is in flight and hold new requests at the pause gate (no await between).
+            state.check(op, mode, tags, len(tokenizer_manager.rid_to_state))
+            tokenizer_manager.is_pause = state.gate_closed_by_release = True
         else:
             state.check(op, mode, tags)
         if op == "resume_memory_occupation":
             obj.tags = state.to_resume(state.resume_named(tags))
         state.busy, state.busy_mode = op, mode
         try:
+            result = None  # a resume of tags already resumed with kv_cache only is a no-op
             if op != "resume_memory_occupation" or obj.tags:
                 result = await original(tokenizer_manager, obj, *args, **kwargs)
-            else:
-                result = None  # only tags already resumed with kv_cache: a no-op
             if op == "pause_generation" and mode == "abort":
-                # Upstream ends every request in the tokenizer and never tells the
-                # scheduler; tell it now, so it pauses (and its clock stops) too.
+                # Upstream ends every request in the tokenizer only: tell the scheduler, so it pauses too.
                 await tokenizer_manager._async_dispatch_to_scheduler(obj)
         except BaseException:
             if op == "release_memory_occupation" and not state.released and state.mode is None:
@@ -224,8 +203,7 @@ def _guarded(op: str, mode_of: Callable[[Any], Optional[str]] = lambda obj: None
         if op == "pause_generation":
             state.gate_closed_by_release = False  # the pause owns the gate now
         if state.gate_closed_by_release and state.serving():
-            # Everything resumed after a release without a pause: serve again. The
-            # scheduler is told too (a no-op unless release had to retract).
+            # Everything resumed after a release without a pause: serve again (scheduler: a no-op unless retracted).
             state.gate_closed_by_release = False
             from sglang.srt.managers.io_struct import ContinueGenerationReqInput
 
@@ -236,25 +214,7 @@ def _guarded(op: str, mode_of: Callable[[Any], Optional[str]] = lambda obj: None
     return around
 
 
-def tm_pause_abort_first(tokenizer_manager, rid: str = "", abort_all: bool = False, *args, **kwargs):
-    """BEFORE TokenizerManager.abort_request: the abort_all that upstream's abort-mode
-    pause_generation repeats carries no reason, so the scheduler would end what runs
-    as a client abort ("Aborted", end cause client_abort). The pause's own abort_all
-    goes first: what it reaches ends with the pause's message and end cause "pause";
-    upstream's then finds it aborted already."""
-    state = _state_of(tokenizer_manager)
-    if not abort_all or state.busy != "pause_generation" or state.busy_mode != "abort":
-        return None
-    from sglang.srt.managers.io_struct import AbortReq
-    from sglang.srt.managers.pd_pause import pause_finish_reason
-
-    tokenizer_manager._dispatch_to_scheduler(
-        AbortReq(abort_all=True, finished_reason=pause_finish_reason())
-    )
-    return None
-
-
-tm_pause_generation = _guarded("pause_generation", lambda obj: obj.mode)
+tm_pause_generation = _guarded("pause_generation")
 tm_continue_generation = _guarded("continue_generation")
 tm_release_memory_occupation = _guarded("release_memory_occupation")
 tm_resume_memory_occupation = _guarded("resume_memory_occupation")
@@ -271,48 +231,37 @@ def pause_reason(tokenizer_manager) -> Optional[str]:
 
 
 def alive_while_held(tokenizer_manager) -> bool:
-    """/health and /health_generate answer 200 at once while the engine holds requests on
-    purpose (a pause or a release; docs/pause-release-resume.md, "Health during a pause or
-    a release"). Called by the http_server patch (the health route and its wait loop)."""
+    """/health and /health_generate answer 200 at once while the engine holds requests on purpose (a pause or a
+    release; docs/pause-release-resume.md). Called by the http_server patch (the health route and its wait loop)."""
     return bool(tokenizer_manager.is_pause) or pause_reason(tokenizer_manager) is not None
 
 
 def name_state_if_pause_call(route_path: str, message: str, global_state: Any) -> str:
-    """The 400 for an invalid pause_generation body (rejected by request validation) names
-    the engine state too, like the 409s. Called from upstream's validation error handler (a patch)."""
+    """The 400 for an invalid pause_generation body names the engine state too, like the 409s (http_server patch)."""
     tokenizer_manager = getattr(global_state, "tokenizer_manager", None)
     if route_path != "/pause_generation" or tokenizer_manager is None:
         return message
     state = _state_of(tokenizer_manager)
     mode = f" (pause mode {state.mode})" if state.mode else ""
-    return (
-        f"pause_generation rejected: engine state is {state.state!r}{mode}; expected "
-        f"mode one of {list(PAUSE_MODES)}; nothing changed. {message}"
-    )
+    return (f"pause_generation rejected: engine state is {state.state!r}{mode}; expected mode one of "
+            f"{list(PAUSE_MODES)}; nothing changed. {message}")
 
 
-# The abort-mode pause returns as soon as its aborted requests are answered: upstream's
-# loop (abort_all, `model_update_lock.is_locked()`, sleep 1 s) finds the lock free on its
-# first check, as this hook waits up to DRAIN_WAIT_S on the lock's own condition (notified
-# when the last reader leaves). Upstream calls is_locked only from the abort-mode pause
-# loops of tokenizer_manager and multi_tokenizer_mixin. Where that time goes: bench/README.md.
-# 3 s, not under upstream's 1 s: a drain of 0.9-1.9 s would otherwise pay the full sleep on top.
+# Upstream's abort-mode pause loop (abort_all, `model_update_lock.is_locked()`, sleep 1 s; its only caller of
+# is_locked) finds the lock free on its first check: this hook waits up to DRAIN_WAIT_S on the lock's own
+# condition. 3 s, not under upstream's 1 s: a drain of 0.9-1.9 s would otherwise pay the full sleep on top.
 DRAIN_WAIT_S = 3.0
 
 
-def _lock_held(lock) -> bool:
-    """upstream's is_locked condition, read under the lock's own asyncio lock."""
-    return bool(fork_touch.upstream(lock, "_writer_active") or fork_touch.upstream(lock, "_readers") > 0)
-
-
 async def around_is_locked(original, lock, *args, **kwargs):
-    """AROUND sglang.srt.utils.aio_rwlock.RWLock.is_locked."""
+    """AROUND sglang.srt.utils.aio_rwlock.RWLock.is_locked: True only if still locked after DRAIN_WAIT_S."""
     if not await original(lock, *args, **kwargs):
         return False
-    cond = fork_touch.upstream(lock, "_cond")
+    cond, upstream = fork_touch.upstream(lock, "_cond"), fork_touch.upstream
     try:
-        async with cond:
-            await asyncio.wait_for(cond.wait_for(lambda: not _lock_held(lock)), DRAIN_WAIT_S)
+        async with cond:  # upstream's is_locked condition, read under the lock's own asyncio lock
+            await asyncio.wait_for(cond.wait_for(
+                lambda: not (upstream(lock, "_writer_active") or upstream(lock, "_readers") > 0)), DRAIN_WAIT_S)
     except asyncio.TimeoutError:
         pass
     return await original(lock, *args, **kwargs)
@@ -324,14 +273,21 @@ _MARK = "_fork_gate_abort"  # on a ReqState: the abort's message
 _AT_GATE = "_fork_at_gate"  # on a ReqState: waiting at the pause gate now
 
 
-def tm_abort_request(result, tokenizer_manager, rid: str = "", abort_all: bool = False):
-    """AFTER TokenizerManager.abort_request: requests held at the pause gate are
-    answered now, not after continue_generation. Not for the abort_all an abort-mode
-    pause_generation repeats: as upstream, what waits at the gate is served after
-    continue (answering one server's copy of a PD request would leave the other's going)."""
-    if not tokenizer_manager.is_pause or (
-        abort_all and _state_of(tokenizer_manager).busy == "pause_generation"
-    ):
+def tm_abort_request(original, tokenizer_manager, rid: str = "", abort_all: bool = False, *args, **kwargs):
+    """AROUND TokenizerManager.abort_request: requests held at the pause gate are answered now, not after
+    continue_generation. Not for the abort_all a pause_generation repeats: as upstream, what waits at the gate is
+    served after continue (answering one server's copy of a PD request would leave the other's going). That
+    abort_all of an abort-mode pause carries no reason (the scheduler would end what runs as a client abort):
+    the pause's own abort_all goes first, so what it reaches ends with the pause's message and end cause "pause"."""
+    state = _state_of(tokenizer_manager)
+    pausing = abort_all and state.busy == "pause_generation"
+    if pausing and state.busy_mode == "abort":
+        from sglang.srt.managers.io_struct import AbortReq
+        from sglang.srt.managers.pd_pause import pause_finish_reason
+
+        tokenizer_manager._dispatch_to_scheduler(AbortReq(abort_all=True, finished_reason=pause_finish_reason()))
+    result = original(tokenizer_manager, rid, abort_all, *args, **kwargs)
+    if not tokenizer_manager.is_pause or pausing:
         return result
     where = ("while the engine memory was released" if pause_reason(tokenizer_manager) == "release"
              else "while the engine was paused")
@@ -344,18 +300,12 @@ def tm_abort_request(result, tokenizer_manager, rid: str = "", abort_all: bool =
     logger.info("pd_pause: abort while paused (rid=%r, all=%s): %s", rid, abort_all,
                 "waking the pause gate" if hit else "no request state")
     if hit:
-        asyncio.get_running_loop().create_task(_wake_gate(tokenizer_manager))
+        asyncio.get_running_loop().create_task(_set_gate(tokenizer_manager))
     return result
 
 
-async def _wake_gate(tokenizer_manager) -> None:
-    async with tokenizer_manager.is_pause_cond:
-        tokenizer_manager.is_pause_cond.notify_all()
-
-
 def gate_open(tokenizer_manager, request_states: Dict[str, Any]) -> bool:
-    """The pause gate of generate_request: open when not paused, or for an aborted
-    request. Each evaluation notes whether the request waits at the gate."""
+    """The pause gate of generate_request: open when not paused, or for an aborted request (notes who waits)."""
     is_open = not tokenizer_manager.is_pause or gate_aborted(request_states)
     for state in request_states.values():
         state.__dict__[_AT_GATE] = not is_open
@@ -363,8 +313,7 @@ def gate_open(tokenizer_manager, request_states: Dict[str, Any]) -> bool:
 
 
 async def tm_internal_state(original, tokenizer_manager, *args, **kwargs):
-    """AROUND TokenizerControlMixin.get_internal_state: each scheduler's resource
-    report also says how many requests wait at this tokenizer's pause gate."""
+    """AROUND TokenizerControlMixin.get_internal_state: each resource report counts the requests at the gate."""
     states = await original(tokenizer_manager, *args, **kwargs)
     held = sum(1 for state in list(tokenizer_manager.rid_to_state.values()) if state.__dict__.get(_AT_GATE))
     for state in states:
@@ -380,26 +329,15 @@ def gate_aborted(request_states: Dict[str, Any]) -> bool:
 
 def abort_output(rid: str, message: str) -> Dict[str, Any]:
     """Upstream's answer to an aborted request that produced nothing."""
-    return {
-        "text": "",
-        "output_ids": [],
-        "meta_info": {
-            "id": rid,
-            "finish_reason": {"type": "abort", "message": message, "status_code": None},
-            "prompt_tokens": 0,
-            "completion_tokens": 0,
-            "cached_tokens": 0,
-            "e2e_latency": 0.0,
-        },
-    }
+    meta = {"id": rid, "finish_reason": {"type": "abort", "message": message, "status_code": None},
+            "prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0, "e2e_latency": 0.0}
+    return {"text": "", "output_ids": [], "meta_info": meta}
 
 
 def gate_abort_answers(tokenizer_manager, obj: Any, request_states: Dict[str, Any]) -> List[Any]:
-    """What generate_request yields for a request aborted at the gate (its states are
-    dropped: nothing was sent to the scheduler). A batch ends whole: sub-requests not
-    aborted by name are answered with the same abort."""
-    first = next(getattr(s, _MARK) for s in request_states.values()
-                 if getattr(s, _MARK, None) is not None)
+    """What generate_request yields for a request aborted at the gate (its states are dropped: nothing was sent to
+    the scheduler). A batch ends whole: sub-requests not aborted by name get the same abort."""
+    first = next(getattr(s, _MARK) for s in request_states.values() if getattr(s, _MARK, None) is not None)
     outs = []
     for index, (rid, state) in enumerate(request_states.items()):
         if tokenizer_manager.rid_to_state.get(rid) is state:
@@ -410,6 +348,4 @@ def gate_abort_answers(tokenizer_manager, obj: Any, request_states: Dict[str, An
         outs.append(out)
     # Decode's copy ends here; its prefill copy must not wait for a handshake.
     room_ledger.ended_at_gate(tokenizer_manager.disaggregation_mode, obj, first)
-    if obj.is_single or getattr(obj, "stream", False):
-        return outs
-    return [outs]
+    return outs if obj.is_single or getattr(obj, "stream", False) else [outs]
