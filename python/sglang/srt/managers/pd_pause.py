@@ -33,14 +33,12 @@ UPSTREAM_TIMER_ATTRS = ("init_time", "_prefill_complete_time", "_prefill_wait_st
 
 
 def names_pause(message) -> bool:
-    """Whether an abort's message says a pause or a release ended the request (end cause
-    "pause", never a client abort or a failure)."""
+    """Whether an abort's message says a pause or a release ended the request (end cause "pause")."""
     return any(m in str(message or "") for m in room_ledger.PAUSE_MARKERS)
 
 
 def pause_finish_reason(message: str = PAUSE_ABORT_MESSAGE) -> Dict[str, Any]:
-    """The finish reason of an abort the pause path decides: upstream's abort answer (HTTP
-    200, finish_reason "abort" with the message, no status), which RL clients recycle."""
+    """Upstream's abort answer (200, finish_reason abort with the message, no status) for an end the pause decides."""
     from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
     return FINISH_ABORT(message, None).to_json()
@@ -95,8 +93,7 @@ def scheduler_continue_generation(result, scheduler, recv_req, *args, **kwargs):
 
 
 def shift_upstream_timers(scheduler, paused_seconds: float) -> int:
-    """Move upstream's recorded start times forward by the paused duration, so the
-    bootstrap/waiting timeouts of every live transfer exclude the pause."""
+    """Move upstream's start times forward by the paused time: live transfers' bootstrap/waiting timeouts skip it."""
     shifted = 0
     if paused_seconds <= 0:
         return shifted
@@ -125,9 +122,8 @@ def _pd_queues_empty(scheduler) -> bool:
 
 
 def pump_pd_queues(scheduler) -> None:
-    """One pass of upstream's own PD queue processing while the event loop is held:
-    failed (aborted) rooms are retired with their resources by upstream's code paths,
-    finished transfers move on. Idempotent; safe to call while paused."""
+    """One pass of upstream's own PD queue processing while the event loop is held: failed (aborted) rooms are
+    retired with their resources, finished transfers move on. Idempotent; safe to call while paused."""
     sp = scheduler_pause(scheduler)
     if sp.pumping:
         return
@@ -185,10 +181,8 @@ def _abort_all_and_drain(scheduler, message: str) -> None:
 
 
 def end_prefill_rooms(scheduler, reqs: List[Any], reason: str) -> None:
-    """Prefill requests the pause path ended (no longer held anywhere): their room is
-    cleared (upstream's waiting-queue and result-retire paths abort the sender but leave
-    it) and remembered as ended through the ledger, so decode's handshake still on the
-    wire, or its re-bootstrap of the room, is answered Failed with `reason`."""
+    """Prefill requests the pause path ended (held nowhere now): their room is cleared (upstream's retire paths
+    leave it) and remembered as ended, so decode's late handshake or re-bootstrap of it is Failed with `reason`."""
     held = {id(r) for r in pd_queues.held_reqs(scheduler)}
     mgr = scheduler.disagg_prefill_bootstrap_queue.kv_manager
     for req in reqs:
@@ -204,8 +198,7 @@ def end_prefill_rooms(scheduler, reqs: List[Any], reason: str) -> None:
 
 
 def end_in_flight(scheduler) -> None:
-    """Before releasing memory: retract what runs (kept for re-bootstrap on decode),
-    abort what sits in the PD queues, and wait until upstream has retired it."""
+    """Before releasing memory: retract what runs (decode re-bootstraps it), abort what sits in the PD queues."""
     from sglang.srt.managers.io_struct import PauseGenerationReqInput
 
     if pd_queues.role(scheduler) is None:
@@ -282,8 +275,7 @@ def poll_transfers_while_retracted(scheduler) -> list:
 # ----------------------------------------------------------------------------- aborts while paused
 
 def abort_while_paused(original, scheduler, recv_req, *args, **kwargs):
-    """AROUND Scheduler.abort_request: while paused, answer the abort now, wherever
-    the request sits, and return what it held."""
+    """AROUND Scheduler.abort_request: while paused, answer the abort now, wherever the request sits."""
     sp = scheduler_pause(scheduler)
     role = pd_queues.role(scheduler)
     if role == "decode":
@@ -349,10 +341,8 @@ def _pause_message(recv_req) -> "str | None":
 
 
 def pause_answer_kept(scheduler, abort_req, req, *args, **kwargs) -> None:
-    """BEFORE Scheduler.send_abort_output: upstream answers a queued request a later
-    abort reaches with that abort's reason, none for the bare abort_all the abort-mode
-    pause repeats (the tokenizer then says "Abort in waiting queue"). A request the
-    pause or a release already ended keeps that message."""
+    """BEFORE Scheduler.send_abort_output: a queued request the pause or a release already ended keeps that
+    message when a later bare abort_all (the abort-mode pause repeats it) answers it."""
     if abort_req.finished_reason is not None or pd_queues.role(scheduler) is None:
         return
     verdict = getattr(req, room_ledger.REQUESTED_ABORT, None)
@@ -384,9 +374,7 @@ PAUSED_INPUT_WAIT_MS = 50
 
 
 def wait_for_input_while_paused(scheduler) -> None:
-    """Block until the scheduler's input sockets have a request, at most
-    PAUSED_INPUT_WAIT_MS, through upstream's idle sleeper (--sleep-on-idle; without it
-    the loop spins as upstream's does)."""
+    """Wait for input at most PAUSED_INPUT_WAIT_MS on upstream's idle sleeper (without one the loop spins)."""
     from sglang.srt.managers.scheduler_components.idle_sleeper import IdleSleeper
 
     sleeper = fork_touch.upstream(scheduler, "idle_sleeper")
@@ -395,8 +383,7 @@ def wait_for_input_while_paused(scheduler) -> None:
 
 
 def _holds_in_batch(scheduler, recv_req) -> bool:
-    """The abort hits a request only the next forward pass would retire: decode's
-    running batch, or prefill's last batch while its result is still unprocessed."""
+    """The abort hits what only the next pass would retire: decode's batches, prefill's unprocessed last batch."""
     if pd_queues.role(scheduler) == "prefill":
         batch = scheduler.last_batch
         if batch is None or not scheduler.enable_overlap or not scheduler.result_queue:
@@ -442,8 +429,7 @@ _why_lock = threading.Lock()
 
 
 def note_why(scheduler, recv_req) -> None:
-    """Decode, before upstream handles an abort that names the pause or a release: the
-    ABORT of each room it reaches in the PD queues will carry the abort's message."""
+    """Decode: the ABORT of each queued room an abort naming the pause or a release reaches carries its message."""
     message = _pause_message(recv_req)
     if message is None:
         return
@@ -461,8 +447,7 @@ def note_why(scheduler, recv_req) -> None:
 
 
 def abort_notification_with_why(original, note, *args, **kwargs):
-    """AROUND AbortNotification.to_zmq (decode's ABORT to prefill): append the message
-    of the pause or release that ended the room, if one did."""
+    """AROUND AbortNotification.to_zmq (decode's ABORT): append the message of the pause that ended the room."""
     frames = original(note, *args, **kwargs)
     if not _why:
         return frames
