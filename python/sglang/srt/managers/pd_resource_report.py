@@ -9,8 +9,7 @@ from typing import Any, Dict, Optional
 
 from sglang.srt.disaggregation import pd_queues
 
-# Per-room (or per-peer-of-a-room) tables of upstream's Common/MooncakeKVManager in 0.5.23 (a role or backend
-# may lack some).
+# Per-room (or per-peer-of-a-room) tables of upstream's Common/MooncakeKVManager (a role or backend may lack some)
 KV_MANAGER_ROOM_TABLES = pd_queues.ROOM_TABLES + (
     "required_prefill_response_num_table", "prefill_response_tracker",
     "_deferred_ack_targets", "_deferred_ack_poisoned_rooms", "_deferred_abort_ack_tracker",
