@@ -22,6 +22,8 @@ from fastapi import HTTPException
 from sglang.srt.disaggregation import pd_queues, room_ledger
 from sglang.srt.managers import fork_touch
 from sglang.srt.managers.engine_clock import engine_clock
+from sglang.srt.managers.io_struct import AbortReq, ContinueGenerationReqInput, PauseGenerationReqInput
+from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
 logger = logging.getLogger(__name__)
 
@@ -43,8 +45,6 @@ def names_pause(message) -> bool:
 
 def pause_finish_reason(message: str = PAUSE_ABORT_MESSAGE) -> Dict[str, Any]:
     """Upstream's abort answer (200, finish_reason abort with the message, no status) for an end the pause decides."""
-    from sglang.srt.managers.schedule_batch import FINISH_ABORT
-
     return FINISH_ABORT(message, None).to_json()
 
 
@@ -147,8 +147,6 @@ def pump_pd_queues(scheduler) -> None:
 
 def _abort_all_and_drain(scheduler, message: str) -> None:
     """Abort everything in the PD queues and pump until upstream has retired it."""
-    from sglang.srt.managers.io_struct import AbortReq
-
     reason = pause_finish_reason(message)
     deadline = time.monotonic() + DRAIN_DEADLINE_S
     sp = scheduler_pause(scheduler)
@@ -194,8 +192,6 @@ def end_prefill_rooms(scheduler, reqs: List[Any], reason: str) -> None:
 
 def end_in_flight(scheduler) -> None:
     """Before releasing memory: retract what runs (decode re-bootstraps it), abort what sits in the PD queues."""
-    from sglang.srt.managers.io_struct import PauseGenerationReqInput
-
     if pd_queues.role(scheduler) is None:
         return
     sp = scheduler_pause(scheduler)
@@ -283,8 +279,6 @@ def abort_while_paused(original, scheduler, recv_req, *args, **kwargs):
         # An in-place pause holds the last batch as it was (decode: running requests with their KV;
         # prefill: a forward whose result is unprocessed), answered only after the next pass. Upstream's
         # retract settles it now: decode's others re-bootstrap on continue, prefill's result is processed.
-        from sglang.srt.managers.io_struct import PauseGenerationReqInput
-
         mode = sp.mode
         scheduler.pause_generation(PauseGenerationReqInput(mode="retract"))
         sp.mode = mode
@@ -302,7 +296,6 @@ def keep_pause_verdict(scheduler, recv_req=None) -> None:
     FINISH_ABORT() each repeat of the abort-mode pause's abort_all sets again; one the verdict marking did not
     see (decode's last batch, admitted as the pause's abort landed) gets `recv_req`'s if that is the pause's."""
     from sglang.srt.disaggregation import request_end_cause
-    from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
     asked = _pause_message(recv_req)
     for req in scheduler.collect_inflight_reqs():
@@ -616,8 +609,6 @@ def _guarded(op: str):
         if state.gate_closed_by_release and state.serving():
             # Everything resumed after a release without a pause: serve again (scheduler: a no-op unless retracted).
             state.gate_closed_by_release = False
-            from sglang.srt.managers.io_struct import ContinueGenerationReqInput
-
             await tokenizer_manager._async_dispatch_to_scheduler(ContinueGenerationReqInput(torch_empty_cache=False))
             await _set_gate(tokenizer_manager, False)
         return result
@@ -691,8 +682,6 @@ def tm_abort_request(original, tokenizer_manager, rid: str = "", abort_all: bool
     state = _state_of(tokenizer_manager)
     pausing = abort_all and state.busy == "pause_generation"
     if pausing and state.busy_mode == "abort":
-        from sglang.srt.managers.io_struct import AbortReq
-
         tokenizer_manager._dispatch_to_scheduler(AbortReq(abort_all=True, finished_reason=pause_finish_reason()))
     result = original(tokenizer_manager, rid, abort_all, *args, **kwargs)
     if not tokenizer_manager.is_pause or pausing:
