@@ -131,10 +131,10 @@ class _Worker:
     def tick(self, n: int = 1) -> None:
         if getattr(self.h.scheduler, "_engine_paused", False):
             # what a paused event loop runs instead of scheduling (the fork's hook)
-            from sglang.srt.managers import pd_pause_aborts
+            from sglang.srt.managers import pd_pause
 
             with self.h.active():
-                pd_pause_aborts.paused_loop_tick(None, self.h.scheduler)
+                pd_pause.paused_loop_tick(None, self.h.scheduler)
             return
         self.h.tick(n)
 

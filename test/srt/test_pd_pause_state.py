@@ -1,4 +1,4 @@
-"""The engine pause state machine and the pause gate (pd_pause_state) and
+"""The engine pause state machine and the pause gate (pd_pause) and
 pd_pause's timer shift, without a server (fast).
 
 The end-to-end behaviour (409 over HTTP, cycles under load) is in test_pd_pause.py.
@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pytest
 
 from sglang.srt.disaggregation import pd_queues
-from sglang.srt.managers import pd_pause, pd_pause_state
-from sglang.srt.managers.pd_pause_state import ALL_TAGS, EnginePauseState, PauseStateError
+from sglang.srt.managers import pd_pause
+from sglang.srt.managers.pd_pause import ALL_TAGS, EnginePauseState, PauseStateError
 
 CYCLE = [
     ("pause_generation", "retract"),
@@ -150,18 +150,18 @@ def test_pause_gate_opens_only_for_aborted_requests():
     tm = SimpleNamespace(is_pause=True, rid_to_state={}, disaggregation_mode="null")  # not decode: nobody to tell
     waiting = {"a": SimpleNamespace(), "b": SimpleNamespace()}
     tm.rid_to_state.update(waiting)
-    assert not pd_pause_state.gate_open(tm, waiting)
-    assert not pd_pause_state.gate_aborted(waiting)
+    assert not pd_pause.gate_open(tm, waiting)
+    assert not pd_pause.gate_aborted(waiting)
     waiting["b"]._fork_gate_abort = "Aborted by the client while the engine was paused (rid=b)."
-    assert pd_pause_state.gate_open(tm, waiting)
+    assert pd_pause.gate_open(tm, waiting)
     # answered as upstream answers an abort: 200 body, finish_reason abort, the reason
-    (out,) = pd_pause_state.gate_abort_answers(tm, SimpleNamespace(is_single=True), {"b": waiting["b"]})
+    (out,) = pd_pause.gate_abort_answers(tm, SimpleNamespace(is_single=True), {"b": waiting["b"]})
     assert out["meta_info"]["finish_reason"] == {
         "type": "abort", "status_code": None,
         "message": "Aborted by the client while the engine was paused (rid=b).",
     }
     assert out["meta_info"]["id"] == "b" and "b" not in tm.rid_to_state
-    assert pd_pause_state.gate_open(SimpleNamespace(is_pause=False), {"a": SimpleNamespace()})
+    assert pd_pause.gate_open(SimpleNamespace(is_pause=False), {"a": SimpleNamespace()})
 
 
 def test_upstream_timers_of_live_transfers_skip_the_pause():
@@ -193,13 +193,13 @@ def test_upstream_timers_of_live_transfers_skip_the_pause():
 def test_invalid_pause_body_names_the_state():
     """The validation-error hook (http_server patch) adds the state to /pause_generation
     400s only."""
-    from sglang.srt.managers import pd_pause_state
+    from sglang.srt.managers import pd_pause
 
     tm = SimpleNamespace()
     gs = SimpleNamespace(tokenizer_manager=tm)
-    s = pd_pause_state._state_of(tm)
+    s = pd_pause._state_of(tm)
     _run(s, "pause_generation", "in_place")
-    msg = pd_pause_state.name_state_if_pause_call("/pause_generation", "bad mode", gs)
+    msg = pd_pause.name_state_if_pause_call("/pause_generation", "bad mode", gs)
     assert "engine state is 'paused' (pause mode in_place)" in msg and msg.endswith("bad mode")
-    assert pd_pause_state.name_state_if_pause_call("/generate", "bad", gs) == "bad"
-    assert pd_pause_state.name_state_if_pause_call("/pause_generation", "bad", None) == "bad"
+    assert pd_pause.name_state_if_pause_call("/generate", "bad", gs) == "bad"
+    assert pd_pause.name_state_if_pause_call("/pause_generation", "bad", None) == "bad"

@@ -36,7 +36,7 @@ NEVER = float("inf")
 CANCEL_REASON = "PD request aborted on decode: the decode peer {peer} aborted room {room} before prefill received the request"
 DECODE_ABORT_REASON = "PD request aborted on decode: bootstrap_room={room} was aborted by the decode peer."
 # Decode appends [WHY_FRAME, message] to its ABORT when its pause or a release ended the
-# room (pd_pause_aborts); prefill strips them before upstream's parser.
+# room (pd_pause); prefill strips them before upstream's parser.
 WHY_FRAME = b"fork-why"
 
 

@@ -1,7 +1,5 @@
-"""A monotonic clock that stands still while the engine is paused (one per scheduler process).
-
-PD deadlines read `now()`, so time between pause_generation and continue_generation never
-counts against a request; `pd_pause` calls `pause()` and `resume()` (both idempotent).
+"""A monotonic clock that stands still while the engine is paused (one per scheduler process): PD deadlines
+read `now()`; `pd_pause` calls `pause()` and `resume()` (both idempotent) on pause_generation / continue_generation.
 """
 
 import time
@@ -27,10 +25,12 @@ class EngineClock:
         if self._paused_at is None:
             self._paused_at = self._monotonic()
 
-    def resume(self) -> None:
-        if self._paused_at is not None:
-            self._paused_total += self._monotonic() - self._paused_at
-            self._paused_at = None
+    def resume(self) -> float:
+        """Restart the clock; returns how long it stood still (0.0 if it was running)."""
+        paused = 0.0 if self._paused_at is None else self._monotonic() - self._paused_at
+        self._paused_total += paused
+        self._paused_at = None
+        return paused
 
 
 engine_clock = EngineClock()

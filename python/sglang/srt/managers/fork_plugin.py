@@ -1,10 +1,5 @@
-"""The fork's `sglang.srt.plugins` entry point, and the table of every way the fork
-touches upstream (docs/layout.md "Ways the fork touches upstream").
-
-HOOKS: every HookRegistry hook (`hooks_applied()` tells which applied: upstream only logs
-a failure). SWAPS: every attribute swap and class patch, made through `fork_touch.swap()`.
-`tools/fork check` resolves both tables against upstream. Hooks on one target run in
-table order.
+"""The fork's `sglang.srt.plugins` entry point, and the table of every way the fork touches upstream (HOOKS, SWAPS;
+docs/layout.md "Ways the fork touches upstream"). Hooks on one target wrap in table order: the last is outermost.
 """
 
 import importlib
@@ -15,32 +10,31 @@ AFTER, AROUND, BEFORE = HookType.AFTER, HookType.AROUND, HookType.BEFORE
 
 # (dotted target in upstream, then "our_module:function", hook type)
 HOOKS: list[tuple[str, str, HookType]] = [
+    # the resource report (fork_pd_resources), with the requests held at the tokenizer's pause gate
     ("sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController.get_internal_state",
      "sglang.srt.managers.pd_resource_report:add_to_internal_state", AFTER),
     ("sglang.srt.managers.tokenizer_control_mixin.TokenizerControlMixin.get_internal_state",
-     "sglang.srt.managers.pd_pause_state:tm_internal_state", AROUND),
-    # pause/release/resume/continue with PD requests in flight: the tokenizer side (pd_pause_state: state
-    # machine, pause gate), the scheduler side (pd_pause, pd_pause_aborts), the PD queues' buffers (queue_memory)
+     "sglang.srt.managers.pd_pause:tm_internal_state", AROUND),
+    # pause/release/resume/continue with PD requests in flight (docs/pause-release-resume.md): the tokenizer
+    # and scheduler sides (pd_pause), the PD queues' buffers (queue_memory)
     ("sglang.srt.managers.tokenizer_manager.TokenizerManager.pause_generation",
-     "sglang.srt.managers.pd_pause_state:tm_pause_generation", AROUND),
+     "sglang.srt.managers.pd_pause:tm_pause_generation", AROUND),
     ("sglang.srt.managers.tokenizer_manager.TokenizerManager.continue_generation",
-     "sglang.srt.managers.pd_pause_state:tm_continue_generation", AROUND),
+     "sglang.srt.managers.pd_pause:tm_continue_generation", AROUND),
     ("sglang.srt.managers.tokenizer_control_mixin.TokenizerControlMixin.release_memory_occupation",
-     "sglang.srt.managers.pd_pause_state:tm_release_memory_occupation", AROUND),
+     "sglang.srt.managers.pd_pause:tm_release_memory_occupation", AROUND),
     ("sglang.srt.managers.tokenizer_control_mixin.TokenizerControlMixin.resume_memory_occupation",
-     "sglang.srt.managers.pd_pause_state:tm_resume_memory_occupation", AROUND),
+     "sglang.srt.managers.pd_pause:tm_resume_memory_occupation", AROUND),
     ("sglang.srt.managers.tokenizer_manager.TokenizerManager._release_req_states_on_failure",
      "sglang.srt.disaggregation.room_ledger:before_release_on_failure", BEFORE),
     ("sglang.srt.managers.tokenizer_manager.TokenizerManager.abort_request",
-     "sglang.srt.managers.pd_pause_state:tm_abort_request", AFTER),
-    ("sglang.srt.managers.tokenizer_manager.TokenizerManager.abort_request",
-     "sglang.srt.managers.pd_pause_state:tm_pause_abort_first", BEFORE),
+     "sglang.srt.managers.pd_pause:tm_abort_request", AROUND),
     ("sglang.srt.managers.scheduler.Scheduler.pause_generation",
      "sglang.srt.managers.pd_pause:scheduler_pause_generation", AROUND),
     ("sglang.srt.managers.scheduler.Scheduler.continue_generation",
      "sglang.srt.managers.pd_pause:scheduler_continue_generation", AFTER),
     ("sglang.srt.managers.scheduler.Scheduler.abort_request",
-     "sglang.srt.managers.pd_pause_aborts:abort_while_paused", AROUND),
+     "sglang.srt.managers.pd_pause:abort_while_paused", AROUND),
     ("sglang.srt.managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager.release_memory_occupation",
      "sglang.srt.managers.pd_pause:weight_updater_release", AROUND),
     ("sglang.srt.disaggregation.prefill.PrefillBootstrapQueue.release_memory_occupation",
@@ -52,7 +46,13 @@ HOOKS: list[tuple[str, str, HookType]] = [
     ("sglang.srt.disaggregation.decode.DecodePreallocQueue.resume_memory_occupation",
      "sglang.srt.disaggregation.queue_memory:queue_resume", AROUND),
     ("sglang.srt.managers.scheduler.Scheduler._record_scheduler_state_for_paused_engine",
-     "sglang.srt.managers.pd_pause_aborts:paused_loop_tick", AFTER),
+     "sglang.srt.managers.pd_pause:paused_loop_tick", AFTER),
+    ("sglang.srt.utils.aio_rwlock.RWLock.is_locked",
+     "sglang.srt.managers.pd_pause:around_is_locked", AROUND),
+    ("sglang.srt.disaggregation.common.conn.AbortNotification.to_zmq",
+     "sglang.srt.managers.pd_pause:abort_notification_with_why", AROUND),
+    ("sglang.srt.managers.scheduler.Scheduler.send_abort_output",
+     "sglang.srt.managers.pd_pause:pause_answer_kept", BEFORE),
     # A fake-backend decode serves a request sent without bootstrap_host (upstream crashed).
     ("sglang.srt.disaggregation.decode._bootstrap_addr",
      "sglang.srt.disaggregation.pd_queues:fake_bootstrap_addr", AROUND),
@@ -90,9 +90,6 @@ HOOKS: list[tuple[str, str, HookType]] = [
      "sglang.srt.disaggregation.transfer_deadline:before_pop_preallocated", BEFORE),
     ("sglang.srt.disaggregation.decode.DecodeTransferQueue.pop_transferred",
      "sglang.srt.disaggregation.transfer_deadline:before_pop_transferred", BEFORE),
-    # Abort-mode pause returns once the aborted requests are gone, not after a fixed 1 s sleep.
-    ("sglang.srt.utils.aio_rwlock.RWLock.is_locked",
-     "sglang.srt.managers.pd_pause_state:around_is_locked", AROUND),
     # A prefill request routed to a lost decode ends within seconds as peer loss (docs/gateway.md).
     ("sglang.srt.disaggregation.prefill.PrefillBootstrapQueue.pop_bootstrapped",
      "sglang.srt.disaggregation.peer_liveness:before_pop_bootstrapped", BEFORE),
@@ -144,12 +141,6 @@ HOOKS: list[tuple[str, str, HookType]] = [
      "sglang.srt.managers.fork_touch:check_at_start", AFTER),
     ("sglang.srt.disaggregation.decode.DecodePreallocQueue._init_kv_manager",
      "sglang.srt.managers.fork_touch:check_at_start", AFTER),
-    # decode's ABORT for a room the pause or a release ended names it: prefill's copy ends as that pause's abort
-    ("sglang.srt.disaggregation.common.conn.AbortNotification.to_zmq",
-     "sglang.srt.managers.pd_pause_aborts:abort_notification_with_why", AROUND),
-    # a queued request the pause or a release ended keeps its message when a later bare abort_all answers it
-    ("sglang.srt.managers.scheduler.Scheduler.send_abort_output",
-     "sglang.srt.managers.pd_pause_aborts:pause_answer_kept", BEFORE),
     # decode's running requests an abort ends are counted by cause (request_end_cause)
     ("sglang.srt.managers.scheduler.Scheduler.process_batch_result",
      "sglang.srt.disaggregation.request_end_cause:after_process_batch_result", AFTER),
@@ -157,9 +148,8 @@ HOOKS: list[tuple[str, str, HookType]] = [
      "sglang.srt.disaggregation.request_end_cause:before_send_abort_output", BEFORE),
 ]
 
-# (upstream "module.Class.attribute",
-#  "our_module:function making the swap", kind "instance" (on each object of that class) or "class" (the class
-#  itself), role whose kv manager gets it). Made through fork_touch.swap(obj, attribute, make, by=__name__).
+# (upstream "module.Class.attribute", then "our_module:function" making the swap through fork_touch.swap(), kind
+#  "instance" (each object of that class) or "class" (the class itself), role whose kv manager gets it)
 SWAPS: list[tuple[str, str, str, str]] = [
     # the bootstrap thread looks it up per message: a decode registration is seen at once
     ("sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager._publish_peer_registration",

@@ -1,8 +1,6 @@
-"""How fork modules touch upstream outside HookRegistry (docs/layout.md "Ways the fork touches upstream").
-
-`swap()` is the one way to swap an upstream attribute (declared in `fork_plugin.SWAPS`, made on
-the scheduler thread while it builds its kv manager, checked by `check_at_start`);
-`upstream(obj, name)` reads an upstream internal, raising `UpstreamChanged` on a rename.
+"""How fork modules touch upstream outside HookRegistry (docs/layout.md "Ways the fork touches upstream"):
+`swap()` swaps an upstream attribute as `fork_plugin.SWAPS` declares (scheduler thread, while it builds its kv
+manager; checked by `check_at_start`); `upstream(obj, name)` reads an upstream internal, failing on a rename.
 """
 
 from __future__ import annotations
@@ -28,17 +26,10 @@ def upstream(obj: Any, name: str) -> Any:
     if value is _MISSING:
         cls = obj if isinstance(obj, type) else type(obj)
         raise UpstreamChanged(
-            f"upstream attribute {_qualname(cls)}.{name} does not exist: renamed or removed "
-            "in this upstream release? The fork relies on it (update the fork module that "
-            "reads it, and fork_plugin.SWAPS if it is swapped)."
+            f"upstream attribute {_qualname(cls)}.{name} does not exist: renamed or removed in this upstream "
+            "release? The fork relies on it (update the fork module that reads it, and fork_plugin.SWAPS if swapped)."
         )
     return value
-
-
-def _swaps() -> List[Tuple[str, str, str, str]]:
-    from sglang.srt.managers.fork_plugin import SWAPS
-
-    return SWAPS
 
 
 def key(target: str, ref: str) -> str:
@@ -47,10 +38,11 @@ def key(target: str, ref: str) -> str:
 
 
 def _declared(obj: Any, by: str, attr: str, kind: str) -> Optional[str]:
-    """The key of `by`'s SWAPS entry for `attr` on `obj`'s class, None for another class;
-    raises if undeclared."""
+    """The key of `by`'s SWAPS entry for `attr` on `obj`'s class, None for another class; raises if undeclared."""
+    from sglang.srt.managers.fork_plugin import SWAPS
+
     owners = []
-    for target, ref, k, _ in _swaps():
+    for target, ref, k, _ in SWAPS:
         owner, _, name = target.rpartition(".")
         if name == attr and ref.partition(":")[0] == by and k == kind:
             if _is_a(obj, owner):
@@ -58,10 +50,8 @@ def _declared(obj: Any, by: str, attr: str, kind: str) -> Optional[str]:
             owners.append(owner)
     if owners:
         return None
-    raise UpstreamChanged(
-        f"{by} swaps {attr!r} ({kind}) but fork_plugin.SWAPS does not declare it: "
-        "every swap of an upstream attribute is declared there"
-    )
+    raise UpstreamChanged(f"{by} swaps {attr!r} ({kind}) but fork_plugin.SWAPS does not declare it: every swap "
+                          "of an upstream attribute is declared there")
 
 
 def _is_a(obj: Any, owner: str) -> bool:
@@ -83,10 +73,7 @@ def swap(obj: Any, attr: str, make: Callable[[Any], Any], *, by: str, kind: str 
     original = upstream(obj, attr)
     new = make(original)
     if callable(new) and getattr(new, "__wrapped__", None) is None:
-        try:
-            new.__wrapped__ = original
-        except (AttributeError, TypeError):
-            pass
+        new.__wrapped__ = original  # for _in_place: a later swap wraps an earlier one
     setattr(obj, attr, new)
     with _lock:  # a kv manager or a class: both take weak references
         _APPLIED.setdefault(entry, []).append((weakref.ref(obj), new))
@@ -116,22 +103,19 @@ def applied_on(obj: Any, target: str, ref: str) -> bool:
 
 def swaps_applied(obj: Any, role: Optional[str] = None) -> Dict[str, bool]:
     """"target <- ref" -> applied, for each SWAPS entry for `obj`'s class in `role`."""
+    from sglang.srt.managers.fork_plugin import SWAPS
+
     if obj is None:
         return {}
-    return {
-        key(target, ref): applied_on(obj, target, ref)
-        for target, ref, _, r in _swaps()
-        if (role is None or r in (role, "both")) and _is_a(obj, target.rpartition(".")[0])
-    }
+    return {key(target, ref): applied_on(obj, target, ref) for target, ref, _, r in SWAPS
+            if (role is None or r in (role, "both")) and _is_a(obj, target.rpartition(".")[0])}
 
 
 def check_at_start(mgr: Any, queue: Any, *args: Any, **kwargs: Any) -> None:
-    """AFTER each PD queue's `_init_kv_manager` (the last one registered, scheduler thread):
-    stop the scheduler naming any swap SWAPS declares for this manager that is not in place."""
+    """AFTER each PD queue's `_init_kv_manager` (the last registered): stop the scheduler naming any swap SWAPS
+    declares for this manager that is not in place."""
     role = "prefill" if type(queue).__name__.startswith("Prefill") else "decode"
     missing = [t for t, ok in swaps_applied(mgr, role).items() if not ok]
     if missing:
-        raise UpstreamChanged(
-            f"fork swaps declared in fork_plugin.SWAPS were not made on this {role} kv "
-            f"manager ({_qualname(type(mgr))}): {', '.join(missing)}"
-        )
+        raise UpstreamChanged(f"fork swaps declared in fork_plugin.SWAPS were not made on this {role} kv manager "
+                              f"({_qualname(type(mgr))}): {', '.join(missing)}")

@@ -1,22 +1,29 @@
-"""The scheduler side of pause/release/resume with PD requests in flight.
+"""Pause/release/resume/continue with PD requests in flight (docs/pause-release-resume.md).
 
-While paused nothing is computed, yet every request is accounted for: at release what runs
-is retracted (decode re-bootstraps it on continue) and what sits in the PD queues is
-aborted through upstream's own retire paths until the queues are empty, before they
-deregister their buffers (`queue_memory`); paused time counts against no timer
-(`engine_clock`). Scheduler thread: hooks in fork_plugin.HOOKS and the decode patch
-(`poll_transfers_while_retracted`). Aborts that arrive while paused: `pd_pause_aborts`.
+The scheduler side (scheduler thread; hooks, the decode patch): what runs at release is retracted, what sits in the
+PD queues is aborted through upstream's own retire paths; paused time counts against no timer (`engine_clock`); an
+abort reaching a paused engine is answered at once. The tokenizer side (the HTTP process's event loop; hooks, the
+tokenizer_manager and http_server patches): the engine's pause state (409 for a call upstream cannot survive) and
+the pause gate (an abort of a request held there is answered at once).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import threading
 import time
+from collections import OrderedDict
+from http import HTTPStatus
 from typing import Any, Dict, List, Optional
+
+from fastapi import HTTPException
 
 from sglang.srt.disaggregation import pd_queues, room_ledger
 from sglang.srt.managers import fork_touch
 from sglang.srt.managers.engine_clock import engine_clock
+from sglang.srt.managers.io_struct import AbortReq, ContinueGenerationReqInput, PauseGenerationReqInput
+from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
 logger = logging.getLogger(__name__)
 
@@ -24,6 +31,7 @@ RELEASE_ABORT_MESSAGE = "Aborted: engine memory released during pause (mode={mod
 RELEASE_NO_PAUSE_MESSAGE = "Aborted: engine memory released without a pause."
 PAUSE_ABORT_MESSAGE = "Aborted by pause_generation(mode=abort)."
 DRAIN_DEADLINE_S = 10.0
+ABORT_PUMP_WINDOW_S = 5.0  # after an abort while paused, the paused loop keeps retiring what concludes late
 
 # Start times (time.time()) that upstream's transfer senders/receivers measure their
 # bootstrap and waiting timeouts from (disaggregation/common/conn.py).
@@ -31,16 +39,12 @@ UPSTREAM_TIMER_ATTRS = ("init_time", "_prefill_complete_time", "_prefill_wait_st
 
 
 def names_pause(message) -> bool:
-    """Whether an abort's message says a pause or a release ended the request (end cause
-    "pause", never a client abort or a failure)."""
+    """Whether an abort's message says a pause or a release ended the request (end cause "pause")."""
     return any(m in str(message or "") for m in room_ledger.PAUSE_MARKERS)
 
 
 def pause_finish_reason(message: str = PAUSE_ABORT_MESSAGE) -> Dict[str, Any]:
-    """The finish reason of an abort the pause path decides: upstream's abort answer (HTTP
-    200, finish_reason "abort" with the message, no status), which RL clients recycle."""
-    from sglang.srt.managers.schedule_batch import FINISH_ABORT
-
+    """Upstream's abort answer (200, finish_reason abort with the message, no status) for an end the pause decides."""
     return FINISH_ABORT(message, None).to_json()
 
 
@@ -49,7 +53,6 @@ class _SchedulerPause:
 
     def __init__(self):
         self.mode: Optional[str] = None
-        self.paused_at_wall: Optional[float] = None
         self.pumping = False
         self.draining = False  # inside _abort_all_and_drain
         self.released = False  # PD queues released (KV buffers deregistered)
@@ -57,10 +60,9 @@ class _SchedulerPause:
 
 
 def scheduler_pause(scheduler) -> _SchedulerPause:
-    sp = getattr(scheduler, "_fork_pd_pause", None)
-    if sp is None:
-        sp = scheduler._fork_pd_pause = _SchedulerPause()
-    return sp
+    if not hasattr(scheduler, "_fork_pd_pause"):
+        scheduler._fork_pd_pause = _SchedulerPause()
+    return scheduler._fork_pd_pause
 
 
 def scheduler_pause_generation(original, scheduler, recv_req):
@@ -77,36 +79,25 @@ def scheduler_pause_generation(original, scheduler, recv_req):
         original(scheduler, recv_req)
     if sp.mode is None or recv_req.mode == "retract":
         sp.mode = recv_req.mode
-    if sp.paused_at_wall is None:
-        sp.paused_at_wall = time.time()
     engine_clock.pause()
 
 
 def _drop_finished_batches(scheduler) -> None:
-    """Requests the abort finished (answered, KV freed) can still be listed in the
-    running / last batch: upstream drops them when it builds its next batch, which a
-    paused scheduler never does, so a weight update's cache flush found the engine busy
-    (400 "requests are still running or queued"). A batch whose requests all finished
-    is emptied as upstream's own filter does; one with a live request is left alone."""
+    """Empty the running / last batch if all its requests finished (as upstream's filter does when it builds
+    its next batch, which a paused scheduler never does): a weight update's cache flush would find it busy."""
     for batch in (scheduler.running_batch, scheduler.last_batch):
         if batch is not None and batch.reqs and all(req.finished() for req in batch.reqs):
             batch.filter_batch()
 
 
 def scheduler_continue_generation(result, scheduler, recv_req, *args, **kwargs):
-    """AFTER Scheduler.continue_generation: restart the clock, shift upstream timers."""
-    sp = scheduler_pause(scheduler)
-    if sp.paused_at_wall is not None:
-        shift_upstream_timers(scheduler, time.time() - sp.paused_at_wall)
-    sp.paused_at_wall = None
-    sp.mode = None
-    engine_clock.resume()
-    return result
+    """AFTER Scheduler.continue_generation: restart the clock, shift upstream timers by the paused time."""
+    scheduler_pause(scheduler).mode = None
+    shift_upstream_timers(scheduler, engine_clock.resume())
 
 
 def shift_upstream_timers(scheduler, paused_seconds: float) -> int:
-    """Move upstream's recorded start times forward by the paused duration, so the
-    bootstrap/waiting timeouts of every live transfer exclude the pause."""
+    """Move upstream's start times forward by the paused time: live transfers' bootstrap/waiting timeouts skip it."""
     shifted = 0
     if paused_seconds <= 0:
         return shifted
@@ -121,23 +112,16 @@ def shift_upstream_timers(scheduler, paused_seconds: float) -> int:
 
 def _pd_queues_empty(scheduler) -> bool:
     role = pd_queues.role(scheduler)
-    if role == "decode":
-        transfer = scheduler.disagg_decode_transfer_queue
-        return (
-            not scheduler.disagg_decode_prealloc_queue.queue
-            and not transfer.queue
-            and not any(r.kv.holds_kv for r in scheduler.waiting_queue)
-            # Aborted transfers hold their KV until prefill acks the drain.
-            and not transfer.has_pending_deferred_releases()
-        )
-    # prefill: bootstrap, waiting and inflight queues, chunked request
-    return role is None or not pd_queues.queued_reqs(scheduler)
+    if role != "decode":  # prefill: bootstrap, waiting and inflight queues, chunked request
+        return role is None or not pd_queues.queued_reqs(scheduler)
+    transfer = scheduler.disagg_decode_transfer_queue  # aborted transfers hold their KV until prefill acks the drain
+    return not (scheduler.disagg_decode_prealloc_queue.queue or transfer.queue
+                or any(r.kv.holds_kv for r in scheduler.waiting_queue) or transfer.has_pending_deferred_releases())
 
 
 def pump_pd_queues(scheduler) -> None:
-    """One pass of upstream's own PD queue processing while the event loop is held:
-    failed (aborted) rooms are retired with their resources by upstream's code paths,
-    finished transfers move on. Idempotent; safe to call while paused."""
+    """One pass of upstream's own PD queue processing while the event loop is held: failed (aborted) rooms are
+    retired with their resources, finished transfers move on. Idempotent; safe to call while paused."""
     sp = scheduler_pause(scheduler)
     if sp.pumping:
         return
@@ -146,16 +130,14 @@ def pump_pd_queues(scheduler) -> None:
         role = pd_queues.role(scheduler)
         if role == "prefill":
             scheduler.process_pending_chunked_abort()
-            bootstrapped = scheduler.disagg_prefill_bootstrap_queue.pop_bootstrapped()
-            scheduler.waiting_queue.extend(bootstrapped)
+            scheduler.waiting_queue.extend(scheduler.disagg_prefill_bootstrap_queue.pop_bootstrapped())
             if scheduler.disagg_prefill_inflight_queue:
                 scheduler.process_disagg_prefill_inflight_queue()
         elif role == "decode":
             prealloc = scheduler.disagg_decode_prealloc_queue
             transfer = scheduler.disagg_decode_transfer_queue
             if prealloc.queue and not prealloc.retracted_queue:
-                req_conns, _ = prealloc.pop_preallocated()
-                transfer.extend(req_conns)
+                transfer.extend(prealloc.pop_preallocated()[0])
             if transfer.queue:
                 scheduler.waiting_queue.extend(transfer.pop_transferred())
             transfer.resolve_deferred_releases()
@@ -165,8 +147,6 @@ def pump_pd_queues(scheduler) -> None:
 
 def _abort_all_and_drain(scheduler, message: str) -> None:
     """Abort everything in the PD queues and pump until upstream has retired it."""
-    from sglang.srt.managers.io_struct import AbortReq
-
     reason = pause_finish_reason(message)
     deadline = time.monotonic() + DRAIN_DEADLINE_S
     sp = scheduler_pause(scheduler)
@@ -185,23 +165,17 @@ def _abort_all_and_drain(scheduler, message: str) -> None:
     finally:
         sp.draining = False
     if pd_queues.role(scheduler) == "prefill":
-        # Remembered as ended: decode's copy may still wait at decode's pause gate
-        # (the router delivered it late) and handshake after continue. A re-bootstrap
-        # of such a room (same room) then ends on both sides as the release's abort.
+        # Remembered as ended: decode's copy may still wait at decode's pause gate and handshake after continue;
+        # a re-bootstrap of such a room then ends on both sides as the release's abort.
         end_prefill_rooms(scheduler, list(ended.values()), message + " (room {room})")
     if not _pd_queues_empty(scheduler):
-        logger.warning(
-            "pd_pause: PD queues not empty %.0fs after abort_all: %s",
-            DRAIN_DEADLINE_S,
-            pd_queues.lengths(scheduler),
-        )
+        logger.warning("pd_pause: PD queues not empty %.0fs after abort_all: %s", DRAIN_DEADLINE_S,
+                       pd_queues.lengths(scheduler))
 
 
 def end_prefill_rooms(scheduler, reqs: List[Any], reason: str) -> None:
-    """Prefill requests the pause path ended (no longer held anywhere): their room is
-    cleared (upstream's waiting-queue and result-retire paths abort the sender but leave
-    it) and remembered as ended through the ledger, so decode's handshake still on the
-    wire, or its re-bootstrap of the room, is answered Failed with `reason`."""
+    """Prefill requests the pause path ended (held nowhere now): their room is cleared (upstream's retire paths
+    leave it) and remembered as ended, so decode's late handshake or re-bootstrap of it is Failed with `reason`."""
     held = {id(r) for r in pd_queues.held_reqs(scheduler)}
     mgr = scheduler.disagg_prefill_bootstrap_queue.kv_manager
     for req in reqs:
@@ -217,38 +191,27 @@ def end_prefill_rooms(scheduler, reqs: List[Any], reason: str) -> None:
 
 
 def end_in_flight(scheduler) -> None:
-    """Before releasing memory: retract what runs (kept for re-bootstrap on decode),
-    abort what sits in the PD queues, and wait until upstream has retired it."""
-    from sglang.srt.managers.io_struct import PauseGenerationReqInput
-
+    """Before releasing memory: retract what runs (decode re-bootstraps it), abort what sits in the PD queues."""
     if pd_queues.role(scheduler) is None:
         return
     sp = scheduler_pause(scheduler)
     paused = sp.mode is not None
     if not fork_touch.upstream(scheduler, "_engine_paused"):
-        # Release without a pause (upstream's colocated RL loop): the tokenizer let it
-        # through only with nothing in flight, and holds new requests at its gate.
-        # Settle what the queues still hold (decode's pending drain acks); anything
+        # Release without a pause (the colocated RL loop; the tokenizer let it through idle and holds new
+        # requests at its gate): settle what the queues still hold (decode's pending drain acks); anything
         # that slipped in is retracted/aborted as in a pause, never asserted on.
         idle = scheduler.is_fully_idle(ignore_waiting=False)  # upstream's own idle check
         if idle and _pd_queues_empty(scheduler):
             return
-        logger.warning("pd_pause: release without a pause, not idle: %s",
-                       not_idle_reasons(scheduler))
+        logger.warning("pd_pause: release without a pause, not idle: %s", not_idle_reasons(scheduler))
         if idle:
             _abort_all_and_drain(scheduler, RELEASE_NO_PAUSE_MESSAGE)
             return
-    if (
-        not scheduler.running_batch.is_empty()
-        or scheduler.last_batch is not None
-        or (pd_queues.role(scheduler) == "decode" and scheduler.waiting_queue)
-    ):
+    if (not scheduler.running_batch.is_empty() or scheduler.last_batch is not None
+            or (pd_queues.role(scheduler) == "decode" and scheduler.waiting_queue)):
         # Upstream's retract: frees KV of running requests; decode re-bootstraps them.
         scheduler.pause_generation(PauseGenerationReqInput(mode="retract"))
-    _abort_all_and_drain(
-        scheduler,
-        RELEASE_ABORT_MESSAGE.format(mode=sp.mode) if paused else RELEASE_NO_PAUSE_MESSAGE,
-    )
+    _abort_all_and_drain(scheduler, RELEASE_ABORT_MESSAGE.format(mode=sp.mode) if paused else RELEASE_NO_PAUSE_MESSAGE)
 
 
 def not_idle_reasons(scheduler) -> List[str]:
@@ -256,8 +219,7 @@ def not_idle_reasons(scheduler) -> List[str]:
     checks = {
         "running_batch": not scheduler.running_batch.is_empty(),
         "chunked_req": scheduler.chunked_req is not None,
-        "last_batch": scheduler.last_batch is not None
-        and not scheduler.last_batch.is_empty(),
+        "last_batch": scheduler.last_batch is not None and not scheduler.last_batch.is_empty(),
         "result_queue": bool(fork_touch.upstream(scheduler, "result_queue")),
         "waiting_with_kv": any(r.kv.holds_kv for r in scheduler.waiting_queue),
         "grammar_queue": bool(scheduler.grammar_manager.grammar_queue),
@@ -282,18 +244,505 @@ def weight_updater_release(original, weight_updater, recv_req, *args, **kwargs):
 
 
 def report(scheduler) -> Dict[str, Any]:
-    sp = scheduler_pause(scheduler)
-    return {
-        "paused": bool(fork_touch.upstream(scheduler, "_engine_paused")),
-        "mode": sp.mode,
-        "clock_paused": engine_clock.paused,
-    }
+    return {"paused": bool(fork_touch.upstream(scheduler, "_engine_paused")),
+            "mode": scheduler_pause(scheduler).mode, "clock_paused": engine_clock.paused}
 
 
 def poll_transfers_while_retracted(scheduler) -> list:
-    """Decode with retracted requests allocates nothing new, but still retires the
-    transfers in flight (finished ones move on, failed/timed-out ones are seen)."""
+    """Decode with retracted requests allocates nothing new, but still retires the transfers in flight
+    (finished ones move on, failed/timed-out ones are seen)."""
     transfer = scheduler.disagg_decode_transfer_queue
-    if not transfer.queue:
-        return []
-    return transfer.pop_transferred()
+    return transfer.pop_transferred() if transfer.queue else []
+
+
+# ----------------------------------------------------------------------------- aborts while paused
+
+def abort_while_paused(original, scheduler, recv_req, *args, **kwargs):
+    """AROUND Scheduler.abort_request: while paused, answer the abort now, wherever the request sits."""
+    sp = scheduler_pause(scheduler)
+    role = pd_queues.role(scheduler)
+    if role == "decode":
+        note_why(scheduler, recv_req)
+    if not getattr(scheduler, "_engine_paused", False) or role is None or sp.pumping or sp.draining:
+        result = original(scheduler, recv_req, *args, **kwargs)
+        if role is not None:
+            keep_pause_verdict(scheduler, recv_req)
+        return result
+    places = {stage for stage, r in pd_queues.walk(scheduler) if _matches(recv_req, r.rid)}
+    places |= {"parked" for r in pd_queues.parked_reqs(scheduler) if _matches(recv_req, r.rid)}
+    matched = [r for r in pd_queues.held_reqs(scheduler) if _matches(recv_req, r.rid)]
+    logger.info("pd_pause: abort while paused (rid=%r, all=%s) found in %s",
+                recv_req.rid, recv_req.abort_all, sorted(places))
+    result = original(scheduler, recv_req, *args, **kwargs)
+    sp.pump_until = time.monotonic() + ABORT_PUMP_WINDOW_S
+    if _holds_in_batch(scheduler, recv_req):
+        # An in-place pause holds the last batch as it was (decode: running requests with their KV;
+        # prefill: a forward whose result is unprocessed), answered only after the next pass. Upstream's
+        # retract settles it now: decode's others re-bootstrap on continue, prefill's result is processed.
+        mode = sp.mode
+        scheduler.pause_generation(PauseGenerationReqInput(mode="retract"))
+        sp.mode = mode
+    if role == "decode":
+        _abort_held_rebootstrap(scheduler, recv_req)
+    keep_pause_verdict(scheduler, recv_req)
+    pump_pd_queues(scheduler)
+    if role == "prefill":
+        end_prefill_rooms(scheduler, matched, "Aborted by AbortReq while prefill was paused (room {room})")
+    return result
+
+
+def keep_pause_verdict(scheduler, recv_req=None) -> None:
+    """A running request the pause or a release ended (its verdict names it) keeps that message, not the bare
+    FINISH_ABORT() each repeat of the abort-mode pause's abort_all sets again; one the verdict marking did not
+    see (decode's last batch, admitted as the pause's abort landed) gets `recv_req`'s if that is the pause's."""
+    from sglang.srt.disaggregation import request_end_cause
+
+    asked = _pause_message(recv_req)
+    for req in scheduler.collect_inflight_reqs():
+        verdict = getattr(req, room_ledger.REQUESTED_ABORT, None)
+        pending = req.to_finish
+        if not isinstance(pending, FINISH_ABORT):
+            continue
+        if verdict is None and asked is not None and pending.status_code is None and _matches(recv_req, req.rid):
+            verdict = (asked, None)
+            setattr(req, room_ledger.REQUESTED_ABORT, verdict)
+            request_end_cause.tag_req(req, request_end_cause.PAUSE)
+        if verdict is not None and names_pause(verdict[0]) and pending.message != verdict[0]:
+            req.to_finish = FINISH_ABORT(verdict[0], verdict[1])
+
+
+def _pause_message(recv_req) -> "str | None":
+    """The message of an abort the pause or a release sent (no error status), or None."""
+    reason = getattr(recv_req, "finished_reason", None) or {}
+    message = reason.get("message")
+    return message if reason.get("status_code") is None and names_pause(message) else None
+
+
+def pause_answer_kept(scheduler, abort_req, req, *args, **kwargs) -> None:
+    """BEFORE Scheduler.send_abort_output: a queued request the pause or a release already ended keeps that
+    message when a later bare abort_all (the abort-mode pause repeats it) answers it."""
+    if abort_req.finished_reason is not None or pd_queues.role(scheduler) is None:
+        return
+    verdict = getattr(req, room_ledger.REQUESTED_ABORT, None)
+    message = verdict[0] if verdict is not None and verdict[1] is None else getattr(req, room_ledger.PAUSE_ABORT, None)
+    if message is not None and names_pause(message):
+        abort_req.finished_reason = pause_finish_reason(message)
+
+
+def paused_loop_tick(result, scheduler, *args, **kwargs):
+    """AFTER Scheduler._record_scheduler_state_for_paused_engine (each paused loop iteration): for a while after
+    an abort keep retiring what it failed (late drain acks); otherwise wait for input instead of spinning."""
+    sp = scheduler_pause(scheduler)
+    if pd_queues.role(scheduler) is None:
+        return result
+    if not sp.released and sp.pump_until and time.monotonic() < sp.pump_until:
+        pump_pd_queues(scheduler)
+        return result
+    sp.pump_until = 0.0
+    wait_for_input_while_paused(scheduler)
+    return result
+
+
+# Upstream's paused loop polls its input sockets without blocking: a paused PD scheduler spun a core that the
+# HTTP processes, the peer and the weight load waited for (bench/README.md). With nothing to pump it now waits
+# on the sockets upstream's idle sleeper waits on (a request, continue or an abort wakes it), at most this long.
+PAUSED_INPUT_WAIT_MS = 50
+
+
+def wait_for_input_while_paused(scheduler) -> None:
+    """Wait for input at most PAUSED_INPUT_WAIT_MS on upstream's idle sleeper (without one the loop spins)."""
+    from sglang.srt.managers.scheduler_components.idle_sleeper import IdleSleeper
+
+    sleeper = fork_touch.upstream(scheduler, "idle_sleeper")
+    if isinstance(sleeper, IdleSleeper):  # zmq sockets (not the Rust server's ring)
+        fork_touch.upstream(sleeper, "poller").poll(PAUSED_INPUT_WAIT_MS)
+
+
+def _holds_in_batch(scheduler, recv_req) -> bool:
+    """The abort hits what only the next pass would retire: decode's batches, prefill's unprocessed last batch."""
+    if pd_queues.role(scheduler) == "prefill":
+        batch = scheduler.last_batch
+        if batch is None or not scheduler.enable_overlap or not scheduler.result_queue:
+            return False
+        reqs = list(batch.reqs)
+    else:
+        reqs = list(scheduler.running_batch.reqs)
+        if scheduler.last_batch is not None:
+            reqs += list(scheduler.last_batch.reqs)
+    return any(_matches(recv_req, r.rid) for r in reqs)
+
+
+def _matches(recv_req, rid: str) -> bool:
+    return recv_req.abort_all or rid.startswith(recv_req.rid)
+
+
+def _abort_held_rebootstrap(scheduler, recv_req) -> None:
+    """Requests a retract pause holds for re-bootstrap own no KV; answer them."""
+    from sglang.srt.disaggregation.utils import prepare_abort
+    from sglang.srt.managers.scheduler import _make_abort_req
+
+    prealloc = scheduler.disagg_decode_prealloc_queue
+    kept = []
+    for req in prealloc.held_rebootstrap_reqs:
+        if _matches(recv_req, req.rid):
+            prepare_abort(req, "Aborted by AbortReq.")
+            scheduler.send_abort_output(_make_abort_req(req, finished_reason=recv_req.finished_reason), req)
+        else:
+            kept.append(req)
+    prealloc.held_rebootstrap_reqs = kept
+
+
+# ----------------------------------------------------------------------------- why, to prefill
+
+# Decode appends [room_ledger.WHY_FRAME, message] to the ABORT of a room its pause or a release ended (upstream's
+# names only the room); prefill's ABORT handler strips them. room -> (message, until): set by the scheduler, read
+# by the thread sending the ABORT; bounded, and only for WHY_TTL_S (a room re-bootstrapped after a retract pause
+# and aborted later by its client must not carry the pause's message).
+MAX_WHY_ROOMS = 4096
+WHY_TTL_S = 30.0
+_why: "OrderedDict[int, tuple]" = OrderedDict()
+_why_lock = threading.Lock()
+
+
+def note_why(scheduler, recv_req) -> None:
+    """Decode: the ABORT of each queued room an abort naming the pause or a release reaches carries its message."""
+    message = _pause_message(recv_req)
+    if message is None:
+        return
+    until = time.monotonic() + WHY_TTL_S
+    with _why_lock:
+        for stage, req in pd_queues.walk(scheduler):  # prealloc, transfer, then running (not queued)
+            room = req.bootstrap_room
+            if stage != pd_queues.DECODE_RUNNING and room is not None and _matches(recv_req, req.rid):
+                _why.pop(room, None)
+                _why[room] = (message, until)
+        while len(_why) > MAX_WHY_ROOMS:
+            _why.popitem(last=False)
+
+
+def abort_notification_with_why(original, note, *args, **kwargs):
+    """AROUND AbortNotification.to_zmq (decode's ABORT): append the message of the pause that ended the room."""
+    frames = original(note, *args, **kwargs)
+    if not _why:
+        return frames
+    with _why_lock:
+        message, until = _why.get(note.room, (None, 0.0))
+    if message is None or time.monotonic() > until:
+        return frames
+    return list(frames) + [room_ledger.WHY_FRAME, message.encode("utf-8")]
+
+
+# ============================================================================= the tokenizer side
+
+PAUSE_MODES = ("abort", "in_place", "retract")
+# upstream's GPU_MEMORY_ALL_TYPES (sglang.srt.constants), in its order
+KV_CACHE, WEIGHTS, CUDA_GRAPH = "kv_cache", "weights", "cuda_graph"
+ALL_TAGS = (KV_CACHE, WEIGHTS, CUDA_GRAPH)
+# Released cuda graphs go back with the KV cache when the caller resumes kv_cache alone (serving with graphs
+# released would fault on a GPU); a later resume of cuda_graph is then a no-op.
+RESUMED_WITH_KV = (CUDA_GRAPH,)
+
+RUNNING, PAUSED, RELEASED, RESUMED = "running", "paused", "released", "resumed"
+
+_HINT = {
+    RUNNING: "call pause_generation first",
+    PAUSED: "call release_memory_occupation or continue_generation",
+    RELEASED: "call resume_memory_occupation first",
+    RESUMED: "call continue_generation",
+}
+
+
+class PauseStateError(HTTPException):
+    """An out-of-order pause/release/resume/continue call (nothing changed): upstream's handlers answer 409."""
+
+    def __init__(self, message: str):
+        super().__init__(status_code=HTTPStatus.CONFLICT, detail=message)
+
+    def __str__(self) -> str:
+        return self.detail
+
+
+class EnginePauseState:
+    """The engine's pause state as the HTTP-facing process sees it (one per server)."""
+
+    def __init__(self):
+        self.mode: Optional[str] = None  # the active pause_generation's mode
+        self.released: List[str] = []  # memory tags released, in release order
+        self.auto_resumed: List[str] = []  # resumed with kv_cache, not by name
+        self.released_in_pause = False  # a release happened during this pause
+        self.gate_closed_by_release = False  # release without a pause closed the gate
+        self.busy: Optional[str] = None  # operation in progress
+        self.busy_mode: Optional[str] = None  # its pause mode
+
+    @property
+    def state(self) -> str:
+        if self.released:
+            return RELEASED
+        if self.mode is not None:
+            return RESUMED if self.released_in_pause else PAUSED
+        return RUNNING
+
+    def serving(self) -> bool:
+        return self.mode is None and not self.released
+
+    def _reject(self, op: str, why: str, hint: Optional[str] = None) -> None:
+        mode = f" (pause mode {self.mode})" if self.mode else ""
+        tags = f" (released: {self.released})" if self.released else ""
+        raise PauseStateError(f"{op} rejected: {why}; engine state is {self.state!r}{mode}{tags}; "
+                              f"{hint or _HINT[self.state]}")
+
+    def check(self, op: str, mode: Optional[str] = None, tags: Optional[List[str]] = None, in_flight: int = 0) -> None:
+        """Raise PauseStateError (409) if `op` is not accepted now; change nothing."""
+        if self.busy is not None:
+            raise PauseStateError(f"{op} rejected: {self.busy} is in progress (engine state: {self.state})")
+        if op == "pause_generation":
+            if mode not in PAUSE_MODES:
+                self._reject(op, f"unknown mode {mode!r}, expected one of {list(PAUSE_MODES)}")
+            if self.mode is not None and mode != self.mode:
+                self._reject(op, f"already paused in mode {self.mode!r}",
+                             "call continue_generation before pausing in another mode")
+        elif op == "release_memory_occupation":
+            again = [t for t in tags_of_list(tags) if t in self.released]
+            if again:
+                self._reject(op, f"{again} already released")
+            if self.mode is None and in_flight:
+                self._reject(op, f"{in_flight} request(s) in flight and no pause (upstream's scheduler asserts it "
+                             "is idle)", "call pause_generation first, or wait until they finish")
+        elif op == "resume_memory_occupation":
+            named = self.resume_named(tags)
+            unknown = [t for t in named if t not in self.released and t not in self.auto_resumed]
+            if not named:
+                self._reject(op, "nothing is released")
+            if unknown:
+                self._reject(op, f"{unknown} not released", f"resume only released tags {self.released}")
+        elif op == "continue_generation":
+            if self.released:
+                self._reject(op, "memory is released")
+
+    def resume_named(self, tags: Optional[List[str]]) -> List[str]:
+        """A resume without tags resumes whatever is released (upstream would fail on the first one not released)."""
+        return list(tags) if tags else list(self.released)
+
+    def to_resume(self, tags: List[str]) -> List[str]:
+        """The tags upstream's resume must be given for a resume of `tags`."""
+        out = [t for t in tags if t in self.released]
+        if KV_CACHE in out:
+            out += [t for t in RESUMED_WITH_KV if t in self.released and t not in out]
+        return out
+
+    def done(self, op: str, mode: Optional[str] = None, tags: Optional[List[str]] = None) -> None:
+        if op == "pause_generation":
+            self.mode = mode
+        elif op == "continue_generation":
+            self.mode = None
+            self.released_in_pause = False
+        elif op == "release_memory_occupation":
+            self.released += [t for t in tags_of_list(tags) if t not in self.released]
+            self.auto_resumed = [t for t in self.auto_resumed if t not in self.released]
+            if self.mode is not None:
+                self.released_in_pause = True
+        elif op == "resume_memory_occupation":
+            named = self.resume_named(tags)
+            resumed = self.to_resume(named)
+            self.auto_resumed = [t for t in self.auto_resumed if t not in named]
+            self.auto_resumed += [t for t in resumed if t not in named]
+            self.released = [t for t in self.released if t not in resumed]
+
+    def as_dict(self) -> Dict[str, Any]:
+        return {"state": self.state, "mode": self.mode, "released": list(self.released), "busy": self.busy}
+
+
+def tags_of_list(tags: Optional[List[str]]) -> List[str]:
+    """The tags a release/resume call names; none means all (upstream's default)."""
+    return list(tags) if tags else list(ALL_TAGS)
+
+
+def _state_of(tokenizer_manager) -> EnginePauseState:
+    if not hasattr(tokenizer_manager, "_fork_pause_state"):
+        tokenizer_manager._fork_pause_state = EnginePauseState()
+    return tokenizer_manager._fork_pause_state
+
+
+async def _set_gate(tokenizer_manager, closed: Optional[bool] = None) -> None:
+    """Close or open the pause gate (None: leave it as it is) and wake its waiters to look again."""
+    async with tokenizer_manager.is_pause_cond:
+        if closed is not None:
+            tokenizer_manager.is_pause = closed
+        tokenizer_manager.is_pause_cond.notify_all()
+
+
+def _guarded(op: str):
+    async def around(original, tokenizer_manager, obj, *args, **kwargs):
+        state = _state_of(tokenizer_manager)
+        mode = obj.mode if op == "pause_generation" else None
+        tags = getattr(obj, "tags", None)
+        if op == "continue_generation" and state.serving():
+            return None  # not paused: nothing to continue (upstream: a no-op too)
+        if op == "pause_generation" and state.mode is not None and mode == state.mode:
+            return None  # already paused in this mode: a no-op
+        if op == "release_memory_occupation" and state.mode is None:
+            # No pause: check that nothing is in flight and hold new requests at the pause gate (no await between).
+            state.check(op, mode, tags, len(tokenizer_manager.rid_to_state))
+            tokenizer_manager.is_pause = state.gate_closed_by_release = True
+        else:
+            state.check(op, mode, tags)
+        if op == "resume_memory_occupation":
+            obj.tags = state.to_resume(state.resume_named(tags))
+        state.busy, state.busy_mode = op, mode
+        try:
+            result = None  # a resume of tags already resumed with kv_cache only is a no-op
+            if op != "resume_memory_occupation" or obj.tags:
+                result = await original(tokenizer_manager, obj, *args, **kwargs)
+            if op == "pause_generation" and mode == "abort":
+                # Upstream ends every request in the tokenizer only: tell the scheduler, so it pauses too.
+                await tokenizer_manager._async_dispatch_to_scheduler(obj)
+        except BaseException:
+            if op == "release_memory_occupation" and not state.released and state.mode is None:
+                state.gate_closed_by_release = False
+                await _set_gate(tokenizer_manager, False)
+            raise
+        finally:
+            state.busy = state.busy_mode = None
+        state.done(op, mode, tags)
+        if op == "pause_generation":
+            state.gate_closed_by_release = False  # the pause owns the gate now
+        if state.gate_closed_by_release and state.serving():
+            # Everything resumed after a release without a pause: serve again (scheduler: a no-op unless retracted).
+            state.gate_closed_by_release = False
+            await tokenizer_manager._async_dispatch_to_scheduler(ContinueGenerationReqInput(torch_empty_cache=False))
+            await _set_gate(tokenizer_manager, False)
+        return result
+
+    return around
+
+
+tm_pause_generation = _guarded("pause_generation")
+tm_continue_generation = _guarded("continue_generation")
+tm_release_memory_occupation = _guarded("release_memory_occupation")
+tm_resume_memory_occupation = _guarded("resume_memory_occupation")
+
+
+def pause_reason(tokenizer_manager) -> Optional[str]:
+    """Why the pause gate is closed now: 'pause' or 'release' (None: open)."""
+    state = _state_of(tokenizer_manager)
+    if state.mode is not None or state.busy == "pause_generation":
+        return "pause"
+    if state.released or state.gate_closed_by_release:
+        return "release"
+    return None
+
+
+def alive_while_held(tokenizer_manager) -> bool:
+    """/health and /health_generate answer 200 at once while the engine holds requests on purpose (a pause or a
+    release; docs/pause-release-resume.md). Called by the http_server patch (the health route and its wait loop)."""
+    return bool(tokenizer_manager.is_pause) or pause_reason(tokenizer_manager) is not None
+
+
+def name_state_if_pause_call(route_path: str, message: str, global_state: Any) -> str:
+    """The 400 for an invalid pause_generation body names the engine state too, like the 409s (http_server patch)."""
+    tokenizer_manager = getattr(global_state, "tokenizer_manager", None)
+    if route_path != "/pause_generation" or tokenizer_manager is None:
+        return message
+    state = _state_of(tokenizer_manager)
+    mode = f" (pause mode {state.mode})" if state.mode else ""
+    return (f"pause_generation rejected: engine state is {state.state!r}{mode}; expected mode one of "
+            f"{list(PAUSE_MODES)}; nothing changed. {message}")
+
+
+# Upstream's abort-mode pause loop (abort_all, `model_update_lock.is_locked()`, sleep 1 s; its only caller of
+# is_locked) finds the lock free on its first check: this hook waits up to DRAIN_WAIT_S on the lock's own
+# condition. 3 s, not under upstream's 1 s: a drain of 0.9-1.9 s would otherwise pay the full sleep on top.
+DRAIN_WAIT_S = 3.0
+
+
+async def around_is_locked(original, lock, *args, **kwargs):
+    """AROUND sglang.srt.utils.aio_rwlock.RWLock.is_locked: True only if still locked after DRAIN_WAIT_S."""
+    if not await original(lock, *args, **kwargs):
+        return False
+    cond, upstream = fork_touch.upstream(lock, "_cond"), fork_touch.upstream
+    try:
+        async with cond:  # upstream's is_locked condition, read under the lock's own asyncio lock
+            await asyncio.wait_for(cond.wait_for(
+                lambda: not (upstream(lock, "_writer_active") or upstream(lock, "_readers") > 0)), DRAIN_WAIT_S)
+    except asyncio.TimeoutError:
+        pass
+    return await original(lock, *args, **kwargs)
+
+
+# ----------------------------------------------------------------------------- the pause gate
+
+_MARK = "_fork_gate_abort"  # on a ReqState: the abort's message
+_AT_GATE = "_fork_at_gate"  # on a ReqState: waiting at the pause gate now
+
+
+def tm_abort_request(original, tokenizer_manager, rid: str = "", abort_all: bool = False, *args, **kwargs):
+    """AROUND TokenizerManager.abort_request: requests held at the pause gate are answered now, except by the
+    abort_all a pause_generation repeats (as upstream: served after continue). Before that bare abort_all of an
+    abort-mode pause, the pause's own goes first: what it reaches ends with the pause's message (end cause pause)."""
+    state = _state_of(tokenizer_manager)
+    pausing = abort_all and state.busy == "pause_generation"
+    if pausing and state.busy_mode == "abort":
+        tokenizer_manager._dispatch_to_scheduler(AbortReq(abort_all=True, finished_reason=pause_finish_reason()))
+    result = original(tokenizer_manager, rid, abort_all, *args, **kwargs)
+    if not tokenizer_manager.is_pause or pausing:
+        return result
+    where = ("while the engine memory was released" if pause_reason(tokenizer_manager) == "release"
+             else "while the engine was paused")
+    why = f"Aborted by {'abort_all' if abort_all else 'the client'} {where} (rid={{rid}})."
+    hit = False
+    for state_rid, state in list(tokenizer_manager.rid_to_state.items()):
+        if (abort_all or state_rid == rid) and getattr(state, _MARK, None) is None:
+            setattr(state, _MARK, why.format(rid=state_rid))
+            hit = True
+    logger.info("pd_pause: abort while paused (rid=%r, all=%s): %s", rid, abort_all,
+                "waking the pause gate" if hit else "no request state")
+    if hit:
+        asyncio.get_running_loop().create_task(_set_gate(tokenizer_manager))
+    return result
+
+
+def gate_open(tokenizer_manager, request_states: Dict[str, Any]) -> bool:
+    """The pause gate of generate_request: open when not paused, or for an aborted request (notes who waits)."""
+    is_open = not tokenizer_manager.is_pause or gate_aborted(request_states)
+    for state in request_states.values():
+        state.__dict__[_AT_GATE] = not is_open
+    return is_open
+
+
+async def tm_internal_state(original, tokenizer_manager, *args, **kwargs):
+    """AROUND TokenizerControlMixin.get_internal_state: each resource report counts the requests at the gate."""
+    states = await original(tokenizer_manager, *args, **kwargs)
+    held = sum(1 for state in list(tokenizer_manager.rid_to_state.values()) if state.__dict__.get(_AT_GATE))
+    for state in states:
+        report = state.get("fork_pd_resources") if isinstance(state, dict) else None
+        if isinstance(report, dict):
+            report["pause_gate_held"] = held
+    return states
+
+
+def gate_aborted(request_states: Dict[str, Any]) -> bool:
+    return any(getattr(s, _MARK, None) is not None for s in request_states.values())
+
+
+def abort_output(rid: str, message: str) -> Dict[str, Any]:
+    """Upstream's answer to an aborted request that produced nothing."""
+    meta = {"id": rid, "finish_reason": {"type": "abort", "message": message, "status_code": None},
+            "prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0, "e2e_latency": 0.0}
+    return {"text": "", "output_ids": [], "meta_info": meta}
+
+
+def gate_abort_answers(tokenizer_manager, obj: Any, request_states: Dict[str, Any]) -> List[Any]:
+    """What generate_request yields for a request aborted at the gate (its states are dropped: nothing was sent to
+    the scheduler). A batch ends whole: sub-requests not aborted by name get the same abort."""
+    first = next(getattr(s, _MARK) for s in request_states.values() if getattr(s, _MARK, None) is not None)
+    outs = []
+    for index, (rid, state) in enumerate(request_states.items()):
+        if tokenizer_manager.rid_to_state.get(rid) is state:
+            del tokenizer_manager.rid_to_state[rid]
+        out = abort_output(rid, getattr(state, _MARK, None) or first)
+        if not obj.is_single:
+            out["index"] = index
+        outs.append(out)
+    # Decode's copy ends here; its prefill copy must not wait for a handshake.
+    room_ledger.ended_at_gate(tokenizer_manager.disaggregation_mode, obj, first)
+    return outs if obj.is_single or getattr(obj, "stream", False) else [outs]

@@ -1,6 +1,6 @@
-"""What a scheduler holds right now, as `fork_pd_resources` in its internal state
-(GET /get_server_info -> internal_states[i]; read-only, scheduler thread): KV tokens,
-slots, PD queues, the kv manager's per-room and per-peer tables, hooks and swaps applied.
+"""What a scheduler holds right now, as `fork_pd_resources` in its internal state (GET /get_server_info ->
+internal_states[i]; read-only, scheduler thread): KV tokens, slots, PD queues, the kv manager's per-room tables,
+hooks and swaps applied, and each component's own `report()`.
 """
 
 from __future__ import annotations
@@ -9,8 +9,7 @@ from typing import Any, Dict, Optional
 
 from sglang.srt.disaggregation import pd_queues
 
-# Per-room (or per-peer-of-a-room) tables of upstream's Common/MooncakeKVManager in
-# 0.5.23; a table a given role/backend does not have is simply not reported.
+# Per-room (or per-peer-of-a-room) tables of upstream's Common/MooncakeKVManager (a role or backend may lack some)
 KV_MANAGER_ROOM_TABLES = pd_queues.ROOM_TABLES + (
     "required_prefill_response_num_table", "prefill_response_tracker",
     "_deferred_ack_targets", "_deferred_ack_poisoned_rooms", "_deferred_abort_ack_tracker",
@@ -18,27 +17,17 @@ KV_MANAGER_ROOM_TABLES = pd_queues.ROOM_TABLES + (
 
 
 def kv_tokens(scheduler) -> Dict[str, int]:
-    """KV tokens: total, free, evictable cache, protected, held by requests."""
-    allocator = scheduler.token_to_kv_pool_allocator
-    tree_cache = scheduler.tree_cache
-    total = int(scheduler.max_total_num_tokens)
-    free = int(allocator.available_size())
-    evictable = int(tree_cache.evictable_size())
-    return {
-        "total": total,
-        "free": free,
-        "evictable": evictable,
-        "protected": int(tree_cache.protected_size()),
-        # Neither free nor reclaimable from the prefix cache: owned by live requests.
-        "held": total - free - evictable,
-    }
+    """KV tokens: total, free, evictable cache, protected, held (neither free nor evictable: owned by requests)."""
+    total, free = int(scheduler.max_total_num_tokens), int(scheduler.token_to_kv_pool_allocator.available_size())
+    evictable = int(scheduler.tree_cache.evictable_size())
+    return {"total": total, "free": free, "evictable": evictable,
+            "protected": int(scheduler.tree_cache.protected_size()), "held": total - free - evictable}
 
 
 def slots(allocator) -> Optional[Dict[str, int]]:
-    """Free and total slots of a request or metadata-buffer allocator."""
+    """Free and total slots of a request or metadata-buffer allocator (decode's req pool: pre_alloc_size more)."""
     if allocator is None:
         return None
-    # The decode req pool has pre_alloc_size extra slots beyond size.
     total = allocator.size + getattr(allocator, "pre_alloc_size", 0)
     return {"free": int(allocator.available_size()), "total": int(total)}
 
