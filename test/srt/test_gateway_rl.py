@@ -122,6 +122,7 @@ def test_abort_pause_update_continue_one_engine_after_the_other(cluster, gateway
     baseline = assert_idle(cluster, PD_ROLES)
     failures_before = gateway.failures()
     calls, refused = [], []
+    t_start = time.monotonic()
     loop = ClosedLoop(gateway.url, CLIENTS, max_new_tokens=16, timeout=CALL_TIMEOUT_S).start()
     try:
         for step, (first, flush) in enumerate(STEPS):
@@ -136,12 +137,16 @@ def test_abort_pause_update_continue_one_engine_after_the_other(cluster, gateway
                                   ("continue_generation", {})):
                 for role in order:
                     t0 = time.monotonic()
+                    calls.append((step, role, path, "sent", round(t0 - t_start, 2)))
                     status, body = http_post_json(f"{cluster[role].url}/{path}", payload, timeout=CALL_TIMEOUT_S)
-                    calls.append((step, role, path, status, round(time.monotonic() - t0, 2)))
+                    calls.append((step, role, path, status, round(time.monotonic() - t_start, 2)))
                     if status != 200 or (isinstance(body, dict) and body.get("success") is False):
                         # what each server still holds right after the refusal
                         refused.append((step, role, path, status, body,
                                         {r: cluster.resources(r) for r in PD_ROLES}))
+            assert not refused, [(s, r, p, st, b, {role: (rep["pause"], rep["queues"], rep["transfer_rooms"])
+                                                    for role, rep in reports.items()})
+                                 for s, r, p, st, b, reports in refused]
             assert weight_versions(cluster) == {r: version for r in PD_ROLES}, step
         done = loop.completed()
         wait_until(lambda: loop.completed() >= done + CLIENTS, 120, "completions after the last step")
@@ -151,12 +156,11 @@ def test_abort_pause_update_continue_one_engine_after_the_other(cluster, gateway
             http_post_json(f"{cluster[role].url}/continue_generation", {}, timeout=CALL_TIMEOUT_S)
     print(f"calls {calls}; answers {dict(loop.summary())}")
 
-    # Every control call answered 200 (the update succeeded, cache flushed when asked).
-    assert not refused, [(s, r, p, st, b, {role: (rep["queues"], rep["transfer_rooms"], rep["pause"])
-                                            for role, rep in reports.items()})
-                         for s, r, p, st, b, reports in refused]
+    # Every control call answered 200 (the update succeeded, cache flushed when asked):
+    # asserted after each step above, with what each server held right after a refusal.
     # What the clients saw: completions and the pause's abort answers, each in time.
-    wrong = [(r["status"], r["finish"], str(r["error"] or (r["meta"] or {}).get("finish_reason"))[:200])
+    wrong = [(r["status"], r["finish"], round(r["t"] - t_start, 2), (r["meta"] or {}).get("id"),
+              str(r["error"] or (r["meta"] or {}).get("finish_reason"))[:200])
              for r in loop.results
              if not (r["status"] == 200 and (r["finish"] == "length" or (
                  r["finish"] == "abort" and r["meta"]["finish_reason"].get("status_code") is None
