@@ -15,7 +15,10 @@ is handed back serving the same checkpoint.
 from __future__ import annotations
 
 import json
+import signal
+import threading
 import time
+from contextlib import nullcontext
 
 import pytest
 
@@ -41,7 +44,7 @@ CALL_TIMEOUT_S = 120.0
 ANSWER_BOUND_S = 20.0
 # Each step: which engine gets each call first, and the update's flush_cache.
 STEPS = (("prefill", True), ("decode", True), ("prefill", False), ("decode", False),
-         ("prefill", True), ("decode", True))
+         *((("prefill", True), ("decode", True)) * 4))
 
 
 class Gateway(Deployment):
@@ -103,6 +106,39 @@ def gateway(cluster):
         gw.teardown()
 
 
+class Preempted:
+    """While active, the server's scheduler process runs in short bursts (SIGSTOP /
+    SIGCONT: RUN_S running, STOP_S stopped), as a scheduler on a loaded 2-core box is
+    preempted, while its HTTP process runs freely. The abort-mode pause's race needs
+    the scheduler preempted right after it answered the aborted requests and before its
+    loop's next pass; on an idle box the scheduler always wins it. Always continued on exit."""
+
+    RUN_S, STOP_S = 0.0005, 0.01
+
+    def __init__(self, server):
+        procs = [p for p in server._tree() if p.name().startswith("sglang::schedul")]
+        assert len(procs) == 1, [p.name() for p in server._tree()]
+        self.proc = procs[0]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while not self._stop.is_set():
+            self.proc.send_signal(signal.SIGSTOP)
+            self._stop.wait(self.STOP_S)
+            self.proc.send_signal(signal.SIGCONT)
+            self._stop.wait(self.RUN_S)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join(10)
+        self.proc.send_signal(signal.SIGCONT)
+
+
 def weight_versions(cluster) -> dict:
     out = {}
     for role in PD_ROLES:
@@ -115,7 +151,8 @@ def weight_versions(cluster) -> dict:
 def test_abort_pause_update_continue_one_engine_after_the_other(cluster, gateway, tiny_model):
     """Per step, each call on one engine then the other (the order alternates): pause {}
     -> update_weights_from_disk (flush_cache true, then false) -> continue, with 8
-    closed-loop clients through the gateway. Every call is 200 (the update `success`),
+    closed-loop clients through the gateway; each pause call meets a scheduler
+    preempted as on a loaded box (`Preempted`). Every call is 200 (the update `success`),
     both engines report the step's weight_version, every client answer is a completion
     or upstream's abort answer naming the pause, within the bound; the gateway charges
     no failure to either engine; nothing is held afterwards and serving continues."""
@@ -138,7 +175,10 @@ def test_abort_pause_update_continue_one_engine_after_the_other(cluster, gateway
                 for role in order:
                     t0 = time.monotonic()
                     calls.append((step, role, path, "sent", round(t0 - t_start, 2)))
-                    status, body = http_post_json(f"{cluster[role].url}/{path}", payload, timeout=CALL_TIMEOUT_S)
+                    preempted = Preempted(cluster[role]) if path == "pause_generation" else nullcontext()
+                    with preempted:
+                        status, body = http_post_json(f"{cluster[role].url}/{path}", payload,
+                                                      timeout=CALL_TIMEOUT_S)
                     calls.append((step, role, path, status, round(time.monotonic() - t_start, 2)))
                     if status != 200 or (isinstance(body, dict) and body.get("success") is False):
                         # what each server still holds right after the refusal
