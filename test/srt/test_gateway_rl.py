@@ -184,7 +184,7 @@ def test_abort_pause_update_continue_one_engine_after_the_other(cluster, gateway
                         # what each server still holds right after the refusal
                         refused.append((step, role, path, status, body,
                                         {r: cluster.resources(r) for r in PD_ROLES}))
-            assert not refused, [(s, r, p, st, b, {role: (rep["pause"], rep["queues"], rep["transfer_rooms"])
+            assert not refused, [(s, r, p, st, b, {role: (rep["not_idle"], rep["queues"], rep["transfer_rooms"])
                                                     for role, rep in reports.items()})
                                  for s, r, p, st, b, reports in refused]
             assert weight_versions(cluster) == {r: version for r in PD_ROLES}, step

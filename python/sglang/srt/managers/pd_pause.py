@@ -310,8 +310,6 @@ def report(scheduler) -> Dict[str, Any]:
         "paused": bool(fork_touch.upstream(scheduler, "_engine_paused")),
         "mode": sp.mode,
         "clock_paused": engine_clock.paused,
-        # which of upstream's is_fully_idle conditions fail now (a flush would be refused)
-        "not_idle": not_idle_reasons(scheduler) if pd_queues.role(scheduler) else [],
     }
 
 
