@@ -73,6 +73,7 @@ def scheduler_pause_generation(original, scheduler, recv_req):
         scheduler._engine_paused = True
         if scheduler._pause_started_at is None:
             scheduler._pause_started_at = time.monotonic()
+        _settle_answered_forward(scheduler)
         _abort_all_and_drain(scheduler, PAUSE_ABORT_MESSAGE)
         _drop_finished_batches(scheduler)
     else:
@@ -80,6 +81,28 @@ def scheduler_pause_generation(original, scheduler, recv_req):
     if sp.mode is None or recv_req.mode == "retract":
         sp.mode = recv_req.mode
     engine_clock.pause()
+
+
+def _settle_answered_forward(scheduler) -> None:
+    """Abort mode with the overlap scheduler: the tokenizer pauses the scheduler once the
+    abort answered every request, which happens while processing a forward's result; the
+    next forward, launched with the same requests, is still in upstream's result queue
+    when the pause can land before the loop's next pass, and a paused loop never
+    processes it. The weight update's flush then found the engine busy (400 "Cache not
+    flushed because there are pending requests. #queue-req: 0, #running-req: 0";
+    `result_queue` in not_idle_reasons). When that forward holds only finished requests,
+    process it now, as the loop's next pass would, and forget it as the last batch."""
+    results = fork_touch.upstream(scheduler, "result_queue")
+    if not scheduler.enable_overlap or not results or scheduler.last_batch is None:
+        return
+    pending, _ = results[0]
+    if len(results) != 1 or not all(req.finished() for req in pending.reqs):
+        return  # a live request: the loop settles it after continue, as upstream's would
+    batch, result = results.popleft()
+    scheduler.process_batch_result(batch, result)
+    scheduler.last_batch = None
+    logger.info("pd_pause: abort-mode pause settled the forward in flight (%d finished requests)",
+                len(batch.reqs))
 
 
 def _drop_finished_batches(scheduler) -> None:

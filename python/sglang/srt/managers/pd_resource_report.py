@@ -63,6 +63,8 @@ def build_report(scheduler) -> Dict[str, Any]:
         # fork_plugin.SWAPS made on this scheduler's kv manager, each still in place
         "swaps_applied": fork_touch.swaps_applied(kv_manager, mode.value),
         "pause": pd_pause.report(scheduler),
+        # which of upstream's is_fully_idle conditions fail now (a cache flush would be refused)
+        "not_idle": pd_pause.not_idle_reasons(scheduler) if kv_manager is not None else [],
         "peers": None if kv_manager is None else peer_tables(kv_manager),
         "te_registration": None if kv_manager is None else queue_memory.registration_report(kv_manager),
         # decode: prefill info / endpoint fetches running on transfer_deadline's pool, totals
