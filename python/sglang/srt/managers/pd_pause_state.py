@@ -14,6 +14,7 @@ requests. Who calls: hooks in fork_plugin.HOOKS, the tokenizer_manager patch (`g
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 from http import HTTPStatus
 from typing import Any, Callable, Dict, List, Optional
@@ -206,7 +207,11 @@ def _guarded(op: str, mode_of: Callable[[Any], Optional[str]] = lambda obj: None
         state.busy, state.busy_mode = op, mode
         try:
             if op != "resume_memory_occupation" or obj.tags:
-                result = await original(tokenizer_manager, obj, *args, **kwargs)
+                pausing = _ABORT_PAUSE.set(tokenizer_manager if op == "pause_generation" else None)
+                try:
+                    result = await original(tokenizer_manager, obj, *args, **kwargs)
+                finally:
+                    _ABORT_PAUSE.reset(pausing)
             else:
                 result = None  # only tags already resumed with kv_cache: a no-op
             if op == "pause_generation" and mode == "abort":
@@ -291,13 +296,20 @@ def name_state_if_pause_call(route_path: str, message: str, global_state: Any) -
     )
 
 
-# The abort-mode pause returns as soon as its aborted requests are answered: upstream's
-# loop (abort_all, `model_update_lock.is_locked()`, sleep 1 s) finds the lock free on its
-# first check, as this hook waits up to DRAIN_WAIT_S on the lock's own condition (notified
-# when the last reader leaves). Upstream calls is_locked only from the abort-mode pause
-# loops of tokenizer_manager and multi_tokenizer_mixin. Where that time goes: bench/README.md.
+# The abort-mode pause returns as soon as the answer of every request it ended is decided:
+# upstream's loop (abort_all, `model_update_lock.is_locked()`, sleep 1 s) gets False on its
+# first check once no request past the pause gate is left in the tokenizer's table (a
+# finished request leaves it, its answer handed to its HTTP handler, before that handler
+# wakes), or once the lock is free, as this hook waits up to DRAIN_WAIT_S for either. The
+# handlers still writing their answers hold the reader lock a moment longer; nothing they
+# do reads the weights (why that is safe for RL clients: bench/README.md). A request past
+# the gate whose answer is not decided (still tokenizing, or sent after the abort_all)
+# keeps the pause waiting, as upstream's lock check does. Upstream calls is_locked only
+# from the abort-mode pause loops of tokenizer_manager and multi_tokenizer_mixin.
 # 3 s, not under upstream's 1 s: a drain of 0.9-1.9 s would otherwise pay the full sleep on top.
 DRAIN_WAIT_S = 3.0
+# The tokenizer manager whose pause_generation runs in this task (None elsewhere).
+_ABORT_PAUSE: contextvars.ContextVar = contextvars.ContextVar("fork_abort_pause", default=None)
 
 
 def _lock_held(lock) -> bool:
@@ -305,16 +317,53 @@ def _lock_held(lock) -> bool:
     return bool(fork_touch.upstream(lock, "_writer_active") or fork_touch.upstream(lock, "_readers") > 0)
 
 
+async def _lock_free(lock) -> None:
+    cond = fork_touch.upstream(lock, "_cond")
+    async with cond:
+        await cond.wait_for(lambda: not _lock_held(lock))
+
+
+def _undecided(tokenizer_manager) -> List[Any]:
+    """The request states past the pause gate still waiting for their answer."""
+    return [s for s in list(tokenizer_manager.rid_to_state.values()) if not s.__dict__.get(_AT_GATE)]
+
+
+async def _answers_decided(tokenizer_manager, lock_free, timeout: float) -> bool:
+    """Wait until the lock is free (False) or every answer is decided (True), at most
+    `timeout`. Woken by the requests' own output events; a state with an output not yet
+    consumed (a stream's chunk) leaves the lock as the only criterion."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not lock_free.done():
+        pending = _undecided(tokenizer_manager) if tokenizer_manager is not None else None
+        if pending == []:
+            return True
+        remaining = deadline - loop.time()
+        if remaining <= 0:
+            return False
+        events = [fork_touch.upstream(s, "event") for s in pending or ()]
+        if pending is None or any(e.is_set() for e in events):
+            await asyncio.wait([lock_free], timeout=remaining)
+            return False
+        outputs = asyncio.gather(*(e.wait() for e in events))
+        try:
+            await asyncio.wait([lock_free, outputs], timeout=remaining,
+                               return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            outputs.cancel()
+    return False
+
+
 async def around_is_locked(original, lock, *args, **kwargs):
     """AROUND sglang.srt.utils.aio_rwlock.RWLock.is_locked."""
     if not await original(lock, *args, **kwargs):
         return False
-    cond = fork_touch.upstream(lock, "_cond")
+    lock_free = asyncio.ensure_future(_lock_free(lock))
     try:
-        async with cond:
-            await asyncio.wait_for(cond.wait_for(lambda: not _lock_held(lock)), DRAIN_WAIT_S)
-    except asyncio.TimeoutError:
-        pass
+        if await _answers_decided(_ABORT_PAUSE.get(), lock_free, DRAIN_WAIT_S):
+            return False
+    finally:
+        lock_free.cancel()
     return await original(lock, *args, **kwargs)
 
 
