@@ -210,8 +210,8 @@ def test_abort_pause_answers_once_every_answer_is_decided():
     a reader still held by an HTTP handler whose answer is decided (its state left
     rid_to_state and its output event is set, in that order, as upstream's
     _handle_batch_output does) does not hold the pause; a request past the gate whose
-    answer is not decided keeps it waiting; one waiting at the pause gate does not.
-    Outside a pause call only the lock counts, as upstream's is_locked."""
+    answer is not decided keeps it waiting; one waiting at the pause gate, or not there
+    yet, does not. Outside a pause call only the lock counts, as upstream's is_locked."""
     import asyncio
     import inspect
 
@@ -225,9 +225,11 @@ def test_abort_pause_answers_once_every_answer_is_decided():
 
     async def scenario():
         lock = RWLock()
-        running, gated = SimpleNamespace(event=asyncio.Event()), SimpleNamespace(event=asyncio.Event())
+        running, gated, arriving = (SimpleNamespace(event=asyncio.Event()) for _ in range(3))
+        running.__dict__[pd_pause_state._AT_GATE] = False  # passed the gate (gate_open's mark)
         gated.__dict__[pd_pause_state._AT_GATE] = True
-        tm = SimpleNamespace(rid_to_state={"run": running, "gate": gated})
+        # arriving: not at the gate yet (waits for the gate's lock the pause holds)
+        tm = SimpleNamespace(rid_to_state={"run": running, "gate": gated, "new": arriving})
         for _ in range(2):  # the running request's handler; one writing a decided answer
             await lock.acquire_reader()
         token = pd_pause_state._ABORT_PAUSE.set(tm)

@@ -324,8 +324,10 @@ async def _lock_free(lock) -> None:
 
 
 def _undecided(tokenizer_manager) -> List[Any]:
-    """The request states past the pause gate still waiting for their answer."""
-    return [s for s in list(tokenizer_manager.rid_to_state.values()) if not s.__dict__.get(_AT_GATE)]
+    """The request states past the pause gate still waiting for their answer. One that has
+    not reached the gate yet (no mark: e.g. arrived during the pause, waiting for the
+    gate's lock the pause holds) can only pass it after continue, or answered at it."""
+    return [s for s in list(tokenizer_manager.rid_to_state.values()) if s.__dict__.get(_AT_GATE) is False]
 
 
 async def _answers_decided(tokenizer_manager, lock_free, timeout: float) -> bool:
