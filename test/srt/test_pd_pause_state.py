@@ -203,3 +203,52 @@ def test_invalid_pause_body_names_the_state():
     assert "engine state is 'paused' (pause mode in_place)" in msg and msg.endswith("bad mode")
     assert pd_pause.name_state_if_pause_call("/generate", "bad", gs) == "bad"
     assert pd_pause.name_state_if_pause_call("/pause_generation", "bad", None) == "bad"
+
+
+def test_abort_pause_answers_once_every_answer_is_decided():
+    """The abort-mode pause's wait (around_is_locked on upstream's RWLock.is_locked):
+    a reader still held by an HTTP handler whose answer is decided (its state left
+    rid_to_state and its output event is set, in that order, as upstream's
+    _handle_batch_output does) does not hold the pause; a request past the gate whose
+    answer is not decided keeps it waiting; one waiting at the pause gate, or not there
+    yet, does not. Outside a pause call only the lock counts, as upstream's is_locked."""
+    import asyncio
+    import inspect
+
+    from sglang.srt.utils.aio_rwlock import RWLock
+
+    original = inspect.unwrap(RWLock.is_locked)
+
+    async def yield_to_loop(n=50):
+        for _ in range(n):
+            await asyncio.sleep(0)
+
+    async def scenario():
+        lock = RWLock()
+        running, gated, arriving = (SimpleNamespace(event=asyncio.Event()) for _ in range(3))
+        running.__dict__[pd_pause._AT_GATE] = False  # passed the gate (gate_open's mark)
+        gated.__dict__[pd_pause._AT_GATE] = True
+        # arriving: not at the gate yet (waits for the gate's lock the pause holds)
+        tm = SimpleNamespace(rid_to_state={"run": running, "gate": gated, "new": arriving})
+        for _ in range(2):  # the running request's handler; one writing a decided answer
+            await lock.acquire_reader()
+        token = pd_pause._ABORT_PAUSE.set(tm)
+        try:
+            check = asyncio.ensure_future(pd_pause.around_is_locked(original, lock))
+            await yield_to_loop()
+            assert not check.done()  # "run" is past the gate, its answer not decided
+            del tm.rid_to_state["run"]
+            running.event.set()
+            assert await asyncio.wait_for(check, 2.0) is False
+            assert lock._readers == 2  # answered before the handlers left
+        finally:
+            pd_pause._ABORT_PAUSE.reset(token)
+        # not in a pause call: upstream's criterion, the lock
+        check = asyncio.ensure_future(pd_pause.around_is_locked(original, lock))
+        await yield_to_loop()
+        assert not check.done()
+        for _ in range(2):
+            await lock.release_reader()
+        assert await asyncio.wait_for(check, 2.0) is False
+
+    asyncio.run(scenario())

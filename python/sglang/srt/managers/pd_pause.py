@@ -10,6 +10,7 @@ the pause gate (an abort of a request held there is answered at once).
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import threading
 import time
@@ -615,7 +616,11 @@ def _guarded(op: str):
         try:
             result = None  # a resume of tags already resumed with kv_cache only is a no-op
             if op != "resume_memory_occupation" or obj.tags:
-                result = await original(tokenizer_manager, obj, *args, **kwargs)
+                pausing = _ABORT_PAUSE.set(tokenizer_manager if op == "pause_generation" else None)
+                try:
+                    result = await original(tokenizer_manager, obj, *args, **kwargs)
+                finally:
+                    _ABORT_PAUSE.reset(pausing)
             if op == "pause_generation" and mode == "abort":
                 # Upstream ends every request in the tokenizer only: tell the scheduler, so it pauses too.
                 await tokenizer_manager._async_dispatch_to_scheduler(obj)
@@ -673,22 +678,59 @@ def name_state_if_pause_call(route_path: str, message: str, global_state: Any) -
 
 
 # Upstream's abort-mode pause loop (abort_all, `model_update_lock.is_locked()`, sleep 1 s; its only caller of
-# is_locked) finds the lock free on its first check: this hook waits up to DRAIN_WAIT_S on the lock's own
-# condition. 3 s, not under upstream's 1 s: a drain of 0.9-1.9 s would otherwise pay the full sleep on top.
+# is_locked) gets False on its first check once every request past the pause gate has its answer decided (it left
+# the tokenizer's table, its answer handed to its HTTP handler) or the lock is free: this hook waits up to
+# DRAIN_WAIT_S for either. Handlers still writing decided answers read no weights (bench/README.md); an undecided
+# request keeps the pause waiting, as upstream's lock does. 3 s, not upstream's 1 s: a drain of 0.9-1.9 s would
+# otherwise pay the full sleep on top.
 DRAIN_WAIT_S = 3.0
+# The tokenizer manager whose pause_generation runs in this task (None elsewhere).
+_ABORT_PAUSE: contextvars.ContextVar = contextvars.ContextVar("fork_abort_pause", default=None)
+
+
+async def _lock_free(lock) -> None:
+    cond, upstream = fork_touch.upstream(lock, "_cond"), fork_touch.upstream
+    async with cond:  # upstream's is_locked condition, read under the lock's own asyncio lock
+        await cond.wait_for(lambda: not (upstream(lock, "_writer_active") or upstream(lock, "_readers") > 0))
+
+
+async def _answers_decided(tokenizer_manager, lock_free, timeout: float) -> bool:
+    """Wait until the lock is free (False) or every request past the gate has its answer decided (True), at most
+    `timeout`. One not at the gate yet (arrived during the pause) passes it only after continue. Woken by the
+    requests' own output events; a state with an output not yet consumed (a stream's chunk) leaves the lock as
+    the only criterion."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not lock_free.done():
+        pending = None if tokenizer_manager is None else [
+            s for s in list(tokenizer_manager.rid_to_state.values()) if s.__dict__.get(_AT_GATE) is False]
+        if pending == []:
+            return True
+        remaining = deadline - asyncio.get_running_loop().time()
+        if remaining <= 0:
+            return False
+        events = [fork_touch.upstream(s, "event") for s in pending or ()]
+        if pending is None or any(e.is_set() for e in events):
+            await asyncio.wait([lock_free], timeout=remaining)
+            return False
+        outputs = asyncio.gather(*(e.wait() for e in events))
+        try:
+            await asyncio.wait([lock_free, outputs], timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            outputs.cancel()
+    return False
 
 
 async def around_is_locked(original, lock, *args, **kwargs):
-    """AROUND sglang.srt.utils.aio_rwlock.RWLock.is_locked: True only if still locked after DRAIN_WAIT_S."""
+    """AROUND sglang.srt.utils.aio_rwlock.RWLock.is_locked: True only if still locked and answers undecided after
+    DRAIN_WAIT_S."""
     if not await original(lock, *args, **kwargs):
         return False
-    cond, upstream = fork_touch.upstream(lock, "_cond"), fork_touch.upstream
+    lock_free = asyncio.ensure_future(_lock_free(lock))
     try:
-        async with cond:  # upstream's is_locked condition, read under the lock's own asyncio lock
-            await asyncio.wait_for(cond.wait_for(
-                lambda: not (upstream(lock, "_writer_active") or upstream(lock, "_readers") > 0)), DRAIN_WAIT_S)
-    except asyncio.TimeoutError:
-        pass
+        if await _answers_decided(_ABORT_PAUSE.get(), lock_free, DRAIN_WAIT_S):
+            return False
+    finally:
+        lock_free.cancel()
     return await original(lock, *args, **kwargs)
 
 
