@@ -11,13 +11,13 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import ctypes
-import dataclasses
 import functools
 import logging
 import os
+import re
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Set, Tuple
 
 from sglang.srt.disaggregation import request_end_cause
 from sglang.srt.disaggregation.base import KVPoll
@@ -34,7 +34,6 @@ _REASON_PREFIX = {
     "aux": "Failed to send aux data",
     "state": "Failed to send state components",
 }
-KINDS = tuple(_REASON_PREFIX)
 
 
 def chunk_kind(failure_reason: Optional[str]) -> Optional[str]:
@@ -42,13 +41,14 @@ def chunk_kind(failure_reason: Optional[str]) -> Optional[str]:
     return next((kind for kind, prefix in _REASON_PREFIX.items() if prefix in (failure_reason or "")), None)
 
 
-@dataclasses.dataclass
-class _Fault:
+class _Fault(NamedTuple):
     kind: str  # kv | aux | state
-    selector: str  # rid | room
-    value: str  # rid prefix, or the room number
+    rid: Optional[str]  # a rid prefix, or None
+    room: Optional[int]  # a room number, or None
     mark_failed_first: bool  # the room is Failed locally before the write reports
-    fired: Set[int] = dataclasses.field(default_factory=set)
+
+
+_FAULT = re.compile(r"(kv|aux|state)(\+failed)?:(?:rid=(.+)|room=(\d+))")
 
 
 class FaultPlan:
@@ -57,38 +57,33 @@ class FaultPlan:
     def __init__(self, faults: List[_Fault]):
         self.faults = faults
         self._rids: Dict[int, str] = {}  # room -> rid, for rooms a rid selector matches
+        self._fired: Set[Tuple[int, int]] = set()  # (fault index, room)
         self._lock = threading.Lock()
 
     @classmethod
     def parse(cls, spec: str) -> Optional["FaultPlan"]:
         faults = []
-        for item in (s.strip() for s in spec.split(",")):
-            if not item:
-                continue
-            head, _, sel = item.partition(":")
-            kind, _, flag = head.partition("+")
-            selector, _, value = sel.partition("=")
-            bad = kind not in KINDS or flag not in ("", "failed") or selector not in ("rid", "room") or not value
-            if bad or (selector == "room" and not value.isdigit()):
-                raise ValueError(
-                    f"SGLANG_TEST_DISAGG_FAIL_CHUNKS: bad entry {item!r}; expected "
-                    "kind[+failed]:rid=PREFIX or kind[+failed]:room=N, kind in kv/aux/state"
-                )
-            faults.append(_Fault(kind, selector, value, flag == "failed"))
+        for item in filter(None, (s.strip() for s in spec.split(","))):
+            match = _FAULT.fullmatch(item)
+            if match is None:
+                raise ValueError(f"SGLANG_TEST_DISAGG_FAIL_CHUNKS: bad entry {item!r}; expected "
+                                 "kind[+failed]:rid=PREFIX or kind[+failed]:room=N, kind in kv/aux/state")
+            kind, failed, rid, room = match.groups()
+            faults.append(_Fault(kind, rid, None if room is None else int(room), failed is not None))
         return cls(faults) if faults else None
 
     def bind(self, rid: str, room: int) -> None:
-        if isinstance(rid, str) and any(f.selector == "rid" and rid.startswith(f.value) for f in self.faults):
+        if isinstance(rid, str) and any(f.rid is not None and rid.startswith(f.rid) for f in self.faults):
             with self._lock:
                 self._rids[room] = rid
 
     def take(self, room: int, kind: str) -> Optional[_Fault]:
         with self._lock:
-            rid = self._rids.get(room, None)
-            for f in self.faults:
-                hit = int(f.value) == room if f.selector == "room" else rid is not None and rid.startswith(f.value)
-                if f.kind == kind and hit and room not in f.fired:
-                    f.fired.add(room)
+            rid = self._rids.get(room)
+            for i, f in enumerate(self.faults):
+                hit = f.room == room if f.rid is None else rid is not None and rid.startswith(f.rid)
+                if f.kind == kind and hit and (i, room) not in self._fired:
+                    self._fired.add((i, room))
                     return f
         return None
 

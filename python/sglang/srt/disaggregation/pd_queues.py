@@ -105,7 +105,6 @@ def transfer_endpoints(scheduler: Any) -> List[Any]:
     return [x for x in out if x is not None]
 
 
-
 def prefill_stage(scheduler: Any, req: Any) -> str:
     """Which prefill stage `req` is in (running: none of the queues)."""
     stages = (PREFILL_BOOTSTRAP, PREFILL_WAITING, PREFILL_INFLIGHT)

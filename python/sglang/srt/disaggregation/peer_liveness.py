@@ -129,17 +129,10 @@ class PeerMonitor:
             while len(self.gone) > MAX_GONE:
                 self.gone.popitem(last=False)
 
-    def note_poisoned(self, room: int, sessions: List[str]) -> None:
-        with self.lock:
-            for session in sessions:
-                self.poisoned.setdefault(session, set()).add(room)
-
     def _tick_prefill(self) -> None:
-        mgr = self.mgr
-        marks = mgr._deferred_ack_poisoned_rooms  # forget the rooms whose mark expired
-        with self.lock:
-            live = {s: {r for r in rooms if r in marks} for s, rooms in self.poisoned.items()}
-            self.poisoned = {s: rooms for s, rooms in live.items() if rooms}
+        mgr, marks = self.mgr, self.mgr._deferred_ack_poisoned_rooms
+        with self.lock:  # forget the rooms whose poison mark expired
+            self.poisoned = {s: live for s, rooms in self.poisoned.items() if (live := rooms & marks)}
         with mgr.session_lock:
             sessions = {s: (info.endpoint, int(info.dst_port)) for s, info in mgr.decode_kv_args_table.items()}
             blacklisted = {s for s in sessions if s in mgr.failed_sessions}
@@ -453,7 +446,9 @@ def around_conclude_transfer(original, mgr, *args, bootstrap_room=None, status=N
             if monitor.is_gone(list(infos) + peers, failure_reason):  # nobody to ack or protect
                 mgr._deferred_ack_poisoned_rooms.discard(bootstrap_room)
             else:
-                monitor.note_poisoned(bootstrap_room, list(infos))
+                with monitor.lock:
+                    for session in list(infos):
+                        monitor.poisoned.setdefault(session, set()).add(bootstrap_room)
         if failure_reason and failure_reason.startswith(UPSTREAM_SESSION_DEAD):
             dead = [(s, i) for s, i in list(infos.items()) if s in getattr(mgr, "failed_sessions", ())]
             if dead:
