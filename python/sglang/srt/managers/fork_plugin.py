@@ -16,7 +16,7 @@ HOOKS: list[tuple[str, str, HookType]] = [
     ("sglang.srt.managers.tokenizer_control_mixin.TokenizerControlMixin.get_internal_state",
      "sglang.srt.managers.pd_pause:tm_internal_state", AROUND),
     # pause/release/resume/continue with PD requests in flight (docs/pause-release-resume.md): the tokenizer
-    # and scheduler sides (pd_pause), the PD queues' buffers (queue_memory)
+    # and scheduler sides, the PD queues' buffers (pd_pause)
     ("sglang.srt.managers.tokenizer_manager.TokenizerManager.pause_generation",
      "sglang.srt.managers.pd_pause:tm_pause_generation", AROUND),
     ("sglang.srt.managers.tokenizer_manager.TokenizerManager.continue_generation",
@@ -38,13 +38,13 @@ HOOKS: list[tuple[str, str, HookType]] = [
     ("sglang.srt.managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager.release_memory_occupation",
      "sglang.srt.managers.pd_pause:weight_updater_release", AROUND),
     ("sglang.srt.disaggregation.prefill.PrefillBootstrapQueue.release_memory_occupation",
-     "sglang.srt.disaggregation.queue_memory:queue_release", AROUND),
+     "sglang.srt.managers.pd_pause:queue_release", AROUND),
     ("sglang.srt.disaggregation.prefill.PrefillBootstrapQueue.resume_memory_occupation",
-     "sglang.srt.disaggregation.queue_memory:queue_resume", AROUND),
+     "sglang.srt.managers.pd_pause:queue_resume", AROUND),
     ("sglang.srt.disaggregation.decode.DecodePreallocQueue.release_memory_occupation",
-     "sglang.srt.disaggregation.queue_memory:queue_release", AROUND),
+     "sglang.srt.managers.pd_pause:queue_release", AROUND),
     ("sglang.srt.disaggregation.decode.DecodePreallocQueue.resume_memory_occupation",
-     "sglang.srt.disaggregation.queue_memory:queue_resume", AROUND),
+     "sglang.srt.managers.pd_pause:queue_resume", AROUND),
     ("sglang.srt.managers.scheduler.Scheduler._record_scheduler_state_for_paused_engine",
      "sglang.srt.managers.pd_pause:paused_loop_tick", AFTER),
     ("sglang.srt.utils.aio_rwlock.RWLock.is_locked",

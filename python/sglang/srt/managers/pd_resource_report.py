@@ -45,7 +45,7 @@ def _room_tables(kv_manager) -> Dict[str, int]:
 
 
 def build_report(scheduler) -> Dict[str, Any]:
-    from sglang.srt.disaggregation import queue_memory, room_ledger, transfer_deadline
+    from sglang.srt.disaggregation import room_ledger, transfer_deadline
     from sglang.srt.disaggregation.peer_liveness import peer_tables
     from sglang.srt.managers import fork_touch, pd_pause
     from sglang.srt.managers.fork_plugin import hooks_applied
@@ -66,7 +66,7 @@ def build_report(scheduler) -> Dict[str, Any]:
         # which of upstream's is_fully_idle conditions fail now (a cache flush would be refused)
         "not_idle": pd_pause.not_idle_reasons(scheduler) if kv_manager is not None else [],
         "peers": None if kv_manager is None else peer_tables(kv_manager),
-        "te_registration": None if kv_manager is None else queue_memory.registration_report(kv_manager),
+        "te_registration": None if kv_manager is None else pd_pause.registration_report(kv_manager),
         # decode: prefill info / endpoint fetches running on transfer_deadline's pool, totals
         "bootstrap_fetch": None if kv_manager is None else transfer_deadline.fetch_report(kv_manager),
         # Peer cancellations kept for rooms not created yet (bounded; held by no request).
