@@ -526,8 +526,7 @@ def before_pop_bootstrapped(queue, *args, **kwargs):
     lost = lost_decodes(monitor_of(kv_mgr))
     if not lost or timeout == 0 or not hasattr(kv_mgr, "conclude_failure"):
         for req in queue.queue:  # nothing is lost: forget the stamps
-            if getattr(req, _SINCE, None) is not None:
-                setattr(req, _SINCE, None)
+            setattr(req, _SINCE, None)
         return
     infos = kv_mgr.transfer_infos
     for req, waited in orphans(queue.queue, lambda room: room in infos, now, timeout):

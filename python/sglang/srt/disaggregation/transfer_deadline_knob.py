@@ -54,8 +54,6 @@ def validate(arg_value: Optional[float]) -> float:
 
 def configured() -> float:
     """The deadline in effect in this process (server argument, else env, else 600)."""
-    from sglang.srt.environ import envs
     from sglang.srt.runtime_context import get_disagg
 
-    arg_value = getattr(get_disagg(), "disaggregation_transfer_timeout", None)
-    return float(envs.SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT.get() if arg_value is None else arg_value)
+    return validate(getattr(get_disagg(), "disaggregation_transfer_timeout", None))
