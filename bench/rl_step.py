@@ -32,6 +32,9 @@ was measured, 2 when the bench itself failed). Targets (issue 14): pause <= 0.25
 release + resume <= 0.5 s beside the weight load, continue <= 0.1 s.
 
 Usage: python -m bench.rl_step [--inflight 64 256] [--max-new-tokens 256] [--write-readme]
+       [--modes abort] [--sides fork upstream] [--no-colocated] [--profile DIR]
+(--modes/--sides/--no-colocated run a part of the loops; --profile DIR writes a py-spy
+speedscope profile of each abort-mode pause's HTTP process and scheduler; py-spy on PATH.)
 """
 
 from __future__ import annotations
@@ -217,6 +220,9 @@ def one_side(cluster, model: str, inflight: int, max_new_tokens: int,
         time.sleep(2.0)  # the requests reach both servers (this is load, not a sync)
         payload = {} if mode == "abort" else {"mode": mode}
         both(cluster, "/pause_generation", payload, row, f"pause {mode}", cpu=True)
+        calls = [row.get(f"pause {mode} ({role})", "") for role in ROLES]
+        if all("." in c for c in calls):  # the step's pause: prefill's ending can move work to decode's
+            row[f"pause {mode}, prefill + decode"] = f"{sum(map(float, calls)):.3f}"
         # requests held by a retract/in_place pause still use the cache: no flush
         held = update if mode == "abort" else {**update, "flush_cache": False}
         both(cluster, "/update_weights_from_disk", held, row, f"update_weights_from_disk after pause {mode}")
