@@ -32,6 +32,9 @@ was measured, 2 when the bench itself failed). Targets (issue 14): pause <= 0.25
 release + resume <= 0.5 s beside the weight load, continue <= 0.1 s.
 
 Usage: python -m bench.rl_step [--inflight 64 256] [--max-new-tokens 256] [--write-readme]
+       [--modes abort] [--sides fork upstream] [--no-colocated] [--profile DIR]
+(--modes/--sides/--no-colocated run a part of the loops; --profile DIR writes a py-spy
+speedscope profile of each abort-mode pause's HTTP process and scheduler; py-spy on PATH.)
 """
 
 from __future__ import annotations
@@ -143,13 +146,41 @@ def cpu_seconds(procs: Dict[str, psutil.Process]) -> Dict[str, float]:
     return out
 
 
+PROFILE: Dict[str, object] = {"dir": None, "n": 0}  # --profile: py-spy over each abort-mode pause
+
+
+def profiled(procs: Dict[str, psutil.Process], name: str, role: str):
+    """py-spy record (CPU samples) of the server's scheduler and HTTP process during one call (--profile)."""
+    import subprocess
+
+    out = PROFILE["dir"]
+    if out is None or not name.startswith("pause abort"):
+        return []
+    PROFILE["n"] = int(PROFILE["n"]) + 1
+    spies = []
+    for part, proc in procs.items():
+        path = Path(out) / f"{PROFILE['n']:02d}-{role}-{part}.speedscope.json"
+        spies.append(subprocess.Popen(
+            [shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy")), "record", "--pid", str(proc.pid), "-r", "200",
+             "--format", "speedscope", "-o", str(path), "--nonblocking"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    time.sleep(0.5)  # py-spy attaches before the call (not a sync: a profile starting late misses the start)
+    return spies
+
+
 def both(cluster, path: str, payload, row: Dict[str, str], name: str, cpu: bool = False) -> None:
     """The call on prefill then decode, each timed (with `cpu`: also the CPU the
     server's event loop and scheduler spent during it)."""
+    import signal
+
     for role in ROLES:
         procs = server_procs(cluster[role]) if cpu else {}
+        spies = profiled(procs, name, role)
         before = cpu_seconds(procs)
         status, seconds = timed(cluster[role], path, payload)
+        for spy in spies:
+            spy.send_signal(signal.SIGINT)
+            spy.wait(30)
         row[f"{name} ({role})"] = f"{seconds:.3f}" if status == "ok" else status
         if cpu and status == "ok":
             after = cpu_seconds(procs)
@@ -180,19 +211,25 @@ def settle(cluster, rollout: Rollout) -> None:
     rollout.join(120)
 
 
-def one_side(cluster, model: str, inflight: int, max_new_tokens: int) -> Dict[str, str]:
+def one_side(cluster, model: str, inflight: int, max_new_tokens: int,
+             modes: Sequence[str] = MODES, colocated: bool = True) -> Dict[str, str]:
     row: Dict[str, str] = {}
     update = {"model_path": model}
-    for mode in MODES:
+    for mode in modes:
         rollout = Rollout(cluster.url, inflight, max_new_tokens)
         time.sleep(2.0)  # the requests reach both servers (this is load, not a sync)
         payload = {} if mode == "abort" else {"mode": mode}
         both(cluster, "/pause_generation", payload, row, f"pause {mode}", cpu=True)
+        calls = [row.get(f"pause {mode} ({role})", "") for role in ROLES]
+        if all("." in c for c in calls):  # the step's pause: prefill's ending can move work to decode's
+            row[f"pause {mode}, prefill + decode"] = f"{sum(map(float, calls)):.3f}"
         # requests held by a retract/in_place pause still use the cache: no flush
         held = update if mode == "abort" else {**update, "flush_cache": False}
         both(cluster, "/update_weights_from_disk", held, row, f"update_weights_from_disk after pause {mode}")
         both(cluster, "/continue_generation", {}, row, f"continue after pause {mode}")
         settle(cluster, rollout)
+    if not colocated:
+        return row
     # colocated: the rollout ended (requests aborted), engine idle, no pause
     rollout = Rollout(cluster.url, inflight, max_new_tokens)
     time.sleep(2.0)
@@ -252,9 +289,17 @@ def main(argv=None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3, help="loops per side and number in flight")
     parser.add_argument("--model-dir", default=str(REPO_ROOT / ".cache" / "tiny-llama"))
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
+                        help="pause modes to run (e.g. --modes abort)")
+    parser.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES))
+    parser.add_argument("--no-colocated", action="store_true", help="skip the colocated step")
+    parser.add_argument("--profile", metavar="DIR", help="py-spy record each abort-mode pause's server into DIR")
     parser.add_argument("--write-readme", action="store_true")
     parser.add_argument("--keep-logs", action="store_true")
     args = parser.parse_args(argv)
+    if args.profile:
+        Path(args.profile).mkdir(parents=True, exist_ok=True)
+        PROFILE["dir"] = args.profile
     mach, load_before = machine(), loadavg()
     work = Path(tempfile.mkdtemp(prefix="sglang-bench-rl-"))
     ok = False
@@ -269,23 +314,24 @@ def main(argv=None) -> int:
             name: PDCluster(model, prefill_env=env, decode_env=env, lb_env=lb_env,
                             prefill_args=baseline.SHARED_ARGS, decode_args=decode_args,
                             log_dir=str(work / f"logs-{name}"))
-            for name, env in (("fork", fk_env), ("upstream", up_env))
+            for name, env in (("fork", fk_env), ("upstream", up_env)) if name in args.sides
         }
         results: Dict[Tuple[str, int], Dict[str, str]] = {}
         try:
             start_all(*clusters.values())
             for n in args.inflight:
                 # the sides alternate per repeat, so both see the machine's load alike
-                rows: Dict[str, List[Dict[str, str]]] = {name: [] for name in SIDES}
+                rows: Dict[str, List[Dict[str, str]]] = {name: [] for name in clusters}
                 t0 = time.monotonic()
                 for _ in range(args.repeats):
-                    for name in SIDES:
+                    for name in clusters:
                         cluster = clusters[name]
                         if not all(cluster[r].is_alive() for r in ROLES):
                             print(f"{name} @{n}: a server died earlier, skipped", flush=True)
                             continue
-                        rows[name].append(one_side(cluster, model, n, args.max_new_tokens))
-                for name in SIDES:
+                        rows[name].append(one_side(cluster, model, n, args.max_new_tokens,
+                                                  args.modes, not args.no_colocated))
+                for name in clusters:
                     if rows[name]:
                         results[(name, n)] = merge(rows[name])
                         print(f"{name} @{n} in flight ({time.monotonic() - t0:.0f}s, both sides): "
