@@ -194,12 +194,13 @@ def test_ends_at_a_tokenizer_under_skewed_pauses_through_the_gateway(cluster, ga
     - continue: the paused engine's tokenizer rejects the long one too, and its client
       gets the 400 upstream gives.
     Every answer within 10 s; the gateway charges no failure; nothing held; serving continues."""
-    from testing.pd_checks import at_gate, post, start_legs, waiting_for_peer
+    from testing.pd_checks import at_gate, cluster_end_causes, delta, post, start_legs, waiting_for_peer
 
     prefill, decode = cluster["prefill"], cluster["decode"]
     running, paused = (prefill, decode) if first == "prefill" else (decode, prefill)
     baseline = assert_idle(cluster, PD_ROLES)
     failures_before = gateway.failures()
+    causes_before = cluster_end_causes(cluster)
     tag = f"tokenizer-{first}-{time.monotonic_ns()}"
     accepted = [{"rid": f"{tag}-{i}", "text": f"held by the skew {i}: hello world",
                  "sampling_params": {"temperature": 0.0, "max_new_tokens": 8}} for i in range(SKEW_HELD)]
@@ -239,16 +240,29 @@ def test_ends_at_a_tokenizer_under_skewed_pauses_through_the_gateway(cluster, ga
 
     # What the clients saw: one clean answer each, within the bound.
     assert all(leg.done() for leg in legs), answers
-    for leg in legs[:-1]:
+    for leg in legs[:-1]:  # upstream's abort answer, naming the client's abort
         reason = leg.response["meta_info"]["finish_reason"] if leg.status == 200 else None
         assert reason is not None and reason["type"] == "abort" and reason.get("status_code") is None, answers
+        assert reason["message"].startswith("Aborted by the client"), answers
     long_leg = legs[-1]
     assert long_leg.status == 400 and "context length" in str(long_leg.response), answers
     assert max(leg.out["seconds"] for leg in legs) <= UNANSWERED_S, answers
     # How long: the running engine let go of the copies within about a second of their end.
     assert emptied <= EMPTIED_S, emptied
-    # What was counted: the gateway charged neither engine (200 aborts and a 4xx are no failures).
+    # What was counted: the gateway charged neither engine (200 aborts and a 4xx are no
+    # failures); the running engine ended each accepted copy in its waiting stage as the
+    # client's abort, and nothing else ended in a scheduler (the long one never reached one).
     assert gateway.failures() == failures_before
+    stages = {"prefill": ("prefill_bootstrap",), "decode": ("decode_prealloc", "decode_transfer")}[first]
+    moved = {}
+
+    def counted():
+        moved.update(d=delta(causes_before, cluster_end_causes(cluster)))
+        return (sum(moved["d"].values()) == SKEW_HELD
+                and all(role == first and cause == "client_abort" and stage in stages
+                        for role, cause, stage in moved["d"]))
+
+    wait_until(counted, 10, "the end causes counted", on_timeout=lambda: str(moved))
     # What is left held: nothing; and serving continues.
     assert_idle(cluster, PD_ROLES, baseline)
     results = [generate(gateway.url, p, max_new_tokens=8) for p in prompts(2)]
