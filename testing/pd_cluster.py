@@ -411,8 +411,12 @@ class Server:
 
     def pids(self) -> List[int]:
         """The live process tree: launch process first, then descendants."""
+        return [p.pid for p in self.processes()]
+
+    def processes(self) -> List[psutil.Process]:
+        """The live process tree as psutil processes (launch process first)."""
         self._remember()
-        return [p.pid for p in self._tree()]
+        return self._tree()
 
     def is_alive(self) -> bool:
         return self.popen is not None and self.popen.poll() is None
@@ -582,17 +586,16 @@ BALANCERS = ("mini", "router")
 # How long the gateway may take to run its registration workflow for one engine
 # (health probe, /get_server_info, /get_model_info) once POST /workers accepted it.
 REGISTER_TIMEOUT = 60.0
+PD_ROLES = ("prefill", "decode")
 
 
 class PDCluster(Deployment):
-    """1 prefill + 1 decode (mooncake over TCP on loopback) + a load balancer.
+    """1 prefill + 1 decode (mooncake over TCP on loopback) + a load balancer (role 'lb').
 
     balancer="mini" (default): sglang-router's Python mini LB, given both engines on its
-    command line. balancer="router": the production Rust gateway (`launch_router
-    --pd-disaggregation` without `--mini-lb`) started with no workers, with its own
-    defaults (retries, circuit breaker, health checks) unless `lb_args` says otherwise;
-    each engine registers itself with `POST /workers` as RL frameworks do
-    (register_worker / deregister_worker), once it is healthy.
+    command line. balancer="router": the production Rust gateway (`Gateway`, its
+    defaults unless `lb_args` says otherwise), reachable as `gateway`; each engine
+    registers itself with it once it is healthy.
     """
 
     def __init__(
@@ -614,9 +617,8 @@ class PDCluster(Deployment):
         self.balancer = balancer
         (p_port, p_nccl, bootstrap, d_port, d_nccl, lb_port, prom_port) = free_ports(7)
         self.bootstrap_port = bootstrap
-        self.prometheus_port = prom_port
         pd = ["--disaggregation-transfer-backend", "mooncake"]
-        self._add(
+        prefill = self._add(
             "prefill",
             _launch_server_argv(model, p_port, p_nccl, [
                 "--disaggregation-mode", "prefill",
@@ -626,7 +628,7 @@ class PDCluster(Deployment):
             _role_env(prefill_env),
             p_port,
         )
-        self._add(
+        decode = self._add(
             "decode",
             _launch_server_argv(model, d_port, d_nccl, [
                 "--disaggregation-mode", "decode", *pd, *decode_args,
@@ -634,29 +636,14 @@ class PDCluster(Deployment):
             _role_env(decode_env),
             d_port,
         )
-        router = [fork_python(), "-m", "sglang_router.launch_router", "--pd-disaggregation"]
+        self.gateway: Optional[Gateway] = None
         if balancer == "mini":
-            lb_argv = [
-                *router, "--mini-lb",
-                "--host", HOST,
-                "--prefill", self.servers["prefill"].url, str(bootstrap),
-                "--decode", self.servers["decode"].url,
-                "--port", str(lb_port),
-                *lb_args,
-            ]
+            self._add("lb", _mini_lb_argv(prefill.url, bootstrap, decode.url, lb_port, lb_args),
+                      _role_env(lb_env), lb_port)
         else:
-            # No workers on the command line: engines register themselves. Its
-            # Prometheus endpoint gets a free loopback port (the default 29000 would
-            # collide between deployments).
-            lb_argv = [
-                *router,
-                "--host", HOST,
-                "--port", str(lb_port),
-                "--prometheus-host", HOST,
-                "--prometheus-port", str(prom_port),
-                *lb_args,
-            ]
-        self._add("lb", lb_argv, _role_env(lb_env), lb_port)
+            self.gateway = Gateway(prefill, decode, bootstrap, role="lb", env=lb_env, args=lb_args,
+                                   port=lb_port, prometheus_port=prom_port, log_dir=str(self.log_dir))
+            self.servers["lb"] = self.gateway["lb"]
 
     @property
     def url(self) -> str:
@@ -664,33 +651,76 @@ class PDCluster(Deployment):
 
     def wait_healthy(self, timeout: float = DEFAULT_HEALTH_TIMEOUT) -> "PDCluster":
         super().wait_healthy(timeout)
-        if self.balancer == "router":
+        if self.gateway is not None:
             try:
-                for role in ("prefill", "decode"):
-                    self.register_worker(role)
+                self.gateway.register_workers()
             except BaseException:
                 self.teardown()
                 raise
         return self
 
-    # -- the Rust gateway's worker API (balancer="router")
 
-    def _require_router(self) -> None:
-        if self.balancer != "router":
-            raise ClusterError(f"balancer {self.balancer!r} has no worker API")
+def _mini_lb_argv(prefill_url: str, bootstrap_port: int, decode_url: str, port: int,
+                  args: Sequence[str] = ()) -> List[str]:
+    return [
+        fork_python(), "-m", "sglang_router.launch_router", "--pd-disaggregation", "--mini-lb",
+        "--host", HOST,
+        "--prefill", prefill_url, str(bootstrap_port),
+        "--decode", decode_url,
+        "--port", str(port),
+        *args,
+    ]
 
-    def router_workers(self) -> List[Dict[str, Any]]:
-        """GET /workers of the gateway: one dict per registered worker."""
-        self._require_router()
+
+class Gateway(Deployment):
+    """The production Rust gateway (`launch_router --pd-disaggregation` without `--mini-lb`,
+    its own defaults -- retries, circuit breaker, health checks -- unless `args` says
+    otherwise) in front of a prefill and a decode server, started with no workers: each
+    engine registers itself with `POST /workers` as RL frameworks do (register_worker /
+    deregister_worker). Its Prometheus endpoint gets a free loopback port (the default
+    29000 would collide between deployments).
+
+    PDCluster(balancer="router") starts one as its role 'lb'; alone (role 'gateway') it
+    fronts engines that already run, e.g. the shared 1P1D of the test suite.
+    """
+
+    def __init__(self, prefill: Server, decode: Server, bootstrap_port: int, *, role: str = "gateway",
+                 env: Optional[Mapping[str, str]] = None, args: Sequence[str] = (),
+                 port: Optional[int] = None, prometheus_port: Optional[int] = None,
+                 log_dir: Optional[str] = None):
+        super().__init__(log_dir)
+        self.engines = {"prefill": prefill, "decode": decode}
+        self.bootstrap_port = bootstrap_port
+        self.role = role
+        if port is None or prometheus_port is None:
+            port, prometheus_port = free_ports(2)
+        self.prometheus_port = prometheus_port
+        self._add(role, [
+            fork_python(), "-m", "sglang_router.launch_router", "--pd-disaggregation",
+            "--host", HOST,
+            "--port", str(port),
+            "--prometheus-host", HOST,
+            "--prometheus-port", str(prometheus_port),
+            *args,
+        ], _role_env(env), port)
+
+    @property
+    def url(self) -> str:
+        return self.servers[self.role].url
+
+    # -- the worker API
+
+    def workers(self) -> List[Dict[str, Any]]:
+        """GET /workers: one dict per registered worker."""
         status, body = http_get(self.url + "/workers")
         if status != 200:
             raise ClusterError(f"GET /workers -> {status}: {body[:200]!r}")
         return json.loads(body)["workers"]
 
-    def router_worker(self, role: str) -> Optional[Dict[str, Any]]:
+    def worker(self, role: str) -> Optional[Dict[str, Any]]:
         """The gateway's entry for this engine (matched by url), or None."""
-        url = self.servers[role].url
-        for w in self.router_workers():
+        url = self.engines[role].url
+        for w in self.workers():
             if w.get("url") == url:
                 return w
         return None
@@ -698,42 +728,54 @@ class PDCluster(Deployment):
     def register_worker(self, role: str, timeout: float = REGISTER_TIMEOUT) -> Dict[str, Any]:
         """POST /workers for this engine as an RL framework does; returns the gateway's
         entry once its registration workflow has added it (the POST only queues it)."""
-        self._require_router()
-        payload: Dict[str, Any] = {"url": self.servers[role].url, "worker_type": role}
+        payload: Dict[str, Any] = {"url": self.engines[role].url, "worker_type": role}
         if role == "prefill":
             payload["bootstrap_port"] = self.bootstrap_port
         status, body = http_post_json(self.url + "/workers", payload, timeout=30)
         if status not in (200, 201, 202):
             raise ClusterError(f"POST /workers {payload} -> {status}: {body}")
         return wait_until(
-            lambda: self.router_worker(role),
+            lambda: self.worker(role),
             timeout,
             f"gateway to list the {role} worker",
-            on_timeout=lambda: self.servers["lb"].tail(20),
+            on_timeout=lambda: self.servers[self.role].tail(20),
         )
+
+    def register_workers(self) -> None:
+        """Both engines, prefill first."""
+        for role in PD_ROLES:
+            self.register_worker(role)
 
     def deregister_worker(self, role: str, timeout: float = REGISTER_TIMEOUT) -> None:
         """GET /workers, find this engine's id by url, DELETE /workers/{id}; returns
         once the gateway no longer lists it."""
-        entry = self.router_worker(role)
+        entry = self.worker(role)
         if entry is None:
             raise ClusterError(f"{role} is not registered with the gateway")
         status, body = http_request(self.url + f"/workers/{entry['id']}", "DELETE")
         if status not in (200, 202, 204):
             raise ClusterError(f"DELETE /workers/{entry['id']} -> {status}: {body[:200]!r}")
         wait_until(
-            lambda: self.router_worker(role) is None,
+            lambda: self.worker(role) is None,
             timeout,
             f"gateway to drop the {role} worker",
         )
 
-    def router_metrics(self) -> Dict[str, float]:
+    # -- what it counted
+
+    def metrics(self) -> Dict[str, float]:
         """The gateway's Prometheus metrics (its own port)."""
-        self._require_router()
         status, body = http_get(f"http://{HOST}:{self.prometheus_port}/metrics")
         if status != 200:
             raise ClusterError(f"gateway /metrics -> {status}")
         return parse_prometheus(body.decode())
+
+    def failures(self, metrics: Optional[Mapping[str, float]] = None) -> Dict[str, float]:
+        """Failed attempts the circuit breaker charged to each engine (its outcome counter)."""
+        metrics = self.metrics() if metrics is None else metrics
+        return {role: metrics.get(
+            f'smg_worker_cb_outcomes_total{{worker="{self.engines[role].url}",outcome="failure"}}', 0.0)
+            for role in PD_ROLES}
 
 
 class MiniLB(Deployment):
@@ -744,12 +786,7 @@ class MiniLB(Deployment):
                  *, log_dir: Optional[str] = None):
         super().__init__(log_dir)
         (port,) = free_ports(1)
-        self._add("mini_lb", [
-            fork_python(), "-m", "sglang_router.launch_router",
-            "--pd-disaggregation", "--mini-lb", "--host", HOST,
-            "--prefill", prefill_url, str(bootstrap_port),
-            "--decode", decode_url, "--port", str(port),
-        ], _role_env(None), port)
+        self._add("mini_lb", _mini_lb_argv(prefill_url, bootstrap_port, decode_url, port), _role_env(None), port)
 
     @property
     def url(self) -> str:

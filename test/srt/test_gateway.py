@@ -41,14 +41,14 @@ SERVING_AFTER_REGISTRATION_S = 15.0
 def cb_transitions_to_open(cluster, role: str) -> float:
     url = cluster[role].url
     return sum(
-        v for k, v in cluster.router_metrics().items()
+        v for k, v in cluster.gateway.metrics().items()
         if k.startswith("smg_worker_cb_transitions_total") and f'"{url}"' in k and 'to="open"' in k
     )
 
 
 def cb_states(cluster) -> dict:
     """The gateway's circuit state per registered engine url (0 = closed)."""
-    metrics = cluster.router_metrics()
+    metrics = cluster.gateway.metrics()
     out = {}
     for role in PD_ROLES:
         key = f'smg_worker_cb_state{{worker="{cluster[role].url}"}}'
@@ -58,7 +58,7 @@ def cb_states(cluster) -> dict:
 
 def test_engines_registered_themselves(gateway_deployment):
     cluster, _, _ = gateway_deployment
-    workers = {w["worker_type"]: w for w in cluster.router_workers()}
+    workers = {w["worker_type"]: w for w in cluster.gateway.workers()}
     assert set(workers) == set(PD_ROLES), workers
     for role in PD_ROLES:
         assert workers[role]["url"] == cluster[role].url
@@ -95,7 +95,7 @@ def test_burst_through_gateway_matches_mini_lb_and_single_server(gateway_deploym
         assert held(after[role]) == held(baseline[role]), role
 
     # What was counted: the gateway saw no failure and kept every circuit closed.
-    metrics = cluster.router_metrics()
+    metrics = cluster.gateway.metrics()
     assert metric_sum(metrics, "smg_worker_retries_exhausted_total") == 0
     assert cb_states(cluster) == {"prefill": 0.0, "decode": 0.0}
     for role in PD_ROLES:
@@ -133,10 +133,10 @@ def test_decode_killed_removed_restarted_registered_serves_within_15s(gateway_de
         # for a handshake that never comes) before the dead decode is removed.
         wait_until(lambda: held(cluster.resources("prefill"))["queue.prefill_bootstrap"] >= 1, 30,
                    "a gateway retry to wait on prefill for the dead decode")
-        cluster.deregister_worker("decode")
+        cluster.gateway.deregister_worker("decode")
         cluster["decode"].start()
         cluster["decode"].wait_healthy()
-        cluster.register_worker("decode")
+        cluster.gateway.register_worker("decode")
         t_reg = time.monotonic()
 
         def serving():
@@ -152,7 +152,7 @@ def test_decode_killed_removed_restarted_registered_serves_within_15s(gateway_de
     finally:
         loop.stop()
     failures = {
-        k: v for k, v in cluster.router_metrics().items()
+        k: v for k, v in cluster.gateway.metrics().items()
         if k.startswith("smg_worker_cb_outcomes_total") and 'outcome="failure"' in k
     }
     print(f"abort answers of the RL step {aborts}; "
@@ -189,7 +189,7 @@ def test_rl_pause_cycles_never_open_a_circuit(gateway_deployment, tiny_model):
     cluster, _, _ = gateway_deployment
     assert_idle(cluster, PD_ROLES)
     opened = {role: cb_transitions_to_open(cluster, role) for role in PD_ROLES}
-    metrics = cluster.router_metrics()
+    metrics = cluster.gateway.metrics()
     failures_before = {
         role: metrics.get(f'smg_worker_cb_outcomes_total{{worker="{cluster[role].url}",outcome="failure"}}', 0.0)
         for role in PD_ROLES
@@ -224,7 +224,7 @@ def test_rl_pause_cycles_never_open_a_circuit(gateway_deployment, tiny_model):
     slow = [round(r["latency"], 1) for r in loop.results if r["latency"] > PAUSE_ANSWER_BOUND_S]
     assert not slow, slow
     # What was counted: no failure against either engine, no circuit opened.
-    metrics = cluster.router_metrics()
+    metrics = cluster.gateway.metrics()
     for role in PD_ROLES:
         key = f'smg_worker_cb_outcomes_total{{worker="{cluster[role].url}",outcome="failure"}}'
         assert metrics.get(key, 0.0) == failures_before[role], (role, key)
@@ -252,7 +252,7 @@ def test_skewed_pause_windows_through_the_gateway_leave_nothing_waiting(gateway_
     cluster, _, _ = gateway_deployment
     baseline = assert_idle(cluster, PD_ROLES)
     opened = {role: cb_transitions_to_open(cluster, role) for role in PD_ROLES}
-    metrics = cluster.router_metrics()
+    metrics = cluster.gateway.metrics()
 
     def failures(m, role):
         return m.get(f'smg_worker_cb_outcomes_total{{worker="{cluster[role].url}",outcome="failure"}}', 0.0)
@@ -264,7 +264,7 @@ def test_skewed_pause_windows_through_the_gateway_leave_nothing_waiting(gateway_
     assert not wrong, wrong
     finishes = Counter(r["meta"]["finish_reason"]["type"] for r in results)
     assert finishes["abort"] >= SKEW_CYCLES and sum(finishes.values()) - finishes["abort"] >= SKEW_CYCLES, finishes
-    metrics = cluster.router_metrics()
+    metrics = cluster.gateway.metrics()
     for role in PD_ROLES:
         assert failures(metrics, role) == failures_before[role], role
         assert cb_transitions_to_open(cluster, role) == opened[role], role

@@ -1,4 +1,4 @@
-"""RL weight-update steps behind the production Rust gateway, over the shared 1P1D.
+"""RL weight-update steps behind the production Rust gateway (and the mini LB), over the shared 1P1D.
 
 The partial-rollout loop of RL frameworks (docs/pause-release-resume.md, "Using the fork
 from an RL framework"), driven one engine after the other as frameworks do (prefill
@@ -24,16 +24,7 @@ import pytest
 
 from conftest import assert_idle
 from testing.pd_checks import ClosedLoop
-from testing.pd_cluster import (
-    HOST,
-    Deployment,
-    fork_python,
-    free_ports,
-    http_get,
-    http_post_json,
-    wait_until,
-    _role_env,
-)
+from testing.pd_cluster import Gateway, generate, http_get, http_post_json, prompts, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -47,49 +38,6 @@ STEPS = (("prefill", True), ("decode", True), ("prefill", False), ("decode", Fal
          *((("prefill", True), ("decode", True)) * 4))
 
 
-class Gateway(Deployment):
-    """The Rust gateway (role 'gateway', no --mini-lb, its defaults) in front of engines
-    that already run, each registered with POST /workers as RL frameworks do."""
-
-    def __init__(self, cluster, *, log_dir=None):
-        super().__init__(log_dir)
-        self.cluster = cluster
-        port, self.prometheus_port = free_ports(2)
-        self._add("gateway", [
-            fork_python(), "-m", "sglang_router.launch_router", "--pd-disaggregation",
-            "--host", HOST, "--port", str(port),
-            "--prometheus-host", HOST, "--prometheus-port", str(self.prometheus_port),
-        ], _role_env(None), port)
-
-    @property
-    def url(self) -> str:
-        return self.servers["gateway"].url
-
-    def register(self) -> None:
-        for role in PD_ROLES:
-            payload = {"url": self.cluster[role].url, "worker_type": role}
-            if role == "prefill":
-                payload["bootstrap_port"] = self.cluster.bootstrap_port
-            status, body = http_post_json(self.url + "/workers", payload, timeout=30)
-            assert status in (200, 201, 202), (payload, status, body)
-        wait_until(lambda: len(self.workers()) == len(PD_ROLES), 60, "the gateway to list both engines")
-
-    def workers(self) -> list:
-        status, body = http_get(self.url + "/workers")
-        assert status == 200, body
-        return json.loads(body)["workers"]
-
-    def failures(self) -> dict:
-        from testing.pd_cluster import parse_prometheus
-
-        status, body = http_get(f"http://{HOST}:{self.prometheus_port}/metrics")
-        assert status == 200
-        metrics = parse_prometheus(body.decode())
-        return {role: metrics.get(
-            f'smg_worker_cb_outcomes_total{{worker="{self.cluster[role].url}",outcome="failure"}}', 0.0)
-            for role in PD_ROLES}
-
-
 @pytest.fixture(scope="module")
 def cluster(shared_pd):
     return shared_pd.deployment
@@ -97,10 +45,11 @@ def cluster(shared_pd):
 
 @pytest.fixture(scope="module")
 def gateway(cluster):
-    gw = Gateway(cluster, log_dir=str(cluster.log_dir))
+    """The Rust gateway in front of the shared engines, each registered with POST /workers."""
+    gw = Gateway(cluster["prefill"], cluster["decode"], cluster.bootstrap_port, log_dir=str(cluster.log_dir))
     try:
         gw.start()
-        gw.register()
+        gw.register_workers()
         yield gw
     finally:
         gw.teardown()
@@ -116,8 +65,9 @@ class Preempted:
     RUN_S, STOP_S = 0.0005, 0.01
 
     def __init__(self, server):
-        procs = [p for p in server._tree() if p.name().startswith("sglang::schedul")]
-        assert len(procs) == 1, [p.name() for p in server._tree()]
+        tree = server.processes()
+        procs = [p for p in tree if p.name().startswith("sglang::schedul")]
+        assert len(procs) == 1, [p.name() for p in tree]
         self.proc = procs[0]
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -148,19 +98,23 @@ def weight_versions(cluster) -> dict:
     return out
 
 
-def test_abort_pause_update_continue_one_engine_after_the_other(cluster, gateway, tiny_model):
+@pytest.mark.parametrize("balancer", ("router", "mini"))
+def test_abort_pause_update_continue_one_engine_after_the_other(cluster, balancer, tiny_model, request):
     """Per step, each call on one engine then the other (the order alternates): pause {}
     -> update_weights_from_disk (flush_cache true, then false) -> continue, with 8
-    closed-loop clients through the gateway; each pause call meets a scheduler
-    preempted as on a loaded box (`Preempted`). Every call is 200 (the update `success`),
-    both engines report the step's weight_version, every client answer is a completion
-    or upstream's abort answer naming the pause, within the bound; the gateway charges
-    no failure to either engine; nothing is held afterwards and serving continues."""
+    closed-loop clients through the balancer (the Rust gateway, or the shared 1P1D's mini
+    LB); each pause call meets a scheduler preempted as on a loaded box (`Preempted`).
+    Every call is 200 (the update `success`), both engines report the step's
+    weight_version, every client answer is a completion or upstream's abort answer naming
+    the pause, within the bound; the gateway charges no failure to either engine; nothing
+    is held afterwards and serving continues."""
+    gateway = request.getfixturevalue("gateway") if balancer == "router" else None
+    url = gateway.url if gateway is not None else cluster.url  # the shared 1P1D's own balancer: the mini LB
     baseline = assert_idle(cluster, PD_ROLES)
-    failures_before = gateway.failures()
+    failures_before = gateway.failures() if gateway is not None else None
     calls, refused = [], []
     t_start = time.monotonic()
-    loop = ClosedLoop(gateway.url, CLIENTS, max_new_tokens=16, timeout=CALL_TIMEOUT_S).start()
+    loop = ClosedLoop(url, CLIENTS, max_new_tokens=16, timeout=CALL_TIMEOUT_S).start()
     try:
         for step, (first, flush) in enumerate(STEPS):
             order = (first, "decode" if first == "prefill" else "prefill")
@@ -209,7 +163,107 @@ def test_abort_pause_update_continue_one_engine_after_the_other(cluster, gateway
     slow = sorted(round(r["latency"], 1) for r in loop.results if r["latency"] > ANSWER_BOUND_S)
     assert not slow, slow
     assert any(r["finish"] == "abort" for r in loop.results), "no request was in flight at a pause"
-    # What was counted: the gateway charged no failure to either engine.
-    assert gateway.failures() == failures_before
+    # What was counted: the gateway charged no failure to either engine (the mini LB counts none).
+    if gateway is not None:
+        assert gateway.failures() == failures_before
     # What is left held: nothing; and serving continues (asserted above: completions after).
     assert_idle(cluster, PD_ROLES, baseline=baseline)
+
+
+# ----------------------------------------------------------------------------- ends at a tokenizer, skewed pauses
+
+SKEW_HELD = 4  # requests the skew holds, beside the one both tokenizers reject
+TOO_MANY_TOKENS = 4096  # max_new_tokens beyond the tiny model's context (1024): each tokenizer rejects it (400)
+UNANSWERED_S = 10.0
+EMPTIED_S = 1.5  # "within about a second" on two loaded cores
+
+
+@pytest.mark.parametrize("first", PD_ROLES)
+def test_ends_at_a_tokenizer_under_skewed_pauses_through_the_gateway(cluster, gateway, first):
+    """Issue 13's hole 1 through the Rust gateway for ends a tokenizer makes before its
+    scheduler sees the request, with skewed pause windows: both engines paused in abort
+    mode, released, resumed, and `first` continued before the other. The gateway sends
+    the same body to both engines and waits for both legs. Then SKEW_HELD requests and
+    one asking more tokens than the context are sent through it:
+    - the running engine holds each accepted request's copy waiting for the other
+      (prefill: bootstrap queue; decode: prealloc + transfer) and rejects the long one
+      at its tokenizer (400); the paused engine's gate holds every other copy;
+    - `/abort_request` by rid at the paused engine ends the accepted ones at its gate
+      (its tokenizer, before its scheduler): the running engine lets go of their copies
+      within about a second (the room ledger tells it), each client gets 200 abort;
+    - continue: the paused engine's tokenizer rejects the long one too, and its client
+      gets the 400 upstream gives.
+    Every answer within 10 s; the gateway charges no failure; nothing held; serving continues."""
+    from testing.pd_checks import at_gate, cluster_end_causes, delta, post, start_legs, waiting_for_peer
+
+    prefill, decode = cluster["prefill"], cluster["decode"]
+    running, paused = (prefill, decode) if first == "prefill" else (decode, prefill)
+    baseline = assert_idle(cluster, PD_ROLES)
+    failures_before = gateway.failures()
+    causes_before = cluster_end_causes(cluster)
+    tag = f"tokenizer-{first}-{time.monotonic_ns()}"
+    accepted = [{"rid": f"{tag}-{i}", "text": f"held by the skew {i}: hello world",
+                 "sampling_params": {"temperature": 0.0, "max_new_tokens": 8}} for i in range(SKEW_HELD)]
+    too_long = {"rid": f"{tag}-long", "text": "more tokens than the context: hello world",
+                "sampling_params": {"temperature": 0.0, "max_new_tokens": TOO_MANY_TOKENS}}
+
+    def ok(server, endpoint, body=None):
+        status, reply, _ = post(server, endpoint, body)
+        assert status == 200, (server.role, endpoint, status, reply)
+
+    try:
+        for endpoint, body in (("pause_generation", {"mode": "abort"}), ("release_memory_occupation", None),
+                               ("resume_memory_occupation", None)):
+            ok(running, endpoint, body)
+            ok(paused, endpoint, body)
+        ok(running, "continue_generation")
+        legs = start_legs(gateway.url, accepted + [too_long])
+        wait_until(lambda: waiting_for_peer(running) == SKEW_HELD and at_gate(paused) == SKEW_HELD + 1, 30,
+                   f"the accepted copies waiting at {first}, every copy at the other's gate",
+                   on_timeout=lambda: f"{running.resources()['queues']}, at the gate: {at_gate(paused)}")
+        t_end = time.monotonic()
+        for body in accepted:
+            ok(paused, "abort_request", {"rid": body["rid"]})
+        wait_until(lambda: waiting_for_peer(running) == 0, 5, f"{first} to let go of the accepted copies",
+                   interval=0.05, on_timeout=lambda: str(running.resources()["queues"]))
+        emptied = time.monotonic() - t_end
+        for leg in legs[:-1]:
+            leg.join(5)
+        assert at_gate(paused) == 1  # the long one only
+    finally:
+        for server in (paused, running):  # never hand the shared deployment back paused
+            http_post_json(f"{server.url}/continue_generation", {}, timeout=CALL_TIMEOUT_S)
+    legs[-1].join(UNANSWERED_S)
+    answers = [(leg.body["rid"], leg.status, round(leg.out.get("seconds", -1), 2), str(leg.response)[:300])
+               for leg in legs]
+    print(f"{first} first: emptied {emptied:.2f}s; answers {answers}")
+
+    # What the clients saw: one clean answer each, within the bound.
+    assert all(leg.done() for leg in legs), answers
+    for leg in legs[:-1]:  # upstream's abort answer, naming the client's abort
+        reason = leg.response["meta_info"]["finish_reason"] if leg.status == 200 else None
+        assert reason is not None and reason["type"] == "abort" and reason.get("status_code") is None, answers
+        assert reason["message"].startswith("Aborted by the client"), answers
+    long_leg = legs[-1]
+    assert long_leg.status == 400 and "context length" in str(long_leg.response), answers
+    assert max(leg.out["seconds"] for leg in legs) <= UNANSWERED_S, answers
+    # How long: the running engine let go of the copies within about a second of their end.
+    assert emptied <= EMPTIED_S, emptied
+    # What was counted: the gateway charged neither engine (200 aborts and a 4xx are no
+    # failures); the running engine ended each accepted copy in its waiting stage as the
+    # client's abort, and nothing else ended in a scheduler (the long one never reached one).
+    assert gateway.failures() == failures_before
+    stages = {"prefill": ("prefill_bootstrap",), "decode": ("decode_prealloc", "decode_transfer")}[first]
+    moved = {}
+
+    def counted():
+        moved.update(d=delta(causes_before, cluster_end_causes(cluster)))
+        return (sum(moved["d"].values()) == SKEW_HELD
+                and all(role == first and cause == "client_abort" and stage in stages
+                        for role, cause, stage in moved["d"]))
+
+    wait_until(counted, 10, "the end causes counted", on_timeout=lambda: str(moved))
+    # What is left held: nothing; and serving continues.
+    assert_idle(cluster, PD_ROLES, baseline)
+    results = [generate(gateway.url, p, max_new_tokens=8) for p in prompts(2)]
+    assert [r["status"] for r in results] == [200] * 2, [r["error"] for r in results]
