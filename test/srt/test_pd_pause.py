@@ -425,15 +425,15 @@ def test_retract_rebootstrap_reaches_a_prefill_paused_with_the_first_leg(cluster
             paused.append("prefill")
         finally:
             decode.resume()
-        # The KV arrives while prefill is paused; decode runs the request.
+        # The KV arrives while prefill is paused; decode runs the request, and retracts it.
         wait_until(lambda: decode.resources()["queues"]["running"] == 1, 60, "decode running")
-        # What prefill answers while paused: its leg (KV sent), at once (bounded poll; asserted below).
-        p_leg.join(10)
-        first_leg = dict(p_leg.out, queues=prefill.resources()["queues"])
-        assert pause_report(cluster, "prefill")[0]["paused"]
         assert call(cluster, "decode", "pause_generation", {"mode": "retract"})[0] == 200
         paused.append("decode")
         wait_until(lambda: decode.resources()["queues"]["decode_held_rebootstrap"] == 1, 30, "decode retracted it")
+        # What prefill answers while paused: its leg (KV sent), at once (bounded wait; asserted below).
+        p_leg.join(10)
+        first_leg = dict(p_leg.out, queues=prefill.resources()["queues"])
+        assert pause_report(cluster, "prefill")[0]["paused"]
         # Decode continues first: its re-send reaches the still paused prefill.
         t0 = time.monotonic()
         for role in ("decode", "prefill"):
