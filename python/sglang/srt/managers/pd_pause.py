@@ -355,7 +355,8 @@ def pause_answer_kept(scheduler, abort_req, req, *args, **kwargs) -> None:
 
 def paused_loop_tick(result, scheduler, *args, **kwargs):
     """AFTER Scheduler._record_scheduler_state_for_paused_engine (each paused loop iteration): for a while after
-    an abort keep retiring what it failed (late drain acks); otherwise wait for input instead of spinning."""
+    an abort keep retiring what it failed (late drain acks); otherwise answer prefill's legs whose transfer
+    concluded, then wait for input instead of spinning."""
     sp = scheduler_pause(scheduler)
     role = pd_queues.role(scheduler)
     if role is None:
