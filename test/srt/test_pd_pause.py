@@ -380,3 +380,81 @@ def _abort_during_long_pause(cluster, baseline):
             assert r["status"] == 200 and r["meta"]["finish_reason"]["type"] != "abort", r
     assert_baseline(cluster, baseline)
     print(f"{len(victims)} aborts answered during the pause in {answered} s")
+
+
+REBOOTSTRAP_TOKENS = 400  # decode is still running the request when its pause retracts it
+
+
+def test_retract_rebootstrap_reaches_a_prefill_paused_with_the_first_leg(cluster):
+    """Upstream's retract re-bootstrap re-sends a request decode retracted to its prefill
+    (`/generate`, same rid and room). A prefill paused while that request's KV was on the
+    wire used to keep its first leg (KV sent, not yet answered) until its own continue:
+    decode continued first, its re-send met prefill's tokenizer still holding the rid (400
+    "Duplicate request ID detected") and the client got 500 "PD retract rebootstrap
+    /generate failed" (seen in the room-ledger soak). Now the paused prefill answers a leg
+    whose KV reached decode at once: the re-send waits at prefill's pause gate, and the
+    request completes after both continue."""
+    import random
+    import uuid
+
+    from testing.pd_checks import Leg, cluster_end_causes, delta, leg_body
+    from testing.pd_cluster import metric_sum
+
+    failures = ("sglang:num_bootstrap_failed_reqs_total", "sglang:num_transfer_failed_reqs_total")
+
+    def failed():
+        return {(role, name): metric_sum(cluster.metrics(role), name) for role in PD_ROLES for name in failures}
+
+    baseline = assert_idle(cluster, PD_ROLES)
+    prefill, decode = cluster["prefill"], cluster["decode"]
+    causes, failed_before = cluster_end_causes(cluster), failed()
+    rid = f"reboot-{uuid.uuid4().hex}"
+    body = leg_body(cluster, random.getrandbits(62), "the lazy dog " * 60, REBOOTSTRAP_TOKENS, rid=rid,
+                    ignore_eos=True)  # several 64-token chunks on the wire
+    d_leg = Leg(decode.url, body)
+    d_leg.start()
+    paused = []
+    try:
+        wait_until(lambda: decode.resources()["queues"]["decode_transfer"] == 1, 30, "decode handshake")
+        decode.freeze()  # prefill's KV cannot reach decode yet
+        try:
+            p_leg = Leg(prefill.url, body)
+            p_leg.start()
+            wait_until(lambda: prefill.resources()["queues"]["prefill_inflight"] == 1, 60, "prefill inflight")
+            assert call(cluster, "prefill", "pause_generation", {"mode": "retract"})[0] == 200
+            paused.append("prefill")
+        finally:
+            decode.resume()
+        # The KV arrives while prefill is paused; decode runs the request, and retracts it.
+        wait_until(lambda: decode.resources()["queues"]["running"] == 1, 60, "decode running")
+        assert call(cluster, "decode", "pause_generation", {"mode": "retract"})[0] == 200
+        paused.append("decode")
+        wait_until(lambda: decode.resources()["queues"]["decode_held_rebootstrap"] == 1, 30, "decode retracted it")
+        # What prefill answers while paused: its leg (KV sent), at once (bounded wait; asserted below).
+        p_leg.join(10)
+        first_leg = dict(p_leg.out, queues=prefill.resources()["queues"])
+        assert pause_report(cluster, "prefill")[0]["paused"]
+        # Decode continues first: its re-send reaches the still paused prefill.
+        t0 = time.monotonic()
+        for role in ("decode", "prefill"):
+            assert call(cluster, role, "continue_generation")[0] == 200
+            paused.remove(role)
+    finally:
+        for role in paused:
+            call(cluster, role, "continue_generation")
+    wait_until(d_leg.done, REQUEST_DEADLINE_S, "the re-bootstrapped request to be answered")
+    # What the client saw: the completion, in time (it was 500 "PD retract rebootstrap /generate failed").
+    answer = d_leg.response
+    assert d_leg.status == 200, d_leg.out
+    # Prefill's first leg: answered while prefill was paused, as a completion.
+    assert first_leg.get("status") == 200, first_leg
+    assert first_leg["body"]["meta_info"]["finish_reason"]["type"] == "length", first_leg
+    assert answer["meta_info"]["finish_reason"]["type"] == "length", answer["meta_info"]
+    assert len(answer["output_ids"]) == REBOOTSTRAP_TOKENS
+    assert d_leg.out["ended"] - t0 < ANSWER_AFTER_CONTINUE_S, d_leg.out["ended"] - t0
+    # What was counted: no end on either server (a completion), no failure.
+    assert delta(causes, cluster_end_causes(cluster)) == {}
+    assert failed() == failed_before
+    # What is left held: nothing; serving continues.
+    assert_idle(cluster, PD_ROLES, baseline)
+    assert generate(cluster.url, "hello", max_new_tokens=8)["status"] == 200

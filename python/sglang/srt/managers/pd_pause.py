@@ -355,14 +355,21 @@ def pause_answer_kept(scheduler, abort_req, req, *args, **kwargs) -> None:
 
 def paused_loop_tick(result, scheduler, *args, **kwargs):
     """AFTER Scheduler._record_scheduler_state_for_paused_engine (each paused loop iteration): for a while after
-    an abort keep retiring what it failed (late drain acks); otherwise wait for input instead of spinning."""
+    an abort keep retiring what it failed (late drain acks); otherwise answer prefill's legs whose transfer
+    concluded, then wait for input instead of spinning."""
     sp = scheduler_pause(scheduler)
-    if pd_queues.role(scheduler) is None:
+    role = pd_queues.role(scheduler)
+    if role is None:
         return result
     if not sp.released and sp.pump_until and time.monotonic() < sp.pump_until:
         pump_pd_queues(scheduler)
         return result
     sp.pump_until = 0.0
+    if role == pd_queues.PREFILL and not sp.released and scheduler.disagg_prefill_inflight_queue:
+        # A leg whose KV reached decode is answered now, not after continue: decode may retract the request and
+        # re-send it to this prefill under the same rid (upstream's retract re-bootstrap), which prefill's
+        # tokenizer refuses (400 "Duplicate request ID") while this leg still holds the rid.
+        scheduler.process_disagg_prefill_inflight_queue()
     wait_for_input_while_paused(scheduler)
     return result
 
