@@ -323,6 +323,27 @@ def test_decode_ends_a_room_prefills_pause_ended_as_a_pause_abort(decode):
     h.faults.release(room)
 
 
+def test_upstreams_bare_abort_does_not_hide_the_pause_prefill_named(decode):
+    """Prefill tells decode its pause ended a room it was sending, then the sender's Failed arrives with upstream's
+    bare "Aborted by AbortReq.": decode's copy still ends naming the pause, not as a client abort."""
+    from sglang.srt.managers import pd_pause
+
+    h = decode
+    req = h.add(h.make_req())
+    room = req.bootstrap_room
+    h.faults.hold_transfer(room)
+    h.run_until(lambda: len(h.transfer_queue.queue) == 1)
+    record = type(h.kv_manager).record_failure  # the hook around the manager's own (CommonKVManager's on mooncake)
+    ar.around_record_failure(record, h.kv_manager, room, ar.peer_reason(req.rid, room, "prefill", pd_pause.PAUSE_ABORT_MESSAGE))
+    ar.around_record_failure(record, h.kv_manager, room, "Aborted by AbortReq.")
+    h.faults.set(room, KVPoll.Failed)
+    h.tick()
+    _assert_ended_as_pause(h, req, ("decode", ec.PAUSE, pd_queues.DECODE_TRANSFER))
+    assert h.room_entries(room) == []
+    h.assert_baseline(h.idle)
+    h.faults.release(room)
+
+
 # ----------------------------------------------------------------------------- other causes
 
 

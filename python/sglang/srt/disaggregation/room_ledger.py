@@ -314,7 +314,8 @@ def around_update_status(original, mgr, bootstrap_room, status, *args, **kwargs)
 
 
 def around_record_failure(original, mgr, bootstrap_room, failure_reason, *args, **kwargs):
-    """AROUND CommonKVManager.record_failure: none for a cleared room (decode) or over a peer loss; tags our loss."""
+    """AROUND CommonKVManager.record_failure: none for a cleared room (decode), over a peer loss or, as upstream's
+    bare abort reason, over any reason; tags our loss."""
     from sglang.srt.disaggregation.utils import DisaggregationMode
 
     if getattr(mgr, "disaggregation_mode", None) == DisaggregationMode.DECODE:
@@ -323,8 +324,10 @@ def around_record_failure(original, mgr, bootstrap_room, failure_reason, *args, 
             return None
         if (failure_reason or "").startswith(PEER_LOST_TAG):
             end_cause.tag(mgr, bootstrap_room, end_cause.PEER_FAILURE)
-    current = mgr.failure_records.get(bootstrap_room)
-    if current and current.startswith(PEER_LOST_TAG) and not (failure_reason or "").startswith(PEER_LOST_TAG):
+    current, new = mgr.failure_records.get(bootstrap_room), failure_reason or ""
+    if current and current.startswith(PEER_LOST_TAG) and not new.startswith(PEER_LOST_TAG):
+        return None
+    if current and new.startswith(UPSTREAM_ABORT_REASON):  # e.g. the sender's Failed after the ledger told the pause
         return None
     return original(mgr, bootstrap_room, failure_reason, *args, **kwargs)
 
