@@ -1,4 +1,4 @@
-"""The room ledger: the one way the fork ends a PD room, its memory of ended rooms, the verdict.
+"""The room ledger: the one way the fork ends a PD room, its memory of ended rooms, the verdict, the engine clock.
 
 `RoomLedger.end` does the ending in the order of docs/layout.md ("How a room ends"); `verdict`
 answers every PD request's failure end. Any thread; `RoomLedger.lock` is a leaf.
@@ -13,16 +13,16 @@ import logging
 import queue
 import sys
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from http import HTTPStatus
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from sglang.srt.disaggregation import pd_queues, request_end_cause as end_cause
 from sglang.srt.disaggregation.base import KVPoll
 from sglang.srt.disaggregation.pd_queues import DECODE_TRANSFER, PREFILL_INFLIGHT, PREFILL_RUNNING, PREFILL_WAITING
 from sglang.srt.managers import fork_touch
-from sglang.srt.managers.engine_clock import engine_clock
 from sglang.srt.managers.fork_touch import upstream
 
 logger = logging.getLogger(__name__)
@@ -38,6 +38,38 @@ DECODE_ABORT_REASON = "PD request aborted on decode: bootstrap_room={room} was a
 # Decode appends [WHY_FRAME, message] to its ABORT when its pause or a release ended the
 # room (pd_pause); prefill strips them before upstream's parser.
 WHY_FRAME = b"fork-why"
+
+
+class EngineClock:
+    """Monotonic seconds not counting paused time (one per scheduler process): PD deadlines and the ledger's memory
+    read `now()`; pd_pause calls `pause()` / `resume()` (both idempotent) on pause_generation / continue_generation."""
+
+    def __init__(self, monotonic: Callable[[], float] = time.monotonic):
+        self._monotonic = monotonic
+        self._paused_at: Optional[float] = None
+        self._paused_total = 0.0
+
+    @property
+    def paused(self) -> bool:
+        return self._paused_at is not None
+
+    def now(self) -> float:
+        t = self._paused_at if self._paused_at is not None else self._monotonic()
+        return t - self._paused_total
+
+    def pause(self) -> None:
+        if self._paused_at is None:
+            self._paused_at = self._monotonic()
+
+    def resume(self) -> float:
+        """Restart the clock; returns how long it stood still (0.0 if it was running)."""
+        paused = 0.0 if self._paused_at is None else self._monotonic() - self._paused_at
+        self._paused_total += paused
+        self._paused_at = None
+        return paused
+
+
+engine_clock = EngineClock()
 
 
 @dataclass
