@@ -1,11 +1,6 @@
-"""Pause/release/resume/continue with PD requests in flight (docs/pause-release-resume.md).
-
-The scheduler side (scheduler thread; hooks, the decode patch): what runs at release is retracted, what sits in the
-PD queues is aborted through upstream's own retire paths; paused time counts against no timer (`engine_clock`); an
-abort reaching a paused engine is answered at once. The tokenizer side (the HTTP process's event loop; hooks, the
-tokenizer_manager and http_server patches): the engine's pause state (409 for a call upstream cannot survive) and
-the pause gate (an abort of a request held there is answered at once).
-"""
+"""Pause/release/resume/continue with PD requests in flight (docs/pause-release-resume.md). The scheduler side
+(scheduler thread): what each pause mode ends or keeps at release, the engine clock, aborts while paused. The tokenizer
+side (the HTTP process's event loop): the pause state (409s) and the pause gate."""
 
 from __future__ import annotations
 
@@ -15,12 +10,13 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any, Dict, List, Optional
 
 from fastapi import HTTPException
 
-from sglang.srt.disaggregation import pd_queues, room_ledger
+from sglang.srt.disaggregation import pd_queues, request_end_cause, room_ledger
 from sglang.srt.disaggregation.room_ledger import engine_clock
 from sglang.srt.managers import fork_touch
 from sglang.srt.managers.io_struct import AbortReq, ContinueGenerationReqInput, PauseGenerationReqInput
@@ -34,8 +30,7 @@ PAUSE_ABORT_MESSAGE = "Aborted by pause_generation(mode=abort)."
 DRAIN_DEADLINE_S = 10.0
 ABORT_PUMP_WINDOW_S = 5.0  # after an abort while paused, the paused loop keeps retiring what concludes late
 
-# Start times (time.time()) that upstream's transfer senders/receivers measure their
-# bootstrap and waiting timeouts from (disaggregation/common/conn.py).
+# Start times (time.time()) of upstream's bootstrap and waiting timeouts on transfer senders/receivers
 UPSTREAM_TIMER_ATTRS = ("init_time", "_prefill_complete_time", "_prefill_wait_start")
 
 
@@ -49,21 +44,19 @@ def pause_finish_reason(message: str = PAUSE_ABORT_MESSAGE) -> Dict[str, Any]:
     return FINISH_ABORT(message, None).to_json()
 
 
+@dataclass
 class _SchedulerPause:
     """Per-scheduler bookkeeping of the pause (one per scheduler process)."""
 
-    def __init__(self):
-        self.mode: Optional[str] = None
-        self.pumping = False
-        self.draining = False  # inside _abort_all_and_drain
-        self.released = False  # PD queues released (KV buffers deregistered)
-        self.pump_until = 0.0  # keep pumping the paused loop until (monotonic)
+    mode: Optional[str] = None
+    pumping: bool = False
+    draining: bool = False  # inside _abort_all_and_drain
+    released: bool = False  # PD queues released (KV buffers deregistered)
+    pump_until: float = 0.0  # keep pumping the paused loop until (monotonic)
 
 
 def scheduler_pause(scheduler) -> _SchedulerPause:
-    if not hasattr(scheduler, "_fork_pd_pause"):
-        scheduler._fork_pd_pause = _SchedulerPause()
-    return scheduler._fork_pd_pause
+    return scheduler.__dict__.setdefault("_fork_pd_pause", _SchedulerPause())
 
 
 def scheduler_pause_generation(original, scheduler, recv_req):
@@ -319,8 +312,6 @@ def keep_pause_verdict(scheduler, recv_req=None) -> None:
     """A running request the pause or a release ended (its verdict names it) keeps that message, not the bare
     FINISH_ABORT() each repeat of the abort-mode pause's abort_all sets again; one the verdict marking did not
     see (decode's last batch, admitted as the pause's abort landed) gets `recv_req`'s if that is the pause's."""
-    from sglang.srt.disaggregation import request_end_cause
-
     asked = _pause_message(recv_req)
     for req in scheduler.collect_inflight_reqs():
         verdict = getattr(req, room_ledger.REQUESTED_ABORT, None)
@@ -418,10 +409,10 @@ def _abort_held_rebootstrap(scheduler, recv_req) -> None:
 
 # ----------------------------------------------------------------------------- why, to prefill
 
-# Decode appends [room_ledger.WHY_FRAME, message] to the ABORT of a room its pause or a release ended (upstream's
-# names only the room); prefill's ABORT handler strips them. room -> (message, until): set by the scheduler, read
-# by the thread sending the ABORT; bounded, and only for WHY_TTL_S (a room re-bootstrapped after a retract pause
-# and aborted later by its client must not carry the pause's message).
+# Decode's ABORT of a room its pause or a release ended carries [room_ledger.WHY_FRAME, message] (docs/pause-release-
+# resume.md, "How each kind of end is answered"). room -> (message, until): set by the scheduler, read by the
+# thread sending the ABORT; only for WHY_TTL_S (a room re-bootstrapped after a retract pause and aborted later by
+# its client must not carry it).
 MAX_WHY_ROOMS = 4096
 WHY_TTL_S = 30.0
 _why: "OrderedDict[int, tuple]" = OrderedDict()
@@ -582,9 +573,7 @@ def tags_of_list(tags: Optional[List[str]]) -> List[str]:
 
 
 def _state_of(tokenizer_manager) -> EnginePauseState:
-    if not hasattr(tokenizer_manager, "_fork_pause_state"):
-        tokenizer_manager._fork_pause_state = EnginePauseState()
-    return tokenizer_manager._fork_pause_state
+    return tokenizer_manager.__dict__.setdefault("_fork_pause_state", EnginePauseState())
 
 
 async def _set_gate(tokenizer_manager, closed: Optional[bool] = None) -> None:
