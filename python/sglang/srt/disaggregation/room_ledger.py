@@ -340,8 +340,7 @@ def around_update_status(original, mgr, bootstrap_room, status, *args, **kwargs)
         mgr.req_to_decode_prefix_len.pop(bootstrap_room, None)
     else:
         result = original(mgr, bootstrap_room, status, *args, **kwargs)
-    mgr.send_kv_status_message(targets=targets, bootstrap_room=bootstrap_room, status=KVPoll.Failed,
-                               failure_reason=reason)
+    ledger.end(bootstrap_room, None, reason, fail=False, targets=targets)
     return result
 
 

@@ -78,14 +78,8 @@ def scheduler_pause_generation(original, scheduler, recv_req):
 
 
 def _settle_answered_forward(scheduler) -> None:
-    """Abort mode with the overlap scheduler: the tokenizer pauses the scheduler once the
-    abort answered every request, which happens while processing a forward's result; the
-    next forward, launched with the same requests, is still in upstream's result queue
-    when the pause can land before the loop's next pass, and a paused loop never
-    processes it. The weight update's flush then found the engine busy (400 "Cache not
-    flushed because there are pending requests. #queue-req: 0, #running-req: 0";
-    `result_queue` in not_idle_reasons). When that forward holds only finished requests,
-    process it now, as the loop's next pass would, and forget it as the last batch."""
+    """Abort mode, overlap scheduler: a forward of only finished requests left in upstream's result queue is
+    processed now, as the loop's next pass would (docs/pause-release-resume.md, "What release does")."""
     results = fork_touch.upstream(scheduler, "result_queue")
     if not scheduler.enable_overlap or not results or scheduler.last_batch is None:
         return
@@ -666,12 +660,9 @@ def name_state_if_pause_call(route_path: str, message: str, global_state: Any) -
             f"{list(PAUSE_MODES)}; nothing changed. {message}")
 
 
-# Upstream's abort-mode pause loop (abort_all, `model_update_lock.is_locked()`, sleep 1 s; its only caller of
-# is_locked) gets False on its first check once every request past the pause gate has its answer decided (it left
-# the tokenizer's table, its answer handed to its HTTP handler) or the lock is free: this hook waits up to
-# DRAIN_WAIT_S for either. Handlers still writing decided answers read no weights (bench/README.md); an undecided
-# request keeps the pause waiting, as upstream's lock does. 3 s, not upstream's 1 s: a drain of 0.9-1.9 s would
-# otherwise pay the full sleep on top.
+# Upstream's abort-mode pause loop (abort_all, `model_update_lock.is_locked()`, sleep 1 s) gets False once every
+# request past the pause gate has its answer decided or the lock is free (docs/pause-release-resume.md); this hook
+# waits up to DRAIN_WAIT_S for either (not upstream's 1 s: a drain of 0.9-1.9 s would pay the full sleep on top).
 DRAIN_WAIT_S = 3.0
 # The tokenizer manager whose pause_generation runs in this task (None elsewhere).
 _ABORT_PAUSE: contextvars.ContextVar = contextvars.ContextVar("fork_abort_pause", default=None)
@@ -778,13 +769,6 @@ def gate_aborted(request_states: Dict[str, Any]) -> bool:
     return any(getattr(s, _MARK, None) is not None for s in request_states.values())
 
 
-def abort_output(rid: str, message: str) -> Dict[str, Any]:
-    """Upstream's answer to an aborted request that produced nothing."""
-    meta = {"id": rid, "finish_reason": {"type": "abort", "message": message, "status_code": None},
-            "prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0, "e2e_latency": 0.0}
-    return {"text": "", "output_ids": [], "meta_info": meta}
-
-
 def gate_abort_answers(tokenizer_manager, obj: Any, request_states: Dict[str, Any]) -> List[Any]:
     """What generate_request yields for a request aborted at the gate (its states are dropped: nothing was sent to
     the scheduler). A batch ends whole: sub-requests not aborted by name get the same abort."""
@@ -793,7 +777,10 @@ def gate_abort_answers(tokenizer_manager, obj: Any, request_states: Dict[str, An
     for index, (rid, state) in enumerate(request_states.items()):
         if tokenizer_manager.rid_to_state.get(rid) is state:
             del tokenizer_manager.rid_to_state[rid]
-        out = abort_output(rid, getattr(state, _MARK, None) or first)
+        reason = {"type": "abort", "message": getattr(state, _MARK, None) or first, "status_code": None}
+        meta = {"id": rid, "finish_reason": reason, "prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0,
+                "e2e_latency": 0.0}
+        out = {"text": "", "output_ids": [], "meta_info": meta}  # upstream's answer to an abort that produced nothing
         if not obj.is_single:
             out["index"] = index
         outs.append(out)
