@@ -494,11 +494,12 @@ class EnginePauseState:
     def serving(self) -> bool:
         return self.mode is None and not self.released
 
+    def named(self) -> str:
+        return f"engine state is {self.state!r}" + (f" (pause mode {self.mode})" if self.mode else "")
+
     def _reject(self, op: str, why: str, hint: Optional[str] = None) -> None:
-        mode = f" (pause mode {self.mode})" if self.mode else ""
         tags = f" (released: {self.released})" if self.released else ""
-        raise PauseStateError(f"{op} rejected: {why}; engine state is {self.state!r}{mode}{tags}; "
-                              f"{hint or _HINT[self.state]}")
+        raise PauseStateError(f"{op} rejected: {why}; {self.named()}{tags}; {hint or _HINT[self.state]}")
 
     def check(self, op: str, mode: Optional[str] = None, tags: Optional[List[str]] = None, in_flight: int = 0) -> None:
         """Raise PauseStateError (409) if `op` is not accepted now; change nothing."""
@@ -587,12 +588,9 @@ def _guarded(op: str):
             return None  # not paused: nothing to continue (upstream: a no-op too)
         if op == "pause_generation" and state.mode is not None and mode == state.mode:
             return None  # already paused in this mode: a no-op
+        state.check(op, mode, tags, len(tokenizer_manager.rid_to_state))  # in flight: only a release without a pause
         if op == "release_memory_occupation" and state.mode is None:
-            # No pause: check that nothing is in flight and hold new requests at the pause gate (no await between).
-            state.check(op, mode, tags, len(tokenizer_manager.rid_to_state))
-            tokenizer_manager.is_pause = state.gate_closed_by_release = True
-        else:
-            state.check(op, mode, tags)
+            tokenizer_manager.is_pause = state.gate_closed_by_release = True  # hold new requests (no await since check)
         if op == "resume_memory_occupation":
             obj.tags = state.to_resume(state.resume_named(tags))
         state.busy, state.busy_mode = op, mode
@@ -654,9 +652,7 @@ def name_state_if_pause_call(route_path: str, message: str, global_state: Any) -
     tokenizer_manager = getattr(global_state, "tokenizer_manager", None)
     if route_path != "/pause_generation" or tokenizer_manager is None:
         return message
-    state = _state_of(tokenizer_manager)
-    mode = f" (pause mode {state.mode})" if state.mode else ""
-    return (f"pause_generation rejected: engine state is {state.state!r}{mode}; expected mode one of "
+    return (f"pause_generation rejected: {_state_of(tokenizer_manager).named()}; expected mode one of "
             f"{list(PAUSE_MODES)}; nothing changed. {message}")
 
 
