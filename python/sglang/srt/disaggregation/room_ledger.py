@@ -31,12 +31,10 @@ ATTR = "fork_room_ledger"
 PEER_MONITOR_ATTR = "fork_peer_monitor"  # peer_liveness._MONITOR
 MAX_RECORDS = 65536
 NEVER = float("inf")
-# Opens with ABORT_TAG: decode ended the request (its ABORT carries no
-# cause), so prefill's leg ends as an abort, not as a bootstrap failure.
+# Opens with ABORT_TAG: decode ended the request, so prefill's leg ends as an abort, not as a bootstrap failure.
 CANCEL_REASON = "PD request aborted on decode: the decode peer {peer} aborted room {room} before prefill received the request"
 DECODE_ABORT_REASON = "PD request aborted on decode: bootstrap_room={room} was aborted by the decode peer."
-# Decode appends [WHY_FRAME, message] to its ABORT when its pause or a release ended the
-# room (pd_pause); prefill strips them before upstream's parser.
+# Decode appends [WHY_FRAME, message] to the ABORT of a room its pause or a release ended; prefill strips them.
 WHY_FRAME = b"fork-why"
 
 
@@ -473,13 +471,11 @@ def before_abort_request(scheduler, recv_req, *args, **kwargs) -> None:
     if role is None:
         return
     message, status, cause = requested_verdict(recv_req)
-    seen = set()
     for stage, req in pd_queues.walk(scheduler):
-        if id(req) in seen or not (recv_req.abort_all or req.rid.startswith(recv_req.rid or "")) or req.finished():
+        if not (recv_req.abort_all or req.rid.startswith(recv_req.rid or "")) or req.finished():
             continue
-        seen.add(id(req))
         if getattr(req, REQUESTED_ABORT, None) is not None:
-            continue  # already aborted: a second abort changes nothing
+            continue  # already aborted (or met earlier in the walk): a second abort changes nothing
         setattr(req, REQUESTED_ABORT, (message, status))
         end_cause.tag_req(req, cause)
         kv_mgr = _kv_mgr(req) if role == "prefill" else None
