@@ -1,8 +1,7 @@
 """The room ledger: the one way the fork ends a PD room, its memory of ended rooms, the verdict, the engine clock.
 
 `RoomLedger.end` does the ending in the order of docs/layout.md ("How a room ends"); `verdict`
-answers every PD request's failure end. Any thread; `RoomLedger.lock` is a leaf.
-"""
+answers every PD request's failure end. Any thread; `RoomLedger.lock` is a leaf."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """How fork modules touch upstream outside HookRegistry (docs/layout.md "Ways the fork touches upstream"):
 `swap()` swaps an upstream attribute as `fork_plugin.SWAPS` declares (scheduler thread, while it builds its kv
-manager; checked by `check_at_start`); `upstream(obj, name)` reads an upstream internal, failing on a rename.
-"""
+manager; checked by `check_at_start`); `upstream(obj, name)` reads an upstream internal, failing on a rename."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """What a scheduler holds right now, as `fork_pd_resources` in its internal state (GET /get_server_info ->
 internal_states[i]; read-only, scheduler thread): KV tokens, slots, PD queues, the kv manager's per-room tables,
-hooks and swaps applied, and each component's own `report()`.
-"""
+hooks and swaps applied, and each component's own `report()`."""
 
 from __future__ import annotations
 
