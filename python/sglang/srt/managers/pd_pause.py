@@ -287,9 +287,7 @@ def abort_while_paused(original, scheduler, recv_req, *args, **kwargs):
     result = original(scheduler, recv_req, *args, **kwargs)
     sp.pump_until = time.monotonic() + ABORT_PUMP_WINDOW_S
     if _holds_in_batch(scheduler, recv_req):
-        # An in-place pause holds the last batch as it was (decode: running requests with their KV;
-        # prefill: a forward whose result is unprocessed), answered only after the next pass. Upstream's
-        # retract settles it now: decode's others re-bootstrap on continue, prefill's result is processed.
+        # a paused batch is answered after the next pass; upstream's retract settles it now (docs: "Aborts while paused")
         mode = sp.mode
         scheduler.pause_generation(PauseGenerationReqInput(mode="retract"))
         sp.mode = mode
