@@ -287,7 +287,7 @@ def abort_while_paused(original, scheduler, recv_req, *args, **kwargs):
     result = original(scheduler, recv_req, *args, **kwargs)
     sp.pump_until = time.monotonic() + ABORT_PUMP_WINDOW_S
     if _holds_in_batch(scheduler, recv_req):
-        # a paused batch is answered after the next pass; upstream's retract settles it now (docs: "Aborts while paused")
+        # a paused batch is answered after the next pass: upstream's retract settles it now ("Aborts while paused")
         mode = sp.mode
         scheduler.pause_generation(PauseGenerationReqInput(mode="retract"))
         sp.mode = mode
