@@ -351,7 +351,7 @@ def test_deadline_expiry_counts_as_timeout(monkeypatch):
     """The transfer deadline tags its rooms "timeout": counted once under that cause
     (and as upstream's failure), and the tag does not outlive the request."""
     from sglang.srt.disaggregation import transfer_deadline as td
-    from sglang.srt.managers.engine_clock import engine_clock
+    from sglang.srt.disaggregation.room_ledger import engine_clock
 
     now = [1000.0]
     monkeypatch.setattr(engine_clock, "_monotonic", lambda: now[0])

@@ -1,6 +1,6 @@
 """The engine clock excludes paused time and is idempotent under repeated calls."""
 
-from sglang.srt.managers.engine_clock import EngineClock
+from sglang.srt.disaggregation.room_ledger import EngineClock
 
 
 class Wall:

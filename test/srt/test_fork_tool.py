@@ -395,9 +395,9 @@ def test_status_one_line_per_patch_and_hook(repo_copy):
 
 def test_check_rejects_an_import_cycle_and_undeclared_or_missing_swaps(repo_copy):
     root = repo_copy
-    clock = root / "python/sglang/srt/managers/engine_clock.py"
-    line = len(clock.read_text().splitlines()) + 4
-    clock.write_text(clock.read_text() + "\n\ndef _late():\n    from sglang.srt.managers import pd_pause  # noqa\n")
+    ledger = root / "python/sglang/srt/disaggregation/room_ledger.py"
+    line = len(ledger.read_text().splitlines()) + 4
+    ledger.write_text(ledger.read_text() + "\n\ndef _late():\n    from sglang.srt.managers import pd_pause  # noqa\n")
     plugin = root / "python/sglang/srt/managers/fork_plugin.py"
     plugin.write_text(plugin.read_text().replace("MooncakeKVManager.failed_sessions", "MooncakeKVManager.failed_sessionz"))
     chunk = root / "python/sglang/srt/disaggregation/chunk_failures.py"
@@ -407,7 +407,7 @@ def test_check_rejects_an_import_cycle_and_undeclared_or_missing_swaps(repo_copy
 
     out = fork(root, "check", ok=False).stdout
     assert "FAIL no import cycles: " in out
-    assert f"sglang.srt.managers.engine_clock (line {line}) -> sglang.srt.managers.pd_pause (line " in out
+    assert f"sglang.srt.disaggregation.room_ledger (line {line}) -> sglang.srt.managers.pd_pause (line " in out
     assert ("swap target sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.failed_sessionz "
             f"does not exist in upstream {OLD}") in out
     assert f"sglang.srt.disaggregation.chunk_failures:{n} swaps 'session_lock' (instance) not declared in SWAPS" in out

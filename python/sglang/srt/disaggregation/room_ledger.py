@@ -1,8 +1,7 @@
-"""The room ledger: the one way the fork ends a PD room, its memory of ended rooms, the verdict.
+"""The room ledger: the one way the fork ends a PD room, its memory of ended rooms, the verdict, the engine clock.
 
 `RoomLedger.end` does the ending in the order of docs/layout.md ("How a room ends"); `verdict`
-answers every PD request's failure end. Any thread; `RoomLedger.lock` is a leaf.
-"""
+answers every PD request's failure end. Any thread; `RoomLedger.lock` is a leaf."""
 
 from __future__ import annotations
 
@@ -13,16 +12,16 @@ import logging
 import queue
 import sys
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from http import HTTPStatus
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from sglang.srt.disaggregation import pd_queues, request_end_cause as end_cause
 from sglang.srt.disaggregation.base import KVPoll
 from sglang.srt.disaggregation.pd_queues import DECODE_TRANSFER, PREFILL_INFLIGHT, PREFILL_RUNNING, PREFILL_WAITING
 from sglang.srt.managers import fork_touch
-from sglang.srt.managers.engine_clock import engine_clock
 from sglang.srt.managers.fork_touch import upstream
 
 logger = logging.getLogger(__name__)
@@ -31,13 +30,43 @@ ATTR = "fork_room_ledger"
 PEER_MONITOR_ATTR = "fork_peer_monitor"  # peer_liveness._MONITOR
 MAX_RECORDS = 65536
 NEVER = float("inf")
-# Opens with ABORT_TAG: decode ended the request (its ABORT carries no
-# cause), so prefill's leg ends as an abort, not as a bootstrap failure.
+# Opens with ABORT_TAG: decode ended the request, so prefill's leg ends as an abort, not as a bootstrap failure.
 CANCEL_REASON = "PD request aborted on decode: the decode peer {peer} aborted room {room} before prefill received the request"
 DECODE_ABORT_REASON = "PD request aborted on decode: bootstrap_room={room} was aborted by the decode peer."
-# Decode appends [WHY_FRAME, message] to its ABORT when its pause or a release ended the
-# room (pd_pause); prefill strips them before upstream's parser.
+# Decode appends [WHY_FRAME, message] to the ABORT of a room its pause or a release ended; prefill strips them.
 WHY_FRAME = b"fork-why"
+
+
+class EngineClock:
+    """Monotonic seconds not counting paused time (one per scheduler process): PD deadlines and the ledger's memory
+    read `now()`; pd_pause calls `pause()` / `resume()` (both idempotent) on pause_generation / continue_generation."""
+
+    def __init__(self, monotonic: Callable[[], float] = time.monotonic):
+        self._monotonic = monotonic
+        self._paused_at: Optional[float] = None
+        self._paused_total = 0.0
+
+    @property
+    def paused(self) -> bool:
+        return self._paused_at is not None
+
+    def now(self) -> float:
+        t = self._paused_at if self._paused_at is not None else self._monotonic()
+        return t - self._paused_total
+
+    def pause(self) -> None:
+        if self._paused_at is None:
+            self._paused_at = self._monotonic()
+
+    def resume(self) -> float:
+        """Restart the clock; returns how long it stood still (0.0 if it was running)."""
+        paused = 0.0 if self._paused_at is None else self._monotonic() - self._paused_at
+        self._paused_total += paused
+        self._paused_at = None
+        return paused
+
+
+engine_clock = EngineClock()
 
 
 @dataclass
@@ -308,8 +337,7 @@ def around_update_status(original, mgr, bootstrap_room, status, *args, **kwargs)
         mgr.req_to_decode_prefix_len.pop(bootstrap_room, None)
     else:
         result = original(mgr, bootstrap_room, status, *args, **kwargs)
-    mgr.send_kv_status_message(targets=targets, bootstrap_room=bootstrap_room, status=KVPoll.Failed,
-                               failure_reason=reason)
+    ledger.end(bootstrap_room, None, reason, fail=False, targets=targets)
     return result
 
 
@@ -445,13 +473,11 @@ def before_abort_request(scheduler, recv_req, *args, **kwargs) -> None:
     if role is None:
         return
     message, status, cause = requested_verdict(recv_req)
-    seen = set()
     for stage, req in pd_queues.walk(scheduler):
-        if id(req) in seen or not (recv_req.abort_all or req.rid.startswith(recv_req.rid or "")) or req.finished():
+        if not (recv_req.abort_all or req.rid.startswith(recv_req.rid or "")) or req.finished():
             continue
-        seen.add(id(req))
         if getattr(req, REQUESTED_ABORT, None) is not None:
-            continue  # already aborted: a second abort changes nothing
+            continue  # already aborted (or met earlier in the walk): a second abort changes nothing
         setattr(req, REQUESTED_ABORT, (message, status))
         end_cause.tag_req(req, cause)
         kv_mgr = _kv_mgr(req) if role == "prefill" else None

@@ -21,9 +21,9 @@ from sglang.srt.disaggregation import request_end_cause, room_ledger
 from sglang.srt.disaggregation.pd_queues import (
     DECODE_PREALLOC, DECODE_TRANSFER, PREFILL_BOOTSTRAP, PREFILL_INFLIGHT, PREFILL_WAITING,
 )
+from sglang.srt.disaggregation.room_ledger import engine_clock
 from sglang.srt.disaggregation.transfer_deadline_knob import ARG, ENV, configured
 from sglang.srt.managers import fork_touch
-from sglang.srt.managers.engine_clock import engine_clock
 
 logger = logging.getLogger(__name__)
 

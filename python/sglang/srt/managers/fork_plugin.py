@@ -1,6 +1,5 @@
-"""The fork's `sglang.srt.plugins` entry point, and the table of every way the fork touches upstream (HOOKS, SWAPS;
-docs/layout.md "Ways the fork touches upstream"). Hooks on one target wrap in table order: the last is outermost.
-"""
+"""The fork's `sglang.srt.plugins` entry point: every way the fork touches upstream (docs/layout.md "Ways the fork
+touches upstream"). Hooks on one target wrap in table order: the last is outermost."""
 
 import importlib
 
@@ -10,13 +9,10 @@ AFTER, AROUND, BEFORE = HookType.AFTER, HookType.AROUND, HookType.BEFORE
 
 # (dotted target in upstream, then "our_module:function", hook type)
 HOOKS: list[tuple[str, str, HookType]] = [
-    # the resource report (fork_pd_resources), with the requests held at the tokenizer's pause gate
     ("sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController.get_internal_state",
      "sglang.srt.managers.pd_resource_report:add_to_internal_state", AFTER),
     ("sglang.srt.managers.tokenizer_control_mixin.TokenizerControlMixin.get_internal_state",
      "sglang.srt.managers.pd_pause:tm_internal_state", AROUND),
-    # pause/release/resume/continue with PD requests in flight (docs/pause-release-resume.md): the tokenizer
-    # and scheduler sides, the PD queues' buffers (pd_pause)
     ("sglang.srt.managers.tokenizer_manager.TokenizerManager.pause_generation",
      "sglang.srt.managers.pd_pause:tm_pause_generation", AROUND),
     ("sglang.srt.managers.tokenizer_manager.TokenizerManager.continue_generation",
@@ -47,18 +43,13 @@ HOOKS: list[tuple[str, str, HookType]] = [
      "sglang.srt.managers.pd_pause:queue_resume", AROUND),
     ("sglang.srt.managers.scheduler.Scheduler._record_scheduler_state_for_paused_engine",
      "sglang.srt.managers.pd_pause:paused_loop_tick", AFTER),
-    ("sglang.srt.utils.aio_rwlock.RWLock.is_locked",
-     "sglang.srt.managers.pd_pause:around_is_locked", AROUND),
+    ("sglang.srt.utils.aio_rwlock.RWLock.is_locked", "sglang.srt.managers.pd_pause:around_is_locked", AROUND),
     ("sglang.srt.disaggregation.common.conn.AbortNotification.to_zmq",
      "sglang.srt.managers.pd_pause:abort_notification_with_why", AROUND),
     ("sglang.srt.managers.scheduler.Scheduler.send_abort_output",
      "sglang.srt.managers.pd_pause:pause_answer_kept", BEFORE),
-    # A fake-backend decode serves a request sent without bootstrap_host (upstream crashed).
     ("sglang.srt.disaggregation.decode._bootstrap_addr",
      "sglang.srt.disaggregation.pd_queues:fake_bootstrap_addr", AROUND),
-    # room_ledger: one per kv manager, the one way a room ends (drains owed by a peer,
-    # ended rooms, ends decode decided before its scheduler),
-    # and the one verdict on how a PD request that ends on a failure path is answered
     ("sglang.srt.disaggregation.utils.prepare_abort",
      "sglang.srt.disaggregation.room_ledger:prepare_abort_verdict", AROUND),
     ("sglang.srt.disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager",
@@ -69,8 +60,6 @@ HOOKS: list[tuple[str, str, HookType]] = [
      "sglang.srt.disaggregation.room_ledger:after_ensure_abort_notified", AFTER),
     ("sglang.srt.managers.scheduler.Scheduler.send_abort_output",
      "sglang.srt.disaggregation.room_ledger:after_send_abort_output", AFTER),
-    # its memory of ended rooms: a late handshake is answered Failed, a room decode
-    # cancelled first fails at creation; and the one hook on record_failure
     ("sglang.srt.disaggregation.common.conn.CommonKVManager.update_status",
      "sglang.srt.disaggregation.room_ledger:around_update_status", AROUND),
     ("sglang.srt.disaggregation.prefill.PrefillBootstrapQueue.create_sender",
@@ -79,7 +68,6 @@ HOOKS: list[tuple[str, str, HookType]] = [
      "sglang.srt.disaggregation.room_ledger:on_sender_clear", AFTER),
     ("sglang.srt.disaggregation.common.conn.CommonKVManager.record_failure",
      "sglang.srt.disaggregation.room_ledger:around_record_failure", AROUND),
-    # Transfer deadlines: expire overdue requests before each PD queue polls.
     ("sglang.srt.disaggregation.prefill.PrefillBootstrapQueue.pop_bootstrapped",
      "sglang.srt.disaggregation.transfer_deadline:before_pop_bootstrapped", BEFORE),
     ("sglang.srt.disaggregation.prefill.SchedulerDisaggregationPrefillMixin.resolve_waiting_queue_bootstrap",
@@ -90,13 +78,10 @@ HOOKS: list[tuple[str, str, HookType]] = [
      "sglang.srt.disaggregation.transfer_deadline:before_pop_preallocated", BEFORE),
     ("sglang.srt.disaggregation.decode.DecodeTransferQueue.pop_transferred",
      "sglang.srt.disaggregation.transfer_deadline:before_pop_transferred", BEFORE),
-    # A prefill request routed to a lost decode ends within seconds as peer loss (docs/gateway.md).
     ("sglang.srt.disaggregation.prefill.PrefillBootstrapQueue.pop_bootstrapped",
      "sglang.srt.disaggregation.peer_liveness:before_pop_bootstrapped", BEFORE),
-    # A transfer worker that raises fails its in-flight room and starts again.
     ("sglang.srt.disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager",
      "sglang.srt.disaggregation.chunk_failures:guard_transfer_worker", BEFORE),
-    # chunk_failures: failed chunk writes fail only their room, on both sides
     ("sglang.srt.disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager",
      "sglang.srt.disaggregation.chunk_failures:on_prefill_manager_init", AFTER),
     ("sglang.srt.disaggregation.prefill.PrefillBootstrapQueue.add",
@@ -105,7 +90,6 @@ HOOKS: list[tuple[str, str, HookType]] = [
      "sglang.srt.disaggregation.chunk_failures:on_sender_clear", AFTER),
     ("sglang.srt.disaggregation.decode.DecodeTransferQueue._record_transfer_failure",
      "sglang.srt.disaggregation.chunk_failures:on_decode_transfer_failure", AFTER),
-    # room_ledger (aborts): aborts end as aborts, never successes, and leave nothing behind.
     ("sglang.srt.managers.scheduler.Scheduler.abort_request",
      "sglang.srt.disaggregation.room_ledger:before_abort_request", BEFORE),
     ("sglang.srt.disaggregation.prefill.SchedulerDisaggregationPrefillMixin._retire_aborted_prefill_result",
@@ -114,7 +98,6 @@ HOOKS: list[tuple[str, str, HookType]] = [
      "sglang.srt.disaggregation.room_ledger:after_release_aborted_waiting", AFTER),
     ("sglang.srt.managers.scheduler.Scheduler.process_pending_chunked_abort",
      "sglang.srt.disaggregation.room_ledger:around_pending_chunked_abort", AROUND),
-    # peer_liveness: a crashed peer is noticed at once, its requests end (502), a restart is served.
     ("sglang.srt.disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager",
      "sglang.srt.disaggregation.peer_liveness:on_prefill_manager_init", AFTER),
     ("sglang.srt.disaggregation.decode.DecodePreallocQueue._init_kv_manager",
@@ -127,7 +110,6 @@ HOOKS: list[tuple[str, str, HookType]] = [
      "sglang.srt.disaggregation.peer_liveness:after_try_ensure_parallel_info", AFTER),
     ("sglang.srt.disaggregation.common.conn.CommonKVManager.conclude_transfer",
      "sglang.srt.disaggregation.peer_liveness:around_conclude_transfer", AROUND),
-    # transfer_deadline: decode fetches a prefill's info and endpoints on its pool, not the scheduler
     ("sglang.srt.disaggregation.decode.DecodePreallocQueue._ensure_prefill_info",
      "sglang.srt.disaggregation.transfer_deadline:around_ensure_prefill_info", AROUND),
     ("sglang.srt.disaggregation.common.conn.CommonKVManager.try_ensure_parallel_info",
@@ -141,32 +123,25 @@ HOOKS: list[tuple[str, str, HookType]] = [
      "sglang.srt.managers.fork_touch:check_at_start", AFTER),
     ("sglang.srt.disaggregation.decode.DecodePreallocQueue._init_kv_manager",
      "sglang.srt.managers.fork_touch:check_at_start", AFTER),
-    # decode's running requests an abort ends are counted by cause (request_end_cause)
     ("sglang.srt.managers.scheduler.Scheduler.process_batch_result",
      "sglang.srt.disaggregation.request_end_cause:after_process_batch_result", AFTER),
     ("sglang.srt.managers.scheduler.Scheduler.send_abort_output",
      "sglang.srt.disaggregation.request_end_cause:before_send_abort_output", BEFORE),
 ]
 
-# (upstream "module.Class.attribute", then "our_module:function" making the swap through fork_touch.swap(), kind
-#  "instance" (each object of that class) or "class" (the class itself), role whose kv manager gets it)
+# (upstream "module.Class.attribute", "our_module:function" making it through fork_touch.swap(), kind "instance"
+#  (each object of the class) or "class", role whose kv manager gets it); why each: docs/layout.md
 SWAPS: list[tuple[str, str, str, str]] = [
-    # the bootstrap thread looks it up per message: a decode registration is seen at once
     ("sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager._publish_peer_registration",
      "sglang.srt.disaggregation.peer_liveness:on_prefill_manager_init", "instance", "prefill"),
-    # decode's ABORT, before upstream's handler: kept for a room prefill has not created
-    # yet, the reason recorded for a live one (an abort, not a failure); mooncake and nixl
     ("sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager._handle_abort_notification",
      "sglang.srt.disaggregation.room_ledger:on_manager_init", "instance", "prefill"),
     ("sglang.srt.disaggregation.nixl.conn.NixlKVManager._handle_abort_notification",
      "sglang.srt.disaggregation.room_ledger:on_manager_init", "instance", "prefill"),
-    # a failed write nominates a session; only a failed probe blacklists it
     ("sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.failed_sessions",
      "sglang.srt.disaggregation.chunk_failures:on_prefill_manager_init", "instance", "prefill"),
-    # a session comes back only once a read from it completes (docs/chunk-failures.md)
     ("sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager._send_probe",
      "sglang.srt.disaggregation.chunk_failures:on_prefill_manager_init", "instance", "prefill"),
-    # a transfer worker that raises fails its in-flight room and starts again
     ("sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.transfer_worker",
      "sglang.srt.disaggregation.chunk_failures:guard_transfer_worker", "class", "prefill"),
 ]

@@ -1,7 +1,6 @@
 """How fork modules touch upstream outside HookRegistry (docs/layout.md "Ways the fork touches upstream"):
 `swap()` swaps an upstream attribute as `fork_plugin.SWAPS` declares (scheduler thread, while it builds its kv
-manager; checked by `check_at_start`); `upstream(obj, name)` reads an upstream internal, failing on a rename.
-"""
+manager; checked by `check_at_start`); `upstream(obj, name)` reads an upstream internal, failing on a rename."""
 
 from __future__ import annotations
 
@@ -32,26 +31,16 @@ def upstream(obj: Any, name: str) -> Any:
     return value
 
 
-def key(target: str, ref: str) -> str:
-    """How a SWAPS entry is named in `swaps_applied` (two modules may swap one target)."""
-    return f"{target} <- {ref}"
-
-
-def _declared(obj: Any, by: str, attr: str, kind: str) -> Optional[str]:
-    """The key of `by`'s SWAPS entry for `attr` on `obj`'s class, None for another class; raises if undeclared."""
+def _declared(obj: Any, by: str, attr: str, kind: str) -> Optional[Tuple[str, str]]:
+    """`by`'s SWAPS entry (target, ref) for `attr` on `obj`'s class, None for another class; raises if undeclared."""
     from sglang.srt.managers.fork_plugin import SWAPS
 
-    owners = []
-    for target, ref, k, _ in SWAPS:
-        owner, _, name = target.rpartition(".")
-        if name == attr and ref.partition(":")[0] == by and k == kind:
-            if _is_a(obj, owner):
-                return key(target, ref)
-            owners.append(owner)
-    if owners:
-        return None
-    raise UpstreamChanged(f"{by} swaps {attr!r} ({kind}) but fork_plugin.SWAPS does not declare it: every swap "
-                          "of an upstream attribute is declared there")
+    entries = [(target, ref) for target, ref, k, _ in SWAPS
+               if target.rpartition(".")[2] == attr and ref.partition(":")[0] == by and k == kind]
+    if not entries:
+        raise UpstreamChanged(f"{by} swaps {attr!r} ({kind}) but fork_plugin.SWAPS does not declare it: every "
+                              "swap of an upstream attribute is declared there")
+    return next((e for e in entries if _is_a(obj, e[0].rpartition(".")[0])), None)
 
 
 def _is_a(obj: Any, owner: str) -> bool:
@@ -59,8 +48,8 @@ def _is_a(obj: Any, owner: str) -> bool:
     return any(_qualname(c) == owner for c in classes)
 
 
-# key(target, ref) -> [(weak ref to the object swapped on, what was put there)]
-_APPLIED: Dict[str, List[Tuple[Any, Any]]] = {}
+# SWAPS (target, ref) -> [(weak ref to the object swapped on, what was put there)]
+_APPLIED: Dict[Tuple[str, str], List[Tuple[Any, Any]]] = {}
 _lock = threading.Lock()
 
 
@@ -90,25 +79,22 @@ def _in_place(obj: Any, attr: str, new: Any) -> bool:
     return False
 
 
-def applied_on(obj: Any, target: str, ref: str) -> bool:
-    """Whether the SWAPS entry (target, ref) was made on `obj` (or its class) and is still there."""
-    attr = target.rpartition(".")[2]
-    with _lock:
-        records = list(_APPLIED.get(key(target, ref), ()))
-    return any(
-        o is not None and (o is obj or (isinstance(o, type) and isinstance(obj, o))) and _in_place(o, attr, new)
-        for o, new in ((weak(), new) for weak, new in records)
-    )
-
-
 def swaps_applied(obj: Any, role: Optional[str] = None) -> Dict[str, bool]:
-    """"target <- ref" -> applied, for each SWAPS entry for `obj`'s class in `role`."""
+    """"target <- ref" -> whether that SWAPS entry for `obj`'s class in `role` was made on `obj` (or its class) and
+    is still in place."""
     from sglang.srt.managers.fork_plugin import SWAPS
 
     if obj is None:
         return {}
-    return {key(target, ref): applied_on(obj, target, ref) for target, ref, _, r in SWAPS
-            if (role is None or r in (role, "both")) and _is_a(obj, target.rpartition(".")[0])}
+    out: Dict[str, bool] = {}
+    for target, ref, _, r in SWAPS:
+        owner, _, attr = target.rpartition(".")
+        if (role is None or r in (role, "both")) and _is_a(obj, owner):
+            with _lock:
+                made = [(weak(), new) for weak, new in _APPLIED.get((target, ref), ())]
+            out[f"{target} <- {ref}"] = any(o is not None and (o is obj or (isinstance(o, type) and isinstance(obj, o)))
+                                           and _in_place(o, attr, new) for o, new in made)
+    return out
 
 
 def check_at_start(mgr: Any, queue: Any, *args: Any, **kwargs: Any) -> None:

@@ -1,11 +1,6 @@
-"""Pause/release/resume/continue with PD requests in flight (docs/pause-release-resume.md).
-
-The scheduler side (scheduler thread; hooks, the decode patch): what runs at release is retracted, what sits in the
-PD queues is aborted through upstream's own retire paths; paused time counts against no timer (`engine_clock`); an
-abort reaching a paused engine is answered at once. The tokenizer side (the HTTP process's event loop; hooks, the
-tokenizer_manager and http_server patches): the engine's pause state (409 for a call upstream cannot survive) and
-the pause gate (an abort of a request held there is answered at once).
-"""
+"""Pause/release/resume/continue with PD requests in flight (docs/pause-release-resume.md). The scheduler side
+(scheduler thread): what each pause mode ends or keeps at release, the engine clock, aborts while paused. The tokenizer
+side (the HTTP process's event loop): the pause state (409s) and the pause gate."""
 
 from __future__ import annotations
 
@@ -15,14 +10,15 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any, Dict, List, Optional
 
 from fastapi import HTTPException
 
-from sglang.srt.disaggregation import pd_queues, room_ledger
+from sglang.srt.disaggregation import pd_queues, request_end_cause, room_ledger
+from sglang.srt.disaggregation.room_ledger import engine_clock
 from sglang.srt.managers import fork_touch
-from sglang.srt.managers.engine_clock import engine_clock
 from sglang.srt.managers.io_struct import AbortReq, ContinueGenerationReqInput, PauseGenerationReqInput
 from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
@@ -34,8 +30,7 @@ PAUSE_ABORT_MESSAGE = "Aborted by pause_generation(mode=abort)."
 DRAIN_DEADLINE_S = 10.0
 ABORT_PUMP_WINDOW_S = 5.0  # after an abort while paused, the paused loop keeps retiring what concludes late
 
-# Start times (time.time()) that upstream's transfer senders/receivers measure their
-# bootstrap and waiting timeouts from (disaggregation/common/conn.py).
+# Start times (time.time()) of upstream's bootstrap and waiting timeouts on transfer senders/receivers
 UPSTREAM_TIMER_ATTRS = ("init_time", "_prefill_complete_time", "_prefill_wait_start")
 
 
@@ -49,21 +44,19 @@ def pause_finish_reason(message: str = PAUSE_ABORT_MESSAGE) -> Dict[str, Any]:
     return FINISH_ABORT(message, None).to_json()
 
 
+@dataclass
 class _SchedulerPause:
     """Per-scheduler bookkeeping of the pause (one per scheduler process)."""
 
-    def __init__(self):
-        self.mode: Optional[str] = None
-        self.pumping = False
-        self.draining = False  # inside _abort_all_and_drain
-        self.released = False  # PD queues released (KV buffers deregistered)
-        self.pump_until = 0.0  # keep pumping the paused loop until (monotonic)
+    mode: Optional[str] = None
+    pumping: bool = False
+    draining: bool = False  # inside _abort_all_and_drain
+    released: bool = False  # PD queues released (KV buffers deregistered)
+    pump_until: float = 0.0  # keep pumping the paused loop until (monotonic)
 
 
 def scheduler_pause(scheduler) -> _SchedulerPause:
-    if not hasattr(scheduler, "_fork_pd_pause"):
-        scheduler._fork_pd_pause = _SchedulerPause()
-    return scheduler._fork_pd_pause
+    return scheduler.__dict__.setdefault("_fork_pd_pause", _SchedulerPause())
 
 
 def scheduler_pause_generation(original, scheduler, recv_req):
@@ -85,14 +78,8 @@ def scheduler_pause_generation(original, scheduler, recv_req):
 
 
 def _settle_answered_forward(scheduler) -> None:
-    """Abort mode with the overlap scheduler: the tokenizer pauses the scheduler once the
-    abort answered every request, which happens while processing a forward's result; the
-    next forward, launched with the same requests, is still in upstream's result queue
-    when the pause can land before the loop's next pass, and a paused loop never
-    processes it. The weight update's flush then found the engine busy (400 "Cache not
-    flushed because there are pending requests. #queue-req: 0, #running-req: 0";
-    `result_queue` in not_idle_reasons). When that forward holds only finished requests,
-    process it now, as the loop's next pass would, and forget it as the last batch."""
+    """Abort mode, overlap scheduler: a forward of only finished requests left in upstream's result queue is
+    processed now, as the loop's next pass would (docs/pause-release-resume.md, "What release does")."""
     results = fork_touch.upstream(scheduler, "result_queue")
     if not scheduler.enable_overlap or not results or scheduler.last_batch is None:
         return
@@ -300,9 +287,7 @@ def abort_while_paused(original, scheduler, recv_req, *args, **kwargs):
     result = original(scheduler, recv_req, *args, **kwargs)
     sp.pump_until = time.monotonic() + ABORT_PUMP_WINDOW_S
     if _holds_in_batch(scheduler, recv_req):
-        # An in-place pause holds the last batch as it was (decode: running requests with their KV;
-        # prefill: a forward whose result is unprocessed), answered only after the next pass. Upstream's
-        # retract settles it now: decode's others re-bootstrap on continue, prefill's result is processed.
+        # a paused batch is answered after the next pass: upstream's retract settles it now ("Aborts while paused")
         mode = sp.mode
         scheduler.pause_generation(PauseGenerationReqInput(mode="retract"))
         sp.mode = mode
@@ -319,8 +304,6 @@ def keep_pause_verdict(scheduler, recv_req=None) -> None:
     """A running request the pause or a release ended (its verdict names it) keeps that message, not the bare
     FINISH_ABORT() each repeat of the abort-mode pause's abort_all sets again; one the verdict marking did not
     see (decode's last batch, admitted as the pause's abort landed) gets `recv_req`'s if that is the pause's."""
-    from sglang.srt.disaggregation import request_end_cause
-
     asked = _pause_message(recv_req)
     for req in scheduler.collect_inflight_reqs():
         verdict = getattr(req, room_ledger.REQUESTED_ABORT, None)
@@ -425,10 +408,10 @@ def _abort_held_rebootstrap(scheduler, recv_req) -> None:
 
 # ----------------------------------------------------------------------------- why, to prefill
 
-# Decode appends [room_ledger.WHY_FRAME, message] to the ABORT of a room its pause or a release ended (upstream's
-# names only the room); prefill's ABORT handler strips them. room -> (message, until): set by the scheduler, read
-# by the thread sending the ABORT; bounded, and only for WHY_TTL_S (a room re-bootstrapped after a retract pause
-# and aborted later by its client must not carry the pause's message).
+# Decode's ABORT of a room its pause or a release ended carries [room_ledger.WHY_FRAME, message] (docs/pause-release-
+# resume.md, "How each kind of end is answered"). room -> (message, until): set by the scheduler, read by the
+# thread sending the ABORT; only for WHY_TTL_S (a room re-bootstrapped after a retract pause and aborted later by
+# its client must not carry it).
 MAX_WHY_ROOMS = 4096
 WHY_TTL_S = 30.0
 _why: "OrderedDict[int, tuple]" = OrderedDict()
@@ -578,11 +561,12 @@ class EnginePauseState:
     def serving(self) -> bool:
         return self.mode is None and not self.released
 
+    def named(self) -> str:
+        return f"engine state is {self.state!r}" + (f" (pause mode {self.mode})" if self.mode else "")
+
     def _reject(self, op: str, why: str, hint: Optional[str] = None) -> None:
-        mode = f" (pause mode {self.mode})" if self.mode else ""
         tags = f" (released: {self.released})" if self.released else ""
-        raise PauseStateError(f"{op} rejected: {why}; engine state is {self.state!r}{mode}{tags}; "
-                              f"{hint or _HINT[self.state]}")
+        raise PauseStateError(f"{op} rejected: {why}; {self.named()}{tags}; {hint or _HINT[self.state]}")
 
     def check(self, op: str, mode: Optional[str] = None, tags: Optional[List[str]] = None, in_flight: int = 0) -> None:
         """Raise PauseStateError (409) if `op` is not accepted now; change nothing."""
@@ -651,9 +635,7 @@ def tags_of_list(tags: Optional[List[str]]) -> List[str]:
 
 
 def _state_of(tokenizer_manager) -> EnginePauseState:
-    if not hasattr(tokenizer_manager, "_fork_pause_state"):
-        tokenizer_manager._fork_pause_state = EnginePauseState()
-    return tokenizer_manager._fork_pause_state
+    return tokenizer_manager.__dict__.setdefault("_fork_pause_state", EnginePauseState())
 
 
 async def _set_gate(tokenizer_manager, closed: Optional[bool] = None) -> None:
@@ -673,12 +655,9 @@ def _guarded(op: str):
             return None  # not paused: nothing to continue (upstream: a no-op too)
         if op == "pause_generation" and state.mode is not None and mode == state.mode:
             return None  # already paused in this mode: a no-op
+        state.check(op, mode, tags, len(tokenizer_manager.rid_to_state))  # in flight: only a release without a pause
         if op == "release_memory_occupation" and state.mode is None:
-            # No pause: check that nothing is in flight and hold new requests at the pause gate (no await between).
-            state.check(op, mode, tags, len(tokenizer_manager.rid_to_state))
-            tokenizer_manager.is_pause = state.gate_closed_by_release = True
-        else:
-            state.check(op, mode, tags)
+            tokenizer_manager.is_pause = state.gate_closed_by_release = True  # hold new requests (no await since check)
         if op == "resume_memory_occupation":
             obj.tags = state.to_resume(state.resume_named(tags))
         state.busy, state.busy_mode = op, mode
@@ -740,18 +719,13 @@ def name_state_if_pause_call(route_path: str, message: str, global_state: Any) -
     tokenizer_manager = getattr(global_state, "tokenizer_manager", None)
     if route_path != "/pause_generation" or tokenizer_manager is None:
         return message
-    state = _state_of(tokenizer_manager)
-    mode = f" (pause mode {state.mode})" if state.mode else ""
-    return (f"pause_generation rejected: engine state is {state.state!r}{mode}; expected mode one of "
+    return (f"pause_generation rejected: {_state_of(tokenizer_manager).named()}; expected mode one of "
             f"{list(PAUSE_MODES)}; nothing changed. {message}")
 
 
-# Upstream's abort-mode pause loop (abort_all, `model_update_lock.is_locked()`, sleep 1 s; its only caller of
-# is_locked) gets False on its first check once every request past the pause gate has its answer decided (it left
-# the tokenizer's table, its answer handed to its HTTP handler) or the lock is free: this hook waits up to
-# DRAIN_WAIT_S for either. Handlers still writing decided answers read no weights (bench/README.md); an undecided
-# request keeps the pause waiting, as upstream's lock does. 3 s, not upstream's 1 s: a drain of 0.9-1.9 s would
-# otherwise pay the full sleep on top.
+# Upstream's abort-mode pause loop (abort_all, `model_update_lock.is_locked()`, sleep 1 s) gets False once every
+# request past the pause gate has its answer decided or the lock is free (docs/pause-release-resume.md); this hook
+# waits up to DRAIN_WAIT_S for either (not upstream's 1 s: a drain of 0.9-1.9 s would pay the full sleep on top).
 DRAIN_WAIT_S = 3.0
 # The tokenizer manager whose pause_generation runs in this task (None elsewhere).
 _ABORT_PAUSE: contextvars.ContextVar = contextvars.ContextVar("fork_abort_pause", default=None)
@@ -858,13 +832,6 @@ def gate_aborted(request_states: Dict[str, Any]) -> bool:
     return any(getattr(s, _MARK, None) is not None for s in request_states.values())
 
 
-def abort_output(rid: str, message: str) -> Dict[str, Any]:
-    """Upstream's answer to an aborted request that produced nothing."""
-    meta = {"id": rid, "finish_reason": {"type": "abort", "message": message, "status_code": None},
-            "prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0, "e2e_latency": 0.0}
-    return {"text": "", "output_ids": [], "meta_info": meta}
-
-
 def gate_abort_answers(tokenizer_manager, obj: Any, request_states: Dict[str, Any]) -> List[Any]:
     """What generate_request yields for a request aborted at the gate (its states are dropped: nothing was sent to
     the scheduler). A batch ends whole: sub-requests not aborted by name get the same abort."""
@@ -873,7 +840,10 @@ def gate_abort_answers(tokenizer_manager, obj: Any, request_states: Dict[str, An
     for index, (rid, state) in enumerate(request_states.items()):
         if tokenizer_manager.rid_to_state.get(rid) is state:
             del tokenizer_manager.rid_to_state[rid]
-        out = abort_output(rid, getattr(state, _MARK, None) or first)
+        reason = {"type": "abort", "message": getattr(state, _MARK, None) or first, "status_code": None}
+        meta = {"id": rid, "finish_reason": reason, "prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0,
+                "e2e_latency": 0.0}
+        out = {"text": "", "output_ids": [], "meta_info": meta}  # upstream's answer to an abort that produced nothing
         if not obj.is_single:
             out["index"] = index
         outs.append(out)

@@ -1,13 +1,12 @@
 """What a scheduler holds right now, as `fork_pd_resources` in its internal state (GET /get_server_info ->
 internal_states[i]; read-only, scheduler thread): KV tokens, slots, PD queues, the kv manager's per-room tables,
-hooks and swaps applied, and each component's own `report()`.
-"""
+hooks and swaps applied, and each component's own `report()`."""
 
 from __future__ import annotations
 
 from typing import Any, Dict, Optional
 
-from sglang.srt.disaggregation import pd_queues
+from sglang.srt.disaggregation import pd_queues, request_end_cause
 
 # Per-room (or per-peer-of-a-room) tables of upstream's Common/MooncakeKVManager (a role or backend may lack some)
 KV_MANAGER_ROOM_TABLES = pd_queues.ROOM_TABLES + (
@@ -33,10 +32,8 @@ def slots(allocator) -> Optional[Dict[str, int]]:
 
 
 def _room_tables(kv_manager) -> Dict[str, int]:
-    from sglang.srt.disaggregation.request_end_cause import tagged_rooms
-
     tables = pd_queues.table_sizes(kv_manager, KV_MANAGER_ROOM_TABLES)
-    tables["fork_end_causes"] = tagged_rooms(kv_manager)  # the fork's, until each end is counted
+    tables["fork_end_causes"] = request_end_cause.tagged_rooms(kv_manager)  # the fork's, until each end is counted
     rooms_by_addr = getattr(kv_manager, "addr_to_rooms_tracker", None)
     if rooms_by_addr is not None:
         # list() copies the values in one step: transfer threads mutate the dict.
