@@ -52,7 +52,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from testing.queue_harness import DecodeHarness, KVPoll, PrefillHarness
 
-from sglang.srt.managers import fork_plugin
+from sglang.srt.managers.fork_core import fork_plugin
 from sglang.srt.plugins import load_plugins
 from sglang.srt.plugins.hook_registry import HookRegistry
 
@@ -268,7 +268,7 @@ def deadline_scan_ms(h, stage: str, called: Dict[str, int], repeats: int = 5) ->
     """CPU ms of the transfer deadline's full scan of this stage's queue (its hook
     scans at most once a second; every other pass takes the one-lookup fast path),
     forced with transfer_deadline.reset_scan_schedule()."""
-    from sglang.srt.disaggregation import transfer_deadline as td
+    from sglang.srt.disaggregation.fork_transfer import transfer_deadline as td
 
     fns = [
         getattr(sys.modules[ref.split(":")[0]], ref.split(":")[1])
@@ -416,7 +416,7 @@ class Listeners:
 
 
 def peer_monitor_cost(peers: Sequence[int], repeats: int, log) -> List[Dict[str, float]]:
-    from sglang.srt.disaggregation import peer_liveness as pl
+    from sglang.srt.disaggregation.fork_peers import peer_liveness as pl
 
     out = []
     for n in peers:

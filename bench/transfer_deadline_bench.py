@@ -28,9 +28,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sglang.srt.disaggregation import transfer_deadline as td  # noqa: E402
+from sglang.srt.disaggregation.fork_transfer import transfer_deadline as td  # noqa: E402
 from sglang.srt.disaggregation.prefill import SchedulerDisaggregationPrefillMixin  # noqa: E402
-from sglang.srt.managers import fork_plugin  # noqa: E402
+from sglang.srt.managers.fork_core import fork_plugin  # noqa: E402
 from testing.queue_harness import PrefillHarness  # noqa: E402
 
 TARGET = (

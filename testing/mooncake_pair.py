@@ -131,7 +131,7 @@ class _Worker:
     def tick(self, n: int = 1) -> None:
         if getattr(self.h.scheduler, "_engine_paused", False):
             # what a paused event loop runs instead of scheduling (the fork's hook)
-            from sglang.srt.managers import pd_pause
+            from sglang.srt.managers.fork_pause import pd_pause
 
             with self.h.active():
                 pd_pause.paused_loop_tick(None, self.h.scheduler)
@@ -150,21 +150,21 @@ class _Worker:
     def end_queued(self, message: str) -> None:
         """What a release during a pause does with the PD queues (pd_pause): abort
         everything queued and drain it through upstream's retire paths."""
-        from sglang.srt.managers import pd_pause
+        from sglang.srt.managers.fork_pause import pd_pause
 
         with self.h.active():
             pd_pause._abort_all_and_drain(self.h.scheduler, message)
 
     def cancelled_rooms(self) -> Optional[int]:
-        """Peer cancellations this side remembers (disaggregation.room_ledger)."""
-        from sglang.srt.disaggregation import room_ledger
+        """Peer cancellations this side remembers (disaggregation.fork_ending.room_ledger)."""
+        from sglang.srt.disaggregation.fork_ending import room_ledger
 
         return room_ledger.report(self.h.kv_manager)
 
     def late_answer(self, room: int) -> Optional[str]:
         """The reason this side answers a late handshake for `room` with (the room
         ledger's memory of ended rooms), or None."""
-        from sglang.srt.disaggregation import room_ledger
+        from sglang.srt.disaggregation.fork_ending import room_ledger
 
         return room_ledger.ledger_of(self.h.kv_manager).late_answer(room)
 
@@ -188,7 +188,7 @@ class _Worker:
 
     def chunk_failures(self) -> dict:
         """(kind, role) -> count of `sglang:num_transfer_chunk_failures_total` in this process."""
-        from sglang.srt.disaggregation import request_end_cause
+        from sglang.srt.disaggregation.fork_ending import request_end_cause
 
         out = {}
         for metric in request_end_cause.counter("chunk_failure", {}).collect():
@@ -279,7 +279,7 @@ class _Worker:
 
     def end_causes(self) -> dict:
         """`request_end_cause.COUNTS` of this process, keys joined by '/'."""
-        from sglang.srt.disaggregation.request_end_cause import COUNTS
+        from sglang.srt.disaggregation.fork_ending.request_end_cause import COUNTS
 
         return {"/".join(k): v for k, v in COUNTS.items()}
 
@@ -289,19 +289,19 @@ class _Worker:
 
     def peers(self) -> dict:
         """Sizes of the kv manager's per-peer tables (see peer_liveness.peer_tables)."""
-        from sglang.srt.disaggregation.peer_liveness import peer_tables
+        from sglang.srt.disaggregation.fork_peers.peer_liveness import peer_tables
 
         return peer_tables(self.h.kv_manager)
 
     def peer_counts(self) -> dict:
         """(kind, role, peer) -> peer losses/recoveries counted in this process."""
-        from sglang.srt.disaggregation.peer_liveness import COUNTS
+        from sglang.srt.disaggregation.fork_peers.peer_liveness import COUNTS
 
         return {"/".join(k): v for k, v in COUNTS.items()}
 
     def swaps_applied(self) -> dict:
         """fork_plugin.SWAPS made on this side's kv manager, each still in place."""
-        from sglang.srt.managers import fork_touch
+        from sglang.srt.managers.fork_core import fork_touch
 
         return fork_touch.swaps_applied(self.h.kv_manager, self.role)
 

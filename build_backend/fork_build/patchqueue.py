@@ -29,7 +29,10 @@ REQUIRED_HEADERS = ("Why:", "Upstream-Status:")
 
 def git(repo: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
     env = {**os.environ, **IDENTITY, "GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": os.devnull}
-    proc = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, env=env)
+    # No auto gc: committing upstream's tree leaves thousands of loose objects, and a detached
+    # `gc --auto` after `git am` kept writing into the build's temp dir while it was removed.
+    proc = subprocess.run(["git", "-c", "gc.auto=0", "-c", "maintenance.auto=false", "-C", str(repo), *args],
+                          capture_output=True, text=True, env=env)
     if check and proc.returncode != 0:
         raise BuildError(f"git {' '.join(args)} failed in {repo}:\n{proc.stderr.strip()}")
     return proc

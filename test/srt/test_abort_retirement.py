@@ -9,9 +9,9 @@ and not as a bootstrap/transfer failure), and that nothing is held afterwards.
 
 import pytest
 
-from sglang.srt.disaggregation import pd_queues
-from sglang.srt.disaggregation import request_end_cause as ec
-from sglang.srt.disaggregation import room_ledger as ar
+from sglang.srt.disaggregation.fork_ending import pd_queues
+from sglang.srt.disaggregation.fork_ending import request_end_cause as ec
+from sglang.srt.disaggregation.fork_ending import room_ledger as ar
 from sglang.srt.managers.schedule_batch import FINISH_ABORT
 from testing.pd_checks import is_client_abort
 from testing.queue_harness import KVPoll, Notice, PrefillHarness
@@ -70,7 +70,7 @@ def told_decode(h, room):
 def _assert_ended_as_pause(h, req, key) -> None:
     """Answered as the pause's abort (200, its message), no failure counted, one end
     counted under `key` (role, "pause", stage)."""
-    from sglang.srt.managers import pd_pause
+    from sglang.srt.managers.fork_pause import pd_pause
 
     final = h.outputs.final(req.rid)
     assert final is not None and final.reason["type"] == "abort", final
@@ -104,7 +104,7 @@ def test_prefill_bootstrap_queue_pause_abort(prefill):
     """The abort_all of an abort-mode pause (its finish reason names the pause) ends the
     request with the pause's message, counts it under "pause" (neither client_abort
     nor a failure) and tells decode why."""
-    from sglang.srt.managers import pd_pause
+    from sglang.srt.managers.fork_pause import pd_pause
     from sglang.srt.managers.io_struct import AbortReq
 
     h = prefill
@@ -307,7 +307,7 @@ def test_decode_ends_a_room_prefill_aborted_as_an_abort(decode, stage):
 def test_decode_ends_a_room_prefills_pause_ended_as_a_pause_abort(decode):
     """Prefill's Failed naming its pause: decode's copy ends with that message, counted
     under "pause" (not client_abort, not a transfer failure)."""
-    from sglang.srt.managers import pd_pause
+    from sglang.srt.managers.fork_pause import pd_pause
 
     h = decode
     req = h.add(h.make_req())
@@ -326,7 +326,7 @@ def test_decode_ends_a_room_prefills_pause_ended_as_a_pause_abort(decode):
 def test_upstreams_bare_abort_does_not_hide_the_pause_prefill_named(decode):
     """Prefill tells decode its pause ended a room it was sending, then the sender's Failed arrives with upstream's
     bare "Aborted by AbortReq.": decode's copy still ends naming the pause, not as a client abort."""
-    from sglang.srt.managers import pd_pause
+    from sglang.srt.managers.fork_pause import pd_pause
 
     h = decode
     req = h.add(h.make_req())
@@ -350,8 +350,8 @@ def test_upstreams_bare_abort_does_not_hide_the_pause_prefill_named(decode):
 def test_deadline_expiry_counts_as_timeout(monkeypatch):
     """The transfer deadline tags its rooms "timeout": counted once under that cause
     (and as upstream's failure), and the tag does not outlive the request."""
-    from sglang.srt.disaggregation import transfer_deadline as td
-    from sglang.srt.disaggregation.room_ledger import engine_clock
+    from sglang.srt.disaggregation.fork_transfer import transfer_deadline as td
+    from sglang.srt.disaggregation.fork_ending.room_ledger import engine_clock
 
     now = [1000.0]
     monkeypatch.setattr(engine_clock, "_monotonic", lambda: now[0])

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from sglang.srt.disaggregation import room_ledger as ar
+from sglang.srt.disaggregation.fork_ending import room_ledger as ar
 from testing.pd_checks import is_client_abort, pair_fixture, pair_is_idle, wait_pair_idle
 from testing.pd_cluster import wait_until
 
@@ -231,7 +231,7 @@ def test_decode_abort_before_prefill_leg_registered(pair, before):
 
 
 def _pause_answer(reason) -> bool:
-    from sglang.srt.managers import pd_pause
+    from sglang.srt.managers.fork_pause import pd_pause
 
     return (reason is not None and reason.get("type") == "abort" and reason.get("status_code") is None
             and reason.get("message") == pd_pause.PAUSE_ABORT_MESSAGE)
@@ -242,7 +242,7 @@ def test_decode_pause_abort_tells_prefill_why(pair, before):
     pause's message and drain) ends a room prefill is waiting on: decode's ABORT names
     the pause, so prefill's copy answers the pause's message and counts "pause", not a
     client abort -- over real mooncake, told at once."""
-    from sglang.srt.managers import pd_pause
+    from sglang.srt.managers.fork_pause import pd_pause
 
     room = pair.new_room()
     pair.prefill.call("add", room, 12)
@@ -265,7 +265,7 @@ def test_decode_pause_abort_before_prefill_leg_tells_it_why(pair, before):
     """Decode's pause ends a room before prefill's leg exists (held at prefill's pause
     gate): prefill remembers the ABORT with the pause's message, and the leg, when it
     comes, answers that message and counts "pause"."""
-    from sglang.srt.managers import pd_pause
+    from sglang.srt.managers.fork_pause import pd_pause
 
     room = pair.new_room()
     pair.decode.call("add", room, 12)

@@ -123,7 +123,7 @@ def test_overlay_files_shipped_verbatim(fork_whl):
 def test_plugin_entry_point_declared(fork_whl):
     with zipfile.ZipFile(fork_whl) as zf:
         eps = zf.read(f"sglang-{LOCK.fork_version}.dist-info/entry_points.txt").decode()
-    assert "[sglang.srt.plugins]\nsglang_pd_fork = sglang.srt.managers.fork_plugin:register" in eps
+    assert "[sglang.srt.plugins]\nsglang_pd_fork = sglang.srt.managers.fork_core.fork_plugin:register" in eps
     assert "[console_scripts]" in eps  # upstream's entry points kept
 
 
@@ -133,9 +133,9 @@ def test_hooks_registered_and_applied_in_installed_sglang():
     code = (
         "from importlib.metadata import entry_points, version\n"
         "from sglang.srt.plugins import load_plugins\n"
-        "from sglang.srt.managers import fork_plugin\n"
+        "from sglang.srt.managers.fork_core import fork_plugin\n"
         "eps = [e.value for e in entry_points(group='sglang.srt.plugins')]\n"
-        "assert eps == ['sglang.srt.managers.fork_plugin:register'], eps\n"
+        "assert eps == ['sglang.srt.managers.fork_core.fork_plugin:register'], eps\n"
         "load_plugins()\n"
         "applied = fork_plugin.hooks_applied()\n"
         "assert applied and all(applied.values()), applied\n"
@@ -179,7 +179,7 @@ def _install_into_fresh_venv(path: Path, *pip_args: str) -> Path:
 
 
 PROBE = (
-    "import importlib.metadata as md, sglang, sglang.srt.managers.fork_plugin as fp\n"
+    "import importlib.metadata as md, sglang, sglang.srt.managers.fork_core.fork_plugin as fp\n"
     "print(md.version('sglang')); print(sglang.__version__); print(sglang.__file__); print(fp.__file__)\n"
 )
 
@@ -197,7 +197,7 @@ def test_editable_install_uses_patch_queue_checkout(root_copy, tmp_path):
     upstream = root_copy / ".upstream"
     assert dist_version == version == LOCK.fork_version
     assert init == str(upstream / "python" / "sglang" / "__init__.py")
-    assert Path(plugin).resolve() == (root_copy / "python/sglang/srt/managers/fork_plugin.py").resolve()
+    assert Path(plugin).resolve() == (root_copy / "python/sglang/srt/managers/fork_core/fork_plugin.py").resolve()
     subjects = git(upstream, "log", "--format=%s", f"upstream/{LOCK.version}..patch-queue").stdout.split("\n")[:-1]
     assert len(subjects) == len(read_series(root_copy))
     assert git(upstream, "status", "--porcelain").stdout == ""

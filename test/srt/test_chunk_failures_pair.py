@@ -3,7 +3,7 @@ TCP between two processes: that room ends 500 on both sides naming the failed wr
 other 15 land byte-identical, both sides give everything back, the failures are counted
 by kind, and the decode session stays in service (one failed write does not blacklist it).
 
-The fault switch is SGLANG_TEST_DISAGG_FAIL_CHUNKS (sglang.srt.disaggregation.chunk_failures)
+The fault switch is SGLANG_TEST_DISAGG_FAIL_CHUNKS (sglang.srt.disaggregation.fork_transfer.chunk_failures)
 selecting rooms by rid prefix. Extra state: both sides get a page-indexed state
 component (`state_component=True`, see testing/mooncake_pair.py), so every request's
 last chunk also takes the transfer worker's state path, as a hybrid model's does.

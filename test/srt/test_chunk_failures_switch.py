@@ -3,7 +3,7 @@ selects, and that it fails each selected write exactly once."""
 
 import pytest
 
-from sglang.srt.disaggregation.chunk_failures import FaultPlan, chunk_kind
+from sglang.srt.disaggregation.fork_transfer.chunk_failures import FaultPlan, chunk_kind
 
 
 def test_unset_is_no_plan():
@@ -57,7 +57,7 @@ def test_plugin_load_leaves_prometheus_unimported():
 
     code = (
         "import sys\n"
-        "from sglang.srt.managers import fork_plugin\n"
+        "from sglang.srt.managers.fork_core import fork_plugin\n"
         "from sglang.srt.plugins.hook_registry import HookRegistry\n"
         "fork_plugin.register(); HookRegistry.apply_hooks()\n"
         "assert all(fork_plugin.hooks_applied().values())\n"

@@ -358,7 +358,7 @@ def test_rebase_conflict_reported_precisely_and_resumable(repo_copy, tmp_path):
 
 def test_check_names_each_failure(repo_copy):
     root = repo_copy
-    plugin = root / "python/sglang/srt/managers/fork_plugin.py"
+    plugin = root / "python/sglang/srt/managers/fork_core/fork_plugin.py"
     plugin.write_text(plugin.read_text().replace("SchedulerInternalStateController.get_internal_state",
                                                  "SchedulerInternalStateController.no_such_method"))
     (root / "python/sglang/srt/managers/copied_utils.py").write_bytes(subprocess.run(
@@ -395,20 +395,20 @@ def test_status_one_line_per_patch_and_hook(repo_copy):
 
 def test_check_rejects_an_import_cycle_and_undeclared_or_missing_swaps(repo_copy):
     root = repo_copy
-    ledger = root / "python/sglang/srt/disaggregation/room_ledger.py"
+    ledger = root / "python/sglang/srt/disaggregation/fork_ending/room_ledger.py"
     line = len(ledger.read_text().splitlines()) + 4
-    ledger.write_text(ledger.read_text() + "\n\ndef _late():\n    from sglang.srt.managers import pd_pause  # noqa\n")
-    plugin = root / "python/sglang/srt/managers/fork_plugin.py"
+    ledger.write_text(ledger.read_text() + "\n\ndef _late():\n    from sglang.srt.managers.fork_pause import pd_pause  # noqa\n")
+    plugin = root / "python/sglang/srt/managers/fork_core/fork_plugin.py"
     plugin.write_text(plugin.read_text().replace("MooncakeKVManager.failed_sessions", "MooncakeKVManager.failed_sessionz"))
-    chunk = root / "python/sglang/srt/disaggregation/chunk_failures.py"
+    chunk = root / "python/sglang/srt/disaggregation/fork_transfer/chunk_failures.py"
     n = len(chunk.read_text().splitlines()) + 4
     chunk.write_text(chunk.read_text() + "\n\ndef _undeclared(mgr):\n"
                      "    fork_touch.swap(mgr, 'session_lock', lambda lock: lock, by=__name__)\n")
 
     out = fork(root, "check", ok=False).stdout
     assert "FAIL no import cycles: " in out
-    assert f"sglang.srt.disaggregation.room_ledger (line {line}) -> sglang.srt.managers.pd_pause (line " in out
+    assert f"sglang.srt.disaggregation.fork_ending.room_ledger (line {line}) -> sglang.srt.managers.fork_pause.pd_pause (line " in out
     assert ("swap target sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.failed_sessionz "
             f"does not exist in upstream {OLD}") in out
-    assert f"sglang.srt.disaggregation.chunk_failures:{n} swaps 'session_lock' (instance) not declared in SWAPS" in out
+    assert f"sglang.srt.disaggregation.fork_transfer.chunk_failures:{n} swaps 'session_lock' (instance) not declared in SWAPS" in out
     assert "FAIL plugin hooks:" in out and "check: FAILED (" in out and "no import cycles)" in out

@@ -17,11 +17,11 @@ from testing.pd_checks import pair_fixture
 MOONCAKE = "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager"
 D = "sglang.srt.disaggregation"
 SWAPPED = {  # "target <- the hook that makes the swap"
-    f"{MOONCAKE}._publish_peer_registration <- {D}.peer_liveness:on_prefill_manager_init",
-    f"{MOONCAKE}._handle_abort_notification <- {D}.room_ledger:on_manager_init",
-    f"{MOONCAKE}.failed_sessions <- {D}.chunk_failures:on_prefill_manager_init",
-    f"{MOONCAKE}._send_probe <- {D}.chunk_failures:on_prefill_manager_init",
-    f"{MOONCAKE}.transfer_worker <- {D}.chunk_failures:guard_transfer_worker",
+    f"{MOONCAKE}._publish_peer_registration <- {D}.fork_peers.peer_liveness:on_prefill_manager_init",
+    f"{MOONCAKE}._handle_abort_notification <- {D}.fork_ending.room_ledger:on_manager_init",
+    f"{MOONCAKE}.failed_sessions <- {D}.fork_transfer.chunk_failures:on_prefill_manager_init",
+    f"{MOONCAKE}._send_probe <- {D}.fork_transfer.chunk_failures:on_prefill_manager_init",
+    f"{MOONCAKE}.transfer_worker <- {D}.fork_transfer.chunk_failures:guard_transfer_worker",
 }
 SIZES = dict(kv_tokens=512, req_slots=4, metadata_slots=4, max_context_len=64)
 

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from sglang.srt.disaggregation import peer_liveness as ldh
-from sglang.srt.disaggregation.peer_liveness import abort_status
+from sglang.srt.disaggregation.fork_peers import peer_liveness as ldh
+from sglang.srt.disaggregation.fork_peers.peer_liveness import abort_status
 
 
 def _req(room):

@@ -10,9 +10,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from sglang.srt.disaggregation import pd_queues
-from sglang.srt.managers import pd_pause
-from sglang.srt.managers.pd_pause import ALL_TAGS, EnginePauseState, PauseStateError
+from sglang.srt.disaggregation.fork_ending import pd_queues
+from sglang.srt.managers.fork_pause import pd_pause
+from sglang.srt.managers.fork_pause.pd_pause import ALL_TAGS, EnginePauseState, PauseStateError
 
 CYCLE = [
     ("pause_generation", "retract"),
@@ -193,7 +193,7 @@ def test_upstream_timers_of_live_transfers_skip_the_pause():
 def test_invalid_pause_body_names_the_state():
     """The validation-error hook (http_server patch) adds the state to /pause_generation
     400s only."""
-    from sglang.srt.managers import pd_pause
+    from sglang.srt.managers.fork_pause import pd_pause
 
     tm = SimpleNamespace()
     gs = SimpleNamespace(tokenizer_manager=tm)

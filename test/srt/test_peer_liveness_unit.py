@@ -7,7 +7,7 @@ from http import HTTPStatus
 
 import pytest
 
-from sglang.srt.disaggregation import peer_liveness as pl
+from sglang.srt.disaggregation.fork_peers import peer_liveness as pl
 
 
 def test_probe_tells_alive_from_refused():

@@ -7,8 +7,8 @@ same pass finish normally. Time runs on a scripted monotonic source under the re
 
 import pytest
 
-from sglang.srt.disaggregation import transfer_deadline as td
-from sglang.srt.disaggregation.room_ledger import engine_clock
+from sglang.srt.disaggregation.fork_transfer import transfer_deadline as td
+from sglang.srt.disaggregation.fork_ending.room_ledger import engine_clock
 from testing.queue_harness import DecodeHarness, KVPoll, Notice, PrefillHarness
 
 DEADLINE = 5.0

@@ -22,7 +22,7 @@ def test_worker_exception_fails_its_room_naming_it_and_nothing_is_held(pair):
     assert_pair_idle(pair)
     assert pair.prefill.call("swaps_applied")[
         "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.transfer_worker"
-        " <- sglang.srt.disaggregation.chunk_failures:guard_transfer_worker"]
+        " <- sglang.srt.disaggregation.fork_transfer.chunk_failures:guard_transfer_worker"]
     failed_before = {s.role: s.call("counter", "increment_transfer_failed_reqs") for s in (pair.prefill, pair.decode)}
     pair.prefill.call("break_transfer_engine_once")
     room = pair.submit(prompt_len=12)

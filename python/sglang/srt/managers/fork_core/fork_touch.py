@@ -33,7 +33,7 @@ def upstream(obj: Any, name: str) -> Any:
 
 def _declared(obj: Any, by: str, attr: str, kind: str) -> Optional[Tuple[str, str]]:
     """`by`'s SWAPS entry (target, ref) for `attr` on `obj`'s class, None for another class; raises if undeclared."""
-    from sglang.srt.managers.fork_plugin import SWAPS
+    from sglang.srt.managers.fork_core.fork_plugin import SWAPS
 
     entries = [(target, ref) for target, ref, k, _ in SWAPS
                if target.rpartition(".")[2] == attr and ref.partition(":")[0] == by and k == kind]
@@ -82,7 +82,7 @@ def _in_place(obj: Any, attr: str, new: Any) -> bool:
 def swaps_applied(obj: Any, role: Optional[str] = None) -> Dict[str, bool]:
     """"target <- ref" -> whether that SWAPS entry for `obj`'s class in `role` was made on `obj` (or its class) and
     is still in place."""
-    from sglang.srt.managers.fork_plugin import SWAPS
+    from sglang.srt.managers.fork_core.fork_plugin import SWAPS
 
     if obj is None:
         return {}

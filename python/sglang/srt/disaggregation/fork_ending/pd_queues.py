@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
-from sglang.srt.managers.fork_touch import upstream
+from sglang.srt.managers.fork_core.fork_touch import upstream
 
 PREFILL, DECODE = "prefill", "decode"
 

@@ -19,12 +19,12 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Set, Tuple
 
-from sglang.srt.disaggregation import request_end_cause
+from sglang.srt.disaggregation.fork_ending import request_end_cause
 from sglang.srt.disaggregation.base import KVPoll
-from sglang.srt.disaggregation.room_ledger import end_room
-from sglang.srt.disaggregation.transfer_deadline_knob import positive_seconds
+from sglang.srt.disaggregation.fork_ending.room_ledger import end_room
+from sglang.srt.disaggregation.fork_transfer.transfer_deadline_knob import positive_seconds
 from sglang.srt.environ import envs
-from sglang.srt.managers import fork_touch
+from sglang.srt.managers.fork_core import fork_touch
 
 logger = logging.getLogger(__name__)
 

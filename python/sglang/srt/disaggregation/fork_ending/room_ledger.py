@@ -18,11 +18,11 @@ from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from sglang.srt.disaggregation import pd_queues, request_end_cause as end_cause
+from sglang.srt.disaggregation.fork_ending import pd_queues, request_end_cause as end_cause
 from sglang.srt.disaggregation.base import KVPoll
-from sglang.srt.disaggregation.pd_queues import DECODE_TRANSFER, PREFILL_INFLIGHT, PREFILL_RUNNING, PREFILL_WAITING
-from sglang.srt.managers import fork_touch
-from sglang.srt.managers.fork_touch import upstream
+from sglang.srt.disaggregation.fork_ending.pd_queues import DECODE_TRANSFER, PREFILL_INFLIGHT, PREFILL_RUNNING, PREFILL_WAITING
+from sglang.srt.managers.fork_core import fork_touch
+from sglang.srt.managers.fork_core.fork_touch import upstream
 
 logger = logging.getLogger(__name__)
 

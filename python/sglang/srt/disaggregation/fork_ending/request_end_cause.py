@@ -11,7 +11,7 @@ import threading
 from collections import Counter, OrderedDict
 from typing import Any, Dict, Optional, Tuple
 
-from sglang.srt.disaggregation import pd_queues
+from sglang.srt.disaggregation.fork_ending import pd_queues
 
 CLIENT_ABORT, TIMEOUT, TRANSPORT, PEER_FAILURE, PAUSE = "client_abort", "timeout", "transport", "peer_failure", "pause"
 CAUSES = (CLIENT_ABORT, TIMEOUT, TRANSPORT, PEER_FAILURE, PAUSE)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional
 
-from sglang.srt.disaggregation import pd_queues, request_end_cause
+from sglang.srt.disaggregation.fork_ending import pd_queues, request_end_cause
 
 # Per-room (or per-peer-of-a-room) tables of upstream's Common/MooncakeKVManager (a role or backend may lack some)
 KV_MANAGER_ROOM_TABLES = pd_queues.ROOM_TABLES + (
@@ -42,10 +42,12 @@ def _room_tables(kv_manager) -> Dict[str, int]:
 
 
 def build_report(scheduler) -> Dict[str, Any]:
-    from sglang.srt.disaggregation import room_ledger, transfer_deadline
-    from sglang.srt.disaggregation.peer_liveness import peer_tables
-    from sglang.srt.managers import fork_touch, pd_pause
-    from sglang.srt.managers.fork_plugin import hooks_applied
+    from sglang.srt.disaggregation.fork_ending import room_ledger
+    from sglang.srt.disaggregation.fork_transfer import transfer_deadline
+    from sglang.srt.disaggregation.fork_peers.peer_liveness import peer_tables
+    from sglang.srt.managers.fork_core import fork_touch
+    from sglang.srt.managers.fork_pause import pd_pause
+    from sglang.srt.managers.fork_core.fork_plugin import hooks_applied
 
     mode = scheduler.disaggregation_mode
     kv_manager = pd_queues.kv_manager(scheduler)

@@ -17,13 +17,13 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Dict, NamedTuple, Optional, Sequence, Tuple
 
-from sglang.srt.disaggregation import request_end_cause, room_ledger
-from sglang.srt.disaggregation.pd_queues import (
+from sglang.srt.disaggregation.fork_ending import request_end_cause, room_ledger
+from sglang.srt.disaggregation.fork_ending.pd_queues import (
     DECODE_PREALLOC, DECODE_TRANSFER, PREFILL_BOOTSTRAP, PREFILL_INFLIGHT, PREFILL_WAITING,
 )
-from sglang.srt.disaggregation.room_ledger import engine_clock
-from sglang.srt.disaggregation.transfer_deadline_knob import ARG, ENV, configured
-from sglang.srt.managers import fork_touch
+from sglang.srt.disaggregation.fork_ending.room_ledger import engine_clock
+from sglang.srt.disaggregation.fork_transfer.transfer_deadline_knob import ARG, ENV, configured
+from sglang.srt.managers.fork_core import fork_touch
 
 logger = logging.getLogger(__name__)
 

@@ -17,13 +17,13 @@ import time
 from collections import Counter, OrderedDict
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from sglang.srt.disaggregation import pd_queues, request_end_cause, room_ledger
+from sglang.srt.disaggregation.fork_ending import pd_queues, request_end_cause, room_ledger
 from sglang.srt.disaggregation.base import KVPoll
-from sglang.srt.disaggregation.room_ledger import engine_clock
-from sglang.srt.disaggregation.transfer_deadline import _decides
-from sglang.srt.disaggregation.transfer_deadline_knob import positive_seconds
+from sglang.srt.disaggregation.fork_ending.room_ledger import engine_clock
+from sglang.srt.disaggregation.fork_transfer.transfer_deadline import _decides
+from sglang.srt.disaggregation.fork_transfer.transfer_deadline_knob import positive_seconds
 from sglang.srt.environ import envs
-from sglang.srt.managers import fork_touch
+from sglang.srt.managers.fork_core import fork_touch
 
 logger = logging.getLogger(__name__)
 

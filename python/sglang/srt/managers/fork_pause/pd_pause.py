@@ -16,9 +16,9 @@ from typing import Any, Dict, List, Optional
 
 from fastapi import HTTPException
 
-from sglang.srt.disaggregation import pd_queues, request_end_cause, room_ledger
-from sglang.srt.disaggregation.room_ledger import engine_clock
-from sglang.srt.managers import fork_touch
+from sglang.srt.disaggregation.fork_ending import pd_queues, request_end_cause, room_ledger
+from sglang.srt.disaggregation.fork_ending.room_ledger import engine_clock
+from sglang.srt.managers.fork_core import fork_touch
 from sglang.srt.managers.io_struct import AbortReq, ContinueGenerationReqInput, PauseGenerationReqInput
 from sglang.srt.managers.schedule_batch import FINISH_ABORT
 

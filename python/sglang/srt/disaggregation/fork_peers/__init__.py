@@ -1,0 +1,1 @@
+"""Peer liveness (fork): a lost prefill/decode peer, lost handshakes."""

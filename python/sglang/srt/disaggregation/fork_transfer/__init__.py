@@ -1,0 +1,1 @@
+"""KV transfer guarantees (fork): the transfer deadline and its knob, chunk failures."""
