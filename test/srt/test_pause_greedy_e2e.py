@@ -10,7 +10,8 @@ Both servers and the control run in float32. The tiny random model's logits are 
 exact bf16 ties in ~6% of positions; in bf16 the greedy pick at a tie depends on how the
 prompt's KV was computed (radix prefix hit or not, batch shape), so after a flush a prompt can
 take the other branch of a tie and keep it while its prefix stays cached -- on a single server
-too (session 9: request 27 alone after flush_cache). In float32 no tie is that close.
+too (session 9: request 27 alone after flush_cache). In float32 none of these prompts' top-2
+logits are that close (measured: 0 of 815 completions differ over 90 such cycles).
 """
 
 from __future__ import annotations
