@@ -214,7 +214,7 @@ def on_both(cluster, endpoint: str, body=None, log: Optional[list] = None, timeo
 
 class ClosedLoop:
     """n clients, each sending its next greedy request as soon as the last one is
-    answered, until stop(); every answer is recorded (status, latency, finish type)."""
+    answered, until stop(); every answer is recorded (status, latency, finish type, prompt)."""
 
     def __init__(self, url: str, n: int, max_new_tokens: int = 24, timeout: float = 120.0):
         self.url, self.n, self.max_new_tokens, self.timeout = url, n, max_new_tokens, timeout
@@ -226,8 +226,9 @@ class ClosedLoop:
         texts = prompts(64)
         k = 0
         while not self._stop.is_set() and k < 10_000:
-            r = generate(self.url, texts[(i * 7 + k) % len(texts)], self.max_new_tokens,
-                         timeout=self.timeout)
+            prompt = texts[(i * 7 + k) % len(texts)]
+            r = generate(self.url, prompt, self.max_new_tokens, timeout=self.timeout)
+            r["prompt"] = prompt
             r["finish"] = (r["meta"] or {}).get("finish_reason", {}).get("type") if r["meta"] else None
             r["t"] = time.monotonic()
             self.results.append(r)
