@@ -304,9 +304,11 @@ def test_decode_ends_a_room_prefill_aborted_as_an_abort(decode, stage):
     h.faults.release(room)
 
 
-def test_decode_ends_a_room_prefills_pause_ended_as_a_pause_abort(decode):
+@pytest.mark.parametrize("then_bare", [False, True], ids=["named", "then_upstreams_bare_abort"])
+def test_decode_ends_a_room_prefills_pause_ended_as_a_pause_abort(decode, then_bare):
     """Prefill's Failed naming its pause: decode's copy ends with that message, counted
-    under "pause" (not client_abort, not a transfer failure)."""
+    under "pause" (not client_abort, not a transfer failure) -- also when the sender's Failed
+    then arrives with upstream's bare "Aborted by AbortReq." (a room prefill was sending)."""
     from sglang.srt.managers.fork_pause import pd_pause
 
     h = decode
@@ -314,28 +316,10 @@ def test_decode_ends_a_room_prefills_pause_ended_as_a_pause_abort(decode):
     room = req.bootstrap_room
     h.faults.hold_transfer(room)
     h.run_until(lambda: len(h.transfer_queue.queue) == 1)
-    h.kv_manager.record_failure(room, ar.peer_reason(req.rid, room, "prefill", pd_pause.PAUSE_ABORT_MESSAGE))
-    h.faults.set(room, KVPoll.Failed)
-    h.tick()
-    _assert_ended_as_pause(h, req, ("decode", ec.PAUSE, pd_queues.DECODE_TRANSFER))
-    assert h.room_entries(room) == []
-    h.assert_baseline(h.idle)
-    h.faults.release(room)
-
-
-def test_upstreams_bare_abort_does_not_hide_the_pause_prefill_named(decode):
-    """Prefill tells decode its pause ended a room it was sending, then the sender's Failed arrives with upstream's
-    bare "Aborted by AbortReq.": decode's copy still ends naming the pause, not as a client abort."""
-    from sglang.srt.managers.fork_pause import pd_pause
-
-    h = decode
-    req = h.add(h.make_req())
-    room = req.bootstrap_room
-    h.faults.hold_transfer(room)
-    h.run_until(lambda: len(h.transfer_queue.queue) == 1)
-    record = type(h.kv_manager).record_failure  # the hook around the manager's own (CommonKVManager's on mooncake)
-    ar.around_record_failure(record, h.kv_manager, room, ar.peer_reason(req.rid, room, "prefill", pd_pause.PAUSE_ABORT_MESSAGE))
-    ar.around_record_failure(record, h.kv_manager, room, "Aborted by AbortReq.")
+    reasons = [ar.peer_reason(req.rid, room, "prefill", pd_pause.PAUSE_ABORT_MESSAGE)]
+    reasons += ["Aborted by AbortReq."] if then_bare else []
+    for reason in reasons:  # through the hook around the manager's own (CommonKVManager's on mooncake)
+        ar.around_record_failure(type(h.kv_manager).record_failure, h.kv_manager, room, reason)
     h.faults.set(room, KVPoll.Failed)
     h.tick()
     _assert_ended_as_pause(h, req, ("decode", ec.PAUSE, pd_queues.DECODE_TRANSFER))
