@@ -142,6 +142,27 @@ class _Worker:
         """A client abort of the room's request (the real Scheduler.abort_request)."""
         self.h.abort(self.reqs[room].rid)
 
+    def fail_rebootstrap(self, room: int, reason: str) -> Optional[str]:
+        """Decode: upstream's failure path of a retract's re-send to prefill (`_fail_prefill_recompute`) for the
+        room's receiver; returns the failure record a scheduler poll would read the moment the room turns Failed."""
+        from sglang.srt.disaggregation.base import KVPoll
+
+        mgr = self.h.kv_manager
+        (entry,) = [d for d in self.h.transfer_queue.queue if d.req.bootstrap_room == room]
+        seen = []
+
+        def update_status(bootstrap_room, status, *args, **kwargs):  # the hooked class method, observed
+            if bootstrap_room == room and status == KVPoll.Failed:
+                seen.append(mgr.failure_records.get(room))
+            return type(mgr).update_status(mgr, bootstrap_room, status, *args, **kwargs)
+
+        mgr.update_status = update_status
+        try:
+            mgr._fail_prefill_recompute(entry.kv_receiver, reason)
+        finally:
+            del mgr.update_status
+        return seen[0] if seen else None
+
     def set_paused(self, paused: bool) -> None:
         """Stand for a paused (or running again) event loop: while paused `tick` runs
         only what a paused loop runs; aborts take the fork's abort-while-paused path."""

@@ -200,6 +200,8 @@ def test_prefill_leg_after_decode_abort_ends_at_once(pair, before):
                "prefill to hear decode's abort", interval=0.01)
     pair.prefill.call("add", room, 12)  # the late leg
     # prefill remembers decode's ABORT: the leg ends on its first polls
+    wait_until(lambda: pair.prefill.call("kv_status", room) == "Failed" or _ended(pair.prefill, room), TRANSIT_S,
+               "prefill to hear of the room", interval=0.01)
     pair.ticks_until(pair.prefill, lambda: _ended(pair.prefill, room), END_TICKS)
     assert _client_abort(pair.prefill, room), pair.prefill.call("final_reason", room)
     assert pair.prefill.call("sends", room) == 0
@@ -282,4 +284,27 @@ def test_decode_pause_abort_before_prefill_leg_tells_it_why(pair, before):
     assert pair.prefill.call("sends", room) == 0
     _assert_no_failure_counted(pair, before)
     assert _new_causes(pair.prefill, before["prefill"]) == {"prefill/pause/prefill_bootstrap": 1}
+    _wait_idle_and_clean(pair, room)
+
+
+def test_a_failed_retract_rebootstrap_ends_as_its_failure_never_as_a_client_abort(pair, before):
+    """Upstream's failure path of a retract's re-send to prefill (`_fail_prefill_recompute`: the re-send's
+    /generate answered >= 400 or errored) runs `abort()` -- the room Failed with "Aborted by AbortReq." -- and only
+    then records its reason: a decode poll in between answered the request as a client abort (200 abort "Aborted
+    by the client." where nobody aborted; the room-ledger soak in CI). The room turns Failed already naming the
+    re-send; the client gets the error, prefill is told, nothing is counted as a client abort."""
+    reason = "PD retract rebootstrap /generate failed for rid=x (status=400)."
+    room = pair.new_room()
+    pair.prefill.call("add", room, 12)
+    pair.decode.call("add", room, 12)
+    _tick_decode_into_transfer(pair)
+    assert pair.decode.call("fail_rebootstrap", room, reason) == reason  # what a poll at that moment reads
+    pair.run_until(lambda: _ended(pair.decode, room), timeout=30)
+    final = pair.decode.call("final_reason", room)
+    assert not _client_abort(pair.decode, room), final
+    assert "PD retract rebootstrap /generate failed" in str(final.get("message")), final
+    assert pair.decode.call("status", room) == 500, final
+    # prefill heard decode's ABORT (sent by the failure path itself) and ends its copy
+    pair.ticks_until(pair.prefill, lambda: _ended(pair.prefill, room), END_TICKS)
+    assert "decode/client_abort/decode_transfer" not in _new_causes(pair.decode, before["decode"])
     _wait_idle_and_clean(pair, room)

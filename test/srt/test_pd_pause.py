@@ -383,6 +383,13 @@ def _abort_during_long_pause(cluster, baseline):
 
 
 REBOOTSTRAP_TOKENS = 400  # decode is still running the request when its pause retracts it
+TRANSFER_FAILURES = ("sglang:num_bootstrap_failed_reqs_total", "sglang:num_transfer_failed_reqs_total")
+
+
+def failures_counted(cluster) -> dict:
+    from testing.pd_cluster import metric_sum
+
+    return {(role, name): metric_sum(cluster.metrics(role), name) for role in PD_ROLES for name in TRANSFER_FAILURES}
 
 
 def test_retract_rebootstrap_reaches_a_prefill_paused_with_the_first_leg(cluster):
@@ -398,16 +405,9 @@ def test_retract_rebootstrap_reaches_a_prefill_paused_with_the_first_leg(cluster
     import uuid
 
     from testing.pd_checks import Leg, cluster_end_causes, delta, leg_body
-    from testing.pd_cluster import metric_sum
-
-    failures = ("sglang:num_bootstrap_failed_reqs_total", "sglang:num_transfer_failed_reqs_total")
-
-    def failed():
-        return {(role, name): metric_sum(cluster.metrics(role), name) for role in PD_ROLES for name in failures}
-
     baseline = assert_idle(cluster, PD_ROLES)
     prefill, decode = cluster["prefill"], cluster["decode"]
-    causes, failed_before = cluster_end_causes(cluster), failed()
+    causes, failed_before = cluster_end_causes(cluster), failures_counted(cluster)
     rid = f"reboot-{uuid.uuid4().hex}"
     body = leg_body(cluster, random.getrandbits(62), "the lazy dog " * 60, REBOOTSTRAP_TOKENS, rid=rid,
                     ignore_eos=True)  # several 64-token chunks on the wire
@@ -454,7 +454,76 @@ def test_retract_rebootstrap_reaches_a_prefill_paused_with_the_first_leg(cluster
     assert d_leg.out["ended"] - t0 < ANSWER_AFTER_CONTINUE_S, d_leg.out["ended"] - t0
     # What was counted: no end on either server (a completion), no failure.
     assert delta(causes, cluster_end_causes(cluster)) == {}
-    assert failed() == failed_before
+    assert failures_counted(cluster) == failed_before
     # What is left held: nothing; serving continues.
+    assert_idle(cluster, PD_ROLES, baseline)
+    assert generate(cluster.url, "hello", max_new_tokens=8)["status"] == 200
+
+
+def test_retract_rebootstrap_waits_while_prefills_tokenizer_holds_the_first_leg(cluster):
+    """The same re-send reaching a prefill that is *not* paused but whose tokenizer still
+    holds the first leg (its KV is on decode, its answer not through the detokenizer
+    yet; under load, the next inflight poll and the detokenizer lag behind decode's
+    continue): upstream's tokenizer refused it (400 "Duplicate request ID detected") and
+    the client got 500 "PD retract rebootstrap /generate failed", or, when decode's
+    scheduler read the room between upstream's abort() and its reason, a 200 abort
+    "Aborted by the client." where nobody aborted (the room-ledger soak in CI). Now the
+    re-send waits for the first leg's end and is served: the request completes."""
+    import random
+    import signal
+    import uuid
+
+    import psutil
+
+    from testing.pd_checks import Leg, cluster_end_causes, delta, leg_body
+    baseline = assert_idle(cluster, PD_ROLES)
+    prefill, decode = cluster["prefill"], cluster["decode"]
+    detokenizer = [p for p in prefill.processes() if p.name().startswith("sglang::detoken")]
+    assert len(detokenizer) == 1, [p.name() for p in prefill.processes()]
+    detokenizer = detokenizer[0]
+    causes, failed_before = cluster_end_causes(cluster), failures_counted(cluster)
+    rid = f"reboot-held-{uuid.uuid4().hex}"
+    body = leg_body(cluster, random.getrandbits(62), "the lazy dog " * 60, REBOOTSTRAP_TOKENS, rid=rid,
+                    ignore_eos=True)
+    d_leg = Leg(decode.url, body)
+    d_leg.start()
+    paused = []
+    detokenizer.send_signal(signal.SIGSTOP)  # prefill's answers stay in its scheduler's output socket
+    try:
+        wait_until(lambda: detokenizer.status() == psutil.STATUS_STOPPED, 10, "prefill's detokenizer stopped")
+        wait_until(lambda: decode.resources()["queues"]["decode_transfer"] == 1, 30, "decode handshake")
+        p_leg = Leg(prefill.url, body)
+        p_leg.start()
+        # The KV reaches decode, which runs the request; prefill's first leg is done in its scheduler
+        # but its tokenizer still holds the rid.
+        wait_until(lambda: decode.resources()["queues"]["running"] == 1, 60, "decode running")
+        wait_until(lambda: prefill.resources()["queues"]["prefill_inflight"] == 0, 30, "prefill's leg concluded")
+        assert not p_leg.done(), p_leg.out
+        assert call(cluster, "decode", "pause_generation", {"mode": "retract"})[0] == 200
+        paused.append("decode")
+        wait_until(lambda: decode.resources()["queues"]["decode_held_rebootstrap"] == 1, 30, "decode retracted it")
+        assert call(cluster, "decode", "continue_generation")[0] == 200
+        paused.remove("decode")
+        # The re-send reaches prefill's tokenizer, which holds the first leg: it waits (upstream: 400 at once,
+        # and decode answers the client).
+        wait_until(lambda: prefill.resources()["rebootstrap_waiting"] == 1 or d_leg.done(), 30,
+                   "the re-send waiting at prefill's tokenizer")
+        assert not d_leg.done(), d_leg.out
+    finally:
+        detokenizer.send_signal(signal.SIGCONT)
+        for role in paused:
+            call(cluster, role, "continue_generation")
+    t0 = time.monotonic()
+    wait_until(p_leg.done, 10, "prefill's first leg answered once its detokenizer runs")
+    assert p_leg.status == 200 and p_leg.response["meta_info"]["finish_reason"]["type"] == "length", p_leg.out
+    wait_until(d_leg.done, REQUEST_DEADLINE_S, "the re-bootstrapped request to be answered")
+    answer = d_leg.response
+    assert d_leg.status == 200, d_leg.out
+    assert answer["meta_info"]["finish_reason"]["type"] == "length", answer["meta_info"]
+    assert len(answer["output_ids"]) == REBOOTSTRAP_TOKENS
+    assert d_leg.out["ended"] - t0 < ANSWER_AFTER_CONTINUE_S, d_leg.out["ended"] - t0
+    assert prefill.resources()["rebootstrap_waiting"] == 0
+    assert delta(causes, cluster_end_causes(cluster)) == {}
+    assert failures_counted(cluster) == failed_before
     assert_idle(cluster, PD_ROLES, baseline)
     assert generate(cluster.url, "hello", max_new_tokens=8)["status"] == 200

@@ -357,7 +357,24 @@ def around_record_failure(original, mgr, bootstrap_room, failure_reason, *args, 
         return None
     if current and new.startswith(UPSTREAM_ABORT_REASON):  # e.g. the sender's Failed after the ledger told the pause
         return None
+    if new.startswith(UPSTREAM_ABORT_REASON) and getattr(_recompute, "reason", None):
+        failure_reason = _recompute.reason  # the re-send's failure, not a client's abort
     return original(mgr, bootstrap_room, failure_reason, *args, **kwargs)
+
+
+# The reason `_fail_prefill_recompute` is recording on this thread (decode's re-bootstrap pool).
+_recompute = threading.local()
+
+
+def around_fail_prefill_recompute(original, mgr, kv_receiver, reason, *args, **kwargs):
+    """AROUND CommonKVManager._fail_prefill_recompute (decode: a retract's re-send to prefill failed): upstream's
+    `abort()` marks the room Failed with "Aborted by AbortReq." before it records `reason`; a scheduler poll in
+    between answered the failed re-send as a client abort. The abort's record is `reason` from the start."""
+    _recompute.reason = reason
+    try:
+        return original(mgr, kv_receiver, reason, *args, **kwargs)
+    finally:
+        _recompute.reason = None
 
 
 # ----------------------------------------------------------------------------- the verdict

@@ -5,6 +5,7 @@ side (the HTTP process's event loop): the pause state (409s) and the pause gate.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import logging
 import threading
@@ -777,6 +778,51 @@ async def around_is_locked(original, lock, *args, **kwargs):
     return await original(lock, *args, **kwargs)
 
 
+# ----------------------------------------------------------------------------- a retract's re-send (prefill)
+
+# Upstream's retract re-bootstrap re-sends a request decode retracted to this prefill (same rid, same room). Its
+# first leg's KV is on decode, but its answer may not have reached this tokenizer yet (the scheduler's next
+# inflight poll, the detokenizer): upstream then refuses the re-send (400 "Duplicate request ID detected") and
+# decode fails the request. The re-send waits for the first leg's end, at most this long.
+REBOOTSTRAP_WAIT_S = 30.0
+_REBOOTSTRAP_WAITING = "_fork_rebootstrap_waiting"  # on the tokenizer manager: re-sends waiting now
+
+
+def tm_generate_request(original, tokenizer_manager, obj, *args, **kwargs):
+    """AROUND TokenizerManager.generate_request: a prefill's re-send of a room whose first leg it still holds waits
+    for that leg (every other request gets upstream's generator itself)."""
+    rid, room = getattr(obj, "rid", None), getattr(obj, "bootstrap_room", None)
+    first = tokenizer_manager.rid_to_state.get(rid) if isinstance(rid, str) and room is not None else None
+    mode = tokenizer_manager.disaggregation_mode
+    if first is None or getattr(first.obj, "bootstrap_room", None) != room or str(mode.value) != pd_queues.PREFILL:
+        return original(tokenizer_manager, obj, *args, **kwargs)
+    return _after_first_leg(original, tokenizer_manager, obj, first, *args, **kwargs)
+
+
+async def _after_first_leg(original, tokenizer_manager, obj, first, *args, **kwargs):
+    loop, states = asyncio.get_running_loop(), tokenizer_manager.rid_to_state
+    deadline = loop.time() + REBOOTSTRAP_WAIT_S
+    waiting = tokenizer_manager.__dict__
+    waiting[_REBOOTSTRAP_WAITING] = waiting.get(_REBOOTSTRAP_WAITING, 0) + 1
+    logger.info("pd_pause: re-send of rid=%s (room %s) waits for its first leg", obj.rid, obj.bootstrap_room)
+    try:
+        while states.get(obj.rid) is first and (remaining := deadline - loop.time()) > 0:
+            event = fork_touch.upstream(first, "event")
+            if event.is_set():  # an output its own handler has not taken yet
+                await asyncio.sleep(min(0.01, remaining))
+            else:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(event.wait(), remaining)
+    finally:
+        waiting[_REBOOTSTRAP_WAITING] -= 1
+    generator = original(tokenizer_manager, obj, *args, **kwargs)
+    try:
+        async for out in generator:
+            yield out
+    finally:
+        await generator.aclose()
+
+
 # ----------------------------------------------------------------------------- the pause gate
 
 _MARK = "_fork_gate_abort"  # on a ReqState: the abort's message
@@ -825,6 +871,7 @@ async def tm_internal_state(original, tokenizer_manager, *args, **kwargs):
         report = state.get("fork_pd_resources") if isinstance(state, dict) else None
         if isinstance(report, dict):
             report["pause_gate_held"] = held
+            report["rebootstrap_waiting"] = tokenizer_manager.__dict__.get(_REBOOTSTRAP_WAITING, 0)
     return states
 
 
