@@ -392,6 +392,25 @@ def failures_counted(cluster) -> dict:
     return {(role, name): metric_sum(cluster.metrics(role), name) for role in PD_ROLES for name in TRANSFER_FAILURES}
 
 
+def assert_rebootstrapped_request_completed(cluster, d_leg, t0, causes, failed_before, baseline) -> None:
+    """The re-bootstrapped request's client (decode's leg) got the completion within ANSWER_AFTER_CONTINUE_S of `t0`;
+    no end and no failure was counted on either server; nothing is held and serving continues."""
+    from testing.pd_checks import cluster_end_causes, delta
+
+    wait_until(d_leg.done, REQUEST_DEADLINE_S, "the re-bootstrapped request to be answered")
+    answer = d_leg.response
+    assert d_leg.status == 200, d_leg.out
+    assert answer["meta_info"]["finish_reason"]["type"] == "length", answer["meta_info"]
+    assert len(answer["output_ids"]) == REBOOTSTRAP_TOKENS
+    assert d_leg.out["ended"] - t0 < ANSWER_AFTER_CONTINUE_S, d_leg.out["ended"] - t0
+    # What was counted: no end on either server (a completion), no failure.
+    assert delta(causes, cluster_end_causes(cluster)) == {}
+    assert failures_counted(cluster) == failed_before
+    # What is left held: nothing; serving continues.
+    assert_idle(cluster, PD_ROLES, baseline)
+    assert generate(cluster.url, "hello", max_new_tokens=8)["status"] == 200
+
+
 def test_retract_rebootstrap_reaches_a_prefill_paused_with_the_first_leg(cluster):
     """Upstream's retract re-bootstrap re-sends a request decode retracted to its prefill
     (`/generate`, same rid and room). A prefill paused while that request's KV was on the
@@ -404,7 +423,8 @@ def test_retract_rebootstrap_reaches_a_prefill_paused_with_the_first_leg(cluster
     import random
     import uuid
 
-    from testing.pd_checks import Leg, cluster_end_causes, delta, leg_body
+    from testing.pd_checks import Leg, cluster_end_causes, leg_body
+
     baseline = assert_idle(cluster, PD_ROLES)
     prefill, decode = cluster["prefill"], cluster["decode"]
     causes, failed_before = cluster_end_causes(cluster), failures_counted(cluster)
@@ -442,22 +462,11 @@ def test_retract_rebootstrap_reaches_a_prefill_paused_with_the_first_leg(cluster
     finally:
         for role in paused:
             call(cluster, role, "continue_generation")
-    wait_until(d_leg.done, REQUEST_DEADLINE_S, "the re-bootstrapped request to be answered")
     # What the client saw: the completion, in time (it was 500 "PD retract rebootstrap /generate failed").
-    answer = d_leg.response
-    assert d_leg.status == 200, d_leg.out
+    assert_rebootstrapped_request_completed(cluster, d_leg, t0, causes, failed_before, baseline)
     # Prefill's first leg: answered while prefill was paused, as a completion.
     assert first_leg.get("status") == 200, first_leg
     assert first_leg["body"]["meta_info"]["finish_reason"]["type"] == "length", first_leg
-    assert answer["meta_info"]["finish_reason"]["type"] == "length", answer["meta_info"]
-    assert len(answer["output_ids"]) == REBOOTSTRAP_TOKENS
-    assert d_leg.out["ended"] - t0 < ANSWER_AFTER_CONTINUE_S, d_leg.out["ended"] - t0
-    # What was counted: no end on either server (a completion), no failure.
-    assert delta(causes, cluster_end_causes(cluster)) == {}
-    assert failures_counted(cluster) == failed_before
-    # What is left held: nothing; serving continues.
-    assert_idle(cluster, PD_ROLES, baseline)
-    assert generate(cluster.url, "hello", max_new_tokens=8)["status"] == 200
 
 
 def test_retract_rebootstrap_waits_while_prefills_tokenizer_holds_the_first_leg(cluster):
@@ -475,7 +484,8 @@ def test_retract_rebootstrap_waits_while_prefills_tokenizer_holds_the_first_leg(
 
     import psutil
 
-    from testing.pd_checks import Leg, cluster_end_causes, delta, leg_body
+    from testing.pd_checks import Leg, cluster_end_causes, leg_body
+
     baseline = assert_idle(cluster, PD_ROLES)
     prefill, decode = cluster["prefill"], cluster["decode"]
     detokenizer = [p for p in prefill.processes() if p.name().startswith("sglang::detoken")]
@@ -516,14 +526,5 @@ def test_retract_rebootstrap_waits_while_prefills_tokenizer_holds_the_first_leg(
     t0 = time.monotonic()
     wait_until(p_leg.done, 10, "prefill's first leg answered once its detokenizer runs")
     assert p_leg.status == 200 and p_leg.response["meta_info"]["finish_reason"]["type"] == "length", p_leg.out
-    wait_until(d_leg.done, REQUEST_DEADLINE_S, "the re-bootstrapped request to be answered")
-    answer = d_leg.response
-    assert d_leg.status == 200, d_leg.out
-    assert answer["meta_info"]["finish_reason"]["type"] == "length", answer["meta_info"]
-    assert len(answer["output_ids"]) == REBOOTSTRAP_TOKENS
-    assert d_leg.out["ended"] - t0 < ANSWER_AFTER_CONTINUE_S, d_leg.out["ended"] - t0
+    assert_rebootstrapped_request_completed(cluster, d_leg, t0, causes, failed_before, baseline)
     assert prefill.resources()["rebootstrap_waiting"] == 0
-    assert delta(causes, cluster_end_causes(cluster)) == {}
-    assert failures_counted(cluster) == failed_before
-    assert_idle(cluster, PD_ROLES, baseline)
-    assert generate(cluster.url, "hello", max_new_tokens=8)["status"] == 200

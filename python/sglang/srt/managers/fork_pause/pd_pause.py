@@ -793,21 +793,21 @@ def tm_generate_request(original, tokenizer_manager, obj, *args, **kwargs):
     for that leg (every other request gets upstream's generator itself)."""
     rid, room = getattr(obj, "rid", None), getattr(obj, "bootstrap_room", None)
     first = tokenizer_manager.rid_to_state.get(rid) if isinstance(rid, str) and room is not None else None
-    mode = tokenizer_manager.disaggregation_mode
-    if first is None or getattr(first.obj, "bootstrap_room", None) != room or str(mode.value) != pd_queues.PREFILL:
+    if first is None or getattr(first.obj, "bootstrap_room", None) != room or \
+            str(tokenizer_manager.disaggregation_mode.value) != pd_queues.PREFILL:
         return original(tokenizer_manager, obj, *args, **kwargs)
     return _after_first_leg(original, tokenizer_manager, obj, first, *args, **kwargs)
 
 
 async def _after_first_leg(original, tokenizer_manager, obj, first, *args, **kwargs):
     loop, states = asyncio.get_running_loop(), tokenizer_manager.rid_to_state
+    event = fork_touch.upstream(first, "event")
     deadline = loop.time() + REBOOTSTRAP_WAIT_S
     waiting = tokenizer_manager.__dict__
     waiting[_REBOOTSTRAP_WAITING] = waiting.get(_REBOOTSTRAP_WAITING, 0) + 1
     logger.info("pd_pause: re-send of rid=%s (room %s) waits for its first leg", obj.rid, obj.bootstrap_room)
     try:
         while states.get(obj.rid) is first and (remaining := deadline - loop.time()) > 0:
-            event = fork_touch.upstream(first, "event")
             if event.is_set():  # an output its own handler has not taken yet
                 await asyncio.sleep(min(0.01, remaining))
             else:
