@@ -72,6 +72,8 @@ HOOKS: list[tuple[str, str, HookType]] = [
      "sglang.srt.disaggregation.fork_ending.room_ledger:around_record_failure", AROUND),
     ("sglang.srt.disaggregation.common.conn.CommonKVManager._fail_prefill_recompute",
      "sglang.srt.disaggregation.fork_ending.room_ledger:around_fail_prefill_recompute", AROUND),
+    ("sglang.srt.disaggregation.common.conn.CommonKVManager._get_prefill_recompute_session",
+     "sglang.srt.managers.fork_pause.pd_pause:fresh_connection_per_resend", AFTER),
     ("sglang.srt.disaggregation.prefill.PrefillBootstrapQueue.pop_bootstrapped",
      "sglang.srt.disaggregation.fork_transfer.transfer_deadline:before_pop_bootstrapped", BEFORE),
     ("sglang.srt.disaggregation.prefill.SchedulerDisaggregationPrefillMixin.resolve_waiting_queue_bootstrap",

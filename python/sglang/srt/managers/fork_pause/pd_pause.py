@@ -823,6 +823,14 @@ async def _after_first_leg(original, tokenizer_manager, obj, first, *args, **kwa
         await generator.aclose()
 
 
+def fresh_connection_per_resend(session, mgr, *args, **kwargs):
+    """AFTER CommonKVManager._get_prefill_recompute_session (decode's re-bootstrap pool): each re-send opens its own
+    connection. Upstream's pooled one can be one prefill's HTTP server is closing as idle (uvicorn's keep-alive,
+    SGLANG_TIMEOUT_KEEP_ALIVE) as the re-send goes out: reset, the request failed with 500 naming the re-send."""
+    session.headers["Connection"] = "close"
+    return session
+
+
 # ----------------------------------------------------------------------------- the pause gate
 
 _MARK = "_fork_gate_abort"  # on a ReqState: the abort's message
