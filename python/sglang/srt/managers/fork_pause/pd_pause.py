@@ -82,8 +82,10 @@ def _settle_answered_forward(scheduler) -> None:
     """Abort mode, overlap scheduler: a forward of only finished requests left in upstream's result queue is
     processed now, as the loop's next pass would (docs/pause-release-resume.md, "What release does")."""
     results = fork_touch.upstream(scheduler, "result_queue")
-    if (not scheduler.enable_overlap or len(results) != 1 or scheduler.last_batch is None
-            or not all(req.finished() for req in results[0][0].reqs)):
+    if not scheduler.enable_overlap or not results or scheduler.last_batch is None:
+        return
+    pending, _ = results[0]
+    if len(results) != 1 or not all(req.finished() for req in pending.reqs):
         return  # a live request: the loop settles it after continue, as upstream's would
     batch, result = results.popleft()
     scheduler.process_batch_result(batch, result)
@@ -236,8 +238,10 @@ def not_idle_reasons(scheduler) -> List[str]:
         "deferred_kv_releases": pd_queues.role(scheduler) == "decode"
         and scheduler.disagg_decode_transfer_queue.has_pending_deferred_releases(),
     }
-    return [k for k, v in checks.items() if v] + [
-        f"queue.{k}={v}" for k, v in pd_queues.lengths(scheduler).items() if v and k not in ("waiting", "running")]
+    reasons = [k for k, v in checks.items() if v]
+    reasons += [f"queue.{k}={v}" for k, v in pd_queues.lengths(scheduler).items()
+                if v and k not in ("waiting", "running")]
+    return reasons
 
 
 def weight_updater_release(original, weight_updater, recv_req, *args, **kwargs):
@@ -329,22 +333,14 @@ def pause_answer_kept(scheduler, abort_req, req, *args, **kwargs) -> None:
         return
     verdict = getattr(req, room_ledger.REQUESTED_ABORT, None)
     message = verdict[0] if verdict is not None and verdict[1] is None else getattr(req, room_ledger.PAUSE_ABORT, None)
-    if names_pause(message):  # None names nothing
+    if message is not None and names_pause(message):
         abort_req.finished_reason = pause_finish_reason(message)
-
-
-# Upstream's paused loop polls its input sockets without blocking: a paused PD scheduler spun a core that the
-# HTTP processes, the peer and the weight load waited for (bench/README.md). With nothing to pump it now waits
-# on the sockets upstream's idle sleeper waits on (a request, continue or an abort wakes it), at most this long.
-PAUSED_INPUT_WAIT_MS = 50
 
 
 def paused_loop_tick(result, scheduler, *args, **kwargs):
     """AFTER Scheduler._record_scheduler_state_for_paused_engine (each paused loop iteration): for a while after
     an abort keep retiring what it failed (late drain acks); otherwise answer prefill's legs whose transfer
     concluded, then wait for input instead of spinning."""
-    from sglang.srt.managers.scheduler_components.idle_sleeper import IdleSleeper
-
     sp = scheduler_pause(scheduler)
     role = pd_queues.role(scheduler)
     if role is None:
@@ -358,19 +354,36 @@ def paused_loop_tick(result, scheduler, *args, **kwargs):
         # re-send it to this prefill under the same rid (upstream's retract re-bootstrap), which prefill's
         # tokenizer refuses (400 "Duplicate request ID") while this leg still holds the rid.
         scheduler.process_disagg_prefill_inflight_queue()
-    sleeper = fork_touch.upstream(scheduler, "idle_sleeper")
-    if isinstance(sleeper, IdleSleeper):  # zmq sockets (not the Rust server's ring; without one the loop spins)
-        fork_touch.upstream(sleeper, "poller").poll(PAUSED_INPUT_WAIT_MS)
+    wait_for_input_while_paused(scheduler)
     return result
+
+
+# Upstream's paused loop polls its input sockets without blocking: a paused PD scheduler spun a core that the
+# HTTP processes, the peer and the weight load waited for (bench/README.md). With nothing to pump it now waits
+# on the sockets upstream's idle sleeper waits on (a request, continue or an abort wakes it), at most this long.
+PAUSED_INPUT_WAIT_MS = 50
+
+
+def wait_for_input_while_paused(scheduler) -> None:
+    """Wait for input at most PAUSED_INPUT_WAIT_MS on upstream's idle sleeper (without one the loop spins)."""
+    from sglang.srt.managers.scheduler_components.idle_sleeper import IdleSleeper
+
+    sleeper = fork_touch.upstream(scheduler, "idle_sleeper")
+    if isinstance(sleeper, IdleSleeper):  # zmq sockets (not the Rust server's ring)
+        fork_touch.upstream(sleeper, "poller").poll(PAUSED_INPUT_WAIT_MS)
 
 
 def _holds_in_batch(scheduler, recv_req) -> bool:
     """The abort hits what only the next pass would retire: decode's batches, prefill's unprocessed last batch."""
-    last = [] if scheduler.last_batch is None else list(scheduler.last_batch.reqs)
     if pd_queues.role(scheduler) == "prefill":
-        reqs = last if scheduler.enable_overlap and scheduler.result_queue else []
+        batch = scheduler.last_batch
+        if batch is None or not scheduler.enable_overlap or not scheduler.result_queue:
+            return False
+        reqs = list(batch.reqs)
     else:
-        reqs = list(scheduler.running_batch.reqs) + last
+        reqs = list(scheduler.running_batch.reqs)
+        if scheduler.last_batch is not None:
+            reqs += list(scheduler.last_batch.reqs)
     return any(_matches(recv_req, r.rid) for r in reqs)
 
 
@@ -457,7 +470,7 @@ def queue_resume(original, queue, *args, **kwargs):
     # room state the peer re-created while this side was released belongs to no live request
     forget_orphan_rooms(queue.scheduler, queue.kv_manager)
     result = original(queue, *args, **kwargs)
-    queue.kv_manager._fork_registered_regions = None  # registered again: what registration_report counts
+    queue.kv_manager._fork_registered_regions = _regions(queue.kv_manager)
     scheduler_pause(queue.scheduler).released = False
     return result
 
@@ -483,12 +496,16 @@ def forget_orphan_rooms(scheduler, kv_manager) -> None:
         logger.info("pd_pause: dropped %d room-table entries of ended requests", len(orphans))
 
 
+def _regions(kv_manager) -> int:
+    regions = getattr(kv_manager, "_registerable_regions", None)  # mooncake's; none on fake
+    return len(regions()) if regions is not None else 0
+
+
 def registration_report(kv_manager) -> Dict[str, Any]:
     """Regions this kv_manager has registered with the transfer engine right now."""
     n = getattr(kv_manager, "_fork_registered_regions", None)
-    if n is None:  # not released: upstream registered everything (at start-up or resume)
-        regions = getattr(kv_manager, "_registerable_regions", None)  # mooncake's; none on fake
-        n = len(regions()) if regions is not None else 0
+    if n is None:  # never released: upstream registered everything at start-up
+        n = _regions(kv_manager)
     return {"registered_regions": n, "kv_data_ptrs": list(kv_manager.kv_args.kv_data_ptrs)}
 
 
@@ -748,7 +765,8 @@ async def _answers_decided(tokenizer_manager, lock_free, timeout: float) -> bool
 
 
 async def around_is_locked(original, lock, *args, **kwargs):
-    """AROUND sglang.srt.utils.aio_rwlock.RWLock.is_locked: True only if still locked and answers undecided."""
+    """AROUND sglang.srt.utils.aio_rwlock.RWLock.is_locked: True only if still locked and answers undecided after
+    DRAIN_WAIT_S."""
     if not await original(lock, *args, **kwargs):
         return False
     lock_free = asyncio.ensure_future(_lock_free(lock))
@@ -785,7 +803,8 @@ async def _after_first_leg(original, tokenizer_manager, obj, first, *args, **kwa
     loop, states = asyncio.get_running_loop(), tokenizer_manager.rid_to_state
     event = fork_touch.upstream(first, "event")
     deadline = loop.time() + REBOOTSTRAP_WAIT_S
-    tokenizer_manager.__dict__[_REBOOTSTRAP_WAITING] = tokenizer_manager.__dict__.get(_REBOOTSTRAP_WAITING, 0) + 1
+    waiting = tokenizer_manager.__dict__
+    waiting[_REBOOTSTRAP_WAITING] = waiting.get(_REBOOTSTRAP_WAITING, 0) + 1
     logger.info("pd_pause: re-send of rid=%s (room %s) waits for its first leg", obj.rid, obj.bootstrap_room)
     try:
         while states.get(obj.rid) is first and (remaining := deadline - loop.time()) > 0:
@@ -795,7 +814,7 @@ async def _after_first_leg(original, tokenizer_manager, obj, first, *args, **kwa
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(event.wait(), remaining)
     finally:
-        tokenizer_manager.__dict__[_REBOOTSTRAP_WAITING] -= 1
+        waiting[_REBOOTSTRAP_WAITING] -= 1
     generator = original(tokenizer_manager, obj, *args, **kwargs)
     try:
         async for out in generator:
@@ -832,13 +851,14 @@ def tm_abort_request(original, tokenizer_manager, rid: str = "", abort_all: bool
     where = ("while the engine memory was released" if pause_reason(tokenizer_manager) == "release"
              else "while the engine was paused")
     why = f"Aborted by {'abort_all' if abort_all else 'the client'} {where} (rid={{rid}})."
-    hits = {state_rid: s for state_rid, s in list(tokenizer_manager.rid_to_state.items())
-            if (abort_all or state_rid == rid) and getattr(s, _MARK, None) is None}
-    for state_rid, s in hits.items():
-        setattr(s, _MARK, why.format(rid=state_rid))
+    hit = False
+    for state_rid, state in list(tokenizer_manager.rid_to_state.items()):
+        if (abort_all or state_rid == rid) and getattr(state, _MARK, None) is None:
+            setattr(state, _MARK, why.format(rid=state_rid))
+            hit = True
     logger.info("pd_pause: abort while paused (rid=%r, all=%s): %s", rid, abort_all,
-                "waking the pause gate" if hits else "no request state")
-    if hits:
+                "waking the pause gate" if hit else "no request state")
+    if hit:
         asyncio.get_running_loop().create_task(_set_gate(tokenizer_manager))
     return result
 
