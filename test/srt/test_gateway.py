@@ -195,7 +195,7 @@ def test_rl_pause_cycles_never_open_a_circuit(gateway_deployment, tiny_model):
         for role in PD_ROLES
     }
     calls = []
-    loop = ClosedLoop(cluster.url, PAUSE_CLIENTS, timeout=60).start()
+    loop = ClosedLoop(cluster.url, PAUSE_CLIENTS, timeout=60, ignore_eos=True).start()
     try:
         for cycle in range(PAUSE_CYCLES):
             done = loop.completed()

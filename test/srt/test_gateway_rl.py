@@ -114,7 +114,7 @@ def test_abort_pause_update_continue_one_engine_after_the_other(cluster, balance
     failures_before = gateway.failures() if gateway is not None else None
     calls, refused = [], []
     t_start = time.monotonic()
-    loop = ClosedLoop(url, CLIENTS, max_new_tokens=16, timeout=CALL_TIMEOUT_S).start()
+    loop = ClosedLoop(url, CLIENTS, max_new_tokens=16, timeout=CALL_TIMEOUT_S, ignore_eos=True).start()
     try:
         for step, (first, flush) in enumerate(STEPS):
             order = (first, "decode" if first == "prefill" else "prefill")
