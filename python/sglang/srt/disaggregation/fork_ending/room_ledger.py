@@ -5,7 +5,6 @@ answers every PD request's failure end. Any thread; `RoomLedger.lock` is a leaf.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import itertools
 import logging
@@ -20,7 +19,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from sglang.srt.disaggregation.fork_ending import pd_queues, request_end_cause as end_cause
 from sglang.srt.disaggregation.base import KVPoll
-from sglang.srt.disaggregation.fork_ending.pd_queues import DECODE_TRANSFER, PREFILL_INFLIGHT, PREFILL_RUNNING, PREFILL_WAITING
+from sglang.srt.disaggregation.fork_ending.pd_queues import PREFILL_INFLIGHT, PREFILL_RUNNING, PREFILL_WAITING
+from sglang.srt.environ import envs
 from sglang.srt.managers.fork_core import fork_touch
 from sglang.srt.managers.fork_core.fork_touch import upstream
 
@@ -51,8 +51,7 @@ class EngineClock:
         return self._paused_at is not None
 
     def now(self) -> float:
-        t = self._paused_at if self._paused_at is not None else self._monotonic()
-        return t - self._paused_total
+        return (self._paused_at if self._paused_at is not None else self._monotonic()) - self._paused_total
 
     def pause(self) -> None:
         if self._paused_at is None:
@@ -92,8 +91,6 @@ class RoomLedger:
     """Per kv manager: drains owed by peers (decode), ended/cancelled/owned rooms (prefill)."""
 
     def __init__(self, mgr: Any):
-        from sglang.srt.environ import envs
-
         self.mgr = mgr
         self.lock = threading.Lock()
         self.drains: "OrderedDict[int, Drain]" = OrderedDict()
@@ -104,11 +101,9 @@ class RoomLedger:
 
     # -- the ender
 
-    def end(
-        self, room: int, cause: Optional[str], reason: str, *, peer: Optional[str] = None,
-        fail: bool = True, tell: bool = True, targets: Optional[list] = None,
-        receiver: Any = None, remember: bool = False, cancel: bool = False,
-    ) -> None:
+    def end(self, room: int, cause: Optional[str], reason: str, *, peer: Optional[str] = None, fail: bool = True,
+            tell: bool = True, targets: Optional[list] = None, receiver: Any = None, remember: bool = False,
+            cancel: bool = False) -> None:
         """End `room` for `cause` (None: the request's own) with `reason` (docs/layout.md)."""
         mgr = self.mgr
         if room is None:
@@ -120,11 +115,9 @@ class RoomLedger:
         if fail and room in getattr(mgr, "request_status", {}):
             mgr.record_failure(room, reason)
             mgr.update_status(room, KVPoll.Failed)
-        if not tell:
-            return
-        if receiver is not None:
+        if tell and receiver is not None:
             receiver.ensure_abort_notified()
-        elif hasattr(mgr, "send_kv_status_message"):
+        elif tell and hasattr(mgr, "send_kv_status_message"):
             if targets is None and hasattr(mgr, "_room_notify_targets"):
                 targets = mgr._room_notify_targets(room)
             mgr.send_kv_status_message(targets=targets, bootstrap_room=room, status=KVPoll.Failed,
@@ -219,9 +212,7 @@ class RoomLedger:
     def settle_peer(self, peer: str) -> None:
         """Ack, on behalf of the lost `peer`, every drain it still owes."""
         with self.lock:
-            owed = [(room, d) for room, d in self.drains.items() if d.peer == peer]
-            for room, _ in owed:
-                del self.drains[room]
+            owed = [(room, self.drains.pop(room)) for room, d in list(self.drains.items()) if d.peer == peer]
         for room, drain in owed:  # the lock is released: upstream is called
             for i in range(max(drain.ranks, 1)):
                 self.mgr.note_abort_ack(room, -1 - i, drain.generation)  # ranks no live prefill uses
@@ -303,8 +294,7 @@ def _drop_unowned_room(mgr: Any, room: int) -> None:
 
 def on_prefill_create_sender(result: Any, queue_: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
     """AFTER `PrefillBootstrapQueue.create_sender`: a room decode already ended fails at once."""
-    mgr = queue_.kv_manager
-    ledger = ledger_of(mgr)
+    mgr, ledger = queue_.kv_manager, ledger_of(queue_.kv_manager)
     if not result or ledger is None or req.bootstrap_room is None or not hasattr(mgr, "_handle_abort_notification"):
         return
     reason = ledger.own(req.bootstrap_room)
@@ -325,18 +315,15 @@ def on_sender_clear(result: Any, sender: Any, *args: Any, **kwargs: Any) -> None
 def around_update_status(original, mgr, bootstrap_room, status, *args, **kwargs):
     """AROUND CommonKVManager.update_status: a late handshake for an ended room is answered Failed."""
     ledger, current = ledger_of(mgr), mgr.request_status.get(bootstrap_room)
-    reason = None
-    if status == KVPoll.WaitingForInput and ledger is not None and ledger.ended and current in (None, KVPoll.Failed):
-        reason = ledger.late_answer(bootstrap_room, pop=current is None)
+    late = status == KVPoll.WaitingForInput and ledger is not None and ledger.ended and current in (None, KVPoll.Failed)
+    reason = ledger.late_answer(bootstrap_room, pop=current is None) if late else None
     if reason is None:
         return original(mgr, bootstrap_room, status, *args, **kwargs)
     targets = mgr._room_notify_targets(bootstrap_room)
-    result = None
+    result = None if current is None else original(mgr, bootstrap_room, status, *args, **kwargs)
     if current is None:
         mgr.transfer_infos.pop(bootstrap_room, None)
         mgr.req_to_decode_prefix_len.pop(bootstrap_room, None)
-    else:
-        result = original(mgr, bootstrap_room, status, *args, **kwargs)
     ledger.end(bootstrap_room, None, reason, fail=False, targets=targets)
     return result
 
@@ -353,9 +340,8 @@ def around_record_failure(original, mgr, bootstrap_room, failure_reason, *args, 
         if (failure_reason or "").startswith(PEER_LOST_TAG):
             end_cause.tag(mgr, bootstrap_room, end_cause.PEER_FAILURE)
     current, new = mgr.failure_records.get(bootstrap_room), failure_reason or ""
-    if current and current.startswith(PEER_LOST_TAG) and not new.startswith(PEER_LOST_TAG):
-        return None
-    if current and new.startswith(UPSTREAM_ABORT_REASON):  # e.g. the sender's Failed after the ledger told the pause
+    if current and (new.startswith(UPSTREAM_ABORT_REASON)  # e.g. the sender's Failed after the ledger told the pause
+                    or current.startswith(PEER_LOST_TAG) and not new.startswith(PEER_LOST_TAG)):
         return None
     if new.startswith(UPSTREAM_ABORT_REASON) and getattr(_recompute, "reason", None):
         failure_reason = _recompute.reason  # the re-send's failure, not a client's abort
@@ -386,7 +372,6 @@ PEER_LOST_TAG = "PD peer lost"  # peer_liveness.TAG
 UPSTREAM_PREFILL_LOST = "Lost connection with prefill instance"  # upstream's decode heartbeat
 ABORT_TAG = "PD request aborted"  # opens the reason a room carries to the peer when its request was aborted
 UPSTREAM_ABORT_REASON = "Aborted by AbortReq"  # upstream's Common{Sender,Receiver}.abort()
-ABORT_REASONS = (ABORT_TAG, UPSTREAM_ABORT_REASON)
 CLIENT_ABORT_MESSAGE = "Aborted by the client."
 RELEASE_MARKER = "engine memory released"  # pd_pause.RELEASE_MARKER
 # A message naming the pause or the release ends the request as a pause abort (end cause "pause").
@@ -418,7 +403,7 @@ def verdict(req: Any, error_message: str, status_code: Any) -> Tuple[str, Any]:
         "deadline": getattr(req, DEADLINE_EXPIRED, None),
         "pause": getattr(req, PAUSE_ABORT, None),
         "requested_abort": getattr(req, REQUESTED_ABORT, None),
-        "peer_abort": any(t in text for t in ABORT_REASONS) or None,
+        "peer_abort": any(t in text for t in (ABORT_TAG, UPSTREAM_ABORT_REASON)) or None,
         "failure": True,
     }
     cause = next(c for c in VERDICT_TABLE if found[c] is not None)
@@ -497,19 +482,16 @@ def before_abort_request(scheduler, recv_req, *args, **kwargs) -> None:
             continue  # already aborted (or met earlier in the walk): a second abort changes nothing
         setattr(req, REQUESTED_ABORT, (message, status))
         end_cause.tag_req(req, cause)
-        kv_mgr = _kv_mgr(req) if role == "prefill" else None
-        room = req.bootstrap_room
-        if (hasattr(kv_mgr, "send_kv_status_message") and room is not None  # not on decode, not fake
-                and getattr(kv_mgr, "request_status", {}).get(room) != KVPoll.Success):
+        kv_mgr = _kv_mgr(req) if role == "prefill" else None  # decode: none; the fake one cannot send
+        room = req.bootstrap_room  # None: `end` ends nothing
+        if hasattr(kv_mgr, "send_kv_status_message") and kv_mgr.request_status.get(room) != KVPoll.Success:
             end_room(kv_mgr, room, None, peer_reason(req.rid, room, "prefill", message), fail=False, remember=True)
 
 
 def counts_as_failure(scheduler, req, role: str, stage: Optional[str] = None, kv_mgr=None) -> bool:
     """Patched failure paths: count `req`'s end once; whether upstream counts a failure too."""
-    if stage is None:
-        stage = pd_queues.prefill_stage(scheduler, req) if role == "prefill" else DECODE_TRANSFER
-    if kv_mgr is None and role == "prefill":
-        kv_mgr = _kv_mgr(req)
+    if role == "prefill":  # decode's patched lines pass its stage and kv manager, prefill's neither
+        stage, kv_mgr = stage or pd_queues.prefill_stage(scheduler, req), _kv_mgr(req)
     cause = end_cause.record_end(scheduler, req, role, stage, kv_mgr) or end_cause.cause_of(req, kv_mgr)[0]
     return cause not in (end_cause.CLIENT_ABORT, end_cause.PAUSE)
 
@@ -521,20 +503,20 @@ def finish_transferred(scheduler, req) -> bool:
 
     if isinstance(req.finished_reason, FINISH_ABORT):
         return True
-    if not (is_aborted(req) or getattr(req, REQUESTED_ABORT, None) is not None):
+    asked = getattr(req, REQUESTED_ABORT, None)
+    if not (is_aborted(req) or asked is not None):
         return False
     pending = req.to_finish
-    if getattr(req, REQUESTED_ABORT, None) is None and isinstance(pending, FINISH_ABORT):
-        client = pending.status_code is None
-        asked = (CLIENT_ABORT_MESSAGE, None) if client else (pending.message, pending.status_code)
+    if asked is None:  # the pending abort (is_aborted, not finished) asks for its own verdict
+        asked = (CLIENT_ABORT_MESSAGE, None) if pending.status_code is None else (pending.message, pending.status_code)
         setattr(req, REQUESTED_ABORT, asked)
-        end_cause.tag_req(req, end_cause.CLIENT_ABORT if client else end_cause.TIMEOUT)
+        end_cause.tag_req(req, end_cause.CLIENT_ABORT if asked[1] is None else end_cause.TIMEOUT)
     req.to_finish = None
     prepare_abort(req, CLIENT_ABORT_MESSAGE)
     kv_mgr = _kv_mgr(req)
     end_cause.record_end(scheduler, req, "prefill", PREFILL_INFLIGHT, kv_mgr)
-    if kv_mgr is not None and hasattr(kv_mgr, "send_kv_status_message"):  # decode must not run it
-        reason = peer_reason(req.rid, req.bootstrap_room, "prefill", getattr(req, REQUESTED_ABORT)[0])
+    if hasattr(kv_mgr, "send_kv_status_message"):  # decode must not run it; None: no room
+        reason = peer_reason(req.rid, req.bootstrap_room, "prefill", asked[0])
         end_room(kv_mgr, req.bootstrap_room, None, reason, fail=False, remember=True)
     return True
 
@@ -564,7 +546,7 @@ def around_pending_chunked_abort(original, scheduler, *args, **kwargs):
 
 
 def ended_at_gate(role: Any, obj: Any, why: str) -> None:
-    """A request one side's tokenizer ended (pause gate): the other side's copy is told."""
+    """A request one side ended before its scheduler saw it (pause gate, rejection): the peer's copy is told."""
     role = str(getattr(role, "value", role))
     if role not in ("decode", "prefill"):
         return
@@ -580,7 +562,7 @@ def before_release_on_failure(tokenizer_manager: Any, request_states: Any, *args
     before this side's scheduler (rejected, or its client gone at the gate) has its peer's copy told."""
     exc = sys.exc_info()[1]
     role = str(getattr(tokenizer_manager.disaggregation_mode, "value", ""))
-    rejected = isinstance(exc, Exception) and not isinstance(exc, asyncio.CancelledError)
+    rejected = isinstance(exc, Exception)  # not the CancelledError (a BaseException) of a client gone at the gate
     why = f"{REJECTED} {role}'s tokenizer ({exc})" if rejected else f"ended at {role}'s tokenizer"
     for rid, state in request_states.items():
         if tokenizer_manager.rid_to_state.get(rid) is state and not state.dispatched:
@@ -601,14 +583,13 @@ def peer_reason(rid: Any, room: int, side: str, why: Optional[str] = None) -> st
 
 def _ended_on_prefill(ledger: "RoomLedger", room: int, reason: str) -> None:
     """Bootstrap thread: answer decode's handshake for a room prefill ended, now or when it lands."""
-    mgr = ledger.mgr
     with ledger.lock:
         if room in ledger.owned:  # a live sender owns the number: not this request's room
             return
-    targets = mgr._room_notify_targets(room)
+    targets = ledger.mgr._room_notify_targets(room)
     ledger.end(room, None, reason, fail=False, tell=bool(targets), targets=targets, remember=not targets, cancel=True)
     if targets:
-        _drop_unowned_room(mgr, room)
+        _drop_unowned_room(ledger.mgr, room)
     logger.info("room_ledger: room %s ended on prefill before its scheduler saw it (%s); decode %s",
                 room, reason, "told" if targets else "will be told at its handshake")
 
@@ -622,12 +603,10 @@ def after_send_abort_output(result: Any, scheduler: Any, abort_req: Any, req: An
         return
     if (mode == DisaggregationMode.DECODE and scheduler.transfer_backend != TransferBackend.FAKE
             and not req.time_stats.decode_prealloc_queue_entry_time):
-        tell_prefill(req.bootstrap_host, req.bootstrap_port, req.bootstrap_room, "rejected by decode's scheduler")
+        ended_at_gate(mode, req, "rejected by decode's scheduler")
     elif mode == DisaggregationMode.PREFILL and req.disagg_kv_sender is None:  # no room here
         said = (getattr(abort_req, "finished_reason", None) or {}).get("message")
-        why = f"{REJECTED} prefill's scheduler" + (f" ({said})" if said else "")
-        tell_prefill(req.bootstrap_host, req.bootstrap_port, req.bootstrap_room, why,
-                     peer_reason(req.rid, req.bootstrap_room, "prefill", why))
+        ended_at_gate(mode, req, f"{REJECTED} prefill's scheduler" + (f" ({said})" if said else ""))
 
 
 def after_ensure_abort_notified(result: Any, receiver: Any, *args: Any, **kwargs: Any) -> None:
@@ -683,10 +662,8 @@ def _run_teller() -> None:
         try:
             if addr not in endpoints:
                 endpoints[addr] = _rank_endpoints(addr)
-            if reason is None:
-                message = AbortNotification(room=room).to_zmq()
-            else:
-                message = [ABORT_TAG, str(room).encode("ascii"), ENDED_ON_PREFILL, reason.encode("utf-8")]
+            message = (AbortNotification(room=room).to_zmq() if reason is None
+                       else [ABORT_TAG, str(room).encode("ascii"), ENDED_ON_PREFILL, reason.encode("utf-8")])
             for info in endpoints[addr]:
                 sock, lock = CommonKVReceiver._connect_to_bootstrap_server(info)
                 with lock:
