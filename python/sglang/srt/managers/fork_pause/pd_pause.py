@@ -765,8 +765,7 @@ async def _answers_decided(tokenizer_manager, lock_free, timeout: float) -> bool
 
 
 async def around_is_locked(original, lock, *args, **kwargs):
-    """AROUND sglang.srt.utils.aio_rwlock.RWLock.is_locked: True only if still locked and answers undecided after
-    DRAIN_WAIT_S."""
+    """AROUND sglang.srt.utils.aio_rwlock.RWLock.is_locked: True only if still locked and answers undecided."""
     if not await original(lock, *args, **kwargs):
         return False
     lock_free = asyncio.ensure_future(_lock_free(lock))
@@ -803,8 +802,7 @@ async def _after_first_leg(original, tokenizer_manager, obj, first, *args, **kwa
     loop, states = asyncio.get_running_loop(), tokenizer_manager.rid_to_state
     event = fork_touch.upstream(first, "event")
     deadline = loop.time() + REBOOTSTRAP_WAIT_S
-    waiting = tokenizer_manager.__dict__
-    waiting[_REBOOTSTRAP_WAITING] = waiting.get(_REBOOTSTRAP_WAITING, 0) + 1
+    tokenizer_manager.__dict__[_REBOOTSTRAP_WAITING] = tokenizer_manager.__dict__.get(_REBOOTSTRAP_WAITING, 0) + 1
     logger.info("pd_pause: re-send of rid=%s (room %s) waits for its first leg", obj.rid, obj.bootstrap_room)
     try:
         while states.get(obj.rid) is first and (remaining := deadline - loop.time()) > 0:
@@ -814,7 +812,7 @@ async def _after_first_leg(original, tokenizer_manager, obj, first, *args, **kwa
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(event.wait(), remaining)
     finally:
-        waiting[_REBOOTSTRAP_WAITING] -= 1
+        tokenizer_manager.__dict__[_REBOOTSTRAP_WAITING] -= 1
     generator = original(tokenizer_manager, obj, *args, **kwargs)
     try:
         async for out in generator:
@@ -851,14 +849,13 @@ def tm_abort_request(original, tokenizer_manager, rid: str = "", abort_all: bool
     where = ("while the engine memory was released" if pause_reason(tokenizer_manager) == "release"
              else "while the engine was paused")
     why = f"Aborted by {'abort_all' if abort_all else 'the client'} {where} (rid={{rid}})."
-    hit = False
-    for state_rid, state in list(tokenizer_manager.rid_to_state.items()):
-        if (abort_all or state_rid == rid) and getattr(state, _MARK, None) is None:
-            setattr(state, _MARK, why.format(rid=state_rid))
-            hit = True
+    hits = {state_rid: s for state_rid, s in list(tokenizer_manager.rid_to_state.items())
+            if (abort_all or state_rid == rid) and getattr(s, _MARK, None) is None}
+    for state_rid, s in hits.items():
+        setattr(s, _MARK, why.format(rid=state_rid))
     logger.info("pd_pause: abort while paused (rid=%r, all=%s): %s", rid, abort_all,
-                "waking the pause gate" if hit else "no request state")
-    if hit:
+                "waking the pause gate" if hits else "no request state")
+    if hits:
         asyncio.get_running_loop().create_task(_set_gate(tokenizer_manager))
     return result
 
