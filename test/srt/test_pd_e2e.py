@@ -8,7 +8,7 @@ the deployment is idle rather than restarting it.
 
 from __future__ import annotations
 
-import ast
+import importlib.util
 import threading
 import time
 from pathlib import Path
@@ -58,14 +58,13 @@ def _counters(cluster) -> dict:
 
 
 def _hook_targets_in_repo() -> set:
-    """Targets listed in the repo's fork_plugin.HOOKS (read, not imported: importing
-    sglang here would cost the test process ~10 s). The servers report the HOOKS of
+    """Targets listed in the repo's fork_plugin.HOOKS (the file run on its own: its module level
+    imports no sglang, which would cost the test process ~10 s). The servers report the HOOKS of
     the installed build; comparing the two also catches a stale install."""
-    tree = ast.parse(FORK_PLUGIN.read_text())
-    for node in tree.body:
-        if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", None) == "HOOKS":
-            return {entry.elts[0].value for entry in node.value.elts}
-    raise AssertionError(f"no HOOKS in {FORK_PLUGIN}")
+    spec = importlib.util.spec_from_file_location("fork_plugin_tables", FORK_PLUGIN)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return {target for target, _, _ in module.HOOKS}
 
 
 def test_hooks_applied_on_every_server(pd_cluster, single_server):
