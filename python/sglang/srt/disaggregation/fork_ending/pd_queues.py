@@ -82,10 +82,8 @@ def queued_reqs(scheduler: Any) -> List[Any]:
 
 def held_reqs(scheduler: Any) -> List[Any]:
     """Every request this scheduler holds: PD queues, running batch, last batch."""
-    reqs = queued_reqs(scheduler) + list(scheduler.running_batch.reqs)
-    if scheduler.last_batch is not None:
-        reqs += list(scheduler.last_batch.reqs)
-    return reqs
+    last = scheduler.last_batch.reqs if scheduler.last_batch is not None else ()
+    return queued_reqs(scheduler) + list(scheduler.running_batch.reqs) + list(last)
 
 
 def parked_reqs(scheduler: Any) -> List[Any]:
@@ -136,10 +134,8 @@ def table_sizes(obj: Any, names: Tuple[str, ...]) -> Dict[str, int]:
 
 def kv_manager(scheduler: Any) -> Any:
     """The transfer kv manager of this scheduler's PD queue, or None."""
-    for queue in (scheduler.disagg_prefill_bootstrap_queue, scheduler.disagg_decode_prealloc_queue):
-        if queue is not None:
-            return queue.kv_manager
-    return None
+    queues = (scheduler.disagg_prefill_bootstrap_queue, scheduler.disagg_decode_prealloc_queue)
+    return next((queue.kv_manager for queue in queues if queue is not None), None)
 
 
 def fake_bootstrap_addr(original: Any, req: Any) -> str:

@@ -25,8 +25,7 @@ MAX_TAGGED_ROOMS = 4096
 # Per request: (cause, peer) once known; and whether its end was already counted.
 _REQ_CAUSE = "fork_end_cause"
 _REQ_COUNTED = "fork_end_counted"
-# Guards the per-manager room tags (written by any thread, popped by the scheduler). A leaf lock.
-_lock = threading.Lock()
+_lock = threading.Lock()  # guards the per-manager room tags (docs/layout.md, threading model)
 
 # key -> (name, documentation, the counter's own label names); labelled by the scheduler's labels first.
 COUNTERS = {
@@ -96,13 +95,9 @@ def _check(cause: str) -> None:
 def tag(kv_manager: Any, room: int, cause: str, peer: Optional[str] = None) -> None:
     """Record why `room` is about to fail (call before marking it Failed). First tag wins."""
     _check(cause)
-    if kv_manager is None or room is None:
-        return
     with _lock:
         rooms = kv_manager.__dict__.setdefault(_ROOMS_ATTR, OrderedDict())
-        if room in rooms:
-            return
-        rooms[room] = (cause, peer)
+        rooms.setdefault(room, (cause, peer))
         while len(rooms) > MAX_TAGGED_ROOMS:
             rooms.popitem(last=False)
 
@@ -131,26 +126,20 @@ def _is_client_abort(req: Any) -> bool:
     return any(isinstance(r, FINISH_ABORT) and getattr(r, "status_code", None) is None for r in reasons)
 
 
-def cause_of(req: Any, kv_manager: Any = None, default: str = TRANSPORT) -> Tuple[str, Optional[str]]:
-    """(cause, peer) for `req`: its own tag, its room's, a client abort, else `default`."""
-    _check(default)
+def cause_of(req: Any, kv_manager: Any = None) -> Tuple[str, Optional[str]]:
+    """(cause, peer) for `req`: its own tag, its room's, a client abort, else a transport failure."""
     tagged = getattr(req, _REQ_CAUSE, None) or _rooms(kv_manager).get(getattr(req, "bootstrap_room", None))
-    if tagged is not None:
-        return tagged
-    return (CLIENT_ABORT if _is_client_abort(req) else default), None
+    return tagged or ((CLIENT_ABORT if _is_client_abort(req) else TRANSPORT), None)
 
 
-def record_end(scheduler: Any, req: Any, role: str, stage: str, kv_manager: Any = None,
-               default: str = TRANSPORT) -> Optional[str]:
+def record_end(scheduler: Any, req: Any, role: str, stage: str, kv_manager: Any = None) -> Optional[str]:
     """Count `req`'s end once and forget its room's tag; the cause counted (later calls: None)."""
     if getattr(req, _REQ_COUNTED, False):
         return None
-    cause, _peer = cause_of(req, kv_manager, default)
+    cause, _peer = cause_of(req, kv_manager)
     setattr(req, _REQ_COUNTED, True)
-    rooms = _rooms(kv_manager)
-    if rooms:
-        with _lock:
-            rooms.pop(getattr(req, "bootstrap_room", None), None)
+    with _lock:
+        _rooms(kv_manager).pop(getattr(req, "bootstrap_room", None), None)
     COUNTS[(role, cause, stage)] += 1
     inc("end_cause", scheduler_labels(scheduler), role=role, cause=cause, stage=stage)
     return cause
@@ -158,7 +147,7 @@ def record_end(scheduler: Any, req: Any, role: str, stage: str, kv_manager: Any 
 
 def after_process_batch_result(result: Any, scheduler: Any, batch: Any, *args: Any, **kwargs: Any) -> None:
     """AFTER Scheduler.process_batch_result (decode): count the batch's aborted requests."""
-    if batch is None or pd_queues.role(scheduler) != pd_queues.DECODE:
+    if pd_queues.role(scheduler) != pd_queues.DECODE:
         return
     from sglang.srt.managers.schedule_batch import FINISH_ABORT
 

@@ -19,7 +19,6 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from sglang.srt.disaggregation.fork_ending import pd_queues, request_end_cause as end_cause
 from sglang.srt.disaggregation.base import KVPoll
-from sglang.srt.disaggregation.fork_ending.pd_queues import PREFILL_INFLIGHT, PREFILL_RUNNING, PREFILL_WAITING
 from sglang.srt.environ import envs
 from sglang.srt.managers.fork_core import fork_touch
 from sglang.srt.managers.fork_core.fork_touch import upstream
@@ -35,6 +34,9 @@ CANCEL_REASON = "PD request aborted on decode: the decode peer {peer} aborted ro
 DECODE_ABORT_REASON = "PD request aborted on decode: bootstrap_room={room} was aborted by the decode peer."
 # Decode appends [WHY_FRAME, message] to the ABORT of a room its pause or a release ended; prefill strips them.
 WHY_FRAME = b"fork-why"
+# A prefill-side end sent to prefill's own bootstrap thread: [ABORT_TAG, room, mark, reason]. A manager without our
+# ABORT wrapper parses it as upstream's ABORT with a bad return address (logged) and only fails the room.
+ENDED_ON_PREFILL = b"~fork-ended-on-prefill"
 
 
 class EngineClock:
@@ -69,15 +71,6 @@ engine_clock = EngineClock()
 
 
 @dataclass
-class Drain:
-    """A room decode failed/aborted, held until prefill acks its drain."""
-
-    peer: str  # prefill bootstrap address
-    generation: int
-    ranks: int  # acks upstream waits for
-
-
-@dataclass
 class Ended:
     """A room this side ended, or the peer cancelled before this side created it."""
 
@@ -93,13 +86,12 @@ class RoomLedger:
     def __init__(self, mgr: Any):
         self.mgr = mgr
         self.lock = threading.Lock()
-        self.drains: "OrderedDict[int, Drain]" = OrderedDict()
+        # decode: room -> (prefill's bootstrap address, generation, acks upstream waits for) until prefill acks
+        self.drains: "OrderedDict[int, Tuple[str, int, int]]" = OrderedDict()
         self.ended: "OrderedDict[int, Ended]" = OrderedDict()
         self.owned: set = set()  # rooms a live sender of this side owns
         self.ttl_s = float(envs.SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT.get()
                            + envs.SGLANG_DISAGGREGATION_WAITING_TIMEOUT.get())
-
-    # -- the ender
 
     def end(self, room: int, cause: Optional[str], reason: str, *, peer: Optional[str] = None, fail: bool = True,
             tell: bool = True, targets: Optional[list] = None, receiver: Any = None, remember: bool = False,
@@ -122,8 +114,6 @@ class RoomLedger:
                 targets = mgr._room_notify_targets(room)
             mgr.send_kv_status_message(targets=targets, bootstrap_room=room, status=KVPoll.Failed,
                                        failure_reason=reason)
-
-    # -- memory of ended rooms (prefill)
 
     def remember(self, room: int, reason: str, *, answer: bool = True, cancel: bool = False) -> None:
         now = engine_clock.now()
@@ -194,28 +184,26 @@ class RoomLedger:
                 break
             self.ended.popitem(last=False)
 
-    # -- drains (decode)
-
     def note_drain(self, room: int, peer: str, generation: int, ranks: int) -> None:
         tracker = self.mgr._deferred_abort_ack_tracker
         with self.lock:
             self.drains.pop(room, None)
-            self.drains[room] = Drain(peer, generation, ranks)
+            self.drains[room] = (peer, generation, ranks)
             # forget rooms upstream released meanwhile (`clear_deferred_abort_state`)
             while self.drains:
-                old, drain = next(iter(self.drains.items()))
+                old, (_, held, _) = next(iter(self.drains.items()))
                 state = tracker.get(old)
-                if len(self.drains) <= MAX_RECORDS and state is not None and state.generation == drain.generation:
+                if len(self.drains) <= MAX_RECORDS and state is not None and state.generation == held:
                     break
                 self.drains.popitem(last=False)
 
     def settle_peer(self, peer: str) -> None:
         """Ack, on behalf of the lost `peer`, every drain it still owes."""
         with self.lock:
-            owed = [(room, self.drains.pop(room)) for room, d in list(self.drains.items()) if d.peer == peer]
-        for room, drain in owed:  # the lock is released: upstream is called
-            for i in range(max(drain.ranks, 1)):
-                self.mgr.note_abort_ack(room, -1 - i, drain.generation)  # ranks no live prefill uses
+            owed = [(room, self.drains.pop(room)) for room, d in list(self.drains.items()) if d[0] == peer]
+        for room, (_, generation, ranks) in owed:  # the lock is released: upstream is called
+            for i in range(max(ranks, 1)):
+                self.mgr.note_abort_ack(room, -1 - i, generation)  # ranks no live prefill uses
         if owed:
             logger.info("room_ledger: prefill peer %s lost; drains of %d rooms acked on its behalf", peer, len(owed))
 
@@ -242,9 +230,7 @@ def on_manager_init(mgr: Any, queue_: Any, *args: Any, **kwargs: Any) -> None:
     """AFTER each PD queue's `_init_kv_manager`: the ledger; prefill: its ABORT handler (SWAPS)."""
     from sglang.srt.disaggregation.utils import DisaggregationMode
 
-    if mgr is None or ATTR in getattr(mgr, "__dict__", {}):
-        return
-    ledger = mgr.__dict__[ATTR] = RoomLedger(mgr)
+    ledger = mgr.__dict__[ATTR] = RoomLedger(mgr)  # a new manager each call (upstream's role switch too)
     if getattr(mgr, "disaggregation_mode", None) == DisaggregationMode.PREFILL:
         fork_touch.swap(mgr, "_handle_abort_notification",
                         lambda original: lambda msg: _handle_abort(ledger, original, msg), by=__name__)
@@ -307,9 +293,7 @@ def on_prefill_create_sender(result: Any, queue_: Any, req: Any, *args: Any, **k
 
 def on_sender_clear(result: Any, sender: Any, *args: Any, **kwargs: Any) -> None:
     """AFTER `CommonKVSender.clear`: a room this prefill failed is remembered as ended."""
-    ledger = ledger_of(sender.kv_mgr)
-    if ledger is not None:
-        ledger.disown(sender.bootstrap_room, sender.conclude_state == KVPoll.Failed)
+    ledger_of(sender.kv_mgr).disown(sender.bootstrap_room, sender.conclude_state == KVPoll.Failed)
 
 
 def around_update_status(original, mgr, bootstrap_room, status, *args, **kwargs):
@@ -353,9 +337,8 @@ _recompute = threading.local()
 
 
 def around_fail_prefill_recompute(original, mgr, kv_receiver, reason, *args, **kwargs):
-    """AROUND CommonKVManager._fail_prefill_recompute (decode: a retract's re-send to prefill failed): upstream's
-    `abort()` marks the room Failed with "Aborted by AbortReq." before it records `reason`; a scheduler poll in
-    between answered the failed re-send as a client abort. The abort's record is `reason` from the start."""
+    """AROUND CommonKVManager._fail_prefill_recompute (decode: a retract's re-send to prefill failed): the abort's
+    record is `reason` from the start, never a client abort (why: docs/pause-release-resume.md)."""
     _recompute.reason = reason
     try:
         return original(mgr, kv_receiver, reason, *args, **kwargs)
@@ -365,8 +348,7 @@ def around_fail_prefill_recompute(original, mgr, kv_receiver, reason, *args, **k
 
 # ----------------------------------------------------------------------------- the verdict
 
-# How a failure reason names its cause (declared here, where the verdict reads them; the
-# modules that write them use these names, so the verdict imports none of them).
+# How a failure reason names its cause: declared where the verdict reads them, so it imports none of their writers.
 DEADLINE_TAG = "PD transfer deadline exceeded"  # transfer_deadline.TAG
 PEER_LOST_TAG = "PD peer lost"  # peer_liveness.TAG
 UPSTREAM_PREFILL_LOST = "Lost connection with prefill instance"  # upstream's decode heartbeat
@@ -384,14 +366,12 @@ PAUSE_ABORT = "_fork_pause_abort"  # pd_pause: the pause/release message
 REQUESTED_ABORT = "fork_abort_verdict"  # before_abort_request: (message, status) the AbortReq asked for
 DEADLINE_EXPIRED = "fork_transfer_deadline_message"  # transfer_deadline: its message
 
-# What the client is answered when a PD request ends on a failure path: the first cause found wins (the statuses and why
-# each row wins: docs/layout.md). Statuses are HTTPStatus members, never plain ints: upstream's OpenAI streaming path
-# treats an abort as an error event only when isinstance(status_code, HTTPStatus).
+# What a PD request that ends on a failure path is answered: the first cause found wins. The statuses (HTTPStatus
+# members, never plain ints: upstream's OpenAI stream checks the type) and why each row wins: docs/layout.md.
 VERDICT_TABLE = ("deadline", "pause", "requested_abort", "peer_abort", "failure")
 
 
 def lost_peer_status(error_message: str, status_code: Any) -> Any:
-    """502 for a request that ended because its peer was lost; else `status_code`."""
     lost = error_message and any(t in error_message for t in (PEER_LOST_TAG, UPSTREAM_PREFILL_LOST))
     return HTTPStatus.BAD_GATEWAY if lost else status_code
 
@@ -442,18 +422,6 @@ def prepare_abort_verdict(original, req, error_message, status_code=None, *args,
 # the room on its retire paths; patched lines call `counts_as_failure` and `finish_transferred` (docs/aborts.md).
 
 
-def requested_verdict(recv_req: Any) -> Tuple[str, Optional[int], str]:
-    """(message, status, cause) an AbortReq asks for (client abort: no status; SLA abort: 503)."""
-    if recv_req.abort_message:
-        return recv_req.abort_message, HTTPStatus.SERVICE_UNAVAILABLE, end_cause.TIMEOUT
-    reason = recv_req.finished_reason or {}
-    if reason.get("status_code") is not None:
-        return reason.get("message") or "Aborted", reason["status_code"], end_cause.CLIENT_ABORT
-    if any(m in str(reason.get("message") or "") for m in PAUSE_MARKERS):  # pause(abort), release
-        return reason["message"], None, end_cause.PAUSE
-    return CLIENT_ABORT_MESSAGE, None, end_cause.CLIENT_ABORT
-
-
 def _kv_mgr(req):
     sender = upstream(req, "disagg_kv_sender")
     return None if sender is None else upstream(sender, "kv_mgr")
@@ -474,7 +442,15 @@ def before_abort_request(scheduler, recv_req, *args, **kwargs) -> None:
     role = pd_queues.role(scheduler)
     if role is None:
         return
-    message, status, cause = requested_verdict(recv_req)
+    reason = recv_req.finished_reason or {}  # what the AbortReq asks for: (message, status, cause)
+    if recv_req.abort_message:  # an SLA abort
+        message, status, cause = recv_req.abort_message, HTTPStatus.SERVICE_UNAVAILABLE, end_cause.TIMEOUT
+    elif reason.get("status_code") is not None:
+        message, status, cause = reason.get("message") or "Aborted", reason["status_code"], end_cause.CLIENT_ABORT
+    elif any(m in str(reason.get("message") or "") for m in PAUSE_MARKERS):  # pause(abort), release
+        message, status, cause = reason["message"], None, end_cause.PAUSE
+    else:  # a client abort: no status
+        message, status, cause = CLIENT_ABORT_MESSAGE, None, end_cause.CLIENT_ABORT
     for stage, req in pd_queues.walk(scheduler):
         if not (recv_req.abort_all or req.rid.startswith(recv_req.rid or "")) or req.finished():
             continue
@@ -514,7 +490,7 @@ def finish_transferred(scheduler, req) -> bool:
     req.to_finish = None
     prepare_abort(req, CLIENT_ABORT_MESSAGE)
     kv_mgr = _kv_mgr(req)
-    end_cause.record_end(scheduler, req, "prefill", PREFILL_INFLIGHT, kv_mgr)
+    end_cause.record_end(scheduler, req, "prefill", pd_queues.PREFILL_INFLIGHT, kv_mgr)
     if hasattr(kv_mgr, "send_kv_status_message"):  # decode must not run it; None: no room
         reason = peer_reason(req.rid, req.bootstrap_room, "prefill", asked[0])
         end_room(kv_mgr, req.bootstrap_room, None, reason, fail=False, remember=True)
@@ -524,12 +500,12 @@ def finish_transferred(scheduler, req) -> bool:
 def after_retire_aborted(result, scheduler, req, *args, **kwargs):
     """AFTER SchedulerDisaggregationPrefillMixin._retire_aborted_prefill_result: its room ends here."""
     if result:
-        _retire_prefill_room(scheduler, req, PREFILL_RUNNING)
+        _retire_prefill_room(scheduler, req, pd_queues.PREFILL_RUNNING)
 
 
 def after_release_aborted_waiting(result, scheduler, req, *args, **kwargs):
     """AFTER release_aborted_prefill_waiting_req: upstream never clears the room."""
-    _retire_prefill_room(scheduler, req, PREFILL_WAITING)
+    _retire_prefill_room(scheduler, req, pd_queues.PREFILL_WAITING)
 
 
 def around_pending_chunked_abort(original, scheduler, *args, **kwargs):
@@ -538,7 +514,7 @@ def around_pending_chunked_abort(original, scheduler, *args, **kwargs):
     retiring = req is not None and scheduler.chunked_req is req
     result = original(scheduler, *args, **kwargs)
     if retiring and scheduler.chunked_req is not req and pd_queues.role(scheduler) == "prefill":
-        _retire_prefill_room(scheduler, req, PREFILL_RUNNING)
+        _retire_prefill_room(scheduler, req, pd_queues.PREFILL_RUNNING)
     return result
 
 
@@ -569,11 +545,6 @@ def before_release_on_failure(tokenizer_manager: Any, request_states: Any, *args
             ended_at_gate(role, state.obj, why)
 
 
-# A prefill-side end sent to prefill's own bootstrap thread: [ABORT_TAG, room, mark, reason]. A manager without our
-# ABORT wrapper parses it as upstream's ABORT with a bad return address (logged) and only fails the room.
-ENDED_ON_PREFILL = b"~fork-ended-on-prefill"
-
-
 def peer_reason(rid: Any, room: int, side: str, why: Optional[str] = None) -> str:
     """What the peer is told of a request `side` ended (`why` only for a pause or rejection)."""
     told_why = why and (any(m in str(why) for m in PAUSE_MARKERS) or str(why).startswith(REJECTED))
@@ -598,9 +569,7 @@ def after_send_abort_output(result: Any, scheduler: Any, abort_req: Any, req: An
     """AFTER Scheduler.send_abort_output: a scheduler's rejection ends the other side's copy."""
     from sglang.srt.disaggregation.utils import DisaggregationMode, TransferBackend
 
-    mode = scheduler.disaggregation_mode
-    if req.bootstrap_room is None:
-        return
+    mode = scheduler.disaggregation_mode  # a request without a room: tell_prefill tells nothing
     if (mode == DisaggregationMode.DECODE and scheduler.transfer_backend != TransferBackend.FAKE
             and not req.time_stats.decode_prealloc_queue_entry_time):
         ended_at_gate(mode, req, "rejected by decode's scheduler")
@@ -610,9 +579,8 @@ def after_send_abort_output(result: Any, scheduler: Any, abort_req: Any, req: An
 
 
 def after_ensure_abort_notified(result: Any, receiver: Any, *args: Any, **kwargs: Any) -> None:
-    """AFTER `CommonKVReceiver.ensure_abort_notified` (decode): a room ended before prefill's
-    rank endpoints were known is told through prefill's bootstrap server (once); a room
-    armed for prefill's drain ack is noted against that prefill (its loss settles it)."""
+    """AFTER `CommonKVReceiver.ensure_abort_notified` (decode): prefill is told of a room ended before its rank
+    endpoints were known (once); a drain ack armed for the room is owed by that prefill (its loss settles it)."""
     addr = upstream(receiver, "bootstrap_addr")
     if not (receiver.abort_notified or getattr(receiver, "bootstrap_infos", None) is not None  # set lazily
             or getattr(receiver, "_fork_told_prefill", False)
