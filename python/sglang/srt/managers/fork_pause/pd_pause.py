@@ -30,6 +30,9 @@ RELEASE_NO_PAUSE_MESSAGE = "Aborted: engine memory released without a pause."
 PAUSE_ABORT_MESSAGE = "Aborted by pause_generation(mode=abort)."
 DRAIN_DEADLINE_S = 10.0
 ABORT_PUMP_WINDOW_S = 5.0  # after an abort while paused, the paused loop keeps retiring what concludes late
+# A paused PD scheduler with nothing to pump waits this long on upstream's idle sleeper (woken by any input),
+# where upstream's paused loop polls without blocking and spins a core (bench/README.md)
+PAUSED_INPUT_WAIT_MS = 50
 
 # Start times (time.time()) of upstream's bootstrap and waiting timeouts on transfer senders/receivers
 UPSTREAM_TIMER_ATTRS = ("init_time", "_prefill_complete_time", "_prefill_wait_start")
@@ -64,13 +67,15 @@ def scheduler_pause_generation(original, scheduler, recv_req):
     """AROUND Scheduler.pause_generation: accept mode 'abort' and stop the clock."""
     sp = scheduler_pause(scheduler)
     if recv_req.mode == "abort":
-        # The tokenizer already ended every request; end stragglers, then hold.
-        scheduler._engine_paused = True
-        if scheduler._pause_started_at is None:
-            scheduler._pause_started_at = time.monotonic()
+        # The tokenizer already ended every request: hold as upstream's in_place pause does, end stragglers.
+        original(scheduler, PauseGenerationReqInput(mode="in_place"))
         _settle_answered_forward(scheduler)
         _abort_all_and_drain(scheduler, PAUSE_ABORT_MESSAGE)
-        _drop_finished_batches(scheduler)
+        for batch in (scheduler.running_batch, scheduler.last_batch):
+            # all finished: emptied as upstream's filter does when it builds its next batch, which a paused
+            # scheduler never does (a weight update's cache flush would find it busy)
+            if batch is not None and batch.reqs and all(req.finished() for req in batch.reqs):
+                batch.filter_batch()
     else:
         original(scheduler, recv_req)
     if sp.mode is None or recv_req.mode == "retract":
@@ -92,14 +97,6 @@ def _settle_answered_forward(scheduler) -> None:
     scheduler.last_batch = None
     logger.info("pd_pause: abort-mode pause settled the forward in flight (%d finished requests)",
                 len(batch.reqs))
-
-
-def _drop_finished_batches(scheduler) -> None:
-    """Empty the running / last batch if all its requests finished (as upstream's filter does when it builds
-    its next batch, which a paused scheduler never does): a weight update's cache flush would find it busy."""
-    for batch in (scheduler.running_batch, scheduler.last_batch):
-        if batch is not None and batch.reqs and all(req.finished() for req in batch.reqs):
-            batch.filter_batch()
 
 
 def scheduler_continue_generation(result, scheduler, recv_req, *args, **kwargs):
@@ -147,12 +144,10 @@ def pump_pd_queues(scheduler) -> None:
                 scheduler.process_disagg_prefill_inflight_queue()
         elif role == "decode":
             prealloc = scheduler.disagg_decode_prealloc_queue
-            transfer = scheduler.disagg_decode_transfer_queue
             if prealloc.queue and not prealloc.retracted_queue:
-                transfer.extend(prealloc.pop_preallocated()[0])
-            if transfer.queue:
-                scheduler.waiting_queue.extend(transfer.pop_transferred())
-            transfer.resolve_deferred_releases()
+                scheduler.disagg_decode_transfer_queue.extend(prealloc.pop_preallocated()[0])
+            scheduler.waiting_queue.extend(poll_transfers_while_retracted(scheduler))
+            scheduler.disagg_decode_transfer_queue.resolve_deferred_releases()
     finally:
         sp.pumping = False
 
@@ -341,6 +336,8 @@ def paused_loop_tick(result, scheduler, *args, **kwargs):
     """AFTER Scheduler._record_scheduler_state_for_paused_engine (each paused loop iteration): for a while after
     an abort keep retiring what it failed (late drain acks); otherwise answer prefill's legs whose transfer
     concluded, then wait for input instead of spinning."""
+    from sglang.srt.managers.scheduler_components.idle_sleeper import IdleSleeper
+
     sp = scheduler_pause(scheduler)
     role = pd_queues.role(scheduler)
     if role is None:
@@ -350,40 +347,21 @@ def paused_loop_tick(result, scheduler, *args, **kwargs):
         return result
     sp.pump_until = 0.0
     if role == pd_queues.PREFILL and not sp.released and scheduler.disagg_prefill_inflight_queue:
-        # A leg whose KV reached decode is answered now, not after continue: decode may retract the request and
-        # re-send it to this prefill under the same rid (upstream's retract re-bootstrap), which prefill's
-        # tokenizer refuses (400 "Duplicate request ID") while this leg still holds the rid.
+        # decode may re-send it under the same rid (docs/pause-release-resume.md, "Legs a paused prefill has sent")
         scheduler.process_disagg_prefill_inflight_queue()
-    wait_for_input_while_paused(scheduler)
-    return result
-
-
-# Upstream's paused loop polls its input sockets without blocking: a paused PD scheduler spun a core that the
-# HTTP processes, the peer and the weight load waited for (bench/README.md). With nothing to pump it now waits
-# on the sockets upstream's idle sleeper waits on (a request, continue or an abort wakes it), at most this long.
-PAUSED_INPUT_WAIT_MS = 50
-
-
-def wait_for_input_while_paused(scheduler) -> None:
-    """Wait for input at most PAUSED_INPUT_WAIT_MS on upstream's idle sleeper (without one the loop spins)."""
-    from sglang.srt.managers.scheduler_components.idle_sleeper import IdleSleeper
-
     sleeper = fork_touch.upstream(scheduler, "idle_sleeper")
-    if isinstance(sleeper, IdleSleeper):  # zmq sockets (not the Rust server's ring)
+    if isinstance(sleeper, IdleSleeper):  # zmq sockets (not the Rust server's ring; without one the loop spins)
         fork_touch.upstream(sleeper, "poller").poll(PAUSED_INPUT_WAIT_MS)
+    return result
 
 
 def _holds_in_batch(scheduler, recv_req) -> bool:
     """The abort hits what only the next pass would retire: decode's batches, prefill's unprocessed last batch."""
+    last = list(scheduler.last_batch.reqs) if scheduler.last_batch is not None else []
     if pd_queues.role(scheduler) == "prefill":
-        batch = scheduler.last_batch
-        if batch is None or not scheduler.enable_overlap or not scheduler.result_queue:
-            return False
-        reqs = list(batch.reqs)
+        reqs = last if scheduler.enable_overlap and scheduler.result_queue else []
     else:
-        reqs = list(scheduler.running_batch.reqs)
-        if scheduler.last_batch is not None:
-            reqs += list(scheduler.last_batch.reqs)
+        reqs = list(scheduler.running_batch.reqs) + last
     return any(_matches(recv_req, r.rid) for r in reqs)
 
 
@@ -397,14 +375,10 @@ def _abort_held_rebootstrap(scheduler, recv_req) -> None:
     from sglang.srt.managers.scheduler import _make_abort_req
 
     prealloc = scheduler.disagg_decode_prealloc_queue
-    kept = []
-    for req in prealloc.held_rebootstrap_reqs:
-        if _matches(recv_req, req.rid):
-            prepare_abort(req, "Aborted by AbortReq.")
-            scheduler.send_abort_output(_make_abort_req(req, finished_reason=recv_req.finished_reason), req)
-        else:
-            kept.append(req)
-    prealloc.held_rebootstrap_reqs = kept
+    for req in [r for r in prealloc.held_rebootstrap_reqs if _matches(recv_req, r.rid)]:
+        prepare_abort(req, "Aborted by AbortReq.")
+        scheduler.send_abort_output(_make_abort_req(req, finished_reason=recv_req.finished_reason), req)
+    prealloc.held_rebootstrap_reqs = [r for r in prealloc.held_rebootstrap_reqs if not _matches(recv_req, r.rid)]
 
 
 # ----------------------------------------------------------------------------- why, to prefill
@@ -438,8 +412,6 @@ def note_why(scheduler, recv_req) -> None:
 def abort_notification_with_why(original, note, *args, **kwargs):
     """AROUND AbortNotification.to_zmq (decode's ABORT): append the message of the pause that ended the room."""
     frames = original(note, *args, **kwargs)
-    if not _why:
-        return frames
     with _why_lock:
         message, until = _why.get(note.room, (None, 0.0))
     if message is None or time.monotonic() > until:
@@ -470,7 +442,7 @@ def queue_resume(original, queue, *args, **kwargs):
     # room state the peer re-created while this side was released belongs to no live request
     forget_orphan_rooms(queue.scheduler, queue.kv_manager)
     result = original(queue, *args, **kwargs)
-    queue.kv_manager._fork_registered_regions = _regions(queue.kv_manager)
+    queue.kv_manager._fork_released = False  # registration_report
     scheduler_pause(queue.scheduler).released = False
     return result
 
@@ -479,7 +451,7 @@ def queue_release(original, queue, *args, **kwargs):
     """AROUND {PrefillBootstrapQueue,DecodePreallocQueue}.release_memory_occupation."""
     forget_orphan_rooms(queue.scheduler, queue.kv_manager)
     result = original(queue, *args, **kwargs)
-    queue.kv_manager._fork_registered_regions = 0
+    queue.kv_manager._fork_released = True  # registration_report
     scheduler_pause(queue.scheduler).released = True
     return result
 
@@ -496,16 +468,10 @@ def forget_orphan_rooms(scheduler, kv_manager) -> None:
         logger.info("pd_pause: dropped %d room-table entries of ended requests", len(orphans))
 
 
-def _regions(kv_manager) -> int:
-    regions = getattr(kv_manager, "_registerable_regions", None)  # mooncake's; none on fake
-    return len(regions()) if regions is not None else 0
-
-
 def registration_report(kv_manager) -> Dict[str, Any]:
-    """Regions this kv_manager has registered with the transfer engine right now."""
-    n = getattr(kv_manager, "_fork_registered_regions", None)
-    if n is None:  # never released: upstream registered everything at start-up
-        n = _regions(kv_manager)
+    """Regions this kv_manager has registered with the transfer engine right now (all but while released)."""
+    regions = getattr(kv_manager, "_registerable_regions", None)  # mooncake's; none on fake
+    n = 0 if regions is None or getattr(kv_manager, "_fork_released", False) else len(regions())
     return {"registered_regions": n, "kv_data_ptrs": list(kv_manager.kv_args.kv_data_ptrs)}
 
 
