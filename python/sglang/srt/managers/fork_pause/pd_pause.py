@@ -50,8 +50,6 @@ def pause_finish_reason(message: str = PAUSE_ABORT_MESSAGE) -> Dict[str, Any]:
 
 @dataclass
 class _SchedulerPause:
-    """Per-scheduler bookkeeping of the pause (one per scheduler process)."""
-
     mode: Optional[str] = None
     pumping: bool = False
     draining: bool = False  # inside _abort_all_and_drain
@@ -72,8 +70,7 @@ def scheduler_pause_generation(original, scheduler, recv_req):
         _settle_answered_forward(scheduler)
         _abort_all_and_drain(scheduler, PAUSE_ABORT_MESSAGE)
         for batch in (scheduler.running_batch, scheduler.last_batch):
-            # all finished: emptied as upstream's filter does when it builds its next batch, which a paused
-            # scheduler never does (a weight update's cache flush would find it busy)
+            # all finished: emptied as upstream's next-batch filter would (a weight update's flush finds it busy)
             if batch is not None and batch.reqs and all(req.finished() for req in batch.reqs):
                 batch.filter_batch()
     else:
@@ -154,7 +151,6 @@ def pump_pd_queues(scheduler) -> None:
 
 def _abort_all_and_drain(scheduler, message: str) -> None:
     """Abort everything in the PD queues and pump until upstream has retired it."""
-    reason = pause_finish_reason(message)
     deadline = time.monotonic() + DRAIN_DEADLINE_S
     sp = scheduler_pause(scheduler)
     sp.draining = True
@@ -164,7 +160,7 @@ def _abort_all_and_drain(scheduler, message: str) -> None:
             for req in pd_queues.queued_reqs(scheduler):
                 setattr(req, room_ledger.PAUSE_ABORT, message)
                 ended[id(req)] = req
-            scheduler.abort_request(AbortReq(abort_all=True, finished_reason=reason))
+            scheduler.abort_request(AbortReq(abort_all=True, finished_reason=pause_finish_reason(message)))
             pump_pd_queues(scheduler)
             if _pd_queues_empty(scheduler) or time.monotonic() > deadline:
                 break
@@ -172,8 +168,6 @@ def _abort_all_and_drain(scheduler, message: str) -> None:
     finally:
         sp.draining = False
     if pd_queues.role(scheduler) == "prefill":
-        # Remembered as ended: decode's copy may still wait at decode's pause gate and handshake after continue;
-        # a re-bootstrap of such a room then ends on both sides as the release's abort.
         end_prefill_rooms(scheduler, list(ended.values()), message + " (room {room})")
     if not _pd_queues_empty(scheduler):
         logger.warning("pd_pause: PD queues not empty %.0fs after abort_all: %s", DRAIN_DEADLINE_S,
@@ -244,8 +238,7 @@ def weight_updater_release(original, weight_updater, recv_req, *args, **kwargs):
     scheduler = weight_updater.scheduler
     if scheduler is not None:
         end_in_flight(scheduler)
-        paused = fork_touch.upstream(scheduler, "_engine_paused")
-        if not weight_updater.is_fully_idle(ignore_waiting=paused):
+        if not weight_updater.is_fully_idle(ignore_waiting=fork_touch.upstream(scheduler, "_engine_paused")):
             logger.error("pd_pause: not idle before release: %s", not_idle_reasons(scheduler))
     return original(weight_updater, recv_req, *args, **kwargs)
 
@@ -256,8 +249,7 @@ def report(scheduler) -> Dict[str, Any]:
 
 
 def poll_transfers_while_retracted(scheduler) -> list:
-    """Decode with retracted requests allocates nothing new, but still retires the transfers in flight
-    (finished ones move on, failed/timed-out ones are seen)."""
+    """Decode's concluded transfers, popped (the patch: also while retracted requests stop new allocation)."""
     transfer = scheduler.disagg_decode_transfer_queue
     return transfer.pop_transferred() if transfer.queue else []
 
@@ -297,9 +289,8 @@ def abort_while_paused(original, scheduler, recv_req, *args, **kwargs):
 
 
 def keep_pause_verdict(scheduler, recv_req=None) -> None:
-    """A running request the pause or a release ended (its verdict names it) keeps that message, not the bare
-    FINISH_ABORT() each repeat of the abort-mode pause's abort_all sets again; one the verdict marking did not
-    see (decode's last batch, admitted as the pause's abort landed) gets `recv_req`'s if that is the pause's."""
+    """A running request the pause or a release ended keeps that message over the bare FINISH_ABORT() upstream's
+    repeated abort_all sets; one the verdict marking did not see gets `recv_req`'s if that is the pause's."""
     asked = _pause_message(recv_req)
     for req in scheduler.collect_inflight_reqs():
         verdict = getattr(req, room_ledger.REQUESTED_ABORT, None)
@@ -383,10 +374,9 @@ def _abort_held_rebootstrap(scheduler, recv_req) -> None:
 
 # ----------------------------------------------------------------------------- why, to prefill
 
-# Decode's ABORT of a room its pause or a release ended carries [room_ledger.WHY_FRAME, message] (docs/pause-release-
-# resume.md, "How each kind of end is answered"). room -> (message, until): set by the scheduler, read by the
-# thread sending the ABORT; only for WHY_TTL_S (a room re-bootstrapped after a retract pause and aborted later by
-# its client must not carry it).
+# room -> (message, until) decode's ABORT of a room its pause or a release ended carries after room_ledger.WHY_FRAME
+# (docs/pause-release-resume.md): set by the scheduler, read by the thread sending the ABORT; only for WHY_TTL_S (a
+# room re-bootstrapped after a retract pause and aborted later by its client must not carry it).
 MAX_WHY_ROOMS = 4096
 WHY_TTL_S = 30.0
 _why: "OrderedDict[int, tuple]" = OrderedDict()
@@ -420,9 +410,6 @@ def abort_notification_with_why(original, note, *args, **kwargs):
 
 
 # ----------------------------------------------------------------------------- the PD queues' buffers
-# Released, a PD queue has nothing registered with the transfer engine and no room state no live request owns; on
-# resume the buffer addresses are re-read first.
-
 
 def queue_resume(original, queue, *args, **kwargs):
     """AROUND {PrefillBootstrapQueue,DecodePreallocQueue}.resume_memory_occupation: the KV and metadata buffer
@@ -481,8 +468,7 @@ PAUSE_MODES = ("abort", "in_place", "retract")
 # upstream's GPU_MEMORY_ALL_TYPES (sglang.srt.constants), in its order
 KV_CACHE, WEIGHTS, CUDA_GRAPH = "kv_cache", "weights", "cuda_graph"
 ALL_TAGS = (KV_CACHE, WEIGHTS, CUDA_GRAPH)
-# Released cuda graphs go back with the KV cache when the caller resumes kv_cache alone (serving with graphs
-# released would fault on a GPU); a later resume of cuda_graph is then a no-op.
+# resumed with kv_cache alone: serving with graphs released would fault on a GPU (docs/pause-release-resume.md)
 RESUMED_WITH_KV = (CUDA_GRAPH,)
 
 RUNNING, PAUSED, RELEASED, RESUMED = "running", "paused", "released", "resumed"
@@ -546,7 +532,7 @@ class EnginePauseState:
                 self._reject(op, f"already paused in mode {self.mode!r}",
                              "call continue_generation before pausing in another mode")
         elif op == "release_memory_occupation":
-            again = [t for t in tags_of_list(tags) if t in self.released]
+            again = [t for t in tags or ALL_TAGS if t in self.released]
             if again:
                 self._reject(op, f"{again} already released")
             if self.mode is None and in_flight:
@@ -559,9 +545,8 @@ class EnginePauseState:
                 self._reject(op, "nothing is released")
             if unknown:
                 self._reject(op, f"{unknown} not released", f"resume only released tags {self.released}")
-        elif op == "continue_generation":
-            if self.released:
-                self._reject(op, "memory is released")
+        elif op == "continue_generation" and self.released:
+            self._reject(op, "memory is released")
 
     def resume_named(self, tags: Optional[List[str]]) -> List[str]:
         """A resume without tags resumes whatever is released (upstream would fail on the first one not released)."""
@@ -581,7 +566,7 @@ class EnginePauseState:
             self.mode = None
             self.released_in_pause = False
         elif op == "release_memory_occupation":
-            self.released += [t for t in tags_of_list(tags) if t not in self.released]
+            self.released += [t for t in tags or ALL_TAGS if t not in self.released]  # none: all (upstream's default)
             self.auto_resumed = [t for t in self.auto_resumed if t not in self.released]
             if self.mode is not None:
                 self.released_in_pause = True
@@ -594,11 +579,6 @@ class EnginePauseState:
 
     def as_dict(self) -> Dict[str, Any]:
         return {"state": self.state, "mode": self.mode, "released": list(self.released), "busy": self.busy}
-
-
-def tags_of_list(tags: Optional[List[str]]) -> List[str]:
-    """The tags a release/resume call names; none means all (upstream's default)."""
-    return list(tags) if tags else list(ALL_TAGS)
 
 
 def _state_of(tokenizer_manager) -> EnginePauseState:
@@ -690,9 +670,8 @@ def name_state_if_pause_call(route_path: str, message: str, global_state: Any) -
             f"{list(PAUSE_MODES)}; nothing changed. {message}")
 
 
-# Upstream's abort-mode pause loop (abort_all, `model_update_lock.is_locked()`, sleep 1 s) gets False once every
-# request past the pause gate has its answer decided or the lock is free (docs/pause-release-resume.md); this hook
-# waits up to DRAIN_WAIT_S for either (not upstream's 1 s: a drain of 0.9-1.9 s would pay the full sleep on top).
+# around_is_locked waits this long for every answer decided or the lock free (docs/pause-release-resume.md), not
+# upstream's loop's 1 s sleep: a drain of 0.9-1.9 s would pay the full sleep on top.
 DRAIN_WAIT_S = 3.0
 # The tokenizer manager whose pause_generation runs in this task (None elsewhere).
 _ABORT_PAUSE: contextvars.ContextVar = contextvars.ContextVar("fork_abort_pause", default=None)
@@ -705,10 +684,9 @@ async def _lock_free(lock) -> None:
 
 
 async def _answers_decided(tokenizer_manager, lock_free, timeout: float) -> bool:
-    """Wait until the lock is free (False) or every request past the gate has its answer decided (True), at most
-    `timeout`. One not at the gate yet (arrived during the pause) passes it only after continue. Woken by the
-    requests' own output events; a state with an output not yet consumed (a stream's chunk) leaves the lock as
-    the only criterion."""
+    """Wait at most `timeout` until the lock is free (False) or every request past the gate has its answer decided
+    (True; one arriving during the pause passes the gate only after continue), woken by the requests' output events;
+    a state with an output not yet consumed (a stream's chunk) leaves the lock as the only criterion."""
     deadline = asyncio.get_running_loop().time() + timeout
     while not lock_free.done():
         pending = None if tokenizer_manager is None else [
@@ -745,10 +723,8 @@ async def around_is_locked(original, lock, *args, **kwargs):
 
 # ----------------------------------------------------------------------------- a retract's re-send (prefill)
 
-# Upstream's retract re-bootstrap re-sends a request decode retracted to this prefill (same rid, same room). Its
-# first leg's KV is on decode, but its answer may not have reached this tokenizer yet (the scheduler's next
-# inflight poll, the detokenizer): upstream then refuses the re-send (400 "Duplicate request ID detected") and
-# decode fails the request. The re-send waits for the first leg's end, at most this long.
+# A re-send of a first leg this tokenizer still holds waits for its end at most this long (upstream: 400 "Duplicate
+# request ID detected"; docs/pause-release-resume.md, "Legs a paused prefill has sent")
 REBOOTSTRAP_WAIT_S = 30.0
 _REBOOTSTRAP_WAITING = "_fork_rebootstrap_waiting"  # on the tokenizer manager: re-sends waiting now
 
@@ -789,8 +765,7 @@ async def _after_first_leg(original, tokenizer_manager, obj, first, *args, **kwa
 
 def fresh_connection_per_resend(session, mgr, *args, **kwargs):
     """AFTER CommonKVManager._get_prefill_recompute_session (decode's re-bootstrap pool): each re-send opens its own
-    connection. Upstream's pooled one can be one prefill's HTTP server is closing as idle (uvicorn's keep-alive,
-    SGLANG_TIMEOUT_KEEP_ALIVE) as the re-send goes out: reset, the request failed with 500 naming the re-send."""
+    connection, never a pooled one prefill's server is closing as idle (uvicorn's keep-alive: reset, 500)."""
     session.headers["Connection"] = "close"
     return session
 
