@@ -30,6 +30,9 @@ RELEASE_NO_PAUSE_MESSAGE = "Aborted: engine memory released without a pause."
 PAUSE_ABORT_MESSAGE = "Aborted by pause_generation(mode=abort)."
 DRAIN_DEADLINE_S = 10.0
 ABORT_PUMP_WINDOW_S = 5.0  # after an abort while paused, the paused loop keeps retiring what concludes late
+# A paused PD scheduler with nothing to pump waits this long on upstream's idle sleeper (woken by any input),
+# where upstream's paused loop polls without blocking and spins a core (bench/README.md)
+PAUSED_INPUT_WAIT_MS = 50
 
 # Start times (time.time()) of upstream's bootstrap and waiting timeouts on transfer senders/receivers
 UPSTREAM_TIMER_ATTRS = ("init_time", "_prefill_complete_time", "_prefill_wait_start")
@@ -47,8 +50,6 @@ def pause_finish_reason(message: str = PAUSE_ABORT_MESSAGE) -> Dict[str, Any]:
 
 @dataclass
 class _SchedulerPause:
-    """Per-scheduler bookkeeping of the pause (one per scheduler process)."""
-
     mode: Optional[str] = None
     pumping: bool = False
     draining: bool = False  # inside _abort_all_and_drain
@@ -64,13 +65,14 @@ def scheduler_pause_generation(original, scheduler, recv_req):
     """AROUND Scheduler.pause_generation: accept mode 'abort' and stop the clock."""
     sp = scheduler_pause(scheduler)
     if recv_req.mode == "abort":
-        # The tokenizer already ended every request; end stragglers, then hold.
-        scheduler._engine_paused = True
-        if scheduler._pause_started_at is None:
-            scheduler._pause_started_at = time.monotonic()
+        # The tokenizer already ended every request: hold as upstream's in_place pause does, end stragglers.
+        original(scheduler, PauseGenerationReqInput(mode="in_place"))
         _settle_answered_forward(scheduler)
         _abort_all_and_drain(scheduler, PAUSE_ABORT_MESSAGE)
-        _drop_finished_batches(scheduler)
+        for batch in (scheduler.running_batch, scheduler.last_batch):
+            # all finished: emptied as upstream's next-batch filter would (a weight update's flush finds it busy)
+            if batch is not None and batch.reqs and all(req.finished() for req in batch.reqs):
+                batch.filter_batch()
     else:
         original(scheduler, recv_req)
     if sp.mode is None or recv_req.mode == "retract":
@@ -92,14 +94,6 @@ def _settle_answered_forward(scheduler) -> None:
     scheduler.last_batch = None
     logger.info("pd_pause: abort-mode pause settled the forward in flight (%d finished requests)",
                 len(batch.reqs))
-
-
-def _drop_finished_batches(scheduler) -> None:
-    """Empty the running / last batch if all its requests finished (as upstream's filter does when it builds
-    its next batch, which a paused scheduler never does): a weight update's cache flush would find it busy."""
-    for batch in (scheduler.running_batch, scheduler.last_batch):
-        if batch is not None and batch.reqs and all(req.finished() for req in batch.reqs):
-            batch.filter_batch()
 
 
 def scheduler_continue_generation(result, scheduler, recv_req, *args, **kwargs):
@@ -147,19 +141,16 @@ def pump_pd_queues(scheduler) -> None:
                 scheduler.process_disagg_prefill_inflight_queue()
         elif role == "decode":
             prealloc = scheduler.disagg_decode_prealloc_queue
-            transfer = scheduler.disagg_decode_transfer_queue
             if prealloc.queue and not prealloc.retracted_queue:
-                transfer.extend(prealloc.pop_preallocated()[0])
-            if transfer.queue:
-                scheduler.waiting_queue.extend(transfer.pop_transferred())
-            transfer.resolve_deferred_releases()
+                scheduler.disagg_decode_transfer_queue.extend(prealloc.pop_preallocated()[0])
+            scheduler.waiting_queue.extend(poll_transfers_while_retracted(scheduler))
+            scheduler.disagg_decode_transfer_queue.resolve_deferred_releases()
     finally:
         sp.pumping = False
 
 
 def _abort_all_and_drain(scheduler, message: str) -> None:
     """Abort everything in the PD queues and pump until upstream has retired it."""
-    reason = pause_finish_reason(message)
     deadline = time.monotonic() + DRAIN_DEADLINE_S
     sp = scheduler_pause(scheduler)
     sp.draining = True
@@ -169,7 +160,7 @@ def _abort_all_and_drain(scheduler, message: str) -> None:
             for req in pd_queues.queued_reqs(scheduler):
                 setattr(req, room_ledger.PAUSE_ABORT, message)
                 ended[id(req)] = req
-            scheduler.abort_request(AbortReq(abort_all=True, finished_reason=reason))
+            scheduler.abort_request(AbortReq(abort_all=True, finished_reason=pause_finish_reason(message)))
             pump_pd_queues(scheduler)
             if _pd_queues_empty(scheduler) or time.monotonic() > deadline:
                 break
@@ -177,8 +168,6 @@ def _abort_all_and_drain(scheduler, message: str) -> None:
     finally:
         sp.draining = False
     if pd_queues.role(scheduler) == "prefill":
-        # Remembered as ended: decode's copy may still wait at decode's pause gate and handshake after continue;
-        # a re-bootstrap of such a room then ends on both sides as the release's abort.
         end_prefill_rooms(scheduler, list(ended.values()), message + " (room {room})")
     if not _pd_queues_empty(scheduler):
         logger.warning("pd_pause: PD queues not empty %.0fs after abort_all: %s", DRAIN_DEADLINE_S,
@@ -249,8 +238,7 @@ def weight_updater_release(original, weight_updater, recv_req, *args, **kwargs):
     scheduler = weight_updater.scheduler
     if scheduler is not None:
         end_in_flight(scheduler)
-        paused = fork_touch.upstream(scheduler, "_engine_paused")
-        if not weight_updater.is_fully_idle(ignore_waiting=paused):
+        if not weight_updater.is_fully_idle(ignore_waiting=fork_touch.upstream(scheduler, "_engine_paused")):
             logger.error("pd_pause: not idle before release: %s", not_idle_reasons(scheduler))
     return original(weight_updater, recv_req, *args, **kwargs)
 
@@ -261,8 +249,7 @@ def report(scheduler) -> Dict[str, Any]:
 
 
 def poll_transfers_while_retracted(scheduler) -> list:
-    """Decode with retracted requests allocates nothing new, but still retires the transfers in flight
-    (finished ones move on, failed/timed-out ones are seen)."""
+    """Decode's concluded transfers, popped (the patch: also while retracted requests stop new allocation)."""
     transfer = scheduler.disagg_decode_transfer_queue
     return transfer.pop_transferred() if transfer.queue else []
 
@@ -302,9 +289,8 @@ def abort_while_paused(original, scheduler, recv_req, *args, **kwargs):
 
 
 def keep_pause_verdict(scheduler, recv_req=None) -> None:
-    """A running request the pause or a release ended (its verdict names it) keeps that message, not the bare
-    FINISH_ABORT() each repeat of the abort-mode pause's abort_all sets again; one the verdict marking did not
-    see (decode's last batch, admitted as the pause's abort landed) gets `recv_req`'s if that is the pause's."""
+    """A running request the pause or a release ended keeps that message over the bare FINISH_ABORT() upstream's
+    repeated abort_all sets; one the verdict marking did not see gets `recv_req`'s if that is the pause's."""
     asked = _pause_message(recv_req)
     for req in scheduler.collect_inflight_reqs():
         verdict = getattr(req, room_ledger.REQUESTED_ABORT, None)
@@ -341,6 +327,8 @@ def paused_loop_tick(result, scheduler, *args, **kwargs):
     """AFTER Scheduler._record_scheduler_state_for_paused_engine (each paused loop iteration): for a while after
     an abort keep retiring what it failed (late drain acks); otherwise answer prefill's legs whose transfer
     concluded, then wait for input instead of spinning."""
+    from sglang.srt.managers.scheduler_components.idle_sleeper import IdleSleeper
+
     sp = scheduler_pause(scheduler)
     role = pd_queues.role(scheduler)
     if role is None:
@@ -350,40 +338,21 @@ def paused_loop_tick(result, scheduler, *args, **kwargs):
         return result
     sp.pump_until = 0.0
     if role == pd_queues.PREFILL and not sp.released and scheduler.disagg_prefill_inflight_queue:
-        # A leg whose KV reached decode is answered now, not after continue: decode may retract the request and
-        # re-send it to this prefill under the same rid (upstream's retract re-bootstrap), which prefill's
-        # tokenizer refuses (400 "Duplicate request ID") while this leg still holds the rid.
+        # decode may re-send it under the same rid (docs/pause-release-resume.md, "Legs a paused prefill has sent")
         scheduler.process_disagg_prefill_inflight_queue()
-    wait_for_input_while_paused(scheduler)
-    return result
-
-
-# Upstream's paused loop polls its input sockets without blocking: a paused PD scheduler spun a core that the
-# HTTP processes, the peer and the weight load waited for (bench/README.md). With nothing to pump it now waits
-# on the sockets upstream's idle sleeper waits on (a request, continue or an abort wakes it), at most this long.
-PAUSED_INPUT_WAIT_MS = 50
-
-
-def wait_for_input_while_paused(scheduler) -> None:
-    """Wait for input at most PAUSED_INPUT_WAIT_MS on upstream's idle sleeper (without one the loop spins)."""
-    from sglang.srt.managers.scheduler_components.idle_sleeper import IdleSleeper
-
     sleeper = fork_touch.upstream(scheduler, "idle_sleeper")
-    if isinstance(sleeper, IdleSleeper):  # zmq sockets (not the Rust server's ring)
+    if isinstance(sleeper, IdleSleeper):  # zmq sockets (not the Rust server's ring; without one the loop spins)
         fork_touch.upstream(sleeper, "poller").poll(PAUSED_INPUT_WAIT_MS)
+    return result
 
 
 def _holds_in_batch(scheduler, recv_req) -> bool:
     """The abort hits what only the next pass would retire: decode's batches, prefill's unprocessed last batch."""
+    last = list(scheduler.last_batch.reqs) if scheduler.last_batch is not None else []
     if pd_queues.role(scheduler) == "prefill":
-        batch = scheduler.last_batch
-        if batch is None or not scheduler.enable_overlap or not scheduler.result_queue:
-            return False
-        reqs = list(batch.reqs)
+        reqs = last if scheduler.enable_overlap and scheduler.result_queue else []
     else:
-        reqs = list(scheduler.running_batch.reqs)
-        if scheduler.last_batch is not None:
-            reqs += list(scheduler.last_batch.reqs)
+        reqs = list(scheduler.running_batch.reqs) + last
     return any(_matches(recv_req, r.rid) for r in reqs)
 
 
@@ -397,22 +366,17 @@ def _abort_held_rebootstrap(scheduler, recv_req) -> None:
     from sglang.srt.managers.scheduler import _make_abort_req
 
     prealloc = scheduler.disagg_decode_prealloc_queue
-    kept = []
-    for req in prealloc.held_rebootstrap_reqs:
-        if _matches(recv_req, req.rid):
-            prepare_abort(req, "Aborted by AbortReq.")
-            scheduler.send_abort_output(_make_abort_req(req, finished_reason=recv_req.finished_reason), req)
-        else:
-            kept.append(req)
-    prealloc.held_rebootstrap_reqs = kept
+    for req in [r for r in prealloc.held_rebootstrap_reqs if _matches(recv_req, r.rid)]:
+        prepare_abort(req, "Aborted by AbortReq.")
+        scheduler.send_abort_output(_make_abort_req(req, finished_reason=recv_req.finished_reason), req)
+    prealloc.held_rebootstrap_reqs = [r for r in prealloc.held_rebootstrap_reqs if not _matches(recv_req, r.rid)]
 
 
 # ----------------------------------------------------------------------------- why, to prefill
 
-# Decode's ABORT of a room its pause or a release ended carries [room_ledger.WHY_FRAME, message] (docs/pause-release-
-# resume.md, "How each kind of end is answered"). room -> (message, until): set by the scheduler, read by the
-# thread sending the ABORT; only for WHY_TTL_S (a room re-bootstrapped after a retract pause and aborted later by
-# its client must not carry it).
+# room -> (message, until) decode's ABORT of a room its pause or a release ended carries after room_ledger.WHY_FRAME
+# (docs/pause-release-resume.md): set by the scheduler, read by the thread sending the ABORT; only for WHY_TTL_S (a
+# room re-bootstrapped after a retract pause and aborted later by its client must not carry it).
 MAX_WHY_ROOMS = 4096
 WHY_TTL_S = 30.0
 _why: "OrderedDict[int, tuple]" = OrderedDict()
@@ -438,8 +402,6 @@ def note_why(scheduler, recv_req) -> None:
 def abort_notification_with_why(original, note, *args, **kwargs):
     """AROUND AbortNotification.to_zmq (decode's ABORT): append the message of the pause that ended the room."""
     frames = original(note, *args, **kwargs)
-    if not _why:
-        return frames
     with _why_lock:
         message, until = _why.get(note.room, (None, 0.0))
     if message is None or time.monotonic() > until:
@@ -448,9 +410,6 @@ def abort_notification_with_why(original, note, *args, **kwargs):
 
 
 # ----------------------------------------------------------------------------- the PD queues' buffers
-# Released, a PD queue has nothing registered with the transfer engine and no room state no live request owns; on
-# resume the buffer addresses are re-read first.
-
 
 def queue_resume(original, queue, *args, **kwargs):
     """AROUND {PrefillBootstrapQueue,DecodePreallocQueue}.resume_memory_occupation: the KV and metadata buffer
@@ -470,7 +429,7 @@ def queue_resume(original, queue, *args, **kwargs):
     # room state the peer re-created while this side was released belongs to no live request
     forget_orphan_rooms(queue.scheduler, queue.kv_manager)
     result = original(queue, *args, **kwargs)
-    queue.kv_manager._fork_registered_regions = _regions(queue.kv_manager)
+    queue.kv_manager._fork_released = False  # registration_report
     scheduler_pause(queue.scheduler).released = False
     return result
 
@@ -479,7 +438,7 @@ def queue_release(original, queue, *args, **kwargs):
     """AROUND {PrefillBootstrapQueue,DecodePreallocQueue}.release_memory_occupation."""
     forget_orphan_rooms(queue.scheduler, queue.kv_manager)
     result = original(queue, *args, **kwargs)
-    queue.kv_manager._fork_registered_regions = 0
+    queue.kv_manager._fork_released = True  # registration_report
     scheduler_pause(queue.scheduler).released = True
     return result
 
@@ -496,16 +455,10 @@ def forget_orphan_rooms(scheduler, kv_manager) -> None:
         logger.info("pd_pause: dropped %d room-table entries of ended requests", len(orphans))
 
 
-def _regions(kv_manager) -> int:
-    regions = getattr(kv_manager, "_registerable_regions", None)  # mooncake's; none on fake
-    return len(regions()) if regions is not None else 0
-
-
 def registration_report(kv_manager) -> Dict[str, Any]:
-    """Regions this kv_manager has registered with the transfer engine right now."""
-    n = getattr(kv_manager, "_fork_registered_regions", None)
-    if n is None:  # never released: upstream registered everything at start-up
-        n = _regions(kv_manager)
+    """Regions this kv_manager has registered with the transfer engine right now (all but while released)."""
+    regions = getattr(kv_manager, "_registerable_regions", None)  # mooncake's; none on fake
+    n = 0 if regions is None or getattr(kv_manager, "_fork_released", False) else len(regions())
     return {"registered_regions": n, "kv_data_ptrs": list(kv_manager.kv_args.kv_data_ptrs)}
 
 
@@ -515,8 +468,7 @@ PAUSE_MODES = ("abort", "in_place", "retract")
 # upstream's GPU_MEMORY_ALL_TYPES (sglang.srt.constants), in its order
 KV_CACHE, WEIGHTS, CUDA_GRAPH = "kv_cache", "weights", "cuda_graph"
 ALL_TAGS = (KV_CACHE, WEIGHTS, CUDA_GRAPH)
-# Released cuda graphs go back with the KV cache when the caller resumes kv_cache alone (serving with graphs
-# released would fault on a GPU); a later resume of cuda_graph is then a no-op.
+# resumed with kv_cache alone: serving with graphs released would fault on a GPU (docs/pause-release-resume.md)
 RESUMED_WITH_KV = (CUDA_GRAPH,)
 
 RUNNING, PAUSED, RELEASED, RESUMED = "running", "paused", "released", "resumed"
@@ -580,7 +532,7 @@ class EnginePauseState:
                 self._reject(op, f"already paused in mode {self.mode!r}",
                              "call continue_generation before pausing in another mode")
         elif op == "release_memory_occupation":
-            again = [t for t in tags_of_list(tags) if t in self.released]
+            again = [t for t in tags or ALL_TAGS if t in self.released]
             if again:
                 self._reject(op, f"{again} already released")
             if self.mode is None and in_flight:
@@ -593,9 +545,8 @@ class EnginePauseState:
                 self._reject(op, "nothing is released")
             if unknown:
                 self._reject(op, f"{unknown} not released", f"resume only released tags {self.released}")
-        elif op == "continue_generation":
-            if self.released:
-                self._reject(op, "memory is released")
+        elif op == "continue_generation" and self.released:
+            self._reject(op, "memory is released")
 
     def resume_named(self, tags: Optional[List[str]]) -> List[str]:
         """A resume without tags resumes whatever is released (upstream would fail on the first one not released)."""
@@ -615,7 +566,7 @@ class EnginePauseState:
             self.mode = None
             self.released_in_pause = False
         elif op == "release_memory_occupation":
-            self.released += [t for t in tags_of_list(tags) if t not in self.released]
+            self.released += [t for t in tags or ALL_TAGS if t not in self.released]  # none: all (upstream's default)
             self.auto_resumed = [t for t in self.auto_resumed if t not in self.released]
             if self.mode is not None:
                 self.released_in_pause = True
@@ -628,11 +579,6 @@ class EnginePauseState:
 
     def as_dict(self) -> Dict[str, Any]:
         return {"state": self.state, "mode": self.mode, "released": list(self.released), "busy": self.busy}
-
-
-def tags_of_list(tags: Optional[List[str]]) -> List[str]:
-    """The tags a release/resume call names; none means all (upstream's default)."""
-    return list(tags) if tags else list(ALL_TAGS)
 
 
 def _state_of(tokenizer_manager) -> EnginePauseState:
@@ -724,9 +670,8 @@ def name_state_if_pause_call(route_path: str, message: str, global_state: Any) -
             f"{list(PAUSE_MODES)}; nothing changed. {message}")
 
 
-# Upstream's abort-mode pause loop (abort_all, `model_update_lock.is_locked()`, sleep 1 s) gets False once every
-# request past the pause gate has its answer decided or the lock is free (docs/pause-release-resume.md); this hook
-# waits up to DRAIN_WAIT_S for either (not upstream's 1 s: a drain of 0.9-1.9 s would pay the full sleep on top).
+# around_is_locked waits this long for every answer decided or the lock free (docs/pause-release-resume.md), not
+# upstream's loop's 1 s sleep: a drain of 0.9-1.9 s would pay the full sleep on top.
 DRAIN_WAIT_S = 3.0
 # The tokenizer manager whose pause_generation runs in this task (None elsewhere).
 _ABORT_PAUSE: contextvars.ContextVar = contextvars.ContextVar("fork_abort_pause", default=None)
@@ -739,10 +684,9 @@ async def _lock_free(lock) -> None:
 
 
 async def _answers_decided(tokenizer_manager, lock_free, timeout: float) -> bool:
-    """Wait until the lock is free (False) or every request past the gate has its answer decided (True), at most
-    `timeout`. One not at the gate yet (arrived during the pause) passes it only after continue. Woken by the
-    requests' own output events; a state with an output not yet consumed (a stream's chunk) leaves the lock as
-    the only criterion."""
+    """Wait at most `timeout` until the lock is free (False) or every request past the gate has its answer decided
+    (True; one arriving during the pause passes the gate only after continue), woken by the requests' output events;
+    a state with an output not yet consumed (a stream's chunk) leaves the lock as the only criterion."""
     deadline = asyncio.get_running_loop().time() + timeout
     while not lock_free.done():
         pending = None if tokenizer_manager is None else [
@@ -779,10 +723,8 @@ async def around_is_locked(original, lock, *args, **kwargs):
 
 # ----------------------------------------------------------------------------- a retract's re-send (prefill)
 
-# Upstream's retract re-bootstrap re-sends a request decode retracted to this prefill (same rid, same room). Its
-# first leg's KV is on decode, but its answer may not have reached this tokenizer yet (the scheduler's next
-# inflight poll, the detokenizer): upstream then refuses the re-send (400 "Duplicate request ID detected") and
-# decode fails the request. The re-send waits for the first leg's end, at most this long.
+# A re-send of a first leg this tokenizer still holds waits for its end at most this long (upstream: 400 "Duplicate
+# request ID detected"; docs/pause-release-resume.md, "Legs a paused prefill has sent")
 REBOOTSTRAP_WAIT_S = 30.0
 _REBOOTSTRAP_WAITING = "_fork_rebootstrap_waiting"  # on the tokenizer manager: re-sends waiting now
 
@@ -823,8 +765,7 @@ async def _after_first_leg(original, tokenizer_manager, obj, first, *args, **kwa
 
 def fresh_connection_per_resend(session, mgr, *args, **kwargs):
     """AFTER CommonKVManager._get_prefill_recompute_session (decode's re-bootstrap pool): each re-send opens its own
-    connection. Upstream's pooled one can be one prefill's HTTP server is closing as idle (uvicorn's keep-alive,
-    SGLANG_TIMEOUT_KEEP_ALIVE) as the re-send goes out: reset, the request failed with 500 naming the re-send."""
+    connection, never a pooled one prefill's server is closing as idle (uvicorn's keep-alive: reset, 500)."""
     session.headers["Connection"] = "close"
     return session
 
