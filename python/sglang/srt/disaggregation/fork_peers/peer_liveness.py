@@ -1,8 +1,7 @@
 """A crashed PD peer is noticed at once, its requests end (502), and its restart is served.
 
-One `PeerMonitor` thread per (mooncake) kv manager probes each peer once per heartbeat; a lost
-peer's rooms end through the ledger; a decode that may be alive is held out until it answers; a
-request waiting for a lost decode's handshake ends within seconds. docs/peer-liveness.md, docs/gateway.md.
+One `PeerMonitor` thread per (mooncake) kv manager probes its peers; prefill's bootstrap-queue hook ends a
+request waiting for a lost decode's handshake. docs/peer-liveness.md, docs/gateway.md.
 """
 
 from __future__ import annotations
@@ -71,11 +70,7 @@ def heartbeat_settings() -> Tuple[float, int]:
 
 def _count(monitor: "PeerMonitor", kind: str, peer: str) -> None:
     COUNTS[(kind, monitor.role, peer)] += 1
-    key = "peer_loss" if kind == "loss" else "peer_recovery"
-    request_end_cause.inc(key, monitor.labels if monitor.metrics else None, role=monitor.role, peer=peer)
-
-
-# ----------------------------------------------------------------------------- the monitor
+    request_end_cause.inc(f"peer_{kind}", monitor.labels if monitor.metrics else None, role=monitor.role, peer=peer)
 
 
 class PeerMonitor:
@@ -140,7 +135,7 @@ class PeerMonitor:
             for session in [s for s in mgr.failed_sessions if s not in sessions and self.is_gone([s])]:
                 _forget_session(mgr, session)
         # a status message sent after the loss re-opens a socket to a lost decode: close it
-        for endpoint in list(getattr(mgr, "_socket_cache", {})):
+        for endpoint in list(mgr._socket_cache):
             if self.endpoint_gone(endpoint):
                 _drop_socket(mgr, endpoint)
         with self.lock:
@@ -242,8 +237,7 @@ class PeerMonitor:
         _drop_socket(mgr, f"tcp://{host}:{port}")
         with self.lock:
             poisoned = self.poisoned.pop(session, set())
-        for room in poisoned:
-            mgr._deferred_ack_poisoned_rooms.discard(room)
+        mgr._deferred_ack_poisoned_rooms.difference_update(poisoned)
 
     # -- prefill: decodes held out as lost
 
@@ -274,11 +268,7 @@ class PeerMonitor:
                 set.add(mgr.failed_sessions, session)
                 return
             mgr._unblacklist_session(session)
-        self._back(session)
-
-    def _back(self, session: str) -> None:
-        """A decode held out as lost answers again: it is served again."""
-        with self.lock:
+        with self.lock:  # it answers again: served again
             peer = self.held.pop(session, None)
             if peer is None:
                 return
@@ -313,18 +303,11 @@ class PeerMonitor:
                 with mgr.session_pool_lock:
                     mgr.session_pool.pop(addr, None)
 
-    def report(self) -> Dict[str, Any]:
-        prefill = self.role == "prefill"
-        with self.lock:
-            return {"watched": len(self.known) if prefill else None, "held_out": len(self.held) if prefill else None,
-                    "lost_unrecovered": sum(map(len, self.lost.values()))}
-
 
 def _forget_session(mgr: Any, session: str) -> None:
     """Drop a decode session's blacklist and layout entries (caller holds session_lock)."""
-    set.discard(mgr.failed_sessions, session)
-    for table in (mgr.session_failures, mgr.failed_session_probes, mgr.state_layout_rejections):
-        table.pop(session, None)
+    mgr._unblacklist_session(session)
+    mgr.state_layout_rejections.pop(session, None)
     mgr.state_strides_validated.discard(session)
 
 
@@ -356,11 +339,11 @@ def peer_tables(mgr: Any) -> Dict[str, int]:
         out["addr_to_rooms_tracker_addrs"] = len(rooms_by_addr)
     monitor = monitor_of(mgr)
     if monitor is not None:
-        out.update({f"monitor_{k}": v for k, v in monitor.report().items() if v is not None})
+        with monitor.lock:
+            if monitor.role == "prefill":
+                out.update(monitor_watched=len(monitor.known), monitor_held_out=len(monitor.held))
+            out["monitor_lost_unrecovered"] = sum(map(len, monitor.lost.values()))
     return out
-
-
-# ----------------------------------------------------------------------------- hooks
 
 
 def _start(queue: Any, mgr: Any, role: str) -> None:
@@ -440,7 +423,7 @@ def around_conclude_transfer(original, mgr, *args, bootstrap_room=None, status=N
                 peer = f"{info.endpoint}:{info.dst_port}"
                 if not monitor.is_gone([peer]) and probe(info.endpoint, int(info.dst_port), 0.5) == REFUSED:
                     monitor.mark_gone([session, peer])
-        if monitor is not None and bootstrap_room in getattr(mgr, "_deferred_ack_poisoned_rooms", ()):
+        if monitor is not None and bootstrap_room in mgr._deferred_ack_poisoned_rooms:
             peers = [f"{i.endpoint}:{i.dst_port}" for i in list(infos.values())]
             peers += [f"{host}:{port}" for host, port in (kwargs.get("targets") or ())]
             if monitor.is_gone(list(infos) + peers, failure_reason):  # nobody to ack or protect
@@ -515,23 +498,18 @@ def orphan_message(req: Any, waited: float, lost: Sequence[str], timeout: float)
 
 def before_pop_bootstrapped(queue, *args, **kwargs):
     """BEFORE PrefillBootstrapQueue.pop_bootstrapped (scheduler thread): orphans of a lost decode end (502)."""
-    if not queue.queue:
-        return
     now = engine_clock.now()
-    if now < _next_scan[0] or not _decides():  # rank 0 decides; the poll's all-reduce spreads it
+    if not queue.queue or now < _next_scan[0] or not _decides():  # rank 0 decides; the poll's all-reduce spreads it
         return
     _next_scan[0] = now + SCAN_INTERVAL
     timeout = handshake_timeout(os.environ.get(HANDSHAKE_ENV))
     kv_mgr = fork_touch.upstream(queue, "kv_manager")
     lost = lost_decodes(monitor_of(kv_mgr))
-    if not lost or timeout == 0 or not hasattr(kv_mgr, "conclude_failure"):
+    if not lost or timeout == 0:
         for req in queue.queue:  # nothing is lost: forget the stamps
             setattr(req, _SINCE, None)
         return
-    infos = kv_mgr.transfer_infos
-    for req, waited in orphans(queue.queue, lambda room: room in infos, now, timeout):
-        if fork_touch.upstream(req, "disagg_kv_sender") is None:
-            continue
+    for req, waited in orphans(queue.queue, kv_mgr.transfer_infos.__contains__, now, timeout):
         text = orphan_message(req, waited, lost, timeout)
         setattr(req, _ENDED, text)
         logger.warning(text)
