@@ -70,7 +70,7 @@ def heartbeat_settings() -> Tuple[float, int]:
 
 def _count(monitor: "PeerMonitor", kind: str, peer: str) -> None:
     COUNTS[(kind, monitor.role, peer)] += 1
-    request_end_cause.inc(f"peer_{kind}", monitor.labels if monitor.metrics else None, role=monitor.role, peer=peer)
+    request_end_cause.inc(f"peer_{kind}", monitor.labels, role=monitor.role, peer=peer)
 
 
 class PeerMonitor:
@@ -79,8 +79,7 @@ class PeerMonitor:
     def __init__(self, mgr: Any, role: str, labels: Dict[str, str], metrics: bool):
         self.mgr = mgr
         self.role = role
-        self.labels = labels
-        self.metrics = metrics
+        self.labels = labels if metrics else None  # None: no Prometheus counter
         self.interval, self.max_failures = heartbeat_settings()
         self.lock = threading.Lock()
         self.misses: Dict[str, int] = {}
@@ -194,14 +193,13 @@ class PeerMonitor:
             del self.lost[host]
         return peer
 
-    def lose_decode(self, session: str, why: str, keep: bool = False) -> List[int]:
-        """Monitor thread: end every room bound to decode `session` (502), count the loss;
-        `keep` (it may be alive) holds it out, else its incarnation is dropped."""
+    def lose_decode(self, session: str, why: str, keep: bool = False) -> None:
+        """Monitor thread: end every room bound to decode `session` (502); `keep` (it may be alive): held out."""
         mgr = self.mgr
         with self.lock:
             host, port = self.known.get(session, (None, None))
             if host is None or session in self.held:
-                return []
+                return
             if keep:
                 self.held[session] = f"{host}:{port}"
         self.misses.pop(session, None)
@@ -224,7 +222,6 @@ class PeerMonitor:
         logger.error("%s: %d requests failed, %s", reason, len(failed),
                      "its session held out until it answers a probe" if keep else "its session state dropped")
         _count(self, "loss", host)
-        return failed
 
     def _drop_incarnation(self, session: str, host: str, port: int) -> None:
         """Forget a gone decode session: registration, blacklist, socket, poison marks."""
@@ -254,11 +251,9 @@ class PeerMonitor:
 
     def _probe_held(self, session: str) -> None:
         mgr = self.mgr
-        try:
-            rc = mgr._send_probe(session)  # chunk_failures.probe_session, bounded
-        finally:
-            with self.lock:
-                self._probing.discard(session)
+        rc = mgr._send_probe(session)  # chunk_failures.bounded_probe (upstream's too) answers -1, never raises
+        with self.lock:
+            self._probing.discard(session)
         with mgr.session_lock:
             with self.lock:
                 held = session in self.held
@@ -452,9 +447,7 @@ def around_send_multipart_locked(original, mgr, endpoint, parts, *args, **kwargs
     return original(mgr, endpoint, parts, *args, **kwargs)
 
 
-# ----------------------------------------------------------------------------- a gateway's lost decode
-
-HANDSHAKE_ENV = "SGLANG_FORK_LOST_DECODE_HANDSHAKE_TIMEOUT"
+HANDSHAKE_ENV = "SGLANG_FORK_LOST_DECODE_HANDSHAKE_TIMEOUT"  # a gateway's lost decode (docs/gateway.md)
 _SINCE = "fork_handshake_wait_since"  # per request: engine-clock time first seen waiting for its handshake
 _ENDED = "fork_lost_decode_handshake"
 SCAN_INTERVAL = 0.5
