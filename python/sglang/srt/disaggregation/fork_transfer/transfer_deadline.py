@@ -55,11 +55,9 @@ def _expire(scheduler, stage: str, queue: Sequence[Any], side: str, keep=None) -
             continue
         if now - stamp[1] <= deadline or getattr(req, room_ledger.DEADLINE_EXPIRED, None) is not None:
             continue
-        # `keep` only for the overdue ones: upstream's is_aborted costs ~8 µs a request
-        if keep is not None and not keep(entry):
-            continue
         endpoint = req.disagg_kv_sender if side == "prefill" else entry.kv_receiver
-        if endpoint is None:
+        # `keep` only for the overdue ones: upstream's is_aborted costs ~8 µs a request
+        if endpoint is None or (keep is not None and not keep(entry)):
             continue
         text = (f"{TAG}: request {req.rid} (bootstrap_room={req.bootstrap_room}) spent {now - stamp[1]:.1f}s in "
                 f"stage {stage}, over the {deadline:g}s deadline. Raise {ENV} or {ARG} if transfers legitimately "
@@ -166,10 +164,6 @@ class BootstrapFetch:
                 self.outcomes.pop(key, None)
             return None if stale else outcome
 
-    def report(self) -> Dict[str, int]:
-        with self.lock:
-            return {"running": len(self.running), "outcomes": len(self.outcomes), **self.totals}
-
 
 def fetch_of(mgr: Any, create: bool = False) -> Optional[BootstrapFetch]:
     """The manager's BootstrapFetch (made by the first hook that needs it); None but on decode."""
@@ -181,7 +175,10 @@ def fetch_of(mgr: Any, create: bool = False) -> Optional[BootstrapFetch]:
 
 def fetch_report(mgr: Any) -> Optional[Dict[str, int]]:
     fetch = fetch_of(mgr)
-    return None if fetch is None else fetch.report()
+    if fetch is None:
+        return None
+    with fetch.lock:
+        return {"running": len(fetch.running), "outcomes": len(fetch.outcomes), **fetch.totals}
 
 
 def _fetch_routes(receiver_cls: type, addr: str, dp: int, info: Any) -> Dict[Key, Optional[dict]]:
@@ -228,9 +225,7 @@ def around_ensure_prefill_info(original, queue, addr_to_reqs, *args, **kwargs):
         for decode_req in reqs:
             if decode_req.kv_receiver is not None and decode_req.req.bootstrap_room is not None:
                 mgr.record_failure(decode_req.req.bootstrap_room, reason)
-    if not asked:
-        return {}, waiting
-    ready, remaining = original(queue, asked, *args, **kwargs)
+    ready, remaining = original(queue, asked, *args, **kwargs)  # upstream's: ({}, []) for no addrs
     return ready, remaining + waiting
 
 
