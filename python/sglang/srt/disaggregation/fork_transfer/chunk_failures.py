@@ -262,11 +262,9 @@ def on_decode_transfer_failure(result: Any, queue: Any, failure_reason: str, *ar
 
 def on_sender_clear(result: Any, sender: Any, *args: Any, **kwargs: Any) -> None:
     """AFTER `CommonKVSender.clear`: drop the zero in-flight count a failed non-last chunk left."""
-    mgr = sender.kv_mgr
-    room = sender.bootstrap_room
-    outstanding = getattr(mgr, "_staging_outstanding", None)
-    if outstanding is not None and room not in mgr.request_status and outstanding.get(room) == 0:
-        outstanding.pop(room, None)
+    mgr, room = sender.kv_mgr, sender.bootstrap_room  # a CommonKVManager: it has _staging_outstanding
+    if room not in mgr.request_status and mgr._staging_outstanding.get(room) == 0:
+        mgr._staging_outstanding.pop(room, None)
 
 
 def _rooms_in_flight(kv_mgr: Any, queue: Any) -> List[int]:
