@@ -1,8 +1,7 @@
 """A crashed PD peer is noticed at once, its requests end (502), and its restart is served.
 
-One `PeerMonitor` thread per (mooncake) kv manager probes each peer once per heartbeat; a lost
-peer's rooms end through the ledger; a decode that may be alive is held out until it answers; a
-request waiting for a lost decode's handshake ends within seconds. docs/peer-liveness.md, docs/gateway.md.
+One `PeerMonitor` thread per (mooncake) kv manager probes its peers; prefill's bootstrap-queue hook ends a
+request waiting for a lost decode's handshake. docs/peer-liveness.md, docs/gateway.md.
 """
 
 from __future__ import annotations
@@ -71,11 +70,7 @@ def heartbeat_settings() -> Tuple[float, int]:
 
 def _count(monitor: "PeerMonitor", kind: str, peer: str) -> None:
     COUNTS[(kind, monitor.role, peer)] += 1
-    key = "peer_loss" if kind == "loss" else "peer_recovery"
-    request_end_cause.inc(key, monitor.labels if monitor.metrics else None, role=monitor.role, peer=peer)
-
-
-# ----------------------------------------------------------------------------- the monitor
+    request_end_cause.inc(f"peer_{kind}", monitor.labels, role=monitor.role, peer=peer)
 
 
 class PeerMonitor:
@@ -84,8 +79,7 @@ class PeerMonitor:
     def __init__(self, mgr: Any, role: str, labels: Dict[str, str], metrics: bool):
         self.mgr = mgr
         self.role = role
-        self.labels = labels
-        self.metrics = metrics
+        self.labels = labels if metrics else None  # None: no Prometheus counter
         self.interval, self.max_failures = heartbeat_settings()
         self.lock = threading.Lock()
         self.misses: Dict[str, int] = {}
@@ -140,7 +134,7 @@ class PeerMonitor:
             for session in [s for s in mgr.failed_sessions if s not in sessions and self.is_gone([s])]:
                 _forget_session(mgr, session)
         # a status message sent after the loss re-opens a socket to a lost decode: close it
-        for endpoint in list(getattr(mgr, "_socket_cache", {})):
+        for endpoint in list(mgr._socket_cache):
             if self.endpoint_gone(endpoint):
                 _drop_socket(mgr, endpoint)
         with self.lock:
@@ -199,14 +193,13 @@ class PeerMonitor:
             del self.lost[host]
         return peer
 
-    def lose_decode(self, session: str, why: str, keep: bool = False) -> List[int]:
-        """Monitor thread: end every room bound to decode `session` (502), count the loss;
-        `keep` (it may be alive) holds it out, else its incarnation is dropped."""
+    def lose_decode(self, session: str, why: str, keep: bool = False) -> None:
+        """Monitor thread: end every room bound to decode `session` (502); `keep` (it may be alive): held out."""
         mgr = self.mgr
         with self.lock:
             host, port = self.known.get(session, (None, None))
             if host is None or session in self.held:
-                return []
+                return
             if keep:
                 self.held[session] = f"{host}:{port}"
         self.misses.pop(session, None)
@@ -229,7 +222,6 @@ class PeerMonitor:
         logger.error("%s: %d requests failed, %s", reason, len(failed),
                      "its session held out until it answers a probe" if keep else "its session state dropped")
         _count(self, "loss", host)
-        return failed
 
     def _drop_incarnation(self, session: str, host: str, port: int) -> None:
         """Forget a gone decode session: registration, blacklist, socket, poison marks."""
@@ -242,8 +234,7 @@ class PeerMonitor:
         _drop_socket(mgr, f"tcp://{host}:{port}")
         with self.lock:
             poisoned = self.poisoned.pop(session, set())
-        for room in poisoned:
-            mgr._deferred_ack_poisoned_rooms.discard(room)
+        mgr._deferred_ack_poisoned_rooms.difference_update(poisoned)
 
     # -- prefill: decodes held out as lost
 
@@ -260,11 +251,9 @@ class PeerMonitor:
 
     def _probe_held(self, session: str) -> None:
         mgr = self.mgr
-        try:
-            rc = mgr._send_probe(session)  # chunk_failures.probe_session, bounded
-        finally:
-            with self.lock:
-                self._probing.discard(session)
+        rc = mgr._send_probe(session)  # chunk_failures.bounded_probe (upstream's too) answers -1, never raises
+        with self.lock:
+            self._probing.discard(session)
         with mgr.session_lock:
             with self.lock:
                 held = session in self.held
@@ -274,11 +263,7 @@ class PeerMonitor:
                 set.add(mgr.failed_sessions, session)
                 return
             mgr._unblacklist_session(session)
-        self._back(session)
-
-    def _back(self, session: str) -> None:
-        """A decode held out as lost answers again: it is served again."""
-        with self.lock:
+        with self.lock:  # it answers again: served again
             peer = self.held.pop(session, None)
             if peer is None:
                 return
@@ -313,18 +298,11 @@ class PeerMonitor:
                 with mgr.session_pool_lock:
                     mgr.session_pool.pop(addr, None)
 
-    def report(self) -> Dict[str, Any]:
-        prefill = self.role == "prefill"
-        with self.lock:
-            return {"watched": len(self.known) if prefill else None, "held_out": len(self.held) if prefill else None,
-                    "lost_unrecovered": sum(map(len, self.lost.values()))}
-
 
 def _forget_session(mgr: Any, session: str) -> None:
     """Drop a decode session's blacklist and layout entries (caller holds session_lock)."""
-    set.discard(mgr.failed_sessions, session)
-    for table in (mgr.session_failures, mgr.failed_session_probes, mgr.state_layout_rejections):
-        table.pop(session, None)
+    mgr._unblacklist_session(session)
+    mgr.state_layout_rejections.pop(session, None)
     mgr.state_strides_validated.discard(session)
 
 
@@ -356,11 +334,11 @@ def peer_tables(mgr: Any) -> Dict[str, int]:
         out["addr_to_rooms_tracker_addrs"] = len(rooms_by_addr)
     monitor = monitor_of(mgr)
     if monitor is not None:
-        out.update({f"monitor_{k}": v for k, v in monitor.report().items() if v is not None})
+        with monitor.lock:
+            if monitor.role == "prefill":
+                out.update(monitor_watched=len(monitor.known), monitor_held_out=len(monitor.held))
+            out["monitor_lost_unrecovered"] = sum(map(len, monitor.lost.values()))
     return out
-
-
-# ----------------------------------------------------------------------------- hooks
 
 
 def _start(queue: Any, mgr: Any, role: str) -> None:
@@ -440,7 +418,7 @@ def around_conclude_transfer(original, mgr, *args, bootstrap_room=None, status=N
                 peer = f"{info.endpoint}:{info.dst_port}"
                 if not monitor.is_gone([peer]) and probe(info.endpoint, int(info.dst_port), 0.5) == REFUSED:
                     monitor.mark_gone([session, peer])
-        if monitor is not None and bootstrap_room in getattr(mgr, "_deferred_ack_poisoned_rooms", ()):
+        if monitor is not None and bootstrap_room in mgr._deferred_ack_poisoned_rooms:
             peers = [f"{i.endpoint}:{i.dst_port}" for i in list(infos.values())]
             peers += [f"{host}:{port}" for host, port in (kwargs.get("targets") or ())]
             if monitor.is_gone(list(infos) + peers, failure_reason):  # nobody to ack or protect
@@ -469,9 +447,7 @@ def around_send_multipart_locked(original, mgr, endpoint, parts, *args, **kwargs
     return original(mgr, endpoint, parts, *args, **kwargs)
 
 
-# ----------------------------------------------------------------------------- a gateway's lost decode
-
-HANDSHAKE_ENV = "SGLANG_FORK_LOST_DECODE_HANDSHAKE_TIMEOUT"
+HANDSHAKE_ENV = "SGLANG_FORK_LOST_DECODE_HANDSHAKE_TIMEOUT"  # a gateway's lost decode (docs/gateway.md)
 _SINCE = "fork_handshake_wait_since"  # per request: engine-clock time first seen waiting for its handshake
 _ENDED = "fork_lost_decode_handshake"
 SCAN_INTERVAL = 0.5
@@ -515,23 +491,18 @@ def orphan_message(req: Any, waited: float, lost: Sequence[str], timeout: float)
 
 def before_pop_bootstrapped(queue, *args, **kwargs):
     """BEFORE PrefillBootstrapQueue.pop_bootstrapped (scheduler thread): orphans of a lost decode end (502)."""
-    if not queue.queue:
-        return
     now = engine_clock.now()
-    if now < _next_scan[0] or not _decides():  # rank 0 decides; the poll's all-reduce spreads it
+    if not queue.queue or now < _next_scan[0] or not _decides():  # rank 0 decides; the poll's all-reduce spreads it
         return
     _next_scan[0] = now + SCAN_INTERVAL
     timeout = handshake_timeout(os.environ.get(HANDSHAKE_ENV))
     kv_mgr = fork_touch.upstream(queue, "kv_manager")
     lost = lost_decodes(monitor_of(kv_mgr))
-    if not lost or timeout == 0 or not hasattr(kv_mgr, "conclude_failure"):
+    if not lost or timeout == 0:
         for req in queue.queue:  # nothing is lost: forget the stamps
             setattr(req, _SINCE, None)
         return
-    infos = kv_mgr.transfer_infos
-    for req, waited in orphans(queue.queue, lambda room: room in infos, now, timeout):
-        if fork_touch.upstream(req, "disagg_kv_sender") is None:
-            continue
+    for req, waited in orphans(queue.queue, kv_mgr.transfer_infos.__contains__, now, timeout):
         text = orphan_message(req, waited, lost, timeout)
         setattr(req, _ENDED, text)
         logger.warning(text)

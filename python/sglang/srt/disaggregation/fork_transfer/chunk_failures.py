@@ -1,9 +1,6 @@
-"""A failed chunk write fails that room on both sides, and only that room.
-
-Transfer workers (patch lines): `checked()` each write's return code, `conclude_failure` /
-`conclude_transfer`; a decode session is blacklisted only once a probe shows it dead
-(`SessionBlacklist`, probe threads); a worker that raises ends its rooms in flight and starts
-again (`guard_transfer_worker`). What and why: docs/chunk-failures.md, docs/transfer-deadline.md.
+"""A failed chunk write fails that room on both sides, and only that room; a decode session is blacklisted only
+once a probe shows it dead; a transfer worker that raises ends its rooms in flight and starts again.
+Called by the transfer workers (patch lines) and hooks. docs/chunk-failures.md, docs/transfer-deadline.md.
 """
 
 from __future__ import annotations
@@ -170,8 +167,7 @@ PROBE_TIMEOUT_ENV = "SGLANG_FORK_SESSION_PROBE_TIMEOUT"
 
 
 def bounded_probe(mgr: Any, send_probe: Any, timeout: float) -> Callable[[str], int]:
-    """The manager's `_send_probe`: `probe_session` on its own thread (one per session at a time), waited for at
-    most `timeout` s."""
+    """The manager's `_send_probe`: `probe_session` on its own thread (one per session), awaited at most `timeout` s."""
     lock, running = threading.Lock(), {}
 
     def run(session_id: str, future: concurrent.futures.Future) -> None:
@@ -266,11 +262,9 @@ def on_decode_transfer_failure(result: Any, queue: Any, failure_reason: str, *ar
 
 def on_sender_clear(result: Any, sender: Any, *args: Any, **kwargs: Any) -> None:
     """AFTER `CommonKVSender.clear`: drop the zero in-flight count a failed non-last chunk left."""
-    mgr = sender.kv_mgr
-    room = sender.bootstrap_room
-    outstanding = getattr(mgr, "_staging_outstanding", None)
-    if outstanding is not None and room not in mgr.request_status and outstanding.get(room) == 0:
-        outstanding.pop(room, None)
+    mgr, room = sender.kv_mgr, sender.bootstrap_room  # a CommonKVManager: it has _staging_outstanding
+    if room not in mgr.request_status and mgr._staging_outstanding.get(room) == 0:
+        mgr._staging_outstanding.pop(room, None)
 
 
 def _rooms_in_flight(kv_mgr: Any, queue: Any) -> List[int]:
@@ -286,8 +280,7 @@ def _rooms_in_flight(kv_mgr: Any, queue: Any) -> List[int]:
 
 
 def _guarded(original: Any) -> Any:
-    """Upstream's transfer worker loop, run again after it raised; its rooms in flight end through the ledger
-    (500, decode told)."""
+    """Upstream's transfer worker loop, run again after it raised; its rooms in flight end (500, decode told)."""
 
     @functools.wraps(original)
     def transfer_worker(kv_mgr: Any, queue: Any, *args: Any, **kwargs: Any) -> Any:
@@ -309,8 +302,7 @@ def _guarded(original: Any) -> Any:
 
 
 def guard_transfer_worker(*args: Any, **kwargs: Any) -> None:
-    """BEFORE PrefillBootstrapQueue._init_kv_manager: a class patch (SWAPS) of MooncakeKVManager.transfer_worker,
-    made once."""
+    """BEFORE PrefillBootstrapQueue._init_kv_manager: MooncakeKVManager.transfer_worker patched (SWAPS), once."""
     from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
 
     if not getattr(fork_touch.upstream(MooncakeKVManager, "transfer_worker"), "fork_guarded", False):

@@ -1,10 +1,6 @@
-"""Transfer deadlines: no PD request stays in one transfer stage longer than the deadline, and decode's
-scheduler never waits on a prefill's bootstrap server.
-
-BEFORE each PD queue's poll (scheduler thread, rank 0 decides), an overdue request ends through the ledger (504,
-the peer told). Decode's fetches of a prefill's parallel info and rank endpoints run on a pool
-(`ForkBootstrapFetch_<n>`) while the request waits in `pending_reqs`; scheduler-thread AROUND hooks start fetches
-and take outcomes. What and why: docs/transfer-deadline.md.
+"""No PD request stays in one transfer stage longer than the deadline (504 through the ledger, from BEFORE hooks on
+each PD queue's poll), and decode's scheduler never waits on a prefill's bootstrap server (its fetches run on a
+pool; scheduler-thread AROUND hooks start them and take their outcomes). docs/transfer-deadline.md.
 """
 
 from __future__ import annotations
@@ -29,8 +25,7 @@ logger = logging.getLogger(__name__)
 
 _STAMP = "fork_transfer_stage"  # per request: (stage, entered_at on engine_clock)
 TAG = room_ledger.DEADLINE_TAG  # opens every deadline message, the room's failure reason at the peer too
-# A queue is scanned at most every deadline/SCAN_DIVISOR s (capped): a request expires at
-# most two intervals late, and a 10k-request queue is not walked each pass.
+# A queue is scanned at most every deadline/SCAN_DIVISOR s (capped): why in docs/transfer-deadline.md ("Cost").
 SCAN_DIVISOR = 50
 MAX_SCAN_INTERVAL = 1.0
 COUNTS: Counter = Counter()
@@ -46,12 +41,9 @@ def _decides() -> bool:
 
 
 def _expire(scheduler, stage: str, queue: Sequence[Any], side: str, keep=None) -> None:
-    """Stamp the entries of `queue` (prefill: Req; decode: DecodeRequest) new to `stage`; end the overdue ones
-    `keep` accepts."""
-    if not queue:
-        return
+    """Stamp `queue`'s entries (Req / DecodeRequest) new to `stage`; end the overdue ones `keep` accepts."""
     now = engine_clock.now()
-    if now < _next_scan.get(stage, float("-inf")) or not _decides():  # the common case: one lookup per pass
+    if not queue or now < _next_scan.get(stage, float("-inf")) or not _decides():  # the common case: one lookup
         return
     deadline = configured()
     _next_scan[stage] = now + min(deadline / SCAN_DIVISOR, MAX_SCAN_INTERVAL)
@@ -63,11 +55,9 @@ def _expire(scheduler, stage: str, queue: Sequence[Any], side: str, keep=None) -
             continue
         if now - stamp[1] <= deadline or getattr(req, room_ledger.DEADLINE_EXPIRED, None) is not None:
             continue
-        # `keep` only for the overdue ones: upstream's is_aborted costs ~8 µs a request
-        if keep is not None and not keep(entry):
-            continue
         endpoint = req.disagg_kv_sender if side == "prefill" else entry.kv_receiver
-        if endpoint is None:
+        # `keep` only for the overdue ones: upstream's is_aborted costs ~8 µs a request
+        if endpoint is None or (keep is not None and not keep(entry)):
             continue
         text = (f"{TAG}: request {req.rid} (bootstrap_room={req.bootstrap_room}) spent {now - stamp[1]:.1f}s in "
                 f"stage {stage}, over the {deadline:g}s deadline. Raise {ENV} or {ARG} if transfers legitimately "
@@ -91,10 +81,7 @@ def before_resolve_waiting(scheduler, *args, **kwargs):
     """BEFORE SchedulerDisaggregationPrefillMixin.resolve_waiting_queue_bootstrap (PD, not aborted)."""
     from sglang.srt.disaggregation.utils import is_aborted
 
-    _expire(
-        scheduler, PREFILL_WAITING, scheduler.waiting_queue, "prefill",
-        keep=lambda r: getattr(r, "disagg_kv_sender", None) is not None and not is_aborted(r),
-    )
+    _expire(scheduler, PREFILL_WAITING, scheduler.waiting_queue, "prefill", keep=lambda r: not is_aborted(r))
 
 
 def before_prefill_inflight(scheduler, *args, **kwargs):  # BEFORE process_disagg_prefill_inflight_queue
@@ -130,7 +117,7 @@ class Outcome(NamedTuple):
     info: Any  # routes: the PrefillServerInfo they were fetched for
 
 
-_local = threading.local()  # .routes: the endpoints served during one _init_receiver
+_local = threading.local()  # .routes: the endpoints served during one _init_receiver; .fetching: a pool thread
 
 
 class BootstrapFetch:
@@ -143,15 +130,14 @@ class BootstrapFetch:
         self.totals: Counter = Counter()
         self.pool = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="ForkBootstrapFetch")
 
-    def start(self, key: Key, job: Callable[[], Any], info: Any = None) -> bool:
+    def start(self, key: Key, job: Callable[[], Any], info: Any = None) -> None:
         """Run `job` on the pool unless a fetch for `key` runs or its outcome waits."""
         with self.lock:
             if key in self.running or key in self.outcomes:
-                return False
+                return
             self.running[key] = time.monotonic()
             self.totals[f"{key[0]}_started"] += 1
         self.pool.submit(self._run, key, job, info)
-        return True
 
     def _run(self, key: Key, job: Callable[[], Any], info: Any) -> None:  # pool thread
         _local.fetching = True
@@ -169,22 +155,14 @@ class BootstrapFetch:
             if failed:
                 self.totals[f"{key[0]}_failed"] += 1
 
-    def peek(self, key: Key) -> Optional[Outcome]:
-        """The outcome waiting for `key`, not taken (a stale one is dropped)."""
+    def outcome(self, key: Key, take: bool = False) -> Optional[Outcome]:
+        """The outcome waiting for `key` (a stale one is dropped), removed with `take`."""
         with self.lock:
             outcome = self.outcomes.get(key)
-            if outcome is not None and time.monotonic() - outcome.done_at > STALE_S:
-                del self.outcomes[key]
-                return None
-            return outcome
-
-    def take(self, key: Key) -> Optional[Outcome]:
-        with self.lock:
-            return self.outcomes.pop(key, None)
-
-    def report(self) -> Dict[str, int]:
-        with self.lock:
-            return {"running": len(self.running), "outcomes": len(self.outcomes), **self.totals}
+            stale = outcome is not None and time.monotonic() - outcome.done_at > STALE_S
+            if stale or take:
+                self.outcomes.pop(key, None)
+            return None if stale else outcome
 
 
 def fetch_of(mgr: Any, create: bool = False) -> Optional[BootstrapFetch]:
@@ -197,7 +175,10 @@ def fetch_of(mgr: Any, create: bool = False) -> Optional[BootstrapFetch]:
 
 def fetch_report(mgr: Any) -> Optional[Dict[str, int]]:
     fetch = fetch_of(mgr)
-    return None if fetch is None else fetch.report()
+    if fetch is None:
+        return None
+    with fetch.lock:
+        return {"running": len(fetch.running), "outcomes": len(fetch.outcomes), **fetch.totals}
 
 
 def _fetch_routes(receiver_cls: type, addr: str, dp: int, info: Any) -> Dict[Key, Optional[dict]]:
@@ -215,9 +196,8 @@ def _fetch_routes(receiver_cls: type, addr: str, dp: int, info: Any) -> Dict[Key
 
 
 def around_ensure_prefill_info(original, queue, addr_to_reqs, *args, **kwargs):
-    """AROUND DecodePreallocQueue._ensure_prefill_info: fetch unknown prefills' info on the pool. Before upstream's
-    last attempt fails the requests as "Aborted by AbortReq." (a client abort), record the real reason: an
-    unreachable prefill, a lost peer (502)."""
+    """AROUND DecodePreallocQueue._ensure_prefill_info: fetch unknown prefills' info on the pool; record the real
+    reason (a lost peer, 502) before upstream's last attempt fails the requests as "Aborted by AbortReq."."""
     mgr = queue.kv_manager
     fetch = fetch_of(mgr, create=True)
     if fetch is None:
@@ -230,7 +210,7 @@ def around_ensure_prefill_info(original, queue, addr_to_reqs, *args, **kwargs):
     now = time.monotonic()
     asked, waiting = {}, []
     for addr, reqs in addr_to_reqs.items():
-        outcome = None if addr in table else fetch.peek(("info", addr))
+        outcome = None if addr in table else fetch.outcome(("info", addr))
         if addr not in table and outcome is None:
             if now - last_attempt.get(addr, float("-inf")) >= interval:  # upstream's fetch, with its hooks
                 fetch.start(("info", addr), lambda addr=addr: mgr.try_ensure_parallel_info(addr))
@@ -245,16 +225,14 @@ def around_ensure_prefill_info(original, queue, addr_to_reqs, *args, **kwargs):
         for decode_req in reqs:
             if decode_req.kv_receiver is not None and decode_req.req.bootstrap_room is not None:
                 mgr.record_failure(decode_req.req.bootstrap_room, reason)
-    if not asked:
-        return {}, waiting
-    ready, remaining = original(queue, asked, *args, **kwargs)
+    ready, remaining = original(queue, asked, *args, **kwargs)  # upstream's: ({}, []) for no addrs
     return ready, remaining + waiting
 
 
 def around_try_ensure_parallel_info(original, mgr, bootstrap_addr, *args, **kwargs):
     """AROUND CommonKVManager.try_ensure_parallel_info: the scheduler takes a fetched outcome."""
-    fetch = fetch_of(mgr)
-    outcome = None if fetch is None or getattr(_local, "fetching", False) else fetch.take(("info", bootstrap_addr))
+    fetch = None if getattr(_local, "fetching", False) else fetch_of(mgr)  # a pool thread fetches
+    outcome = None if fetch is None else fetch.outcome(("info", bootstrap_addr), take=True)
     if outcome is None:
         return original(mgr, bootstrap_addr, *args, **kwargs)
     if outcome.error is not None:
@@ -279,7 +257,7 @@ def around_init_receiver(original, queue, decode_req, prefill_dp_rank, *args, **
     if connected:
         return original(queue, decode_req, prefill_dp_rank, *args, **kwargs)
     key = ("routes", addr, prefill_dp_rank)
-    outcome = fetch.take(key) if fetch.peek(key) is not None else None
+    outcome = fetch.outcome(key, take=True)
     if outcome is None or outcome.info is not info:  # none yet, or for a prefill since replaced
         fetch.start(key, lambda: _fetch_routes(type(receiver), addr, prefill_dp_rank, info), info)
         queue.pending_reqs.append(decode_req)
