@@ -777,6 +777,20 @@ class Gateway(Deployment):
             f'smg_worker_cb_outcomes_total{{worker="{self.engines[role].url}",outcome="failure"}}', 0.0)
             for role in PD_ROLES}
 
+    def circuit_opens(self, metrics: Optional[Mapping[str, float]] = None) -> Dict[str, float]:
+        """How often each engine's circuit opened (transitions to "open", from any state)."""
+        metrics = self.metrics() if metrics is None else metrics
+        return {role: sum(v for k, v in metrics.items()
+                          if k.startswith("smg_worker_cb_transitions_total")
+                          and f'"{self.engines[role].url}"' in k and 'to="open"' in k)
+                for role in PD_ROLES}
+
+    def circuit_states(self, metrics: Optional[Mapping[str, float]] = None) -> Dict[str, Optional[float]]:
+        """Each engine's circuit state now (0 = closed; None: the gateway exports none for it)."""
+        metrics = self.metrics() if metrics is None else metrics
+        return {role: metrics.get(f'smg_worker_cb_state{{worker="{self.engines[role].url}"}}')
+                for role in PD_ROLES}
+
 
 class MiniLB(Deployment):
     """A mini load balancer (role 'mini_lb') in front of engines that already run, e.g.
