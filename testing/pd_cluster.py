@@ -843,11 +843,16 @@ def start_all(*deployments: Deployment, timeout: float = DEFAULT_HEALTH_TIMEOUT)
 # ----------------------------------------------------------------------------- requests
 
 
-def generate(url: str, text: str, max_new_tokens: int = 32, timeout: float = 120.0, **extra) -> Dict[str, Any]:
-    """One greedy /generate; returns status, latency, output ids and text."""
+def generate(url: str, text: str, max_new_tokens: int = 32, timeout: float = 120.0,
+             sampling: Optional[Mapping[str, Any]] = None, **extra) -> Dict[str, Any]:
+    """One greedy /generate; returns status, latency, output ids and text. `sampling`:
+    sampling params merged over the greedy defaults (temperature 0, max_new_tokens);
+    `extra`: other top-level fields of the request (rid, ...)."""
+    if "sampling_params" in extra:
+        raise TypeError("generate: pass sampling params as sampling=, merged over the greedy defaults")
     payload = {
         "text": text,
-        "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens},
+        "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens, **(sampling or {})},
         **extra,
     }
     t0 = time.monotonic()
