@@ -241,3 +241,58 @@ def test_skewed_pause_windows_through_the_gateway_leave_nothing_waiting(gateway_
         assert opens[role] == opened[role], role
     assert cluster.gateway.circuit_states() == {"prefill": 0.0, "decode": 0.0}
     assert_idle(cluster, PD_ROLES, baseline)
+
+
+# ----------------------------------------------------------------------------- mixed faults
+
+SOAK_ROUNDS = 4  # 32 faults: ~30 s on the module's deployment (2 rounds: 15 s)
+SOAK_CLIENTS = 6
+
+
+def test_closed_loop_soak_mixing_faults_through_the_gateway(gateway_deployment):
+    """test_room_ledger_e2e's soak (testing/soak.py) behind the Rust gateway with its
+    defaults: closed-loop clients through the gateway while pause cycles in every mode
+    (servers paused and continued in either order), aborts by rid on both servers,
+    abort_all, aborts at one paused server's gate and short freezes of either server
+    follow one another. Every answer is a completion equal to its reference (divergence
+    only after a retract pause) or an abort answer that an aborting fault explains; none
+    of these faults calls for an error status, so any other answer is wrong; none open
+    after 30 s. The gateway charges a failure for every 5xx attempt to both engines
+    (docs/gateway.md): none of these faults may cost either engine one, or open a
+    circuit. Nothing held afterwards and serving goes on."""
+    from testing.pd_checks import cluster_end_causes, delta
+    from testing.soak import Soak, schedule
+
+    cluster, _, _ = gateway_deployment
+    gateway = cluster.gateway
+    warm = generate_concurrently(cluster.url, ["warm up"], max_new_tokens=4)[0]
+    assert warm["status"] == 200, warm
+    baseline = assert_idle(cluster, PD_ROLES)
+    before = cluster_end_causes(cluster)
+    metrics = gateway.metrics()
+    failures_before, opened = gateway.failures(metrics), gateway.circuit_opens(metrics)
+    exhausted_before = metric_sum(metrics, "smg_worker_retries_exhausted_total")
+    soak = Soak(cluster, clients=SOAK_CLIENTS, seed=17)
+    report = soak.run(schedule(SOAK_ROUNDS, seed=17))
+    rid_aborted = sum(a.finish == "abort" and any(a.rid in w.rids for w in report.windows) for a in report.answers)
+    print("soak", report.summary(), "diverged after retract:", report.diverged_after_retract,
+          "aborted by rid:", rid_aborted, "gateway failures", gateway.failures())
+
+    # What the clients saw: every answer judged against the faults it overlapped.
+    assert not report.wrong, report.wrong[:10]
+    summary = report.summary()
+    assert summary.get("200/length", 0) >= len(report.windows), summary  # it served throughout
+    # What was counted: the gateway charged neither engine, opened no circuit, gave up
+    # on no request; no end was counted as a deadline, a lost peer or a failed transfer.
+    metrics = gateway.metrics()
+    assert gateway.failures(metrics) == failures_before, metrics
+    assert gateway.circuit_opens(metrics) == opened
+    assert gateway.circuit_states(metrics) == {"prefill": 0.0, "decode": 0.0}
+    assert metric_sum(metrics, "smg_worker_retries_exhausted_total") == exhausted_before
+    moved = delta(before, cluster_end_causes(cluster))
+    errors = {k: v for k, v in moved.items() if k[1] in ("timeout", "peer_failure", "transport")}
+    assert not errors, moved
+    # What is left held: nothing; and serving goes on.
+    assert_idle(cluster, PD_ROLES, baseline)
+    results = generate_concurrently(cluster.url, prompts(4), max_new_tokens=8)
+    assert [r["status"] for r in results] == [200] * 4, [r["error"] for r in results]
