@@ -305,7 +305,7 @@ def abort_while_paused(original, scheduler, recv_req, *args, **kwargs):
 BARE_ABORT_MESSAGE = FINISH_ABORT().message
 
 
-def keep_abort_verdict(scheduler, recv_req=None) -> None:
+def keep_abort_verdict(scheduler, recv_req) -> None:
     """A running request an abort reached answers the verdict it was marked with (room_ledger.before_abort_request),
     not upstream's bare FINISH_ABORT() ("Aborted"): the pause's or a release's message (each repeat of the
     abort-mode pause's abort_all sets the bare one again), or the client's ("Aborted by the client.", docs/aborts.md).
