@@ -222,7 +222,7 @@ class ClosedLoop:
     def __init__(self, url: str, n: int, max_new_tokens: int = 24, timeout: float = 120.0,
                  ignore_eos: bool = False):
         self.url, self.n, self.max_new_tokens, self.timeout = url, n, max_new_tokens, timeout
-        self.sampling = {"temperature": 0.0, "max_new_tokens": max_new_tokens, "ignore_eos": ignore_eos}
+        self.sampling = {"ignore_eos": ignore_eos}  # over generate's greedy defaults
         self.results = []
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(n)]
@@ -232,7 +232,7 @@ class ClosedLoop:
         k = 0
         while not self._stop.is_set() and k < 10_000:
             prompt = texts[(i * 7 + k) % len(texts)]
-            r = generate(self.url, prompt, self.max_new_tokens, timeout=self.timeout, sampling_params=self.sampling)
+            r = generate(self.url, prompt, self.max_new_tokens, timeout=self.timeout, sampling=self.sampling)
             r["prompt"] = prompt
             r["finish"] = (r["meta"] or {}).get("finish_reason", {}).get("type") if r["meta"] else None
             r["t"] = time.monotonic()

@@ -777,6 +777,20 @@ class Gateway(Deployment):
             f'smg_worker_cb_outcomes_total{{worker="{self.engines[role].url}",outcome="failure"}}', 0.0)
             for role in PD_ROLES}
 
+    def circuit_opens(self, metrics: Optional[Mapping[str, float]] = None) -> Dict[str, float]:
+        """How often each engine's circuit opened (transitions to "open", from any state)."""
+        metrics = self.metrics() if metrics is None else metrics
+        return {role: sum(v for k, v in metrics.items()
+                          if k.startswith("smg_worker_cb_transitions_total")
+                          and f'"{self.engines[role].url}"' in k and 'to="open"' in k)
+                for role in PD_ROLES}
+
+    def circuit_states(self, metrics: Optional[Mapping[str, float]] = None) -> Dict[str, Optional[float]]:
+        """Each engine's circuit state now (0 = closed; None: the gateway exports none for it)."""
+        metrics = self.metrics() if metrics is None else metrics
+        return {role: metrics.get(f'smg_worker_cb_state{{worker="{self.engines[role].url}"}}')
+                for role in PD_ROLES}
+
 
 class MiniLB(Deployment):
     """A mini load balancer (role 'mini_lb') in front of engines that already run, e.g.
@@ -829,11 +843,16 @@ def start_all(*deployments: Deployment, timeout: float = DEFAULT_HEALTH_TIMEOUT)
 # ----------------------------------------------------------------------------- requests
 
 
-def generate(url: str, text: str, max_new_tokens: int = 32, timeout: float = 120.0, **extra) -> Dict[str, Any]:
-    """One greedy /generate; returns status, latency, output ids and text."""
+def generate(url: str, text: str, max_new_tokens: int = 32, timeout: float = 120.0,
+             sampling: Optional[Mapping[str, Any]] = None, **extra) -> Dict[str, Any]:
+    """One greedy /generate; returns status, latency, output ids and text. `sampling`:
+    sampling params merged over the greedy defaults (temperature 0, max_new_tokens);
+    `extra`: other top-level fields of the request (rid, ...)."""
+    if "sampling_params" in extra:
+        raise TypeError("generate: pass sampling params as sampling=, merged over the greedy defaults")
     payload = {
         "text": text,
-        "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens},
+        "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens, **(sampling or {})},
         **extra,
     }
     t0 = time.monotonic()

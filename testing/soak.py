@@ -13,13 +13,15 @@ window ended, answered after it began):
 - a completion: 200, finish `length` with exactly max_new_tokens tokens (or `stop`),
   output equal to the request's reference (taken before the soak) unless it
   overlapped a retract pause;
-- upstream's abort answer (200, finish `abort`): only if it overlapped an abort-mode
-  pause, `abort_all`, or an abort of its own rid;
+- upstream's abort answer (200, finish `abort`, no error status) naming why: only if
+  it overlapped an abort-mode pause, `abort_all`, or an abort of its own rid, and its
+  message names one of those (docs/aborts.md: the pause, or the client);
 - nothing else (no 4xx/5xx: none of these faults may cost a request an error), and
   no request open longer than `answer_bound_s`.
 
-Used by test/srt/test_room_ledger_e2e.py (bounded) and `python -m testing.soak`
-(longer runs against a fresh deployment).
+Used by test/srt/test_room_ledger_e2e.py (bounded, through the mini LB),
+test/srt/test_gateway.py (bounded, through the Rust gateway) and `python -m
+testing.soak [--balancer router]` (longer runs against a fresh deployment).
 """
 
 from __future__ import annotations
@@ -36,6 +38,16 @@ from testing.pd_cluster import generate, http_post_json, prompts, wait_until
 FAULTS = ("abort_pause", "in_place_pause", "retract_pause", "rid_aborts", "abort_all", "freeze_decode",
           "freeze_prefill", "abort_at_gate")
 ABORTING = {"abort_pause", "abort_all", "abort_at_gate"}  # may end any request they overlap as an abort
+# What an abort answer's message says for each fault that may end a request (docs/aborts.md,
+# docs/pause-release-resume.md "How each kind of end is answered"): the pause, or the client
+# (at a paused server's gate: "Aborted by the client/abort_all while the engine was paused").
+CLIENT_NAMES = ("Aborted by the client", "Aborted by abort_all")
+ABORT_NAMES = {
+    "abort_pause": ("pause_generation",),
+    "abort_all": CLIENT_NAMES,
+    "rid_aborts": CLIENT_NAMES,  # of its own rid
+    "abort_at_gate": ("pause_generation", *CLIENT_NAMES),
+}
 FREEZE_S = 1.5
 
 
@@ -225,8 +237,15 @@ class Soak:
             elif r["status"] != 200:
                 why = f"status {r['status']}: {str(r['error'])[:200]}"
             elif a.finish == "abort":
-                if not any(w.fault in ABORTING or a.rid in w.rids for w in over):
-                    why = f"abort answer outside any aborting fault: {r['meta']['finish_reason']}"
+                reason = r["meta"]["finish_reason"]
+                causes = [w.fault for w in over if w.fault in ABORTING or a.rid in w.rids]
+                names = [n for c in causes for n in ABORT_NAMES[c]]
+                if not causes:
+                    why = f"abort answer outside any aborting fault: {reason}"
+                elif reason.get("status_code") is not None:
+                    why = f"abort answer with an error status: {reason}"
+                elif not any(n in str(reason.get("message")) for n in names):
+                    why = f"abort answer naming none of {causes}: {reason}"
             elif a.finish == "length":
                 if len(r["output_ids"]) != self.max_new_tokens:
                     why = f"length finish with {len(r['output_ids'])} tokens"
@@ -248,7 +267,7 @@ def schedule(rounds: int, seed: int = 0) -> List[str]:
     return faults
 
 
-if __name__ == "__main__":  # a longer soak on a fresh deployment (mini LB)
+if __name__ == "__main__":  # a longer soak on a fresh deployment (mini LB or the Rust gateway)
     import argparse
     import json
 
@@ -259,14 +278,19 @@ if __name__ == "__main__":  # a longer soak on a fresh deployment (mini LB)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--balancer", choices=("mini", "router"), default="mini")
     args = ap.parse_args()
-    cluster = PDCluster(str(ensure_tiny_model(".cache/tiny-llama")))
+    cluster = PDCluster(str(ensure_tiny_model(".cache/tiny-llama")), balancer=args.balancer)
     cluster.start()
     try:
         soak = Soak(cluster, clients=args.clients, seed=args.seed)
         report = soak.run(schedule(args.rounds, args.seed))
-        print(json.dumps({"summary": report.summary(), "wrong": report.wrong,
-                          "diverged_after_retract": report.diverged_after_retract}, indent=1))
-        raise SystemExit(1 if report.wrong else 0)
+        out = {"summary": report.summary(), "wrong": report.wrong,
+               "diverged_after_retract": report.diverged_after_retract}
+        if cluster.gateway is not None:  # none of the faults may cost an engine a failure
+            out["gateway_failures"] = cluster.gateway.failures()
+            out["gateway_circuit_opens"] = cluster.gateway.circuit_opens()
+        print(json.dumps(out, indent=1))
+        raise SystemExit(1 if report.wrong or any(out.get("gateway_failures", {}).values()) else 0)
     finally:
         cluster.teardown()

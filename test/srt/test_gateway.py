@@ -38,24 +38,6 @@ ANSWER_BOUND_S = 30.0
 SERVING_AFTER_REGISTRATION_S = 15.0
 
 
-def cb_transitions_to_open(cluster, role: str) -> float:
-    url = cluster[role].url
-    return sum(
-        v for k, v in cluster.gateway.metrics().items()
-        if k.startswith("smg_worker_cb_transitions_total") and f'"{url}"' in k and 'to="open"' in k
-    )
-
-
-def cb_states(cluster) -> dict:
-    """The gateway's circuit state per registered engine url (0 = closed)."""
-    metrics = cluster.gateway.metrics()
-    out = {}
-    for role in PD_ROLES:
-        key = f'smg_worker_cb_state{{worker="{cluster[role].url}"}}'
-        out[role] = metrics.get(key)
-    return out
-
-
 def test_engines_registered_themselves(gateway_deployment):
     cluster, _, _ = gateway_deployment
     workers = {w["worker_type"]: w for w in cluster.gateway.workers()}
@@ -97,10 +79,10 @@ def test_burst_through_gateway_matches_mini_lb_and_single_server(gateway_deploym
     # What was counted: the gateway saw no failure and kept every circuit closed.
     metrics = cluster.gateway.metrics()
     assert metric_sum(metrics, "smg_worker_retries_exhausted_total") == 0
-    assert cb_states(cluster) == {"prefill": 0.0, "decode": 0.0}
+    assert cluster.gateway.circuit_states() == {"prefill": 0.0, "decode": 0.0}
+    failures = cluster.gateway.failures(metrics)
     for role in PD_ROLES:
-        key = f'smg_worker_cb_outcomes_total{{worker="{cluster[role].url}",outcome="failure"}}'
-        assert metrics.get(key, 0.0) == 0.0, (role, key)
+        assert failures[role] == 0.0, role
 
 
 def test_decode_killed_removed_restarted_registered_serves_within_15s(gateway_deployment):
@@ -115,7 +97,7 @@ def test_decode_killed_removed_restarted_registered_serves_within_15s(gateway_de
     serves again."""
     cluster, _, _ = gateway_deployment
     assert_idle(cluster, PD_ROLES)
-    prefill_opened = cb_transitions_to_open(cluster, "prefill")
+    prefill_opened = cluster.gateway.circuit_opens()["prefill"]
     loop = ClosedLoop(cluster.url, 4).start()
     try:
         wait_until(lambda: loop.completed() >= 8, 120, "8 completions before the RL step")
@@ -144,17 +126,14 @@ def test_decode_killed_removed_restarted_registered_serves_within_15s(gateway_de
             return all(r["status"] == 200 for r in burst)
 
         wait_until(serving, SERVING_AFTER_REGISTRATION_S, "the deployment to serve after registration",
-                   interval=0.5, on_timeout=lambda: str(cb_states(cluster)))
+                   interval=0.5, on_timeout=lambda: str(cluster.gateway.circuit_states()))
         serving_s = time.monotonic() - t_reg
         n_before = len(loop.results)
         wait_until(lambda: sum(r["status"] == 200 for r in loop.results[n_before:]) >= 4, 60,
                    "the closed-loop clients to complete again")
     finally:
         loop.stop()
-    failures = {
-        k: v for k, v in cluster.gateway.metrics().items()
-        if k.startswith("smg_worker_cb_outcomes_total") and 'outcome="failure"' in k
-    }
+    failures = cluster.gateway.failures()
     print(f"abort answers of the RL step {aborts}; "
           f"kill->registration {t_reg - t_kill:.1f}s, serving {serving_s:.1f}s after registration; "
           f"{dict(loop.summary())}; gateway failures {failures}")
@@ -168,8 +147,8 @@ def test_decode_killed_removed_restarted_registered_serves_within_15s(gateway_de
     # How long: serving again within 15 s of the registration (asserted by wait_until).
     assert serving_s <= SERVING_AFTER_REGISTRATION_S
     # What was counted: the prefill's circuit never opened; both circuits closed now.
-    assert cb_transitions_to_open(cluster, "prefill") == prefill_opened
-    assert cb_states(cluster) == {"prefill": 0.0, "decode": 0.0}
+    assert cluster.gateway.circuit_opens()["prefill"] == prefill_opened
+    assert cluster.gateway.circuit_states() == {"prefill": 0.0, "decode": 0.0}
     # What is left held: nothing, on either engine.
     assert_idle(cluster, PD_ROLES)
 
@@ -188,12 +167,8 @@ def test_rl_pause_cycles_never_open_a_circuit(gateway_deployment, tiny_model):
     under 10 s, and the gateway never counts a failure against either engine."""
     cluster, _, _ = gateway_deployment
     assert_idle(cluster, PD_ROLES)
-    opened = {role: cb_transitions_to_open(cluster, role) for role in PD_ROLES}
-    metrics = cluster.gateway.metrics()
-    failures_before = {
-        role: metrics.get(f'smg_worker_cb_outcomes_total{{worker="{cluster[role].url}",outcome="failure"}}', 0.0)
-        for role in PD_ROLES
-    }
+    opened = cluster.gateway.circuit_opens()
+    failures_before = cluster.gateway.failures()
     calls = []
     loop = ClosedLoop(cluster.url, PAUSE_CLIENTS, timeout=60, ignore_eos=True).start()
     try:
@@ -225,11 +200,11 @@ def test_rl_pause_cycles_never_open_a_circuit(gateway_deployment, tiny_model):
     assert not slow, slow
     # What was counted: no failure against either engine, no circuit opened.
     metrics = cluster.gateway.metrics()
+    failures, opens = cluster.gateway.failures(metrics), cluster.gateway.circuit_opens(metrics)
     for role in PD_ROLES:
-        key = f'smg_worker_cb_outcomes_total{{worker="{cluster[role].url}",outcome="failure"}}'
-        assert metrics.get(key, 0.0) == failures_before[role], (role, key)
-        assert cb_transitions_to_open(cluster, role) == opened[role], role
-    assert cb_states(cluster) == {"prefill": 0.0, "decode": 0.0}
+        assert failures[role] == failures_before[role], role
+        assert opens[role] == opened[role], role
+    assert cluster.gateway.circuit_states() == {"prefill": 0.0, "decode": 0.0}
     # What is left held: nothing.
     assert_idle(cluster, PD_ROLES)
 
@@ -251,13 +226,8 @@ def test_skewed_pause_windows_through_the_gateway_leave_nothing_waiting(gateway_
 
     cluster, _, _ = gateway_deployment
     baseline = assert_idle(cluster, PD_ROLES)
-    opened = {role: cb_transitions_to_open(cluster, role) for role in PD_ROLES}
-    metrics = cluster.gateway.metrics()
-
-    def failures(m, role):
-        return m.get(f'smg_worker_cb_outcomes_total{{worker="{cluster[role].url}",outcome="failure"}}', 0.0)
-
-    failures_before = {role: failures(metrics, role) for role in PD_ROLES}
+    opened = cluster.gateway.circuit_opens()
+    failures_before = cluster.gateway.failures()
     results = skewed_abort_pause_cycles(cluster["prefill"], cluster["decode"], cluster.url,
                                         SKEW_CYCLES, SKEW_CLIENTS, first=first)
     wrong = [(r["status"], str(r["error"])[:150]) for r in results if not is_completion_or_abort_answer(r)]
@@ -265,8 +235,64 @@ def test_skewed_pause_windows_through_the_gateway_leave_nothing_waiting(gateway_
     finishes = Counter(r["meta"]["finish_reason"]["type"] for r in results)
     assert finishes["abort"] >= SKEW_CYCLES and sum(finishes.values()) - finishes["abort"] >= SKEW_CYCLES, finishes
     metrics = cluster.gateway.metrics()
+    failures, opens = cluster.gateway.failures(metrics), cluster.gateway.circuit_opens(metrics)
     for role in PD_ROLES:
-        assert failures(metrics, role) == failures_before[role], role
-        assert cb_transitions_to_open(cluster, role) == opened[role], role
-    assert cb_states(cluster) == {"prefill": 0.0, "decode": 0.0}
+        assert failures[role] == failures_before[role], role
+        assert opens[role] == opened[role], role
+    assert cluster.gateway.circuit_states() == {"prefill": 0.0, "decode": 0.0}
     assert_idle(cluster, PD_ROLES, baseline)
+
+
+# ----------------------------------------------------------------------------- mixed faults
+
+SOAK_ROUNDS = 4  # 32 faults: ~30 s on the module's deployment (2 rounds: 15 s)
+SOAK_CLIENTS = 6
+
+
+def test_closed_loop_soak_mixing_faults_through_the_gateway(gateway_deployment):
+    """test_room_ledger_e2e's soak (testing/soak.py) behind the Rust gateway with its
+    defaults: closed-loop clients through the gateway while pause cycles in every mode
+    (servers paused and continued in either order), aborts by rid on both servers,
+    abort_all, aborts at one paused server's gate and short freezes of either server
+    follow one another. Every answer is a completion equal to its reference (divergence
+    only after a retract pause) or an abort answer that an aborting fault explains; none
+    of these faults calls for an error status, so any other answer is wrong; none open
+    after 30 s. The gateway charges a failure for every 5xx attempt to both engines
+    (docs/gateway.md): none of these faults may cost either engine one, or open a
+    circuit. Nothing held afterwards and serving goes on."""
+    from testing.pd_checks import cluster_end_causes, delta
+    from testing.soak import Soak, schedule
+
+    cluster, _, _ = gateway_deployment
+    gateway = cluster.gateway
+    warm = generate_concurrently(cluster.url, ["warm up"], max_new_tokens=4)[0]
+    assert warm["status"] == 200, warm
+    baseline = assert_idle(cluster, PD_ROLES)
+    before = cluster_end_causes(cluster)
+    metrics = gateway.metrics()
+    failures_before, opened = gateway.failures(metrics), gateway.circuit_opens(metrics)
+    exhausted_before = metric_sum(metrics, "smg_worker_retries_exhausted_total")
+    soak = Soak(cluster, clients=SOAK_CLIENTS, seed=17)
+    report = soak.run(schedule(SOAK_ROUNDS, seed=17))
+    rid_aborted = sum(a.finish == "abort" and any(a.rid in w.rids for w in report.windows) for a in report.answers)
+    print("soak", report.summary(), "diverged after retract:", report.diverged_after_retract,
+          "aborted by rid:", rid_aborted, "gateway failures", gateway.failures())
+
+    # What the clients saw: every answer judged against the faults it overlapped.
+    assert not report.wrong, report.wrong[:10]
+    summary = report.summary()
+    assert summary.get("200/length", 0) >= len(report.windows), summary  # it served throughout
+    # What was counted: the gateway charged neither engine, opened no circuit, gave up
+    # on no request; no end was counted as a deadline, a lost peer or a failed transfer.
+    metrics = gateway.metrics()
+    assert gateway.failures(metrics) == failures_before, metrics
+    assert gateway.circuit_opens(metrics) == opened
+    assert gateway.circuit_states(metrics) == {"prefill": 0.0, "decode": 0.0}
+    assert metric_sum(metrics, "smg_worker_retries_exhausted_total") == exhausted_before
+    moved = delta(before, cluster_end_causes(cluster))
+    errors = {k: v for k, v in moved.items() if k[1] in ("timeout", "peer_failure", "transport")}
+    assert not errors, moved
+    # What is left held: nothing; and serving goes on.
+    assert_idle(cluster, PD_ROLES, baseline)
+    results = generate_concurrently(cluster.url, prompts(4), max_new_tokens=8)
+    assert [r["status"] for r in results] == [200] * 4, [r["error"] for r in results]

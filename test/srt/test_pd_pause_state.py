@@ -252,3 +252,41 @@ def test_abort_pause_answers_once_every_answer_is_decided():
         assert await asyncio.wait_for(check, 2.0) is False
 
     asyncio.run(scenario())
+
+
+def test_running_request_answers_the_abort_verdict_not_upstreams_bare_abort():
+    """After Scheduler.abort_request (upstream set the bare FINISH_ABORT() "Aborted" on each running request it
+    reached), keep_abort_verdict makes each answer name why: the client's verdict the marking gave it, a client's
+    abort of its rid for one the marking did not see, the pause's; the pause's bare repeat of abort_all and an SLA
+    abort (503, its message) are left as they are."""
+    from sglang.srt.disaggregation.fork_ending import request_end_cause as ec
+    from sglang.srt.disaggregation.fork_ending import room_ledger
+    from sglang.srt.managers.io_struct import AbortReq
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+    def running(rid, verdict=None, pending=None):
+        req = SimpleNamespace(rid=rid, to_finish=pending or FINISH_ABORT())
+        if verdict is not None:
+            setattr(req, room_ledger.REQUESTED_ABORT, verdict)
+        return req
+
+    client = (room_ledger.CLIENT_ABORT_MESSAGE, None)
+    marked = running("marked", verdict=client)
+    unseen = running("unseen")  # e.g. decode's last batch, which the marking does not walk
+    paused = running("paused", verdict=(pd_pause.PAUSE_ABORT_MESSAGE, None))
+    sla = running("sla", verdict=("SLA exceeded", 503), pending=FINISH_ABORT("SLA exceeded", 503))
+    scheduler = SimpleNamespace(collect_inflight_reqs=lambda: [marked, unseen, paused, sla])
+
+    pd_pause.keep_abort_verdict(scheduler, AbortReq(rid="unseen"))
+    assert (marked.to_finish.message, marked.to_finish.status_code) == client
+    assert (unseen.to_finish.message, unseen.to_finish.status_code) == client
+    assert getattr(unseen, room_ledger.REQUESTED_ABORT) == client
+    assert ec.cause_of(unseen)[0] == ec.CLIENT_ABORT
+    assert paused.to_finish.message == pd_pause.PAUSE_ABORT_MESSAGE
+    assert (sla.to_finish.message, sla.to_finish.status_code) == ("SLA exceeded", 503)
+
+    bare_repeat = running("admitted between the pause's abort_all and its bare repeat")
+    scheduler = SimpleNamespace(collect_inflight_reqs=lambda: [bare_repeat])
+    pd_pause.keep_abort_verdict(scheduler, AbortReq(abort_all=True))
+    assert bare_repeat.to_finish.message == pd_pause.BARE_ABORT_MESSAGE == "Aborted"
+    assert getattr(bare_repeat, room_ledger.REQUESTED_ABORT, None) is None

@@ -437,20 +437,24 @@ def _retire_prefill_room(scheduler, req, stage: str) -> None:
     end_cause.record_end(scheduler, req, "prefill", stage, kv_mgr)
 
 
+def requested_verdict(recv_req: Any) -> Tuple[str, Optional[int], str]:
+    """(message, status, cause) an AbortReq asks for (client abort: no status; SLA abort: 503)."""
+    if recv_req.abort_message:
+        return recv_req.abort_message, HTTPStatus.SERVICE_UNAVAILABLE, end_cause.TIMEOUT
+    reason = recv_req.finished_reason or {}
+    if reason.get("status_code") is not None:
+        return reason.get("message") or "Aborted", reason["status_code"], end_cause.CLIENT_ABORT
+    if any(m in str(reason.get("message") or "") for m in PAUSE_MARKERS):  # pause(abort), release
+        return reason["message"], None, end_cause.PAUSE
+    return CLIENT_ABORT_MESSAGE, None, end_cause.CLIENT_ABORT
+
+
 def before_abort_request(scheduler, recv_req, *args, **kwargs) -> None:
     """BEFORE Scheduler.abort_request: mark the PD requests it reaches; prefill tells decode at once."""
     role = pd_queues.role(scheduler)
     if role is None:
         return
-    reason = recv_req.finished_reason or {}  # what the AbortReq asks for: (message, status, cause)
-    if recv_req.abort_message:  # an SLA abort
-        message, status, cause = recv_req.abort_message, HTTPStatus.SERVICE_UNAVAILABLE, end_cause.TIMEOUT
-    elif reason.get("status_code") is not None:
-        message, status, cause = reason.get("message") or "Aborted", reason["status_code"], end_cause.CLIENT_ABORT
-    elif any(m in str(reason.get("message") or "") for m in PAUSE_MARKERS):  # pause(abort), release
-        message, status, cause = reason["message"], None, end_cause.PAUSE
-    else:  # a client abort: no status
-        message, status, cause = CLIENT_ABORT_MESSAGE, None, end_cause.CLIENT_ABORT
+    message, status, cause = requested_verdict(recv_req)
     for stage, req in pd_queues.walk(scheduler):
         if not (recv_req.abort_all or req.rid.startswith(recv_req.rid or "")) or req.finished():
             continue

@@ -265,7 +265,7 @@ def abort_while_paused(original, scheduler, recv_req, *args, **kwargs):
     if not getattr(scheduler, "_engine_paused", False) or role is None or sp.pumping or sp.draining:
         result = original(scheduler, recv_req, *args, **kwargs)
         if role is not None:
-            keep_pause_verdict(scheduler, recv_req)
+            keep_abort_verdict(scheduler, recv_req)
         return result
     places = {stage for stage, r in pd_queues.walk(scheduler) if _matches(recv_req, r.rid)}
     places |= {"parked" for r in pd_queues.parked_reqs(scheduler) if _matches(recv_req, r.rid)}
@@ -281,27 +281,42 @@ def abort_while_paused(original, scheduler, recv_req, *args, **kwargs):
         sp.mode = mode
     if role == "decode":
         _abort_held_rebootstrap(scheduler, recv_req)
-    keep_pause_verdict(scheduler, recv_req)
+    keep_abort_verdict(scheduler, recv_req)
     pump_pd_queues(scheduler)
     if role == "prefill":
         end_prefill_rooms(scheduler, matched, "Aborted by AbortReq while prefill was paused (room {room})")
     return result
 
 
-def keep_pause_verdict(scheduler, recv_req=None) -> None:
-    """A running request the pause or a release ended keeps that message over the bare FINISH_ABORT() upstream's
-    repeated abort_all sets; one the verdict marking did not see gets `recv_req`'s if that is the pause's."""
+# Upstream's FINISH_ABORT() for a running request an AbortReq reached: it names no cause.
+BARE_ABORT_MESSAGE = FINISH_ABORT().message
+
+
+def keep_abort_verdict(scheduler, recv_req) -> None:
+    """A running request an abort reached answers the verdict it was marked with (room_ledger.before_abort_request),
+    not upstream's bare FINISH_ABORT() ("Aborted"): the pause's or a release's message (each repeat of the
+    abort-mode pause's abort_all sets the bare one again), or the client's ("Aborted by the client.", docs/aborts.md).
+    One the verdict marking did not see (decode's last batch, admitted as the abort landed) gets `recv_req`'s if that
+    is the pause's, or a client's abort of its rid (the pause never aborts by rid)."""
     asked = _pause_message(recv_req)
     for req in scheduler.collect_inflight_reqs():
         verdict = getattr(req, room_ledger.REQUESTED_ABORT, None)
         pending = req.to_finish
         if not isinstance(pending, FINISH_ABORT):
             continue
-        if verdict is None and asked is not None and pending.status_code is None and _matches(recv_req, req.rid):
-            verdict = (asked, None)
-            setattr(req, room_ledger.REQUESTED_ABORT, verdict)
-            request_end_cause.tag_req(req, request_end_cause.PAUSE)
-        if verdict is not None and names_pause(verdict[0]) and pending.message != verdict[0]:
+        if verdict is None and pending.status_code is None and _matches(recv_req, req.rid):
+            if asked is not None:
+                verdict, cause = (asked, None), request_end_cause.PAUSE
+            elif not recv_req.abort_all and pending.message == BARE_ABORT_MESSAGE:
+                message, status, cause = room_ledger.requested_verdict(recv_req)
+                verdict = (message, status)
+            if verdict is not None:
+                setattr(req, room_ledger.REQUESTED_ABORT, verdict)
+                request_end_cause.tag_req(req, cause)
+        if verdict is None or pending.message == verdict[0]:
+            continue
+        if names_pause(verdict[0]) or (pending.message == BARE_ABORT_MESSAGE and pending.status_code is None
+                                       and verdict[1] is None):
             req.to_finish = FINISH_ABORT(verdict[0], verdict[1])
 
 
