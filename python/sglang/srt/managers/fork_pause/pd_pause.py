@@ -381,10 +381,11 @@ def _abort_held_rebootstrap(scheduler, recv_req) -> None:
     from sglang.srt.managers.scheduler import _make_abort_req
 
     prealloc = scheduler.disagg_decode_prealloc_queue
-    for req in [r for r in prealloc.held_rebootstrap_reqs if _matches(recv_req, r.rid)]:
+    matched = [r for r in prealloc.held_rebootstrap_reqs if _matches(recv_req, r.rid)]
+    prealloc.held_rebootstrap_reqs = [r for r in prealloc.held_rebootstrap_reqs if r not in matched]
+    for req in matched:
         prepare_abort(req, "Aborted by AbortReq.")
         scheduler.send_abort_output(_make_abort_req(req, finished_reason=recv_req.finished_reason), req)
-    prealloc.held_rebootstrap_reqs = [r for r in prealloc.held_rebootstrap_reqs if not _matches(recv_req, r.rid)]
 
 
 # ----------------------------------------------------------------------------- why, to prefill
