@@ -290,3 +290,63 @@ def test_running_request_answers_the_abort_verdict_not_upstreams_bare_abort():
     pd_pause.keep_abort_verdict(scheduler, AbortReq(abort_all=True))
     assert bare_repeat.to_finish.message == pd_pause.BARE_ABORT_MESSAGE == "Aborted"
     assert getattr(bare_repeat, room_ledger.REQUESTED_ABORT, None) is None
+
+
+# ----------------------------------------------------------------------------- release after a finished rollout
+
+def _req_state(rid: str, finished: bool = False):
+    import asyncio
+
+    from sglang.srt.managers.io_struct import GenerateReqInput
+    from sglang.srt.managers.tokenizer_manager import ReqState
+    from sglang.srt.observability.req_time_stats import APIServerReqTimeStats
+
+    return ReqState([], finished, asyncio.Event(), GenerateReqInput(rid=rid, text="x"), APIServerReqTimeStats())
+
+
+def _release(rid_to_state, finish_later=()):
+    """Run the fork's release_memory_occupation hook (no pause) over `rid_to_state`; the rids in `finish_later`
+    end 50 ms into the call, as a client answer the detokenizer delivers after a flush was answered."""
+    import asyncio
+
+    from sglang.srt.managers.io_struct import ReleaseMemoryOccupationReqInput
+
+    async def run():
+        tm = SimpleNamespace(rid_to_state=rid_to_state, is_pause=False, is_pause_cond=asyncio.Condition())
+        calls = []
+
+        async def original(tokenizer_manager, obj):
+            calls.append(obj)
+
+        async def finish():
+            await asyncio.sleep(0.05)
+            for rid in finish_later:
+                del rid_to_state[rid]
+
+        task = asyncio.create_task(finish())
+        try:
+            await pd_pause.tm_release_memory_occupation(original, tm, ReleaseMemoryOccupationReqInput())
+        finally:
+            await task
+        return tm, calls
+
+    return asyncio.run(run())
+
+
+def test_release_after_a_finished_rollout_is_not_blocked_by_probes_or_answered_requests():
+    """A health probe (/health, /health_generate), an answered request and one whose last output arrives just
+    after the call never make a release without a pause a 409 (the RL trainer's flush -> release)."""
+    states = {"HEALTH_CHECK_0f": _req_state("HEALTH_CHECK_0f"), "done": _req_state("done", finished=True),
+              "late": _req_state("late")}
+    tm, calls = _release(states, finish_later=("late",))
+    assert len(calls) == 1
+    assert pd_pause._state_of(tm).state == "released"
+
+
+def test_release_without_pause_names_the_client_requests_still_running():
+    states = {"HEALTH_CHECK_1": _req_state("HEALTH_CHECK_1"), "rollout-7": _req_state("rollout-7")}
+    with pytest.raises(PauseStateError) as err:
+        _release(states)
+    message = str(err.value)
+    assert "1 request(s) in flight (rollout-7)" in message and "call pause_generation first" in message
+    assert "HEALTH_CHECK" not in message

@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Optional
 
 from fastapi import HTTPException
 
+from sglang.srt.constants import HEALTH_CHECK_RID_PREFIX
 from sglang.srt.disaggregation.fork_ending import pd_queues, request_end_cause, room_ledger
 from sglang.srt.disaggregation.fork_ending.room_ledger import engine_clock
 from sglang.srt.managers.fork_core import fork_touch
@@ -537,7 +538,8 @@ class EnginePauseState:
         tags = f" (released: {self.released})" if self.released else ""
         raise PauseStateError(f"{op} rejected: {why}; {self.named()}{tags}; {hint or _HINT[self.state]}")
 
-    def check(self, op: str, mode: Optional[str] = None, tags: Optional[List[str]] = None, in_flight: int = 0) -> None:
+    def check(self, op: str, mode: Optional[str] = None, tags: Optional[List[str]] = None,
+              in_flight: "int | List[str]" = 0) -> None:
         """Raise PauseStateError (409) if `op` is not accepted now; change nothing."""
         if self.busy is not None:
             raise PauseStateError(f"{op} rejected: {self.busy} is in progress (engine state: {self.state})")
@@ -552,8 +554,10 @@ class EnginePauseState:
             if again:
                 self._reject(op, f"{again} already released")
             if self.mode is None and in_flight:
-                self._reject(op, f"{in_flight} request(s) in flight and no pause (upstream's scheduler asserts it "
-                             "is idle)", "call pause_generation first, or wait until they finish")
+                count, named = (in_flight, "") if isinstance(in_flight, int) else (
+                    len(in_flight), f" ({', '.join(map(str, in_flight[:4]))}{', ...' if len(in_flight) > 4 else ''})")
+                self._reject(op, f"{count} request(s) in flight{named} and no pause (upstream's scheduler asserts "
+                             "it is idle)", "call pause_generation first, or wait until they finish")
         elif op == "resume_memory_occupation":
             named = self.resume_named(tags)
             unknown = [t for t in named if t not in self.released and t not in self.auto_resumed]
@@ -618,7 +622,11 @@ def _guarded(op: str):
             return None  # not paused: nothing to continue (upstream: a no-op too)
         if op == "pause_generation" and state.mode is not None and mode == state.mode:
             return None  # already paused in this mode: a no-op
-        state.check(op, mode, tags, len(tokenizer_manager.rid_to_state))  # in flight: only a release without a pause
+        in_flight: List[str] = []
+        if op == "release_memory_occupation" and state.mode is None:
+            state.check(op, mode, tags)  # every other reason first, before waiting
+            in_flight = await client_requests_settled(tokenizer_manager, RELEASE_SETTLE_S)
+        state.check(op, mode, tags, in_flight)  # in flight: only a release without a pause
         if op == "release_memory_occupation" and state.mode is None:
             tokenizer_manager.is_pause = state.gate_closed_by_release = True  # hold new requests (no await since check)
         if op == "resume_memory_occupation":
@@ -659,6 +667,29 @@ tm_pause_generation = _guarded("pause_generation")
 tm_continue_generation = _guarded("continue_generation")
 tm_release_memory_occupation = _guarded("release_memory_occupation")
 tm_resume_memory_occupation = _guarded("resume_memory_occupation")
+
+
+# A release without a pause waits this long for client requests whose answer is decided but not yet read by the
+# tokenizer (a flush answered 200 means the scheduler is idle; its last outputs may still be on their way).
+RELEASE_SETTLE_S = 1.0
+
+
+def client_requests_running(tokenizer_manager) -> List[str]:
+    """Rids of requests a client sent that are still running: not a health probe (`/health`, `/health_generate`
+    put one in rid_to_state for about a second; the scheduler ends it on release), not answered, not held at the
+    pause gate (nothing of it reached the scheduler)."""
+    return [rid for rid, s in list(tokenizer_manager.rid_to_state.items())
+            if not str(rid).startswith(HEALTH_CHECK_RID_PREFIX) and not s.finished and not s.__dict__.get(_AT_GATE)]
+
+
+async def client_requests_settled(tokenizer_manager, timeout: float) -> List[str]:
+    """Client requests still running after waiting up to `timeout` for them to end (bounded poll)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        running = client_requests_running(tokenizer_manager)
+        if not running or time.monotonic() >= deadline:
+            return running
+        await asyncio.sleep(0.01)
 
 
 def pause_reason(tokenizer_manager) -> Optional[str]:
