@@ -622,12 +622,10 @@ def _guarded(op: str):
             return None  # not paused: nothing to continue (upstream: a no-op too)
         if op == "pause_generation" and state.mode is not None and mode == state.mode:
             return None  # already paused in this mode: a no-op
-        in_flight: List[str] = []
+        state.check(op, mode, tags)
         if op == "release_memory_occupation" and state.mode is None:
-            state.check(op, mode, tags)  # every other reason first, before waiting
-            in_flight = await client_requests_settled(tokenizer_manager, RELEASE_SETTLE_S)
-        state.check(op, mode, tags, in_flight)  # in flight: only a release without a pause
-        if op == "release_memory_occupation" and state.mode is None:
+            # Only a release without a pause counts what is in flight; checked again after the wait (busy may change)
+            state.check(op, mode, tags, await client_requests_settled(tokenizer_manager, RELEASE_SETTLE_S))
             tokenizer_manager.is_pause = state.gate_closed_by_release = True  # hold new requests (no await since check)
         if op == "resume_memory_occupation":
             obj.tags = state.to_resume(state.resume_named(tags))
