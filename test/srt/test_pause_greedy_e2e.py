@@ -107,3 +107,129 @@ def test_completions_equal_control_across_abort_pause_update_cycles(fp32_deploym
     for text in texts[:8]:
         r = generate(cluster.url, text, MAX_NEW)
         assert r["status"] == 200 and (r["output_ids"], r["meta"]["finish_reason"]["type"]) == reference[text], r
+
+
+# ---- No KV computed with the old weights is read after a weight update ----
+# A long shared prefix is warmed under checkpoint A; one request holding it may be in flight
+# when the engines pause; the update loads checkpoint B; then prompts sharing the prefix run one
+# after another. Each must equal the control server's completion of the same prompt with B
+# loaded from scratch (same order, so the control's own prefix reuse is the same).
+LONG_PREFIX = " ".join(
+    "the quick brown fox jumps over the lazy dog hello world paris london rome river".split()[k % 15]
+    for k in range(120))
+SHARED = [f"{LONG_PREFIX} question {i}: what next" for i in range(4)]
+HOLDER_NEW = 400  # the in-flight holder of the warmed prefix: runs for seconds at the pause
+
+
+@pytest.fixture(scope="module")
+def checkpoint_b(tiny_model):
+    from conftest import TINY_MODEL_DIR
+    from testing.tiny_model import ensure_tiny_model
+
+    return str(ensure_tiny_model(TINY_MODEL_DIR.parent / "tiny-llama-seed1", seed=1))
+
+
+def _load(server_urls, model_path, flush=True):
+    replies = {}
+    for url in server_urls:
+        status, body = http_post_json(f"{url}/update_weights_from_disk",
+                                      {"model_path": model_path, "flush_cache": flush}, timeout=CALL_TIMEOUT_S)
+        replies[url] = (status, body)
+    return replies
+
+
+def _sequential(url, texts):
+    out = {}
+    for text in texts:
+        r = generate(url, text, MAX_NEW)
+        assert r["status"] == 200 and r["meta"]["finish_reason"]["type"] in ("length", "stop"), r
+        out[text] = r["output_ids"]
+    return out
+
+
+@pytest.fixture(scope="module")
+def shared_prefix_reference(fp32_deployment, tiny_model, checkpoint_b):
+    """{checkpoint: {prompt: output_ids}}: the control server, a flushed cache, prompts in order."""
+    single = fp32_deployment[1]
+    ref = {}
+    for name, path in (("B", checkpoint_b), ("A", str(tiny_model))):
+        for url, (status, body) in _load([single.url], path).items():
+            assert status == 200 and body["success"], body
+        ref[name] = _sequential(single.url, SHARED)
+    # the control is handed back with A loaded and its cache flushed
+    for url, (status, body) in _load([single.url], str(tiny_model)).items():
+        assert status == 200 and body["success"], body
+    differing = [t for t in SHARED if ref["A"][t] != ref["B"][t]]
+    assert len(differing) == len(SHARED), "the two checkpoints must answer differently"
+    return ref
+
+
+def _requests_held(cluster) -> int:
+    from conftest import held
+
+    return sum(v for r in PD_ROLES for k, v in held(cluster.resources(r)).items() if k.startswith("queue."))
+
+
+@pytest.mark.parametrize("mode,flush", [
+    (None, False),          # the colocated loop: no pause, update with flush_cache false
+    ("abort", True),        # upstream's default pause, then the default update
+    ("retract", False),     # the sibling framework's pause; the update it has to send today
+    ("retract", True),      # upstream answers 400 here; the fork serves it
+    ("in_place", False),    # the held request continues on its old KV
+])
+def test_no_request_after_a_weight_update_reads_kv_of_the_old_weights(
+        fp32_deployment, tiny_model, checkpoint_b, shared_prefix_reference, mode, flush):
+    cluster, _ = fp32_deployment
+    urls = [cluster[role].url for role in PD_ROLES]
+    # A loaded, caches flushed (idle: upstream's flush), then the prefix warmed under A.
+    for url, (status, body) in _load(urls, str(tiny_model)).items():
+        assert status == 200 and body["success"], (url, body)
+    assert _sequential(cluster.url, SHARED[:1]) == {SHARED[0]: shared_prefix_reference["A"][SHARED[0]]}
+    baseline = assert_idle(cluster, PD_ROLES)
+
+    holder, held_at_pause = {}, 0
+    if mode is not None:
+        import threading
+
+        thread = threading.Thread(target=lambda: holder.update(
+            generate(cluster.url, f"{LONG_PREFIX} hold on", HOLDER_NEW, timeout=CALL_TIMEOUT_S)))
+        thread.start()
+        wait_until(lambda: _requests_held(cluster) > 0 or not thread.is_alive(), 30, "the holder in flight")
+        for role in PD_ROLES:
+            status, body = http_post_json(f"{cluster[role].url}/pause_generation", {"mode": mode},
+                                          timeout=CALL_TIMEOUT_S)
+            assert status == 200, (role, status, body)
+        held_at_pause = _requests_held(cluster)
+    try:
+        replies = _load(urls, checkpoint_b, flush=flush)
+    finally:
+        if mode is not None:
+            for role in PD_ROLES:
+                http_post_json(f"{cluster[role].url}/continue_generation", {}, timeout=CALL_TIMEOUT_S)
+    for url, (status, body) in replies.items():
+        assert status == 200 and body["success"], (mode, flush, url, body)
+        # upstream flushed (idle), or refused and the fork answered the flush as done (test_weight_epoch)
+        assert body["message"].startswith("Succeeded"), body
+        if "not reset" in body["message"]:
+            assert flush and "reads KV cached under the earlier weights" in body["message"], body
+    if mode is not None:
+        thread.join(CALL_TIMEOUT_S)
+        assert not thread.is_alive()
+        if mode != "abort":
+            assert held_at_pause > 0, "the holder ended before the pause: the case was not exercised"
+            assert holder["status"] == 200 and holder["meta"]["finish_reason"]["type"] == "length", holder
+        else:
+            assert holder["status"] == 200 and holder["meta"]["finish_reason"]["type"] in ("abort", "length"), holder
+
+    got = _sequential(cluster.url, SHARED)
+    stale = [t[-16:] for t in SHARED if got[t] != shared_prefix_reference["B"][t]]
+    assert not stale, f"{len(stale)} of {len(SHARED)} completions after the update are not checkpoint B's: {stale}"
+    # What the earlier weights cached and the holder kept is freed once it ended (no stale node left).
+    wait_until(lambda: not any(e["stale_held"] for e in _epochs(cluster).values()), 10,
+               "the earlier weights' cached KV freed after its holders ended")
+    print(f"weight epochs after {mode}/{flush}: {_epochs(cluster)}")
+    assert_idle(cluster, PD_ROLES, baseline=baseline)
+
+
+def _epochs(cluster) -> dict:
+    return {role: cluster.resources(role)["weight_epoch"] for role in PD_ROLES}

@@ -10,7 +10,8 @@ OURS = {name.rpartition(".")[2]: SRT + name for name in (
     "disaggregation.fork_ending.room_ledger", "disaggregation.fork_ending.pd_queues",
     "disaggregation.fork_ending.request_end_cause", "disaggregation.fork_peers.peer_liveness",
     "disaggregation.fork_transfer.transfer_deadline", "disaggregation.fork_transfer.chunk_failures",
-    "managers.fork_pause.pd_pause", "managers.fork_core.fork_touch", "managers.fork_core.pd_resource_report")}
+    "managers.fork_pause.pd_pause", "managers.fork_core.fork_touch", "managers.fork_core.pd_resource_report",
+    "managers.fork_cache.weight_epoch")}
 AFTER, AROUND, BEFORE = "AFTER", "AROUND", "BEFORE"  # upstream's HookType names
 
 
@@ -103,6 +104,11 @@ HOOKS: list[tuple[str, str, str]] = [_full(target, ref) + (kind,) for target, re
     ("disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager", "fork_touch:check_at_start", AFTER),
     ("disaggregation.decode.DecodePreallocQueue._init_kv_manager", "fork_touch:check_at_start", AFTER),
     ("managers.scheduler.Scheduler.process_batch_result", "request_end_cause:after_process_batch_result", AFTER),
+    # KV cached under earlier weights is never matched after an update, and freed once no request holds it
+    ("managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager.flush_cache_after_weight_update",
+     "weight_epoch:around_flush_after_update", AROUND),
+    ("mem_cache.common.match_kv_cache", "weight_epoch:before_match", BEFORE),
+    ("managers.scheduler.Scheduler.process_input_requests", "weight_epoch:after_process_input_requests", AFTER),
     ("managers.scheduler.Scheduler.send_abort_output", "request_end_cause:before_send_abort_output", BEFORE),
 ]]
 
