@@ -257,8 +257,8 @@ def test_abort_pause_answers_once_every_answer_is_decided():
 def test_running_request_answers_the_abort_verdict_not_upstreams_bare_abort():
     """After Scheduler.abort_request (upstream set the bare FINISH_ABORT() "Aborted" on each running request it
     reached), keep_abort_verdict makes each answer name why: the client's verdict the marking gave it, a client's
-    abort of its rid for one the marking did not see, the pause's; the pause's bare repeat of abort_all and an SLA
-    abort (503, its message) are left as they are."""
+    abort of its rid or of all for one the marking did not see, the pause's; an SLA abort (503, its message) is
+    left as it is."""
     from sglang.srt.disaggregation.fork_ending import request_end_cause as ec
     from sglang.srt.disaggregation.fork_ending import room_ledger
     from sglang.srt.managers.io_struct import AbortReq
@@ -285,11 +285,44 @@ def test_running_request_answers_the_abort_verdict_not_upstreams_bare_abort():
     assert paused.to_finish.message == pd_pause.PAUSE_ABORT_MESSAGE
     assert (sla.to_finish.message, sla.to_finish.status_code) == ("SLA exceeded", 503)
 
-    bare_repeat = running("admitted between the pause's abort_all and its bare repeat")
-    scheduler = SimpleNamespace(collect_inflight_reqs=lambda: [bare_repeat])
+    # A client's /abort_request {"abort_all": true} reaching a request only in decode's last batch: the client's
+    # answer, not upstream's bare "Aborted" (a pause's abort_all is never bare: the next test).
+    last_batch = running("in decode's last batch only")
+    scheduler = SimpleNamespace(collect_inflight_reqs=lambda: [last_batch])
     pd_pause.keep_abort_verdict(scheduler, AbortReq(abort_all=True))
-    assert bare_repeat.to_finish.message == pd_pause.BARE_ABORT_MESSAGE == "Aborted"
-    assert getattr(bare_repeat, room_ledger.REQUESTED_ABORT, None) is None
+    assert (last_batch.to_finish.message, last_batch.to_finish.status_code) == client
+    assert ec.cause_of(last_batch)[0] == ec.CLIENT_ABORT
+    # The abort-mode pause's own abort_all names the pause.
+    by_pause = running("reached by the pause's abort_all")
+    scheduler = SimpleNamespace(collect_inflight_reqs=lambda: [by_pause])
+    pd_pause.keep_abort_verdict(scheduler, AbortReq(abort_all=True, finished_reason=pd_pause.pause_finish_reason()))
+    assert by_pause.to_finish.message == pd_pause.PAUSE_ABORT_MESSAGE
+    assert ec.cause_of(by_pause)[0] == ec.PAUSE
+
+
+def test_the_abort_mode_pause_never_sends_a_bare_abort_all():
+    """upstream's pause_generation(mode=abort) repeats abort_request(abort_all=True) while it waits; each goes to
+    the scheduler named (the pause's message), so a bare abort_all there is always a client's. A client's
+    abort_all outside a pause is upstream's own."""
+    from sglang.srt.managers.io_struct import AbortReq
+
+    sent = []
+    tm = SimpleNamespace(_dispatch_to_scheduler=sent.append, is_pause=False, rid_to_state={})
+
+    def upstream_abort_request(tokenizer_manager, rid="", abort_all=False):
+        tokenizer_manager._dispatch_to_scheduler(AbortReq(rid=rid, abort_all=abort_all))
+
+    state = pd_pause._state_of(tm)
+    state.busy, state.busy_mode = "pause_generation", "abort"
+    tm.is_pause = True
+    for _ in range(3):  # upstream's repeats
+        pd_pause.tm_abort_request(upstream_abort_request, tm, abort_all=True)
+    assert [(r.abort_all, (r.finished_reason or {}).get("message")) for r in sent] == [
+        (True, pd_pause.PAUSE_ABORT_MESSAGE)] * 3
+    sent.clear()
+    state.busy, state.busy_mode, tm.is_pause = None, None, False
+    pd_pause.tm_abort_request(upstream_abort_request, tm, abort_all=True)
+    assert [(r.abort_all, r.finished_reason) for r in sent] == [(True, None)]
 
 
 # ----------------------------------------------------------------------------- release after a finished rollout

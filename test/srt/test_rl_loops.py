@@ -116,6 +116,9 @@ def weight_versions(cluster):
         status, body = http_get(f"{cluster[role].url}/model_info")
         assert status == 200, (role, body)
         out[role] = json.loads(body)["weight_version"]
+        # where RL engine clients written for earlier sglang releases read it
+        status, body = http_get(f"{cluster[role].url}/get_weight_version")
+        assert status == 200 and json.loads(body) == {"weight_version": out[role]}, (role, status, body)
     return out
 
 

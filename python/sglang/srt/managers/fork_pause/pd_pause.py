@@ -297,8 +297,8 @@ def keep_abort_verdict(scheduler, recv_req) -> None:
     """A running request an abort reached answers the verdict it was marked with (room_ledger.before_abort_request),
     not upstream's bare FINISH_ABORT() ("Aborted"): the pause's or a release's message (each repeat of the
     abort-mode pause's abort_all sets the bare one again), or the client's ("Aborted by the client.", docs/aborts.md).
-    One the verdict marking did not see (decode's last batch, admitted as the abort landed) gets `recv_req`'s if that
-    is the pause's, or a client's abort of its rid (the pause never aborts by rid)."""
+    One the verdict marking did not see (decode's last batch, admitted as the abort landed) gets `recv_req`'s: the
+    pause's, or a client's (by rid, or a bare abort_all: the pause's own are named, tm_abort_request)."""
     asked = _pause_message(recv_req)
     for req in scheduler.collect_inflight_reqs():
         verdict = getattr(req, room_ledger.REQUESTED_ABORT, None)
@@ -308,7 +308,7 @@ def keep_abort_verdict(scheduler, recv_req) -> None:
         if verdict is None and pending.status_code is None and _matches(recv_req, req.rid):
             if asked is not None:
                 verdict, cause = (asked, None), request_end_cause.PAUSE
-            elif not recv_req.abort_all and pending.message == BARE_ABORT_MESSAGE:
+            elif pending.message == BARE_ABORT_MESSAGE:
                 message, status, cause = room_ledger.requested_verdict(recv_req)
                 verdict = (message, status)
             if verdict is not None:
@@ -823,12 +823,14 @@ _AT_GATE = "_fork_at_gate"  # on a ReqState: waiting at the pause gate now
 
 def tm_abort_request(original, tokenizer_manager, rid: str = "", abort_all: bool = False, *args, **kwargs):
     """AROUND TokenizerManager.abort_request: requests held at the pause gate are answered now, except by the
-    abort_all a pause_generation repeats (as upstream: served after continue). Before that bare abort_all of an
-    abort-mode pause, the pause's own goes first: what it reaches ends with the pause's message (end cause pause)."""
+    abort_all a pause_generation repeats (as upstream: served after continue). The abort_all an abort-mode pause
+    repeats goes out named (the pause's message, end cause pause) instead of upstream's bare one, so a bare
+    abort_all is always a client's: the scheduler answers what it reaches as the client's (keep_abort_verdict)."""
     state = _state_of(tokenizer_manager)
     pausing = abort_all and state.busy == "pause_generation"
     if pausing and state.busy_mode == "abort":
         tokenizer_manager._dispatch_to_scheduler(AbortReq(abort_all=True, finished_reason=pause_finish_reason()))
+        return None
     result = original(tokenizer_manager, rid, abort_all, *args, **kwargs)
     if not tokenizer_manager.is_pause or pausing:
         return result
