@@ -197,13 +197,22 @@ def test_calls_upstream_cannot_survive_get_409_naming_the_state(cluster, control
         unknown_mode("paused")
         assert call(cluster, role, "release_memory_occupation")[0] == 200
         rejected("release_memory_occupation", {}, "released")
-        rejected("continue_generation", {}, "released")
         rejected("pause_generation", {"mode": "abort"}, "released")
         unknown_mode("released")
         assert call(cluster, role, "resume_memory_occupation")[0] == 200
         rejected("resume_memory_occupation", {}, "resumed")
         unknown_mode("resumed")
         assert call(cluster, role, "continue_generation")[0] == 200
+        # continue while memory is released: the pause ends, the engine serves again at the resume
+        assert call(cluster, role, "pause_generation", {"mode": "in_place"})[0] == 200
+        assert call(cluster, role, "release_memory_occupation")[0] == 200
+        assert call(cluster, role, "continue_generation")[0] == 200
+        report = cluster.resources(role)  # the pause ended; the scheduler waits for its memory
+        assert (report["engine_state"]["state"], report["engine_state"]["mode"], report["pause"]["paused"]) == (
+            "released", None, True), report
+        assert call(cluster, role, "resume_memory_occupation")[0] == 200
+        report = cluster.resources(role)
+        assert (report["engine_state"]["state"], report["pause"]["paused"]) == ("running", False), report
     assert_baseline(cluster, baseline)
     # A later correct cycle still works, and the cluster serves what it served.
     texts = list(control)

@@ -50,7 +50,6 @@ REJECTED = [
     (CYCLE[:1], "resume_memory_occupation", None, None, 0),
     (CYCLE[:1], "pause_generation", "abort", None, 0),  # another mode mid-pause
     (CYCLE[:2], "release_memory_occupation", None, None, 0),  # already released
-    (CYCLE[:2], "continue_generation", None, None, 0),  # would compute on released memory
     (CYCLE[:2], "pause_generation", "abort", None, 0),
     (CYCLE[:3], "resume_memory_occupation", None, None, 0),
 ]
@@ -126,13 +125,21 @@ def test_pause_and_release_mix():
     assert s.serving()
     # continue on a running engine is a no-op for upstream: accepted
     s.check("continue_generation")
-    # released without a pause, then paused: continue needs the resume first
+    # The colocated RL loop: released without a pause, the weights resumed, paused for the update, continued
+    # while the KV cache is still released: the pause ends, requests stay held until the KV cache is resumed.
     _run(s, "release_memory_occupation")
-    _run(s, "pause_generation", "in_place")
-    with pytest.raises(PauseStateError, match="call resume_memory_occupation first"):
-        s.check("continue_generation")
-    _run(s, "resume_memory_occupation")
+    _run(s, "resume_memory_occupation", tags=["weights"])
+    _run(s, "pause_generation", "abort")
     _run(s, "continue_generation")
+    assert (s.state, s.mode, s.gate_closed_by_release, s.serving()) == ("released", None, True, False)
+    _run(s, "resume_memory_occupation", tags=["kv_cache"])
+    assert s.serving()
+    # The same with the release inside the pause.
+    _run(s, "pause_generation", "retract")
+    _run(s, "release_memory_occupation")
+    _run(s, "continue_generation")
+    assert (s.state, s.mode, s.gate_closed_by_release) == ("released", None, True)
+    _run(s, "resume_memory_occupation")
     assert s.serving()
 
 

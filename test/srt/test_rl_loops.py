@@ -671,3 +671,139 @@ def test_colocated_loop_weights_from_tensor(cluster, checkpoints, reference, fil
         loaded = target
     assert_idle(cluster, PD_ROLES, baseline=baseline)
     print("colocated loop with tensors (role, call, status, s):", log)
+
+
+# ---- The framework's exact call sequence, through the production gateway ----
+REPLAY_STEPS = 10
+GATEWAY_HEALTH_S = 2  # the gateway health-checks each worker this often during the loop
+LONG_NEW_TOKENS = 400  # rollout requests still running when the rollout is aborted
+
+
+@pytest.fixture(scope="module")
+def framework_gateway(cluster):
+    """The Rust gateway as the framework runs it: workers self-registered (POST /workers),
+    each health-checked every GATEWAY_HEALTH_S seconds."""
+    from testing.pd_cluster import Gateway
+
+    gw = Gateway(cluster["prefill"], cluster["decode"], cluster.bootstrap_port, log_dir=str(cluster.log_dir),
+                 args=("--health-check-interval-secs", str(GATEWAY_HEALTH_S)))
+    try:
+        gw.start()
+        gw.register_workers()
+        yield gw
+    finally:
+        gw.teardown()
+
+
+def _worker_urls(gateway) -> list:
+    """The framework's list of engines: the urls the gateway's GET /workers gives."""
+    urls = sorted(w["url"] for w in gateway.workers())
+    assert len(urls) == 2, urls
+    return urls
+
+
+def _post(url, path, body, log):
+    status, reply = http_post_json(f"{url}/{path}", body, timeout=CALL_TIMEOUT_S)
+    log.append((url[-5:], path, status))
+    assert status == 200, (url, path, status, reply)  # the framework raises on anything else
+    return reply
+
+
+def _flush_polled(url, log, attempts=60):
+    """The framework's flush: GET /flush_cache once a second until 200 (at most 60 times)."""
+    wait_until(lambda: http_get(f"{url}/flush_cache", timeout=30)[0] == 200, attempts, f"{url}/flush_cache 200",
+               interval=1.0)
+    log.append((url[-5:], "flush_cache", 200))
+
+
+def _load(url) -> int:
+    """What GET /v1/loads reports as still running or queued on this engine."""
+    status, body = http_get(f"{url}/v1/loads?include=core,disagg,queues", timeout=10)
+    assert status == 200, (url, status, body)
+    total = 0
+    for load in json.loads(body)["loads"]:
+        total += int(load.get("num_running_reqs", 0)) + int(load.get("num_waiting_reqs", 0))
+        total += sum(int(v) for k, v in (load.get("disaggregation") or {}).items() if k.endswith("_queue_reqs"))
+    return total
+
+
+@pytest.mark.parametrize("pause_body", [{}, {"mode": "retract"}], ids=["default-pause", "retract-pause"])
+def test_framework_sequence_through_the_gateway_10_steps(cluster, checkpoints, reference, framework_gateway,
+                                                         pause_body):
+    """Call for call as the framework drives its engines, behind the gateway with health checks every 2 s:
+    a rollout (some requests long), the rollout abort (abort_all on every worker url, /v1/loads polled until
+    idle), the offload (flush polled, release {}), the onload of weights, the update (pause, flush polled,
+    update_weights_from_disk with weight_version, the version read from /get_weight_version and /model_info of
+    every worker, continue), the onload of the KV cache; then the next rollout. Every call 200; every rollout
+    request a completion of the loaded checkpoint or upstream's abort answer; weight_version in each answer's
+    meta_info the step's; both workers still healthy at the gateway."""
+    gateway = framework_gateway
+    baseline = assert_idle(cluster, PD_ROLES)
+    urls = _worker_urls(gateway)
+    texts = list(reference["A"])
+    log, loaded, version, t0, aborted = [], "A", None, time.monotonic(), 0
+    for step in range(REPLAY_STEPS):
+        # the rollout: short requests judged against the loaded checkpoint, long ones the abort will end
+        long_out = {}
+        longs = [threading.Thread(target=lambda i=i: long_out.update({i: generate(
+            gateway.url, f"{texts[i]} and on", LONG_NEW_TOKENS, timeout=REQUEST_DEADLINE_S)}), daemon=True)
+            for i in range(3)]
+        for t in longs:
+            t.start()
+        out = generate_concurrently(gateway.url, texts, max_new_tokens=MAX_NEW_TOKENS, timeout=REQUEST_DEADLINE_S)
+        for text, r in zip(texts, out):
+            assert r["status"] == 200 and r["meta"]["finish_reason"]["type"] in ("length", "stop"), (step, r)
+            assert r["output_ids"] == reference[loaded][text], (step, loaded, text)
+            if version is not None:
+                assert r["meta"]["weight_version"] == version, (step, r["meta"])
+        # the rollout abort: abort_all on every worker, then /v1/loads until nothing runs
+        for url in urls:
+            _post(url, "abort_request", {"abort_all": True}, log)
+        wait_until(lambda: all(_load(url) == 0 for url in urls), 30, "every worker idle after abort_all")
+        for t in longs:
+            t.join(REQUEST_DEADLINE_S)
+            assert not t.is_alive()
+        for r in long_out.values():
+            assert pd_checks.is_completion_or_abort_answer(r), (step, r)
+            if r["meta"]["finish_reason"]["type"] == "abort":  # the client's abort, named as such
+                reason = r["meta"]["finish_reason"]
+                assert pd_checks.is_client_abort(reason) and "by the client" in reason["message"], (step, reason)
+                aborted += 1
+        # offload: flush polled, release {} (no pause)
+        for url in urls:
+            _flush_polled(url, log)
+            _post(url, "release_memory_occupation", {}, log)
+        # onload the weights, then update them
+        for url in urls:
+            _post(url, "resume_memory_occupation", {"tags": ["weights"]}, log)
+        loaded, version = ("B" if loaded == "A" else "A"), f"replay-{step}"
+        for url in urls:
+            _post(url, "pause_generation", pause_body, log)
+        for url in urls:
+            _flush_polled(url, log)
+        for url in urls:
+            reply = _post(url, "update_weights_from_disk",
+                          {"model_path": checkpoints[loaded], "weight_version": version}, log)
+            assert reply["success"], reply
+        for url in urls:
+            status, body = http_get(f"{url}/get_weight_version")
+            assert status == 200 and json.loads(body)["weight_version"] == version, (url, status, body)
+            status, body = http_get(f"{url}/model_info")
+            assert status == 200 and json.loads(body)["weight_version"] == version, (url, status, body)
+        for url in urls:
+            _post(url, "continue_generation", {}, log)
+        for url in urls:
+            _post(url, "resume_memory_occupation", {"tags": ["kv_cache"]}, log)
+        healthy = {w["url"]: w.get("is_healthy", True) for w in gateway.workers()}
+        assert all(healthy.values()), (step, healthy)
+    rollout(cluster, reference, loaded)
+    elapsed = time.monotonic() - t0
+    assert elapsed > 2 * GATEWAY_HEALTH_S, "the loop ran through at least two gateway health checks"
+    assert all(status == 200 for _, _, status in log)
+    assert aborted >= REPLAY_STEPS, f"only {aborted} rollout requests were still running at the rollout abort"
+    # handed back serving A
+    if loaded != "A":
+        update(cluster, checkpoints, "A", "A", [])
+    assert_idle(cluster, PD_ROLES, baseline=baseline)
+    print(f"framework replay ({pause_body}): {REPLAY_STEPS} steps in {elapsed:.1f} s, {len(log)} calls, "
+          f"{aborted} of {3 * REPLAY_STEPS} long requests aborted")

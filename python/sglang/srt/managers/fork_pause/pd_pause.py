@@ -565,8 +565,6 @@ class EnginePauseState:
                 self._reject(op, "nothing is released")
             if unknown:
                 self._reject(op, f"{unknown} not released", f"resume only released tags {self.released}")
-        elif op == "continue_generation" and self.released:
-            self._reject(op, "memory is released")
 
     def resume_named(self, tags: Optional[List[str]]) -> List[str]:
         """A resume without tags resumes whatever is released (upstream would fail on the first one not released)."""
@@ -585,6 +583,9 @@ class EnginePauseState:
         elif op == "continue_generation":
             self.mode = None
             self.released_in_pause = False
+            # Memory still released: the pause ends, requests stay held until the resume that serves again (as
+            # after a release without a pause; the scheduler continues then).
+            self.gate_closed_by_release = bool(self.released)
         elif op == "release_memory_occupation":
             self.released += [t for t in tags or ALL_TAGS if t not in self.released]  # none: all (upstream's default)
             self.auto_resumed = [t for t in self.auto_resumed if t not in self.released]
@@ -629,6 +630,9 @@ def _guarded(op: str):
             tokenizer_manager.is_pause = state.gate_closed_by_release = True  # hold new requests (no await since check)
         if op == "resume_memory_occupation":
             obj.tags = state.to_resume(state.resume_named(tags))
+        if op == "continue_generation" and state.released:
+            state.done(op)  # the scheduler stays paused (its memory is released) until that resume
+            return None
         state.busy, state.busy_mode = op, mode
         try:
             result = None  # a resume of tags already resumed with kv_cache only is a no-op
@@ -864,6 +868,7 @@ async def tm_internal_state(original, tokenizer_manager, *args, **kwargs):
         report = state.get("fork_pd_resources") if isinstance(state, dict) else None
         if isinstance(report, dict):
             report["pause_gate_held"] = held
+            report["engine_state"] = _state_of(tokenizer_manager).as_dict()  # the HTTP side's pause state
             report["rebootstrap_waiting"] = tokenizer_manager.__dict__.get(_REBOOTSTRAP_WAITING, 0)
     return states
 
