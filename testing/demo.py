@@ -4,7 +4,9 @@ summary line, everything shut down (also on Ctrl-C or failure). Exit 1 if any
 request failed.
 
 Usage: python -m testing.demo [--requests N] [--max-new-tokens N] [--balancer mini|router]
-       [--model-dir DIR]
+       [--tp N] [--decode-tp N] [--model-dir DIR]
+(`--tp 2`: both servers with tensor parallelism 2, one scheduler rank per core; `--decode-tp 1` beside it:
+prefill TP 2, decode TP 1.)
 Servers run under $SGLANG_FORK_PYTHON (default: this interpreter).
 """
 
@@ -27,6 +29,8 @@ def main(argv=None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--balancer", choices=("mini", "router"), default="mini",
                         help="mini LB, or the Rust gateway with self-registered engines")
+    parser.add_argument("--tp", type=int, default=1, help="tensor parallel size of both servers")
+    parser.add_argument("--decode-tp", type=int, default=None, help="decode's tensor parallel size (default: --tp)")
     parser.add_argument("--model-dir", default=str(REPO_ROOT / ".cache" / "tiny-llama"))
     args = parser.parse_args(argv)
 
@@ -34,7 +38,7 @@ def main(argv=None) -> int:
     model = ensure_tiny_model(args.model_dir)
     print(f"model: {model} ({time.monotonic() - t0:.1f}s)", flush=True)
 
-    cluster = PDCluster(str(model), balancer=args.balancer)
+    cluster = PDCluster(str(model), balancer=args.balancer, tp=args.tp, decode_tp=args.decode_tp)
     print(f"logs: {cluster.log_dir}", flush=True)
     try:
         t0 = time.monotonic()

@@ -40,6 +40,9 @@ def held(report: dict) -> dict:
     out["pause_gate_held"] = report.get("pause_gate_held", 0)
     out.update({f"queue.{k}": v for k, v in report["queues"].items()})
     out.update({f"rooms.{k}": v for k, v in (report["transfer_rooms"] or {}).items()})
+    for i, other in enumerate(report.get("other_ranks") or (), start=1):  # tensor parallel: the other ranks' own
+        out.update({f"rank{i}.{k}": v for k, v in held({**other, "pause_gate_held": 0}).items()
+                    if k != "pause_gate_held"})
     return out
 
 

@@ -28,7 +28,7 @@ import urllib.request
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import psutil
 
@@ -582,6 +582,24 @@ def _launch_server_argv(model: str, port: int, nccl_port: int, args: Iterable[st
     ]
 
 
+# Tensor parallelism on CPU (docs/multi-rank.md): one scheduler process per rank, torch.distributed over gloo,
+# each rank bound to its own core (upstream's NUMA check otherwise asks for one NUMA node per rank), a gloo timeout
+# of seconds instead of upstream's 120 minutes so that a rank stuck in a collective fails the test.
+TEST_GLOO_TIMEOUT_S = 90
+
+
+def tp_args(tp: int) -> Tuple[str, ...]:
+    return () if tp == 1 else ("--tp-size", str(tp))
+
+
+def tp_env(tp: int, env: Optional[Mapping[str, str]]) -> Optional[Mapping[str, str]]:
+    if tp == 1:
+        return env
+    cores = os.cpu_count() or 1
+    return {"SGLANG_CPU_OMP_THREADS_BIND": "|".join(str(rank % cores) for rank in range(tp)),
+            "SGLANG_FORK_GLOO_TIMEOUT": str(TEST_GLOO_TIMEOUT_S), **(env or {})}
+
+
 BALANCERS = ("mini", "router")
 # How long the gateway may take to run its registration workflow for one engine
 # (health probe, /get_server_info, /get_model_info) once POST /workers accepted it.
@@ -610,10 +628,15 @@ class PDCluster(Deployment):
         lb_args: Sequence[str] = (),
         balancer: str = "mini",
         log_dir: Optional[str] = None,
+        tp: int = 1,
+        decode_tp: Optional[int] = None,
     ):
         if balancer not in BALANCERS:
             raise ValueError(f"balancer must be one of {BALANCERS}, not {balancer!r}")
         super().__init__(log_dir)
+        self.tp = {"prefill": tp, "decode": tp if decode_tp is None else decode_tp}
+        prefill_args, prefill_env = (*tp_args(self.tp["prefill"]), *prefill_args), tp_env(self.tp["prefill"], prefill_env)
+        decode_args, decode_env = (*tp_args(self.tp["decode"]), *decode_args), tp_env(self.tp["decode"], decode_env)
         self.balancer = balancer
         (p_port, p_nccl, bootstrap, d_port, d_nccl, lb_port, prom_port) = free_ports(7)
         self.bootstrap_port = bootstrap

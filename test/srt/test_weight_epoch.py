@@ -5,6 +5,7 @@ a fresh server's, every pause mode) is test_pause_greedy_e2e.py."""
 
 from __future__ import annotations
 
+import inspect
 from array import array
 from types import SimpleNamespace
 
@@ -105,15 +106,17 @@ def test_a_helper_tree_without_an_update_leaves_the_key_alone():
 
 def _updater(tree, flushed: bool):
     """What upstream's flush_cache_after_weight_update reads on its manager: the flush and, for the
-    fork, the scheduler's tree."""
-    return SimpleNamespace(flush_cache=lambda empty_cache=True: flushed,
-                           scheduler=SimpleNamespace(tree_cache=tree))
+    fork, the scheduler (its tree, its requests: none here, no PD queues)."""
+    scheduler = SimpleNamespace(tree_cache=tree, running_batch=SimpleNamespace(reqs=[]), waiting_queue=[],
+                                last_batch=None, chunked_req=None, disaggregation_mode="null")
+    return SimpleNamespace(flush_cache=lambda empty_cache=True: flushed, scheduler=scheduler)
 
 
 def test_a_flush_refused_for_held_requests_is_answered_as_done_and_names_what_stays():
     from sglang.srt.managers.scheduler_components.weight_updater import SchedulerWeightUpdaterManager
 
-    upstream_step = SchedulerWeightUpdaterManager.flush_cache_after_weight_update  # upstream's own
+    # upstream's own (unwrapped: another test module may have loaded the fork's hooks in this process)
+    upstream_step = inspect.unwrap(SchedulerWeightUpdaterManager.flush_cache_after_weight_update)
     tree, allocator = _tree()
     tree.inc_lock_ref(_insert(tree, allocator, PREFIX))
     request = SimpleNamespace(flush_cache=True, torch_empty_cache=False)
@@ -134,3 +137,28 @@ def test_a_flush_refused_for_held_requests_is_answered_as_done_and_names_what_st
     assert weight_epoch.around_flush_after_update(upstream_step, _updater(tree, False), no_flush, True, "S.") == (
         True, "S.")
     assert weight_epoch.state_of(tree).epoch == 4  # every update that changed weights starts an epoch
+
+
+def test_a_tree_the_fork_cannot_walk_is_evicted_once_when_the_last_holder_lets_go():
+    """0.5.23's default tree (UnifiedRadixCache) keeps its nodes in a Rust core: what the update's holders held is
+    freed by one more whole eviction once none of them holds KV (stood in by a RadixCache subclass, which the
+    targeted sweep does not walk)."""
+
+    class OtherTree(RadixCache):
+        pass
+
+    allocator = TokenToKVPoolAllocator(SIZE, torch.float32, "cpu", None, need_sort=False)
+    tree = RadixCache.create_simulated(mock_allocator=allocator)
+    tree.__class__ = OtherTree  # create_simulated builds the base class
+    held = _insert(tree, allocator, PREFIX + [1, 2])
+    tree.inc_lock_ref(held)
+    holder = _request(holds_kv=True)
+    state = weight_epoch.on_weights_changed(tree, [holder, _request()])  # the second holds no KV: not waited for
+    assert state.stale_held and len(state.holders) == 1 and state.as_dict()["holders"] == 1
+    fresh_key = weight_epoch.namespaced(None, state.epoch)
+    _insert(tree, allocator, PREFIX + [3], fresh_key)  # a new request's cache, after the update
+    assert weight_epoch.sweep(tree) == 0 and allocator.available_size() == SIZE - 12 - 11
+    tree.dec_lock_ref(held)
+    holder.kv.req_pool_idx = None  # the holder ended
+    assert weight_epoch.sweep(tree) == 12 + 11 and allocator.available_size() == SIZE
+    assert not state.stale_held and weight_epoch.sweep(tree) == 0

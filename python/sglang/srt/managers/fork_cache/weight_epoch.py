@@ -10,9 +10,11 @@ new *weight epoch* on the scheduler's prefix cache (`on_weights_changed`), whate
   (`RadixKey.extra_key`, as elastic EP's `_maybe_namespace_elastic_radix_cache` does): a node inserted under an
   earlier epoch is never matched again (`before_match`, at every match of a request that holds no KV);
 - every node no request holds is evicted at once (upstream's `evict`);
-- nodes a paused or running request still holds stay, unreachable, and are evicted as soon as their last holder
-  lets go (`sweep`, each scheduler iteration while any are left; plain `RadixCache`: other trees evict them by
-  their LRU, never matching them meanwhile).
+- nodes a paused or running request still holds stay, unreachable, and are freed once their holders let go
+  (`sweep`, each scheduler iteration while any are left): upstream's plain `RadixCache` frees each one as its last
+  holder lets go; any other tree (0.5.23's default `UnifiedRadixCache`, whose nodes live in its Rust core) is
+  evicted once more, whole, when the last request that held KV at the update ended (what requests cached since
+  the update is recomputed once).
 
 A request holding KV when the weights change keeps its epoch: its own KV and what it inserts on finish stay
 under the old one (`in_place` continues on its old KV, as documented). A retracted or queued request holds none
@@ -27,7 +29,7 @@ iteration, the trees are replicas, so every rank takes the same decisions; nothi
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from sglang.srt.managers.fork_core.fork_touch import upstream
 
@@ -40,13 +42,16 @@ _BASE = "_fork_extra_key"  # on a Req: its extra_key before any epoch was added
 class WeightEpoch:
     epoch: int = 0
     stale_held: bool = False  # nodes of an earlier epoch may remain (held at the update, or by then)
+    holders: list = dataclasses.field(default_factory=list, repr=False)  # requests holding KV at the update
     updates: int = 0
     evicted_at_update: int = 0  # tokens, last update
     swept: int = 0  # tokens of earlier epochs freed after their holders ended, in all
     flushes_answered: int = 0  # updates whose refused flush the fork answered as done
 
     def as_dict(self) -> Dict[str, Any]:
-        return dataclasses.asdict(self)
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "holders"}
+        out["holders"] = len(self.holders)
+        return out
 
 
 def namespaced(base: Optional[str], epoch: int) -> Optional[str]:
@@ -86,23 +91,41 @@ def _evict_all_unheld(tree_cache) -> int:
     return int(tree_cache.evict(EvictParams(num_tokens=evictable)).num_tokens_evicted or 0)
 
 
-def on_weights_changed(tree_cache) -> WeightEpoch:
-    """A new epoch: nothing cached so far is matched again; what no request holds is freed now."""
+def on_weights_changed(tree_cache, holders: Sequence[Any] = ()) -> WeightEpoch:
+    """A new epoch: nothing cached so far is matched again; what no request holds is freed now. `holders`: the
+    requests holding KV now (their cached prefixes stay until they let go)."""
     state = vars(tree_cache).setdefault(_STATE, WeightEpoch())
     state.epoch += 1
     state.updates += 1
     if not tree_cache.supports_prefix_sharing():
         return state
     state.evicted_at_update = _evict_all_unheld(tree_cache)
-    state.stale_held = int(tree_cache.protected_size()) > 0
+    state.holders = [req for req in holders if req.kv.holds_kv] + state.holders
+    state.stale_held = bool(state.holders) or int(tree_cache.protected_size()) > 0
     return state
+
+
+def kv_holders(scheduler) -> List[Any]:
+    """The scheduler's requests that hold KV now (running or last batch, chunked, queued with KV; PD queues)."""
+    from sglang.srt.disaggregation.fork_ending import pd_queues
+
+    reqs = list(scheduler.running_batch.reqs) + list(scheduler.waiting_queue)
+    if scheduler.last_batch is not None:
+        reqs += list(scheduler.last_batch.reqs)
+    if scheduler.chunked_req is not None:
+        reqs.append(scheduler.chunked_req)
+    if pd_queues.role(scheduler) is not None:
+        reqs += pd_queues.held_reqs(scheduler)
+    unique = {id(req): req for req in reqs}
+    return [req for req in unique.values() if req.kv.holds_kv]
 
 
 def around_flush_after_update(original, weight_updater, recv_req, success: bool, message: str,
                               *args, **kwargs) -> Tuple[bool, str]:
     """AROUND SchedulerWeightUpdaterManager.flush_cache_after_weight_update (every update that changed weights)."""
-    tree_cache = upstream(upstream(weight_updater, "scheduler"), "tree_cache")
-    state = on_weights_changed(tree_cache)
+    scheduler = upstream(weight_updater, "scheduler")
+    tree_cache = upstream(scheduler, "tree_cache")
+    state = on_weights_changed(tree_cache, kv_holders(scheduler))
     ok, answer = original(weight_updater, recv_req, success, message, *args, **kwargs)
     if success and not ok:  # upstream refused the flush (requests running or queued); the epoch stands for it
         state.flushes_answered += 1
@@ -121,9 +144,14 @@ def sweep(tree_cache) -> int:
         return 0
     from sglang.srt.mem_cache.radix_cache import RadixCache
 
-    if type(tree_cache) is not RadixCache:  # another tree's nodes: evicted by its LRU, never matched meanwhile
+    state.holders = [req for req in state.holders if req.kv.holds_kv]
+    if type(tree_cache) is not RadixCache:  # nodes we cannot walk: the whole tree once, when no holder is left
+        if state.holders:
+            return 0
         state.stale_held = False
-        return 0
+        freed = _evict_all_unheld(tree_cache)
+        state.swept += freed
+        return freed
     root = upstream(tree_cache, "root_node")
     if not any(epoch_of(child.key.extra_key) != state.epoch for child in root.children.values()):
         state.stale_held = False

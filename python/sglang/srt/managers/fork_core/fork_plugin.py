@@ -11,7 +11,7 @@ OURS = {name.rpartition(".")[2]: SRT + name for name in (
     "disaggregation.fork_ending.request_end_cause", "disaggregation.fork_peers.peer_liveness",
     "disaggregation.fork_transfer.transfer_deadline", "disaggregation.fork_transfer.chunk_failures",
     "managers.fork_pause.pd_pause", "managers.fork_core.fork_touch", "managers.fork_core.pd_resource_report",
-    "managers.fork_cache.weight_epoch")}
+    "managers.fork_cache.weight_epoch", "managers.fork_core.rank_agreement")}
 AFTER, AROUND, BEFORE = "AFTER", "AROUND", "BEFORE"  # upstream's HookType names
 
 
@@ -104,6 +104,8 @@ HOOKS: list[tuple[str, str, str]] = [_full(target, ref) + (kind,) for target, re
     ("disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager", "fork_touch:check_at_start", AFTER),
     ("disaggregation.decode.DecodePreallocQueue._init_kv_manager", "fork_touch:check_at_start", AFTER),
     ("managers.scheduler.Scheduler.process_batch_result", "request_end_cause:after_process_batch_result", AFTER),
+    # a short gloo timeout where SGLANG_FORK_GLOO_TIMEOUT asks for one (tests: a rank stuck in a collective fails)
+    ("distributed.parallel_state.GroupCoordinator.__init__", "rank_agreement:gloo_timeout", BEFORE),
     # KV cached under earlier weights is never matched after an update, and freed once no request holds it
     ("managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager.flush_cache_after_weight_update",
      "weight_epoch:around_flush_after_update", AROUND),

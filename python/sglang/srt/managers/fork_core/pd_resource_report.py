@@ -76,7 +76,32 @@ def build_report(scheduler) -> Dict[str, Any]:
     }
 
 
+# What each rank holds on its own (its pools, queues and its kv manager's room tables): with more than one attention
+# TP rank the report gives the other ranks' too (`other_ranks`), so a leak on rank 1 is seen as one on rank 0 is.
+PER_RANK = ("kv_tokens", "req_slots", "metadata_slots", "queues", "transfer_rooms")
+
+
+def _other_ranks(scheduler, report: Dict[str, Any]) -> Optional[list]:
+    """The PER_RANK parts of every attention TP rank's report but this one's (every rank builds its report for
+    the same request, so the gather is one collective all of them call); None with one rank."""
+    from torch import distributed as dist
+
+    from sglang.srt.managers.fork_core.fork_touch import upstream
+
+    group = upstream(scheduler, "attn_tp_cpu_group")
+    size = dist.get_world_size(group)
+    if size == 1:
+        return None
+    mine = {key: report[key] for key in PER_RANK}
+    gathered: list = [None] * size
+    dist.all_gather_object(gathered, mine, group=group)
+    rank = dist.get_rank(group)
+    return [r for i, r in enumerate(gathered) if i != rank]
+
+
 def add_to_internal_state(result, controller, *args, **kwargs):
     """AFTER hook: result is upstream's GetInternalStateReqOutput."""
-    result.internal_state["fork_pd_resources"] = build_report(controller.scheduler)
+    report = build_report(controller.scheduler)
+    report["other_ranks"] = _other_ranks(controller.scheduler, report)
+    result.internal_state["fork_pd_resources"] = report
     return result

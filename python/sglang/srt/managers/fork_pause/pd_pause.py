@@ -21,6 +21,7 @@ from sglang.srt.constants import HEALTH_CHECK_RID_PREFIX
 from sglang.srt.disaggregation.fork_ending import pd_queues, request_end_cause, room_ledger
 from sglang.srt.disaggregation.fork_ending.room_ledger import engine_clock
 from sglang.srt.managers.fork_core import fork_touch
+from sglang.srt.managers.fork_core.rank_agreement import any_rank
 from sglang.srt.managers.io_struct import AbortReq, ContinueGenerationReqInput, PauseGenerationReqInput
 from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
@@ -151,7 +152,8 @@ def pump_pd_queues(scheduler) -> None:
 
 
 def _abort_all_and_drain(scheduler, message: str) -> None:
-    """Abort everything in the PD queues and pump until upstream has retired it."""
+    """Abort everything in the PD queues and pump until upstream has retired it (every rank leaves at the same
+    pass: when no rank holds anything, or when any rank's deadline passed)."""
     deadline = time.monotonic() + DRAIN_DEADLINE_S
     sp = scheduler_pause(scheduler)
     sp.draining = True
@@ -163,7 +165,8 @@ def _abort_all_and_drain(scheduler, message: str) -> None:
                 ended[id(req)] = req
             scheduler.abort_request(AbortReq(abort_all=True, finished_reason=pause_finish_reason(message)))
             pump_pd_queues(scheduler)
-            if _pd_queues_empty(scheduler) or time.monotonic() > deadline:
+            held, overdue = any_rank(scheduler, not _pd_queues_empty(scheduler), time.monotonic() > deadline)
+            if not held or overdue:
                 break
             time.sleep(0.005)
     finally:
@@ -202,8 +205,10 @@ def end_in_flight(scheduler) -> None:
         # Release without a pause (the colocated RL loop; the tokenizer let it through idle and holds new
         # requests at its gate): settle what the queues still hold (decode's pending drain acks); anything
         # that slipped in is retracted/aborted as in a pause, never asserted on.
-        idle = scheduler.is_fully_idle(ignore_waiting=False)  # upstream's own idle check
-        if idle and _pd_queues_empty(scheduler):
+        busy, held = any_rank(scheduler, not scheduler.is_fully_idle(ignore_waiting=False),  # upstream's check
+                              not _pd_queues_empty(scheduler))
+        idle = not busy
+        if idle and not held:
             return
         logger.warning("pd_pause: release without a pause, not idle: %s", not_idle_reasons(scheduler))
         if idle:
@@ -349,8 +354,8 @@ def paused_loop_tick(result, scheduler, *args, **kwargs):
     role = pd_queues.role(scheduler)
     if role is None:
         return result
-    if not sp.released and sp.pump_until and time.monotonic() < sp.pump_until:
-        pump_pd_queues(scheduler)
+    if any_rank(scheduler, not sp.released and bool(sp.pump_until) and time.monotonic() < sp.pump_until)[0]:
+        pump_pd_queues(scheduler)  # on every rank, or on none: a pump runs the queues' poll collectives
         return result
     sp.pump_until = 0.0
     if role == pd_queues.PREFILL and not sp.released and scheduler.disagg_prefill_inflight_queue:
