@@ -10,7 +10,7 @@ SOURCES := $(shell git ls-files -co --exclude-standard pyproject.toml upstream.l
 venv: $(VENV)/.fork-installed
 
 demo: venv
-	$(VPY) -m testing.demo
+	$(VPY) -m testing.demo $(ARGS)
 
 test: venv
 	$(VPY) -m pytest -ra --durations=25 --timeout=1200 test/srt

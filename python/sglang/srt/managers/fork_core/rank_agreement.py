@@ -14,11 +14,13 @@ Thread: the scheduler's (each call is a collective of its group).
 
 from __future__ import annotations
 
+import logging
 from datetime import timedelta
 from typing import List
 
 from sglang.srt.managers.fork_core.fork_touch import upstream
 
+logger = logging.getLogger(__name__)
 GROUPS = ("attn_tp_cpu_group", "attn_cp_cpu_group")  # as upstream's poll all-reduce, in its order
 
 
@@ -43,5 +45,11 @@ def gloo_timeout(*args, **kwargs):
     seconds = envs.SGLANG_FORK_GLOO_TIMEOUT.get()
     if seconds and seconds > 0:
         kwargs["gloo_timeout"] = timedelta(seconds=seconds)
+        if not _logged:
+            _logged.append(seconds)
+            logger.info("gloo groups' timeout: %gs (SGLANG_FORK_GLOO_TIMEOUT)", seconds)
         return args, kwargs
     return None
+
+
+_logged: List[float] = []
