@@ -32,7 +32,7 @@ was measured, 2 when the bench itself failed). Targets (issue 14): pause <= 0.25
 release + resume <= 0.5 s beside the weight load, continue <= 0.1 s.
 
 Usage: python -m bench.rl_step [--inflight 64 256] [--max-new-tokens 256] [--write-readme]
-       [--modes abort] [--sides fork upstream] [--no-colocated] [--profile DIR]
+       [--modes abort] [--sides fork upstream] [--no-colocated] [--profile DIR] [--balancer mini|router]
 (--modes/--sides/--no-colocated run a part of the loops; --profile DIR writes a py-spy
 speedscope profile of each abort-mode pause's HTTP process and scheduler; py-spy on PATH.)
 """
@@ -96,12 +96,16 @@ class Rollout:
         self.threads = [
             threading.Thread(
                 target=generate, args=(url, texts[i], max_new_tokens),
-                kwargs={"timeout": 600, "ignore_eos": True}, daemon=True,
+                kwargs={"timeout": 600, "sampling": {"ignore_eos": True}}, daemon=True,
             )
             for i in range(n)
         ]
         for t in self.threads:
             t.start()
+
+    def unanswered(self) -> int:
+        """Requests whose answer the client has not got yet."""
+        return sum(t.is_alive() for t in self.threads)
 
     def join(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
@@ -219,6 +223,7 @@ def one_side(cluster, model: str, inflight: int, max_new_tokens: int,
         rollout = Rollout(cluster.url, inflight, max_new_tokens)
         time.sleep(2.0)  # the requests reach both servers (this is load, not a sync)
         payload = {} if mode == "abort" else {"mode": mode}
+        row[f"requests unanswered at pause {mode}"] = str(rollout.unanswered())
         both(cluster, "/pause_generation", payload, row, f"pause {mode}", cpu=True)
         calls = [row.get(f"pause {mode} ({role})", "") for role in ROLES]
         if all("." in c for c in calls):  # the step's pause: prefill's ending can move work to decode's
@@ -293,6 +298,8 @@ def main(argv=None) -> int:
                         help="pause modes to run (e.g. --modes abort)")
     parser.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES))
     parser.add_argument("--no-colocated", action="store_true", help="skip the colocated step")
+    parser.add_argument("--balancer", choices=("mini", "router"), default="mini",
+                        help="mini LB, or the Rust gateway (workers self-registered, health checks every 2 s)")
     parser.add_argument("--profile", metavar="DIR", help="py-spy record each abort-mode pause's server into DIR")
     parser.add_argument("--write-readme", action="store_true")
     parser.add_argument("--keep-logs", action="store_true")
@@ -313,6 +320,8 @@ def main(argv=None) -> int:
         clusters = {
             name: PDCluster(model, prefill_env=env, decode_env=env, lb_env=lb_env,
                             prefill_args=baseline.SHARED_ARGS, decode_args=decode_args,
+                            balancer=args.balancer,
+                            lb_args=("--health-check-interval-secs", "2") if args.balancer == "router" else (),
                             log_dir=str(work / f"logs-{name}"))
             for name, env in (("fork", fk_env), ("upstream", up_env)) if name in args.sides
         }

@@ -172,10 +172,13 @@ def _requests_held(cluster) -> int:
 
 @pytest.mark.parametrize("mode,flush", [
     (None, False),          # the colocated loop: no pause, update with flush_cache false
+    (None, True),
     ("abort", True),        # upstream's default pause, then the default update
+    ("abort", False),
     ("retract", False),     # the sibling framework's pause; the update it has to send today
     ("retract", True),      # upstream answers 400 here; the fork serves it
     ("in_place", False),    # the held request continues on its old KV
+    ("in_place", True),     # upstream answers 400 here too
 ])
 def test_no_request_after_a_weight_update_reads_kv_of_the_old_weights(
         fp32_deployment, tiny_model, checkpoint_b, shared_prefix_reference, mode, flush):
