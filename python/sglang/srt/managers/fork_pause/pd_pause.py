@@ -207,11 +207,10 @@ def end_in_flight(scheduler) -> None:
         # that slipped in is retracted/aborted as in a pause, never asserted on.
         busy, held = any_rank(scheduler, not scheduler.is_fully_idle(ignore_waiting=False),  # upstream's check
                               not _pd_queues_empty(scheduler))
-        idle = not busy
-        if idle and not held:
+        if not (busy or held):
             return
         logger.warning("pd_pause: release without a pause, not idle: %s", not_idle_reasons(scheduler))
-        if idle:
+        if not busy:
             _abort_all_and_drain(scheduler, RELEASE_NO_PAUSE_MESSAGE)
             return
     if (not scheduler.running_batch.is_empty() or scheduler.last_batch is not None
