@@ -46,6 +46,11 @@ def held(report: dict) -> dict:
     return out
 
 
+def requests_held(deployment, roles=("prefill", "decode")) -> int:
+    """Requests held in the queues and running batches of these servers."""
+    return sum(v for r in roles for k, v in held(deployment.resources(r)).items() if k.startswith("queue."))
+
+
 def assert_idle(deployment, roles, baseline: dict | None = None, timeout: float = IDLE_TIMEOUT) -> dict:
     """Poll until every role holds what it held at baseline (default: nothing)."""
     expected = {

@@ -14,6 +14,7 @@ Servers get no workaround flags or env: what they need on CPU is in the fork its
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import signal
@@ -28,7 +29,7 @@ import urllib.request
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import psutil
 
@@ -726,6 +727,20 @@ class Gateway(Deployment):
             "--prometheus-port", str(prometheus_port),
             *args,
         ], _role_env(env), port)
+
+    @classmethod
+    @contextlib.contextmanager
+    def fronting(cls, cluster: "PDCluster", args: Sequence[str] = ()) -> Iterator["Gateway"]:
+        """A gateway started in front of a running cluster's engines, each registered with POST /workers;
+        torn down on exit."""
+        gw = cls(cluster["prefill"], cluster["decode"], cluster.bootstrap_port, log_dir=str(cluster.log_dir),
+                 args=args)
+        try:
+            gw.start()
+            gw.register_workers()
+            yield gw
+        finally:
+            gw.teardown()
 
     @property
     def url(self) -> str:

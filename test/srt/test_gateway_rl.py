@@ -46,13 +46,8 @@ def cluster(shared_pd):
 @pytest.fixture(scope="module")
 def gateway(cluster):
     """The Rust gateway in front of the shared engines, each registered with POST /workers."""
-    gw = Gateway(cluster["prefill"], cluster["decode"], cluster.bootstrap_port, log_dir=str(cluster.log_dir))
-    try:
-        gw.start()
-        gw.register_workers()
+    with Gateway.fronting(cluster) as gw:
         yield gw
-    finally:
-        gw.teardown()
 
 
 class Preempted:

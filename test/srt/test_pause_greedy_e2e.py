@@ -16,12 +16,14 @@ logits are that close (measured: 0 of 815 completions differ over 90 such cycles
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
 
-from conftest import assert_idle
-from testing.pd_checks import ClosedLoop
+from conftest import TINY_MODEL_DIR, assert_idle
+from testing.pd_checks import ClosedLoop, requests_held
+from testing.tiny_model import ensure_tiny_model
 from testing.pd_cluster import PDCluster, SingleServer, generate, http_post_json, prompts, wait_until
 
 pytestmark = pytest.mark.e2e
@@ -123,9 +125,6 @@ HOLDER_NEW = 400  # the in-flight holder of the warmed prefix: runs for seconds 
 
 @pytest.fixture(scope="module")
 def checkpoint_b(tiny_model):
-    from conftest import TINY_MODEL_DIR
-    from testing.tiny_model import ensure_tiny_model
-
     return str(ensure_tiny_model(TINY_MODEL_DIR.parent / "tiny-llama-seed1", seed=1))
 
 
@@ -164,12 +163,6 @@ def shared_prefix_reference(fp32_deployment, tiny_model, checkpoint_b):
     return ref
 
 
-def _requests_held(cluster) -> int:
-    from conftest import held
-
-    return sum(v for r in PD_ROLES for k, v in held(cluster.resources(r)).items() if k.startswith("queue."))
-
-
 @pytest.mark.parametrize("mode,flush", [
     (None, False),          # the colocated loop: no pause, update with flush_cache false
     (None, True),
@@ -192,17 +185,15 @@ def test_no_request_after_a_weight_update_reads_kv_of_the_old_weights(
 
     holder, held_at_pause = {}, 0
     if mode is not None:
-        import threading
-
         thread = threading.Thread(target=lambda: holder.update(
             generate(cluster.url, f"{LONG_PREFIX} hold on", HOLDER_NEW, timeout=CALL_TIMEOUT_S)))
         thread.start()
-        wait_until(lambda: _requests_held(cluster) > 0 or not thread.is_alive(), 30, "the holder in flight")
+        wait_until(lambda: requests_held(cluster) > 0 or not thread.is_alive(), 30, "the holder in flight")
         for role in PD_ROLES:
             status, body = http_post_json(f"{cluster[role].url}/pause_generation", {"mode": mode},
                                           timeout=CALL_TIMEOUT_S)
             assert status == 200, (role, status, body)
-        held_at_pause = _requests_held(cluster)
+        held_at_pause = requests_held(cluster)
     try:
         replies = _load(urls, checkpoint_b, flush=flush)
     finally:

@@ -29,6 +29,7 @@ import pytest
 from conftest import TINY_MODEL_DIR, assert_idle, held
 from testing import pd_checks
 from testing.pd_cluster import (
+    Gateway,
     PDCluster,
     generate,
     generate_concurrently,
@@ -104,11 +105,14 @@ call = partial(pd_checks.call, timeout=CALL_TIMEOUT_S)
 on_both = partial(pd_checks.on_both, timeout=CALL_TIMEOUT_S)
 
 
-def flush_until_ok(cluster, role, attempts=60):
+def flush_polled(url, attempts=60, interval=0.5):
     """The framework's flush: GET /flush_cache until 200 (it retries up to 60 times)."""
-    def ok():
-        return http_get(f"{cluster[role].url}/flush_cache", timeout=30)[0] == 200
-    wait_until(ok, attempts * 0.5, f"/flush_cache 200 on {role}", interval=0.5)
+    wait_until(lambda: http_get(f"{url}/flush_cache", timeout=30)[0] == 200, attempts * interval,
+               f"{url}/flush_cache 200", interval=interval)
+
+
+def flush_until_ok(cluster, role, attempts=60):
+    flush_polled(cluster[role].url, attempts)
 
 
 def weight_versions(cluster):
@@ -142,10 +146,7 @@ def rollout(cluster, reference, name):
         assert r["output_ids"] != reference[other][t], (name, t)
 
 
-def _requests_held(cluster) -> int:
-    """Requests held in the queues and running batches of both servers."""
-    return sum(v for r in PD_ROLES for k, v in held(cluster.resources(r)).items()
-               if k.startswith("queue."))
+_requests_held = pd_checks.requests_held
 
 
 def pause_state(cluster, role):
@@ -682,16 +683,8 @@ LONG_NEW_TOKENS = 400  # rollout requests still running when the rollout is abor
 def framework_gateway(cluster):
     """The Rust gateway as the framework runs it: workers self-registered (POST /workers),
     each health-checked every GATEWAY_HEALTH_S seconds."""
-    from testing.pd_cluster import Gateway
-
-    gw = Gateway(cluster["prefill"], cluster["decode"], cluster.bootstrap_port, log_dir=str(cluster.log_dir),
-                 args=("--health-check-interval-secs", str(GATEWAY_HEALTH_S)))
-    try:
-        gw.start()
-        gw.register_workers()
+    with Gateway.fronting(cluster, args=("--health-check-interval-secs", str(GATEWAY_HEALTH_S))) as gw:
         yield gw
-    finally:
-        gw.teardown()
 
 
 def _worker_urls(gateway) -> list:
@@ -708,10 +701,9 @@ def _post(url, path, body, log):
     return reply
 
 
-def _flush_polled(url, log, attempts=60):
-    """The framework's flush: GET /flush_cache once a second until 200 (at most 60 times)."""
-    wait_until(lambda: http_get(f"{url}/flush_cache", timeout=30)[0] == 200, attempts, f"{url}/flush_cache 200",
-               interval=1.0)
+def _flush_polled(url, log):
+    """The framework's flush as its engine client polls it: once a second, at most 60 times."""
+    flush_polled(url, interval=1.0)
     log.append((url[-5:], "flush_cache", 200))
 
 

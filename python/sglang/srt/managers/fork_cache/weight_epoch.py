@@ -109,13 +109,9 @@ def kv_holders(scheduler) -> List[Any]:
     """The scheduler's requests that hold KV now (running or last batch, chunked, queued with KV; PD queues)."""
     from sglang.srt.disaggregation.fork_ending import pd_queues
 
-    reqs = list(scheduler.running_batch.reqs) + list(scheduler.waiting_queue)
-    if scheduler.last_batch is not None:
-        reqs += list(scheduler.last_batch.reqs)
+    reqs = pd_queues.held_reqs(scheduler)  # waiting queue, PD queues, running and last batch (any mode)
     if scheduler.chunked_req is not None:
-        reqs.append(scheduler.chunked_req)
-    if pd_queues.role(scheduler) is not None:
-        reqs += pd_queues.held_reqs(scheduler)
+        reqs.append(scheduler.chunked_req)  # held_reqs names it for a prefill only
     unique = {id(req): req for req in reqs}
     return [req for req in unique.values() if req.kv.holds_kv]
 
