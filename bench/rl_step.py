@@ -51,7 +51,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import psutil
 
-from bench import baseline
+from bench import baseline, cpu_window
 from bench.readme_block import write_block
 from bench.release_gate import loadavg, machine
 from testing.pd_cluster import (
@@ -172,16 +172,40 @@ def profiled(procs: Dict[str, psutil.Process], name: str, role: str):
     return spies
 
 
+# --cpu-window: the deployments up (name -> PDCluster), to label what ran during each pause call
+WINDOW: Dict[str, object] = {"deployments": None}
+
+
+def machine_window(cluster, role: str, name: str, row: Dict[str, str], before, wall: float) -> None:
+    """--cpu-window: rows of what ran on the machine during one pause call (bench/cpu_window.py), and a line
+    naming the processes that ran longest."""
+    deployments = WINDOW["deployments"]
+    win = cpu_window.window(before[0], cpu_window.snapshot(), before[1], wall)
+    own = next(n for n, c in deployments.items() if c is cluster)  # type: ignore[union-attr]
+    others = [n for n in deployments if n != own]  # type: ignore[union-attr]
+    row[f"{name} ({role}): its deployment's run / runnable-wait seconds during it"] = \
+        f"{win.total(own + ' '):.3f} / {sum(v for k, v in win.wait.items() if k.startswith(own + ' ')):.3f}"
+    for other in others:
+        row[f"{name} ({role}): the {other} deployment's CPU during it"] = f"{win.total(other + ' '):.3f}"
+    row[f"{name} ({role}): CPU of the rest of the machine during it"] = f"{win.total('other: '):.3f}"
+    print(f"  {own} {name} ({role}) {wall:.3f}s, ran (run/wait s): {win.top(8)}", flush=True)
+
+
 def both(cluster, path: str, payload, row: Dict[str, str], name: str, cpu: bool = False) -> None:
     """The call on prefill then decode, each timed (with `cpu`: also the CPU the
-    server's event loop and scheduler spent during it)."""
+    server's event loop and scheduler spent during it, and with --cpu-window what ran on
+    the whole machine meanwhile)."""
     import signal
 
     for role in ROLES:
         procs = server_procs(cluster[role]) if cpu else {}
         spies = profiled(procs, name, role)
+        watch = cpu and WINDOW["deployments"] is not None
+        snap = (cpu_window.snapshot(), cpu_window.labels(WINDOW["deployments"])) if watch else None
         before = cpu_seconds(procs)
         status, seconds = timed(cluster[role], path, payload)
+        if snap is not None:
+            machine_window(cluster, role, name, row, snap, seconds)
         for spy in spies:
             spy.send_signal(signal.SIGINT)
             spy.wait(30)
@@ -301,6 +325,8 @@ def main(argv=None) -> int:
     parser.add_argument("--balancer", choices=("mini", "router"), default="mini",
                         help="mini LB, or the Rust gateway (workers self-registered, health checks every 2 s)")
     parser.add_argument("--profile", metavar="DIR", help="py-spy record each abort-mode pause's server into DIR")
+    parser.add_argument("--cpu-window", action="store_true",
+                        help="also record what ran on the whole machine during each pause call (bench/cpu_window.py)")
     parser.add_argument("--write-readme", action="store_true")
     parser.add_argument("--keep-logs", action="store_true")
     args = parser.parse_args(argv)
@@ -328,6 +354,8 @@ def main(argv=None) -> int:
         results: Dict[Tuple[str, int], Dict[str, str]] = {}
         try:
             start_all(*clusters.values())
+            if args.cpu_window:
+                WINDOW["deployments"] = clusters
             for n in args.inflight:
                 # the sides alternate per repeat, so both see the machine's load alike
                 rows: Dict[str, List[Dict[str, str]]] = {name: [] for name in clusters}
