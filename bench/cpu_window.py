@@ -72,7 +72,12 @@ class Window:
         return ", ".join(f"{k} {self.run[k]:.2f}/{self.wait.get(k, 0.0):.2f}" for k in ranked if self.run[k] >= min_s)
 
     def total(self, prefix: str = "") -> float:
+        """Seconds run by the processes whose label starts with prefix."""
         return sum(v for k, v in self.run.items() if k.startswith(prefix))
+
+    def waited(self, prefix: str = "") -> float:
+        """Seconds the processes whose label starts with prefix were runnable but waiting for a core."""
+        return sum(v for k, v in self.wait.items() if k.startswith(prefix))
 
 
 def window(before: Snapshot, after: Snapshot, names: Mapping[int, str], wall: float) -> Window:

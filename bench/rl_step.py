@@ -1,7 +1,8 @@
 """`make bench-rl`: how long each call of an RL step takes, fork vs stock upstream 0.5.23.
 
-Both 1P1D deployments (tiny model, CPU, mini LB; flags and env as the release gate,
-bench/baseline.py) start once, side by side. For each number of requests in flight
+Both 1P1D deployments (tiny model, CPU, behind the Rust gateway with health checks
+every 2 s, or `--balancer mini`; flags and env as the release gate, bench/baseline.py)
+start once, side by side. For each number of requests in flight
 (default 64 and 256) and each side, the loops of issue 14 run while that many greedy
 `ignore_eos` requests are in flight through the balancer, and every call is timed as
 the RL framework makes it (one engine after the other: prefill, then decode):
@@ -32,9 +33,11 @@ was measured, 2 when the bench itself failed). Targets (issue 14): pause <= 0.25
 release + resume <= 0.5 s beside the weight load, continue <= 0.1 s.
 
 Usage: python -m bench.rl_step [--inflight 64 256] [--max-new-tokens 256] [--write-readme]
-       [--modes abort] [--sides fork upstream] [--no-colocated] [--profile DIR] [--balancer mini|router]
+       [--modes abort] [--sides fork upstream] [--no-colocated] [--profile DIR] [--balancer router|mini]
+       [--cpu-window]
 (--modes/--sides/--no-colocated run a part of the loops; --profile DIR writes a py-spy
-speedscope profile of each abort-mode pause's HTTP process and scheduler; py-spy on PATH.)
+speedscope profile of each abort-mode pause's HTTP process and scheduler, py-spy on PATH;
+--cpu-window adds what ran on the whole machine during each abort-mode pause.)
 """
 
 from __future__ import annotations
@@ -172,21 +175,21 @@ def profiled(procs: Dict[str, psutil.Process], name: str, role: str):
     return spies
 
 
-# --cpu-window: the deployments up (name -> PDCluster), to label what ran during each pause call
+# --cpu-window: the deployments up (name -> PDCluster), to label what ran during each abort-mode pause
 WINDOW: Dict[str, object] = {"deployments": None}
 
 
-def machine_window(cluster, role: str, name: str, row: Dict[str, str], before, wall: float) -> None:
+def machine_window(cluster, role: str, name: str, row: Dict[str, str], before, after, wall: float) -> None:
     """--cpu-window: rows of what ran on the machine during one pause call (bench/cpu_window.py), and a line
-    naming the processes that ran longest."""
-    deployments = WINDOW["deployments"]
-    win = cpu_window.window(before[0], cpu_window.snapshot(), before[1], wall)
-    own = next(n for n, c in deployments.items() if c is cluster)  # type: ignore[union-attr]
-    others = [n for n in deployments if n != own]  # type: ignore[union-attr]
-    row[f"{name} ({role}): its deployment's run / runnable-wait seconds during it"] = \
-        f"{win.total(own + ' '):.3f} / {sum(v for k, v in win.wait.items() if k.startswith(own + ' ')):.3f}"
-    for other in others:
-        row[f"{name} ({role}): the {other} deployment's CPU during it"] = f"{win.total(other + ' '):.3f}"
+    naming the processes that ran longest: the paused deployment's CPU and time waiting for a core, the other
+    deployment's CPU, and the CPU of every process of neither (nor the bench's clients)."""
+    deployments: Dict[str, object] = WINDOW["deployments"]  # type: ignore[assignment]
+    win = cpu_window.window(before[0], after, before[1], wall)
+    own = next(n for n, c in deployments.items() if c is cluster)
+    row[f"{name} ({role}): its deployment's CPU during it"] = f"{win.total(own + ' '):.3f}"
+    row[f"{name} ({role}): its deployment's time waiting for a core during it"] = f"{win.waited(own + ' '):.3f}"
+    row[f"{name} ({role}): the other deployment's CPU during it"] = \
+        f"{sum(win.total(n + ' ') for n in deployments if n != own):.3f}"
     row[f"{name} ({role}): CPU of the rest of the machine during it"] = f"{win.total('other: '):.3f}"
     print(f"  {own} {name} ({role}) {wall:.3f}s, ran (run/wait s): {win.top(8)}", flush=True)
 
@@ -194,22 +197,23 @@ def machine_window(cluster, role: str, name: str, row: Dict[str, str], before, w
 def both(cluster, path: str, payload, row: Dict[str, str], name: str, cpu: bool = False) -> None:
     """The call on prefill then decode, each timed (with `cpu`: also the CPU the
     server's event loop and scheduler spent during it, and with --cpu-window what ran on
-    the whole machine meanwhile)."""
+    the whole machine during an abort-mode pause)."""
     import signal
 
     for role in ROLES:
         procs = server_procs(cluster[role]) if cpu else {}
         spies = profiled(procs, name, role)
-        watch = cpu and WINDOW["deployments"] is not None
+        watch = cpu and name.startswith("pause abort") and WINDOW["deployments"] is not None
         snap = (cpu_window.snapshot(), cpu_window.labels(WINDOW["deployments"])) if watch else None
         before = cpu_seconds(procs)
         status, seconds = timed(cluster[role], path, payload)
-        if snap is not None:
-            machine_window(cluster, role, name, row, snap, seconds)
+        after_snap = cpu_window.snapshot() if snap is not None else None
         for spy in spies:
             spy.send_signal(signal.SIGINT)
             spy.wait(30)
         row[f"{name} ({role})"] = f"{seconds:.3f}" if status == "ok" else status
+        if snap is not None and status == "ok":
+            machine_window(cluster, role, name, row, snap, after_snap, seconds)
         if cpu and status == "ok":
             after = cpu_seconds(procs)
             for part, label in (("http", "HTTP event loop"), ("scheduler", "scheduler")):
@@ -308,6 +312,18 @@ def table(results: Dict[Tuple[str, int], Dict[str, str]], inflight: Sequence[int
     return "\n".join(lines)
 
 
+BALANCER_TEXT = {
+    "router": "the Rust gateway (workers self-registered, health checks every 2 s)",
+    "mini": "the mini LB",
+}
+CPU_WINDOW_TEXT = (
+    " The abort-mode pause's other rows (bench/cpu_window.py, /proc schedstat of every thread on the machine "
+    "before and after the call): CPU seconds the paused deployment (both servers, balancer) used and its time "
+    "runnable but waiting for a core; CPU of the other side's deployment; CPU of every process of neither "
+    "(the machine's other tenants)."
+)
+
+
 def write_readme(block: str) -> None:
     write_block(README, README_BEGIN, README_END, block)
 
@@ -322,8 +338,9 @@ def main(argv=None) -> int:
                         help="pause modes to run (e.g. --modes abort)")
     parser.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES))
     parser.add_argument("--no-colocated", action="store_true", help="skip the colocated step")
-    parser.add_argument("--balancer", choices=("mini", "router"), default="mini",
-                        help="mini LB, or the Rust gateway (workers self-registered, health checks every 2 s)")
+    parser.add_argument("--balancer", choices=("mini", "router"), default="router",
+                        help="the Rust gateway (default: workers self-registered, health checks every 2 s), "
+                             "or the mini LB")
     parser.add_argument("--profile", metavar="DIR", help="py-spy record each abort-mode pause's server into DIR")
     parser.add_argument("--cpu-window", action="store_true",
                         help="also record what ran on the whole machine during each pause call (bench/cpu_window.py)")
@@ -377,12 +394,14 @@ def main(argv=None) -> int:
             for c in clusters.values():
                 c.teardown()
         block = "\n".join([
-            f"Fork `{prepared['fork_version']}` vs upstream `{prepared['version']}`, 1P1D + mini-lb on CPU, "
+            f"Fork `{prepared['fork_version']}` vs upstream `{prepared['version']}`, 1P1D on CPU behind "
+            f"{BALANCER_TEXT[args.balancer]}, "
             f"tiny Llama, {' and '.join(map(str, args.inflight))} greedy requests in flight "
             f"({args.max_new_tokens} output tokens, ignore_eos), each call timed on prefill then decode; "
             f"median (min-max) of {args.repeats} repeats (fork and upstream alternate per repeat). \"CPU during it\": CPU seconds the paused "
             f"server's HTTP event loop (main thread of the HTTP/tokenizer process) and scheduler used during "
-            f"the pause call.",
+            f"the pause call." + (CPU_WINDOW_TEXT if args.cpu_window else ""),
+            f"Command: `make bench-rl ARGS=\"{' '.join(a for a in (argv if argv is not None else sys.argv[1:]) if a != '--write-readme')}\"`.",
             f"Machine: {mach['nproc']} CPUs, {mach['cpu']}, {mach['mem_gb']} GB RAM, Python {mach['python']}; "
             f"load average {load_before} at start, {loadavg()} at end (shared machine). "
             f"Run at {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.",
