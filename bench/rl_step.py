@@ -23,7 +23,9 @@ the RL framework makes it (one engine after the other: prefill, then decode):
 A call that does not answer 200 is reported with its status ("409", "500", "dead" when
 the server died). Requests left in flight after a loop are ended with abort_all before
 the next. Every loop runs `--repeats` times (default 3) per side and number in flight,
-the sides alternating per repeat; a cell is the median (min-max). Each pause also
+each loop's repeats before the next loop, the sides alternating per repeat; a cell is the
+median (min-max); a loop whose requests were all refused before the pause (the balancer took
+the side's workers out) says "not serving (<status>)" instead of timing an idle server. Each pause also
 records the CPU time the paused server's HTTP process (its main thread: the event loop
 that answers every aborted request) and its scheduler spent during the call: on 2
 shared cores the wall time of an abort-mode pause follows the machine's load, while
@@ -96,19 +98,28 @@ class Rollout:
 
     def __init__(self, url: str, n: int, max_new_tokens: int):
         texts = prompts(n)
+        self.statuses: List[object] = []  # each answered request's HTTP status (None: no answer)
         self.threads = [
-            threading.Thread(
-                target=generate, args=(url, texts[i], max_new_tokens),
-                kwargs={"timeout": 600, "sampling": {"ignore_eos": True}}, daemon=True,
-            )
+            threading.Thread(target=self._one, args=(url, texts[i], max_new_tokens), daemon=True)
             for i in range(n)
         ]
         for t in self.threads:
             t.start()
 
+    def _one(self, url: str, text: str, max_new_tokens: int) -> None:
+        r = generate(url, text, max_new_tokens, timeout=600, sampling={"ignore_eos": True})
+        self.statuses.append(r["status"])  # list.append: atomic across threads
+
     def unanswered(self) -> int:
         """Requests whose answer the client has not got yet."""
         return sum(t.is_alive() for t in self.threads)
+
+    def refused(self) -> Optional[str]:
+        """'not serving (<status>)' when every request was already answered, not all with 200 (e.g. the
+        balancer's 503 once it took the side's workers out): a pause then would time an idle server."""
+        if self.unanswered() or all(s == 200 for s in self.statuses):
+            return None
+        return f"not serving ({next(s for s in self.statuses if s != 200)})"
 
     def join(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
@@ -252,6 +263,11 @@ def one_side(cluster, model: str, inflight: int, max_new_tokens: int,
         time.sleep(2.0)  # the requests reach both servers (this is load, not a sync)
         payload = {} if mode == "abort" else {"mode": mode}
         row[f"requests unanswered at pause {mode}"] = str(rollout.unanswered())
+        refused = rollout.refused()
+        if refused:
+            row[f"pause {mode}, prefill + decode"] = refused
+            settle(cluster, rollout)
+            continue
         both(cluster, "/pause_generation", payload, row, f"pause {mode}", cpu=True)
         calls = [row.get(f"pause {mode} ({role})", "") for role in ROLES]
         if all("." in c for c in calls):  # the step's pause: prefill's ending can move work to decode's
@@ -267,6 +283,9 @@ def one_side(cluster, model: str, inflight: int, max_new_tokens: int,
     rollout = Rollout(cluster.url, inflight, max_new_tokens)
     time.sleep(2.0)
     settle(cluster, rollout)
+    if rollout.refused():
+        row["colocated step"] = rollout.refused()
+        return row
     flush_until_200(cluster, row)
     both(cluster, "/release_memory_occupation", {}, row, "release {}")
     both(cluster, "/resume_memory_occupation", {"tags": ["weights"]}, row, "resume [weights]")
@@ -373,21 +392,26 @@ def main(argv=None) -> int:
             start_all(*clusters.values())
             if args.cpu_window:
                 WINDOW["deployments"] = clusters
+            steps = [*args.modes] + ([] if args.no_colocated else ["colocated"])
             for n in args.inflight:
-                # the sides alternate per repeat, so both see the machine's load alike
-                rows: Dict[str, List[Dict[str, str]]] = {name: [] for name in clusters}
+                # each loop's repeats before the next loop (a loop that breaks a side, e.g. upstream's gateway
+                # taking its workers out, spoils only the loops after it); the sides alternate per repeat, so
+                # both see the machine's load alike
+                rows: Dict[str, List[Dict[str, str]]] = {name: [{} for _ in range(args.repeats)] for name in clusters}
                 t0 = time.monotonic()
-                for _ in range(args.repeats):
-                    for name in clusters:
-                        cluster = clusters[name]
-                        if not all(cluster[r].is_alive() for r in ROLES):
-                            print(f"{name} @{n}: a server died earlier, skipped", flush=True)
-                            continue
-                        rows[name].append(one_side(cluster, model, n, args.max_new_tokens,
-                                                  args.modes, not args.no_colocated))
+                for step in steps:
+                    for repeat in range(args.repeats):
+                        for name in clusters:
+                            cluster = clusters[name]
+                            if not all(cluster[r].is_alive() for r in ROLES):
+                                print(f"{name} @{n}: a server died earlier, skipped", flush=True)
+                                continue
+                            rows[name][repeat].update(one_side(
+                                cluster, model, n, args.max_new_tokens, [step] if step in MODES else [],
+                                colocated=step == "colocated"))
                 for name in clusters:
-                    if rows[name]:
-                        results[(name, n)] = merge(rows[name])
+                    if any(rows[name]):
+                        results[(name, n)] = merge([row for row in rows[name] if row])
                         print(f"{name} @{n} in flight ({time.monotonic() - t0:.0f}s, both sides): "
                               f"{results[(name, n)]}", flush=True)
         finally:
