@@ -23,7 +23,8 @@ the RL framework makes it (one engine after the other: prefill, then decode):
 A call that does not answer 200 is reported with its status ("409", "500", "dead" when
 the server died). Requests left in flight after a loop are ended with abort_all before
 the next. Every loop runs `--repeats` times (default 3) per side and number in flight,
-each loop's repeats before the next loop, the sides alternating per repeat; a cell is the
+each loop's repeats (at every number in flight) before the next loop, the sides
+alternating per repeat; a cell is the
 median (min-max); a loop whose requests were all refused before the pause (the balancer took
 the side's workers out) says "not serving (<status>)" instead of timing an idle server. Each pause also
 records the CPU time the paused server's HTTP process (its main thread: the event loop
@@ -393,27 +394,27 @@ def main(argv=None) -> int:
             if args.cpu_window:
                 WINDOW["deployments"] = clusters
             steps = [*args.modes] + ([] if args.no_colocated else ["colocated"])
-            for n in args.inflight:
-                # each loop's repeats before the next loop (a loop that breaks a side, e.g. upstream's gateway
-                # taking its workers out, spoils only the loops after it); the sides alternate per repeat, so
-                # both see the machine's load alike
-                rows: Dict[str, List[Dict[str, str]]] = {name: [{} for _ in range(args.repeats)] for name in clusters}
-                t0 = time.monotonic()
-                for step in steps:
+            # each loop's repeats at every number in flight before the next loop: a loop that breaks a side
+            # (upstream's gateway takes its workers out for a while after the retract loop's abort_all) spoils
+            # only the loops after it; the sides alternate per repeat, so both see the machine's load alike
+            rows: Dict[Tuple[str, int], List[Dict[str, str]]] = {
+                (name, n): [{} for _ in range(args.repeats)] for name in clusters for n in args.inflight}
+            t0 = time.monotonic()
+            for step in steps:
+                for n in args.inflight:
                     for repeat in range(args.repeats):
-                        for name in clusters:
-                            cluster = clusters[name]
+                        for name, cluster in clusters.items():
                             if not all(cluster[r].is_alive() for r in ROLES):
                                 print(f"{name} @{n}: a server died earlier, skipped", flush=True)
                                 continue
-                            rows[name][repeat].update(one_side(
+                            rows[(name, n)][repeat].update(one_side(
                                 cluster, model, n, args.max_new_tokens, [step] if step in MODES else [],
                                 colocated=step == "colocated"))
-                for name in clusters:
-                    if any(rows[name]):
-                        results[(name, n)] = merge([row for row in rows[name] if row])
-                        print(f"{name} @{n} in flight ({time.monotonic() - t0:.0f}s, both sides): "
-                              f"{results[(name, n)]}", flush=True)
+                    print(f"{step} @{n} done ({time.monotonic() - t0:.0f}s)", flush=True)
+            for key, repeats in rows.items():
+                if any(repeats):
+                    results[key] = merge([row for row in repeats if row])
+                    print(f"{key[0]} @{key[1]} in flight: {results[key]}", flush=True)
         finally:
             for c in clusters.values():
                 c.teardown()
