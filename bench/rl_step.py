@@ -423,10 +423,11 @@ def main(argv=None) -> int:
             f"{BALANCER_TEXT[args.balancer]}, "
             f"tiny Llama, {' and '.join(map(str, args.inflight))} greedy requests in flight "
             f"({args.max_new_tokens} output tokens, ignore_eos), each call timed on prefill then decode; "
-            f"median (min-max) of {args.repeats} repeats (fork and upstream alternate per repeat). \"CPU during it\": CPU seconds the paused "
+            f"median (min-max) of {args.repeats} repeats (fork and upstream alternate per repeat; each loop's repeats "
+            f"at every number in flight run before the next loop). \"CPU during it\": CPU seconds the paused "
             f"server's HTTP event loop (main thread of the HTTP/tokenizer process) and scheduler used during "
             f"the pause call." + (CPU_WINDOW_TEXT if args.cpu_window else ""),
-            f"Command: `make bench-rl ARGS=\"{' '.join(a for a in (argv if argv is not None else sys.argv[1:]) if a != '--write-readme')}\"`.",
+            f"Command: `make bench-rl ARGS=\"{' '.join(a for a in (argv if argv is not None else sys.argv[1:]) if a not in ('--write-readme', '--keep-logs'))}\"`.",
             f"Machine: {mach['nproc']} CPUs, {mach['cpu']}, {mach['mem_gb']} GB RAM, Python {mach['python']}; "
             f"load average {load_before} at start, {loadavg()} at end (shared machine). "
             f"Run at {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.",
