@@ -1,7 +1,8 @@
 """`make bench-rl`: how long each call of an RL step takes, fork vs stock upstream 0.5.23.
 
-Both 1P1D deployments (tiny model, CPU, mini LB; flags and env as the release gate,
-bench/baseline.py) start once, side by side. For each number of requests in flight
+Both 1P1D deployments (tiny model, CPU, behind the Rust gateway with health checks
+every 2 s, or `--balancer mini`; flags and env as the release gate, bench/baseline.py)
+start once, side by side. For each number of requests in flight
 (default 64 and 256) and each side, the loops of issue 14 run while that many greedy
 `ignore_eos` requests are in flight through the balancer, and every call is timed as
 the RL framework makes it (one engine after the other: prefill, then decode):
@@ -22,7 +23,10 @@ the RL framework makes it (one engine after the other: prefill, then decode):
 A call that does not answer 200 is reported with its status ("409", "500", "dead" when
 the server died). Requests left in flight after a loop are ended with abort_all before
 the next. Every loop runs `--repeats` times (default 3) per side and number in flight,
-the sides alternating per repeat; a cell is the median (min-max). Each pause also
+each loop's repeats (at every number in flight) before the next loop, the sides
+alternating per repeat; a cell is the
+median (min-max); a loop whose requests were all refused before the pause (the balancer took
+the side's workers out) says "not serving (<status>)" instead of timing an idle server. Each pause also
 records the CPU time the paused server's HTTP process (its main thread: the event loop
 that answers every aborted request) and its scheduler spent during the call: on 2
 shared cores the wall time of an abort-mode pause follows the machine's load, while
@@ -32,9 +36,11 @@ was measured, 2 when the bench itself failed). Targets (issue 14): pause <= 0.25
 release + resume <= 0.5 s beside the weight load, continue <= 0.1 s.
 
 Usage: python -m bench.rl_step [--inflight 64 256] [--max-new-tokens 256] [--write-readme]
-       [--modes abort] [--sides fork upstream] [--no-colocated] [--profile DIR] [--balancer mini|router]
+       [--modes abort] [--sides fork upstream] [--no-colocated] [--profile DIR] [--balancer router|mini]
+       [--cpu-window]
 (--modes/--sides/--no-colocated run a part of the loops; --profile DIR writes a py-spy
-speedscope profile of each abort-mode pause's HTTP process and scheduler; py-spy on PATH.)
+speedscope profile of each abort-mode pause's HTTP process and scheduler, py-spy on PATH;
+--cpu-window adds what ran on the whole machine during each abort-mode pause.)
 """
 
 from __future__ import annotations
@@ -51,7 +57,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import psutil
 
-from bench import baseline
+from bench import baseline, cpu_window
 from bench.readme_block import write_block
 from bench.release_gate import loadavg, machine
 from testing.pd_cluster import (
@@ -93,19 +99,28 @@ class Rollout:
 
     def __init__(self, url: str, n: int, max_new_tokens: int):
         texts = prompts(n)
+        self.statuses: List[object] = []  # each answered request's HTTP status (None: no answer)
         self.threads = [
-            threading.Thread(
-                target=generate, args=(url, texts[i], max_new_tokens),
-                kwargs={"timeout": 600, "sampling": {"ignore_eos": True}}, daemon=True,
-            )
+            threading.Thread(target=self._one, args=(url, texts[i], max_new_tokens), daemon=True)
             for i in range(n)
         ]
         for t in self.threads:
             t.start()
 
+    def _one(self, url: str, text: str, max_new_tokens: int) -> None:
+        r = generate(url, text, max_new_tokens, timeout=600, sampling={"ignore_eos": True})
+        self.statuses.append(r["status"])  # list.append: atomic across threads
+
     def unanswered(self) -> int:
         """Requests whose answer the client has not got yet."""
         return sum(t.is_alive() for t in self.threads)
+
+    def refused(self) -> Optional[str]:
+        """'not serving (<status>)' when every request was already answered, not all with 200 (e.g. the
+        balancer's 503 once it took the side's workers out): a pause then would time an idle server."""
+        if self.unanswered() or all(s == 200 for s in self.statuses):
+            return None
+        return f"not serving ({next(s for s in self.statuses if s != 200)})"
 
     def join(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
@@ -172,20 +187,45 @@ def profiled(procs: Dict[str, psutil.Process], name: str, role: str):
     return spies
 
 
+# --cpu-window: the deployments up (name -> PDCluster), to label what ran during each abort-mode pause
+WINDOW: Dict[str, object] = {"deployments": None}
+
+
+def machine_window(cluster, role: str, name: str, row: Dict[str, str], before, after, wall: float) -> None:
+    """--cpu-window: rows of what ran on the machine during one pause call (bench/cpu_window.py), and a line
+    naming the processes that ran longest: the paused deployment's CPU and time waiting for a core, the other
+    deployment's CPU, and the CPU of every process of neither (nor the bench's clients)."""
+    deployments: Dict[str, object] = WINDOW["deployments"]  # type: ignore[assignment]
+    win = cpu_window.window(before[0], after, before[1], wall)
+    own = next(n for n, c in deployments.items() if c is cluster)
+    row[f"{name} ({role}): its deployment's CPU during it"] = f"{win.total(own + ' '):.3f}"
+    row[f"{name} ({role}): its deployment's time waiting for a core during it"] = f"{win.waited(own + ' '):.3f}"
+    row[f"{name} ({role}): the other deployment's CPU during it"] = \
+        f"{sum(win.total(n + ' ') for n in deployments if n != own):.3f}"
+    row[f"{name} ({role}): CPU of the rest of the machine during it"] = f"{win.total('other: '):.3f}"
+    print(f"  {own} {name} ({role}) {wall:.3f}s, ran (run/wait s): {win.top(8)}", flush=True)
+
+
 def both(cluster, path: str, payload, row: Dict[str, str], name: str, cpu: bool = False) -> None:
     """The call on prefill then decode, each timed (with `cpu`: also the CPU the
-    server's event loop and scheduler spent during it)."""
+    server's event loop and scheduler spent during it, and with --cpu-window what ran on
+    the whole machine during an abort-mode pause)."""
     import signal
 
     for role in ROLES:
         procs = server_procs(cluster[role]) if cpu else {}
         spies = profiled(procs, name, role)
+        watch = cpu and name.startswith("pause abort") and WINDOW["deployments"] is not None
+        snap = (cpu_window.snapshot(), cpu_window.labels(WINDOW["deployments"])) if watch else None
         before = cpu_seconds(procs)
         status, seconds = timed(cluster[role], path, payload)
+        after_snap = cpu_window.snapshot() if snap is not None else None
         for spy in spies:
             spy.send_signal(signal.SIGINT)
             spy.wait(30)
         row[f"{name} ({role})"] = f"{seconds:.3f}" if status == "ok" else status
+        if snap is not None and status == "ok":
+            machine_window(cluster, role, name, row, snap, after_snap, seconds)
         if cpu and status == "ok":
             after = cpu_seconds(procs)
             for part, label in (("http", "HTTP event loop"), ("scheduler", "scheduler")):
@@ -224,6 +264,11 @@ def one_side(cluster, model: str, inflight: int, max_new_tokens: int,
         time.sleep(2.0)  # the requests reach both servers (this is load, not a sync)
         payload = {} if mode == "abort" else {"mode": mode}
         row[f"requests unanswered at pause {mode}"] = str(rollout.unanswered())
+        refused = rollout.refused()
+        if refused:
+            row[f"pause {mode}, prefill + decode"] = refused
+            settle(cluster, rollout)
+            continue
         both(cluster, "/pause_generation", payload, row, f"pause {mode}", cpu=True)
         calls = [row.get(f"pause {mode} ({role})", "") for role in ROLES]
         if all("." in c for c in calls):  # the step's pause: prefill's ending can move work to decode's
@@ -239,6 +284,9 @@ def one_side(cluster, model: str, inflight: int, max_new_tokens: int,
     rollout = Rollout(cluster.url, inflight, max_new_tokens)
     time.sleep(2.0)
     settle(cluster, rollout)
+    if rollout.refused():
+        row["colocated step"] = rollout.refused()
+        return row
     flush_until_200(cluster, row)
     both(cluster, "/release_memory_occupation", {}, row, "release {}")
     both(cluster, "/resume_memory_occupation", {"tags": ["weights"]}, row, "resume [weights]")
@@ -284,6 +332,18 @@ def table(results: Dict[Tuple[str, int], Dict[str, str]], inflight: Sequence[int
     return "\n".join(lines)
 
 
+BALANCER_TEXT = {
+    "router": "the Rust gateway (workers self-registered, health checks every 2 s)",
+    "mini": "the mini LB",
+}
+CPU_WINDOW_TEXT = (
+    " The abort-mode pause's other rows (bench/cpu_window.py, /proc schedstat of every thread on the machine "
+    "before and after the call): CPU seconds the paused deployment (both servers, balancer) used and its time "
+    "runnable but waiting for a core; CPU of the other side's deployment; CPU of every process of neither "
+    "(the machine's other tenants)."
+)
+
+
 def write_readme(block: str) -> None:
     write_block(README, README_BEGIN, README_END, block)
 
@@ -298,9 +358,12 @@ def main(argv=None) -> int:
                         help="pause modes to run (e.g. --modes abort)")
     parser.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES))
     parser.add_argument("--no-colocated", action="store_true", help="skip the colocated step")
-    parser.add_argument("--balancer", choices=("mini", "router"), default="mini",
-                        help="mini LB, or the Rust gateway (workers self-registered, health checks every 2 s)")
+    parser.add_argument("--balancer", choices=("mini", "router"), default="router",
+                        help="the Rust gateway (default: workers self-registered, health checks every 2 s), "
+                             "or the mini LB")
     parser.add_argument("--profile", metavar="DIR", help="py-spy record each abort-mode pause's server into DIR")
+    parser.add_argument("--cpu-window", action="store_true",
+                        help="also record what ran on the whole machine during each pause call (bench/cpu_window.py)")
     parser.add_argument("--write-readme", action="store_true")
     parser.add_argument("--keep-logs", action="store_true")
     args = parser.parse_args(argv)
@@ -328,33 +391,43 @@ def main(argv=None) -> int:
         results: Dict[Tuple[str, int], Dict[str, str]] = {}
         try:
             start_all(*clusters.values())
-            for n in args.inflight:
-                # the sides alternate per repeat, so both see the machine's load alike
-                rows: Dict[str, List[Dict[str, str]]] = {name: [] for name in clusters}
-                t0 = time.monotonic()
-                for _ in range(args.repeats):
-                    for name in clusters:
-                        cluster = clusters[name]
-                        if not all(cluster[r].is_alive() for r in ROLES):
-                            print(f"{name} @{n}: a server died earlier, skipped", flush=True)
-                            continue
-                        rows[name].append(one_side(cluster, model, n, args.max_new_tokens,
-                                                  args.modes, not args.no_colocated))
-                for name in clusters:
-                    if rows[name]:
-                        results[(name, n)] = merge(rows[name])
-                        print(f"{name} @{n} in flight ({time.monotonic() - t0:.0f}s, both sides): "
-                              f"{results[(name, n)]}", flush=True)
+            if args.cpu_window:
+                WINDOW["deployments"] = clusters
+            steps = [*args.modes] + ([] if args.no_colocated else ["colocated"])
+            # each loop's repeats at every number in flight before the next loop: a loop that breaks a side
+            # (upstream's gateway takes its workers out for a while after the retract loop's abort_all) spoils
+            # only the loops after it; the sides alternate per repeat, so both see the machine's load alike
+            rows: Dict[Tuple[str, int], List[Dict[str, str]]] = {
+                (name, n): [{} for _ in range(args.repeats)] for name in clusters for n in args.inflight}
+            t0 = time.monotonic()
+            for step in steps:
+                for n in args.inflight:
+                    for repeat in range(args.repeats):
+                        for name, cluster in clusters.items():
+                            if not all(cluster[r].is_alive() for r in ROLES):
+                                print(f"{name} @{n}: a server died earlier, skipped", flush=True)
+                                continue
+                            rows[(name, n)][repeat].update(one_side(
+                                cluster, model, n, args.max_new_tokens, [step] if step in MODES else [],
+                                colocated=step == "colocated"))
+                    print(f"{step} @{n} done ({time.monotonic() - t0:.0f}s)", flush=True)
+            for key, repeats in rows.items():
+                if any(repeats):
+                    results[key] = merge([row for row in repeats if row])
+                    print(f"{key[0]} @{key[1]} in flight: {results[key]}", flush=True)
         finally:
             for c in clusters.values():
                 c.teardown()
         block = "\n".join([
-            f"Fork `{prepared['fork_version']}` vs upstream `{prepared['version']}`, 1P1D + mini-lb on CPU, "
+            f"Fork `{prepared['fork_version']}` vs upstream `{prepared['version']}`, 1P1D on CPU behind "
+            f"{BALANCER_TEXT[args.balancer]}, "
             f"tiny Llama, {' and '.join(map(str, args.inflight))} greedy requests in flight "
             f"({args.max_new_tokens} output tokens, ignore_eos), each call timed on prefill then decode; "
-            f"median (min-max) of {args.repeats} repeats (fork and upstream alternate per repeat). \"CPU during it\": CPU seconds the paused "
+            f"median (min-max) of {args.repeats} repeats (fork and upstream alternate per repeat; each loop's repeats "
+            f"at every number in flight run before the next loop). \"CPU during it\": CPU seconds the paused "
             f"server's HTTP event loop (main thread of the HTTP/tokenizer process) and scheduler used during "
-            f"the pause call.",
+            f"the pause call." + (CPU_WINDOW_TEXT if args.cpu_window else ""),
+            f"Command: `make bench-rl ARGS=\"{' '.join(a for a in (argv if argv is not None else sys.argv[1:]) if a not in ('--write-readme', '--keep-logs'))}\"`.",
             f"Machine: {mach['nproc']} CPUs, {mach['cpu']}, {mach['mem_gb']} GB RAM, Python {mach['python']}; "
             f"load average {load_before} at start, {loadavg()} at end (shared machine). "
             f"Run at {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.",

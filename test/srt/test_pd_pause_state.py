@@ -261,6 +261,45 @@ def test_abort_pause_answers_once_every_answer_is_decided():
     asyncio.run(scenario())
 
 
+def test_abort_pause_does_not_wait_for_a_health_probe_a_busy_scheduler_dropped():
+    """A gateway's /health on a busy server: upstream's scheduler drops the probe (never answered) and its
+    handler holds the probe's state and a model-update reader for a second. The abort-mode pause answers once
+    the client requests are decided, not once that handler's sleep ends (it waited up to 1 s: bench/README.md,
+    "Through the Rust gateway"); a client request still undecided keeps it waiting as before."""
+    import asyncio
+    import inspect
+
+    from sglang.srt.constants import HEALTH_CHECK_RID_PREFIX
+    from sglang.srt.utils.aio_rwlock import RWLock
+
+    original = inspect.unwrap(RWLock.is_locked)
+
+    async def scenario():
+        lock = RWLock()
+        probe, running = SimpleNamespace(event=asyncio.Event()), SimpleNamespace(event=asyncio.Event())
+        for state in (probe, running):
+            state.__dict__[pd_pause._AT_GATE] = False  # both passed the gate
+        tm = SimpleNamespace(rid_to_state={f"{HEALTH_CHECK_RID_PREFIX}_0f": probe, "rollout-1": running})
+        for _ in range(2):  # the probe's handler and the running request's
+            await lock.acquire_reader()
+        token = pd_pause._ABORT_PAUSE.set(tm)
+        loop = asyncio.get_running_loop()
+        try:
+            check = asyncio.ensure_future(pd_pause.around_is_locked(original, lock))
+            await asyncio.sleep(0.05)
+            assert not check.done()  # rollout-1's answer is not decided
+            t0 = loop.time()
+            del tm.rid_to_state["rollout-1"]
+            running.event.set()
+            assert await asyncio.wait_for(check, 2.0) is False  # before the fix: DRAIN_WAIT_S (3 s), then True
+            assert loop.time() - t0 < 0.5
+            assert lock._readers == 2 and f"{HEALTH_CHECK_RID_PREFIX}_0f" in tm.rid_to_state
+        finally:
+            pd_pause._ABORT_PAUSE.reset(token)
+
+    asyncio.run(scenario())
+
+
 def test_running_request_answers_the_abort_verdict_not_upstreams_bare_abort():
     """After Scheduler.abort_request (upstream set the bare FINISH_ABORT() "Aborted" on each running request it
     reached), keep_abort_verdict makes each answer name why: the client's verdict the marking gave it, a client's

@@ -459,6 +459,53 @@ def test_health_probe_waiting_when_the_pause_begins_answers(cluster, reference):
     rollout(cluster, reference, loaded)
 
 
+PROBE_SEEN_S = 0.2  # a probe unanswered this long is in the route's 1 s wait (a busy scheduler dropped it)
+
+
+def test_abort_pause_on_a_busy_engine_does_not_wait_for_a_health_probe(cluster, reference):
+    """The gateway's /health on a busy decode: upstream's scheduler drops the probe (the running requests
+    carry health) and the route holds it, and the tokenizer's model-update reader, until its 1 s sleep ends.
+    An abort-mode pause sent meanwhile answers once the running requests' answers are decided, while the
+    probe is still unanswered (it waited for the probe: up to 1 s per pause behind the gateway, which probes
+    every 2 s); every request gets the pause's abort answer, and serving continues."""
+    baseline = assert_idle(cluster, PD_ROLES)
+    loaded = _loaded(cluster, reference)
+    texts = list(reference[loaded])
+    results = {}
+
+    def run():  # each would run to its 900th token (seconds): all running when the pause comes
+        results["out"] = generate_concurrently(cluster.url, texts, max_new_tokens=BUSY_NEW_TOKENS,
+                                               sampling={"ignore_eos": True}, timeout=REQUEST_DEADLINE_S)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    wait_until(lambda: held(cluster.resources("decode"))["queue.running"] == len(texts), 30,
+               "every request running on decode")
+    host, port = cluster["decode"].url.split("//")[1].split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    try:
+        conn.request("GET", "/health")
+        readable, _, _ = select.select([conn.sock], [], [], PROBE_SEEN_S)
+        assert not readable, "the probe was answered at once: decode's scheduler was not busy"
+        status, reply, took = call(cluster, "decode", "pause_generation", {})
+        probe_answered_first = bool(select.select([conn.sock], [], [], 0)[0])
+        probe = conn.getresponse()
+    finally:
+        conn.close()
+        resumed = call(cluster, "decode", "continue_generation", {})
+    t.join(REQUEST_DEADLINE_S)
+    assert not t.is_alive()
+    assert status == 200 and resumed[0] == 200, (status, reply, resumed)
+    assert not probe_answered_first, f"the pause ({took:.2f} s) answered only after the health probe"
+    assert took < 1.0 - PROBE_SEEN_S and probe.status == 200, (took, probe.status)
+    for r in results["out"]:
+        reason = r["meta"]["finish_reason"]
+        assert r["status"] == 200 and reason["type"] == "abort" and "pause_generation(mode=abort)" in \
+            reason["message"], r
+    assert_idle(cluster, PD_ROLES, baseline=baseline)
+    rollout(cluster, reference, loaded)
+
+
 # ----------------------------------------------------------------------------- pause aborts
 
 PAUSE_ANSWER_S = 15.0  # every aborted leg answered within this of the pause (2 loaded cores)

@@ -736,14 +736,29 @@ async def _lock_free(lock) -> None:
         await cond.wait_for(lambda: not (upstream(lock, "_writer_active") or upstream(lock, "_readers") > 0))
 
 
+def _undecided_client_requests(tokenizer_manager) -> List[Any]:
+    """States of requests past the pause gate whose answer is not decided, health probes aside: a busy scheduler
+    drops a probe (upstream: "ongoing requests already carry health info"), so it is never answered; its
+    /health(_generate) handler holds it, and the model-update reader lock, until its 1 s sleep ends, and the
+    abort_all sent before the pause's answer ends it too if it did reach the scheduler."""
+    return [s for rid, s in list(tokenizer_manager.rid_to_state.items())
+            if s.__dict__.get(_AT_GATE) is False and not str(rid).startswith(HEALTH_CHECK_RID_PREFIX)]
+
+
+def _retrieved(future: "asyncio.Future") -> None:
+    """Done callback of a gather the wait cancels: its CancelledError is read, not logged as never retrieved."""
+    if not future.cancelled():
+        future.exception()
+
+
 async def _answers_decided(tokenizer_manager, lock_free, timeout: float) -> bool:
-    """Wait at most `timeout` until the lock is free (False) or every request past the gate has its answer decided
-    (True; one arriving during the pause passes the gate only after continue), woken by the requests' output events;
-    a state with an output not yet consumed (a stream's chunk) leaves the lock as the only criterion."""
+    """Wait at most `timeout` until the lock is free (False) or every client request past the gate has its answer
+    decided (True; one arriving during the pause passes the gate only after continue; health probes never count:
+    `_undecided_client_requests`), woken by the requests' output events; a state with an output not yet consumed
+    (a stream's chunk) leaves the lock as the only criterion."""
     deadline = asyncio.get_running_loop().time() + timeout
     while not lock_free.done():
-        pending = None if tokenizer_manager is None else [
-            s for s in list(tokenizer_manager.rid_to_state.values()) if s.__dict__.get(_AT_GATE) is False]
+        pending = None if tokenizer_manager is None else _undecided_client_requests(tokenizer_manager)
         if pending == []:
             return True
         remaining = deadline - asyncio.get_running_loop().time()
@@ -757,6 +772,7 @@ async def _answers_decided(tokenizer_manager, lock_free, timeout: float) -> bool
         try:
             await asyncio.wait([lock_free, outputs], timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
         finally:
+            outputs.add_done_callback(_retrieved)
             outputs.cancel()
     return False
 
