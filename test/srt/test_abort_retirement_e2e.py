@@ -24,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from conftest import TP2, topology_params, topology_pd
 from testing.pd_checks import Leg, assert_idle, end_causes, held, http_client_abort
 from testing.pd_checks import delta as _delta
 from testing.pd_cluster import HOST, generate, http_post_json, metric_sum, prompts, wait_until
@@ -36,13 +37,15 @@ FAILURE_COUNTERS = ("sglang:num_bootstrap_failed_reqs_total", "sglang:num_transf
 # up to ~1 s per tick (--sleep-on-idle) and the machine is shared: generous.
 ANSWER_S = 10.0
 SOAK_N = int(os.environ.get("SGLANG_FORK_ABORT_SOAK_N", "2000"))
+SOAK_N_MULTI_RANK = int(os.environ.get("SGLANG_FORK_ABORT_SOAK_N_TP", "400"))  # 4 scheduler ranks on 2 cores
 SOAK_CONCURRENCY = 16
 SOAK_MAX_NEW_TOKENS = 8
 
 
-@pytest.fixture(scope="module")
-def cluster(deployments):
-    return deployments.pd(prefill_args=["--chunked-prefill-size", "64"])
+@pytest.fixture(scope="module", params=topology_params(TP2))
+def cluster(deployments, request):
+    """TP=1, and TP=2 on both servers; the mini LB in front."""
+    yield from topology_pd(deployments, request.param, prefill_args=["--chunked-prefill-size", "64"])
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -257,6 +260,7 @@ def _stream_and_disconnect(lb_url: str, body: dict, after_s: float) -> None:
 
 def test_soak_random_aborts_leave_nothing_behind(cluster):
     rng = random.Random(5)
+    soak_n = SOAK_N_MULTI_RANK if cluster.multi_rank else SOAK_N
     baseline = assert_idle(cluster, PD_ROLES)
     prefill, decode = cluster["prefill"], cluster["decode"]
     texts = prompts(20)
@@ -300,11 +304,11 @@ def test_soak_random_aborts_leave_nothing_behind(cluster):
 
     t0 = time.monotonic()
     with ThreadPoolExecutor(SOAK_CONCURRENCY) as ex:
-        list(ex.map(one, range(SOAK_N)))
+        list(ex.map(one, range(soak_n)))
     took = time.monotonic() - t0
-    print(f"soak: {SOAK_N} requests in {took:.0f}s: {outcomes}")
+    print(f"soak: {soak_n} requests in {took:.0f}s: {outcomes}")
     assert not bad, bad[:5]
-    assert outcomes["aborted"] > SOAK_N // 10, outcomes  # the aborts really landed mid-flight
+    assert outcomes["aborted"] > soak_n // 10, outcomes  # the aborts really landed mid-flight
 
     assert_idle(cluster, PD_ROLES, baseline, timeout=120)
     delta = _delta(before, _counts(cluster))

@@ -18,8 +18,9 @@ import time
 
 import pytest
 
+from conftest import FP32, TP2, topology_params
 from testing.pd_checks import Leg, assert_idle, cluster_end_causes, leg_body, wait_end_causes
-from testing.pd_cluster import generate, generate_concurrently, metric_sum, prompts, wait_until
+from testing.pd_cluster import PDCluster, SingleServer, generate, generate_concurrently, metric_sum, prompts, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -56,13 +57,23 @@ FAILED_REQS = "sglang:num_transfer_failed_reqs_total"
 CHUNK_FAILURES = "sglang:num_transfer_chunk_failures_total"
 
 
-@pytest.fixture(scope="module")
-def deployment(deployments, shared_single):
-    return deployments.pd_and_single(
-        shared_single,
-        prefill_env={"SGLANG_TEST_DISAGG_FAIL_CHUNKS": FAULTS, **RELEASE_ENV, **PROBE_ENV, **HEARTBEAT_ENV},
-        decode_env=RELEASE_ENV,
-    )
+@pytest.fixture(scope="module", params=topology_params(TP2))
+def deployment(deployments, shared_single, request):
+    """(1P1D behind the mini LB, a plain control server): TP=1 beside the shared control; TP=2 on both
+    servers beside its own float32 control. The fault switch fails the write on every prefill rank."""
+    env = dict(prefill_env={"SGLANG_TEST_DISAGG_FAIL_CHUNKS": FAULTS, **RELEASE_ENV, **PROBE_ENV, **HEARTBEAT_ENV},
+               decode_env=RELEASE_ENV)
+    if not request.param.multi_rank:
+        cluster, single = deployments.pd_and_single(shared_single, **env)
+        try:
+            yield cluster, single
+        finally:
+            deployments.discard(cluster)
+        return
+    cluster = PDCluster(deployments.model, **request.param.pd_kwargs(**env))
+    single = SingleServer(deployments.model, args=FP32)
+    with deployments.scoped(cluster, single):
+        yield cluster, single
 
 
 def _chunk_failures(cluster, role, kind):

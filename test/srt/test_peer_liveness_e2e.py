@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from conftest import resume_frozen, shared_env
+from conftest import LIVENESS_ARGS, LIVENESS_ENV, TP2, resume_frozen, shared_env, topology_params, topology_pd
 from testing.pd_checks import (
     assert_idle,
     delta,
@@ -49,9 +49,14 @@ RECOVERIES = "sglang:num_pd_peer_recoveries_total"
 PD_ROLES = ("prefill", "decode")
 
 
-@pytest.fixture(scope="module")
-def cluster(shared_liveness):
-    """The shared peer-liveness 1P1D (conftest), running with ENV."""
+@pytest.fixture(scope="module", params=topology_params(TP2))
+def cluster(shared_liveness, deployments, request):
+    """TP=1: the shared peer-liveness 1P1D (conftest), running with ENV; TP=2 on both servers: the module's
+    own with the same env and args. The mini LB in front."""
+    if request.param.multi_rank:
+        yield from topology_pd(deployments, request.param, prefill_env=LIVENESS_ENV, decode_env=LIVENESS_ENV,
+                               prefill_args=LIVENESS_ARGS, decode_args=LIVENESS_ARGS)
+        return
     c = shared_liveness.deployment
     shared_env(c, PD_ROLES, ENV)
     try:
@@ -257,6 +262,7 @@ class Traffic(threading.Thread):
 
 
 KILLS = 5
+KILLS_MULTI_RANK = 2  # a TP=2 server takes 1-2 min to start on 2 cores
 
 
 def test_decode_killed_and_restarted_repeatedly_under_traffic(cluster, control):
@@ -265,10 +271,11 @@ def test_decode_killed_and_restarted_repeatedly_under_traffic(cluster, control):
     peers_before = _peers(prefill)
     losses, recoveries = _count(prefill, LOSSES), _count(prefill, RECOVERIES)
     causes = _causes(prefill)
+    kills = KILLS_MULTI_RANK if cluster.multi_rank else KILLS
     traffic = Traffic(cluster.url)
     traffic.start()
     try:
-        for k in range(KILLS):
+        for k in range(kills):
             served = len(traffic.results)
             wait_until(lambda: len(traffic.results) >= served + 2, 60, f"traffic before kill {k}")
             decode.kill()
@@ -288,11 +295,11 @@ def test_decode_killed_and_restarted_repeatedly_under_traffic(cluster, control):
     assert all(s is not None for s in statuses), statuses
     assert max(r["latency"] for r in traffic.results) <= DEADLINE + 15, sorted(r["latency"] for r in traffic.results)[-5:]
     ok = [r for r in traffic.results if r["status"] == 200]
-    assert len(ok) >= 2 * KILLS
+    assert len(ok) >= 2 * kills
     # nothing accumulated on the survivor: rooms, KV, sessions, sockets
     assert_idle(cluster, PD_ROLES, baseline, timeout=DEADLINE + 30)
-    assert _count(prefill, LOSSES) == losses + KILLS
-    assert _count(prefill, RECOVERIES) == recoveries + KILLS
+    assert _count(prefill, LOSSES) == losses + kills
+    assert _count(prefill, RECOVERIES) == recoveries + kills
     # what prefill ended, it ended for the lost peer or because the load balancer gave
     # up the request when decode was down (a client abort of the prefill leg); how many
     # depends on what was in flight at each kill. None waited for the deadline fallback.

@@ -22,6 +22,7 @@ import urllib.request
 import psutil
 import pytest
 
+from conftest import TP2, topology_params, topology_pd
 from testing.pd_checks import Leg, assert_idle, cluster_end_causes, delta, held, leg_body, wait_end_causes
 from testing.pd_cluster import (
     HOST,
@@ -47,9 +48,11 @@ COUNTER = "sglang:num_transfer_timeout_reqs_total"
 EARLIEST = DEADLINE
 
 
-@pytest.fixture(scope="module")
-def cluster(deployments):
-    return deployments.pd(prefill_env=ENV, decode_env=ENV)
+@pytest.fixture(scope="module", params=topology_params(TP2, ci=True))
+def cluster(deployments, request):
+    """TP=1 behind the mini LB; TP=2 on both servers behind the Rust gateway (the legs go to the servers)."""
+    balancer = "router" if request.param.multi_rank else "mini"
+    yield from topology_pd(deployments, request.param, prefill_env=ENV, decode_env=ENV, balancer=balancer)
 
 
 def _leg(cluster, room: int, path: str = "/generate", **body) -> dict:
