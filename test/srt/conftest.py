@@ -430,11 +430,13 @@ TP2 = Topology("tp2", tp=2, args=FP32)
 TP2_DECODE_TP1 = Topology("tp2-decode-tp1", tp=2, decode_tp=1, args=FP32)
 
 
-def topology_params(*multi_rank: Topology, ci: bool = False) -> list:
-    """pytest params: TP=1, then each multi-rank topology marked `tp` (and `tp_matrix`
-    unless `ci`)."""
-    marks = [pytest.mark.tp] + ([] if ci else [pytest.mark.tp_matrix])
-    return [pytest.param(TP1, id=TP1.name)] + [pytest.param(t, id=t.name, marks=marks) for t in multi_rank]
+def topology_params(*multi_rank: Topology, ci: Tuple[Topology, ...] = ()) -> list:
+    """pytest params: TP=1, then each multi-rank topology marked `tp`, and `tp_matrix`
+    unless it is in `ci` (CI's pick for the module)."""
+    def marks(t):
+        return [pytest.mark.tp] + ([] if t in ci else [pytest.mark.tp_matrix])
+
+    return [pytest.param(TP1, id=TP1.name)] + [pytest.param(t, id=t.name, marks=marks(t)) for t in multi_rank]
 
 
 def topology_pd(deployments: Deployments, topology: Topology, **kwargs):

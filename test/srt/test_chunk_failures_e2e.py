@@ -91,6 +91,17 @@ def _counters(cluster, kind):
     }
 
 
+def _assert_counted_on_every_rank(cluster, before, after):
+    """One failed request and one failed chunk write, counted by every rank of each side: upstream counts a
+    failed transfer on each rank's scheduler, and the fault switch fails the write on every prefill rank
+    (each writes its own heads), each decode rank hearing of its own. The end cause is counted once
+    (wait_end_causes)."""
+    for role in PD_ROLES:
+        ranks = cluster.tp[role]
+        assert after[role][0] - before[role][0] == ranks, (role, before, after)
+        assert after[role][1] - before[role][1] == ranks, (role, before, after)
+
+
 def _assert_serving_continues(cluster, baseline, requests, expected_ids=None):
     """After a failure: each request ((rid or None, text), one at a time) answers 200 --
     with these output ids when given -- and both servers are back to `baseline`."""
@@ -142,10 +153,7 @@ def test_one_failed_chunk_among_16_fails_only_that_request(deployment, kind):
     # release deadline; prefill its poison mark after the same time)
     assert_idle(cluster, PD_ROLES, baseline=baseline, timeout=60)
 
-    after = _counters(cluster, kind)
-    for role in PD_ROLES:
-        assert after[role][0] - before[role][0] == 1, (role, before, after)
-        assert after[role][1] - before[role][1] == 1, (role, before, after)
+    _assert_counted_on_every_rank(cluster, before, _counters(cluster, kind))
     # ended once on each side, as a transport failure, where the KV was in flight
     wait_end_causes(cluster, causes, {
         ("prefill", "transport", "prefill_inflight"): 1,
@@ -197,9 +205,11 @@ def test_failed_write_to_a_frozen_decode_takes_its_session_out_until_it_answers(
                    "the frozen decode's session to be blacklisted",
                    on_timeout=lambda: str(prefill.resources()["peers"]))
         assert time.monotonic() - t_answer <= PROBE_BOUND_S + 5
-        # still out at the next heartbeat: the decode is declared lost, once, while frozen;
+        # still out at the next heartbeat: the decode is declared lost, once per prefill rank, while frozen;
         # its registration is kept and its session held out
-        wait_until(lambda: metric_sum(cluster.metrics("prefill"), LOSSES) == losses + 1, 2 * HEARTBEAT_S + 10,
+        # (each prefill rank's monitor watches its own session to the decode: each declares it lost)
+        ranks = cluster.tp["prefill"]
+        wait_until(lambda: metric_sum(cluster.metrics("prefill"), LOSSES) == losses + ranks, 2 * HEARTBEAT_S + 10,
                    "the frozen decode to be declared lost", on_timeout=lambda: str(prefill.resources()["peers"]))
         peers = prefill.resources()["peers"]
         assert (peers["decode_kv_args_table"], peers["failed_sessions"], peers["monitor_held_out"]) == (1, 1, 1), peers
@@ -209,18 +219,15 @@ def test_failed_write_to_a_frozen_decode_takes_its_session_out_until_it_answers(
     t_resume = time.monotonic()
     wait_until(decode_leg.done, 30, "decode's answer after resume")
     assert decode_leg.status == 500 and REASON["kv"] in json.dumps(decode_leg.response), decode_leg.out
-    # decode answers again: its session is let back in and the recovery counted, once
+    # decode answers again: its session is let back in and the recovery counted, once per prefill rank
     wait_until(lambda: prefill.resources()["peers"]["failed_sessions"] == 0, 15, "the session back")
     assert time.monotonic() - t_resume < 15
-    wait_until(lambda: metric_sum(cluster.metrics("prefill"), RECOVERIES) == recoveries + 1, 10,
+    wait_until(lambda: metric_sum(cluster.metrics("prefill"), RECOVERIES) == recoveries + ranks, 10,
                "the recovery to be counted")
-    assert metric_sum(cluster.metrics("prefill"), LOSSES) == losses + 1
+    assert metric_sum(cluster.metrics("prefill"), LOSSES) == losses + ranks
     assert prefill.resources()["peers"]["monitor_held_out"] == 0
     assert_idle(cluster, PD_ROLES, baseline=baseline, timeout=60)
-    after = _counters(cluster, "kv")
-    for role in PD_ROLES:
-        assert after[role][0] - before[role][0] == 1, (role, before, after)
-        assert after[role][1] - before[role][1] == 1, (role, before, after)
+    _assert_counted_on_every_rank(cluster, before, _counters(cluster, "kv"))
     wait_end_causes(cluster, causes, {
         ("prefill", "transport", "prefill_inflight"): 1,
         ("decode", "transport", "decode_transfer"): 1,
