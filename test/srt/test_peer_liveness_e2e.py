@@ -65,6 +65,15 @@ def cluster(shared_liveness, deployments, request):
         resume_frozen(c)
 
 
+@pytest.fixture(autouse=True)
+def restart_a_killed_server(cluster):
+    """A test that failed with a server killed leaves it restarted (same ports) for the next test."""
+    yield
+    for role in PD_ROLES:
+        if not cluster[role].is_alive():
+            cluster[role].restart()
+
+
 @pytest.fixture(scope="module")
 def control(cluster):
     """The 20 recovery prompts answered by the healthy deployment (greedy)."""
