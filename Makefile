@@ -5,7 +5,7 @@ VPY    := $(VENV)/bin/python
 # Inputs of the fork wheel: rebuilt and reinstalled when any of them changes.
 SOURCES := $(shell git ls-files -co --exclude-standard pyproject.toml upstream.lock patches python build_backend 2>/dev/null)
 
-.PHONY: venv demo test bench bench-hooks bench-deadline bench-rl wheel system-deps clean
+.PHONY: venv demo test test-tp bench bench-hooks bench-deadline bench-rl wheel system-deps clean
 
 venv: $(VENV)/.fork-installed
 
@@ -14,6 +14,11 @@ demo: venv
 
 test: venv
 	$(VPY) -m pytest -ra --durations=25 --timeout=1200 test/srt
+
+# Every end-to-end scenario on every multi-rank topology (TP 2 + TP 2, prefill TP 2 +
+# decode TP 1); `make test` runs the pick of them not marked tp_matrix. README: how long.
+test-tp: venv
+	$(VPY) -m pytest -ra --durations=50 --timeout=1800 -m tp test/srt
 
 # Release gate: the fork vs stock upstream on CPU, judged on CPU time, then the cost of
 # each hook in process (~8 min on the shared box; not part of `make test`).

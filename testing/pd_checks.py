@@ -269,13 +269,15 @@ class ClosedLoop:
 
 
 def end_causes(metrics: Mapping[str, float]) -> Dict[Tuple[str, str, str], float]:
-    """`sglang:num_pd_request_end_causes_total` samples as {(role, cause, stage): n}."""
-    out = {}
+    """`sglang:num_pd_request_end_causes_total` samples as {(role, cause, stage): n}, summed over the other
+    labels (with tensor parallelism each rank exports its own `tp_rank`: an end counted on two ranks counts 2)."""
+    out: Dict[Tuple[str, str, str], float] = {}
     for key, value in metrics.items():
         if key.startswith(END_CAUSES + "{"):
             labels = dict(p.split("=", 1) for p in key[len(END_CAUSES) + 1 : -1].split(","))
             labels = {k: v.strip('"') for k, v in labels.items()}
-            out[(labels["role"], labels["cause"], labels["stage"])] = value
+            k = (labels["role"], labels["cause"], labels["stage"])
+            out[k] = out.get(k, 0.0) + value
     return out
 
 

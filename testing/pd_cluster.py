@@ -673,6 +673,11 @@ class PDCluster(Deployment):
     def url(self) -> str:
         return self.servers["lb"].url
 
+    @property
+    def multi_rank(self) -> bool:
+        """A server runs more than one rank (tensor parallelism)."""
+        return max(self.tp.values()) > 1
+
     def wait_healthy(self, timeout: float = DEFAULT_HEALTH_TIMEOUT) -> "PDCluster":
         super().wait_healthy(timeout)
         if self.gateway is not None:

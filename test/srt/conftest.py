@@ -10,7 +10,10 @@ Servers run under $SGLANG_FORK_PYTHON (see testing.pd_cluster).
 
 from __future__ import annotations
 
+import contextlib
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional, Tuple
 
 import pytest
 
@@ -317,6 +320,25 @@ class Deployments:
         self._start(cluster)
         return cluster
 
+    @contextlib.contextmanager
+    def scoped(self, *deployments: Deployment):
+        """Start `deployments`; take them apart when the block ends (in a parametrized
+        fixture: the next topology's deployment does not start beside this one)."""
+        self._start(*deployments)
+        try:
+            yield
+        finally:
+            self.discard(*deployments)
+
+    def discard(self, *deployments: Deployment) -> None:
+        for d in deployments:
+            if d in self.started:
+                self.started.remove(d)
+            if d in _LIVE:
+                _LIVE.remove(d)
+            resume_frozen(d)
+            d.teardown()
+
     def pd_and_single(self, single: Claim, **kwargs):
         cluster = PDCluster(self.model, **kwargs)
         self._start(cluster, claims=(single,))
@@ -370,6 +392,61 @@ def single_server(pd_deployment) -> SingleServer:
     return pd_deployment[1]
 
 
+# ----------------------------------------------------------------------------- topologies
+#
+# The end-to-end scenarios hold at every topology: a module parametrizes its deployment
+# fixture with `topology_params(...)` and its tests run on TP=1 (the shared or own
+# deployment, as before) and on each multi-rank topology, judged the same way (same
+# statuses, same end causes). A multi-rank case is marked `tp` (`make test-tp` runs
+# them all) and, unless the module is in CI's pick, `tp_matrix` (deselected by default:
+# pyproject's addopts); README gives each one's wall time.
+FP32 = ("--dtype", "float32")
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Ranks per server. Multi-rank servers run float32: greedy completions then do not
+    depend on the order of the ranks' partial sums (test_tensor_parallel_e2e)."""
+
+    name: str
+    tp: int = 1
+    decode_tp: Optional[int] = None
+    args: Tuple[str, ...] = ()
+
+    @property
+    def multi_rank(self) -> bool:
+        return max(self.tp, self.decode_tp or self.tp) > 1
+
+    def pd_kwargs(self, **kwargs) -> dict:
+        """PDCluster's keywords for this topology over the module's own."""
+        out = dict(kwargs, tp=self.tp, decode_tp=self.decode_tp)
+        for side in ("prefill_args", "decode_args"):
+            out[side] = (*self.args, *kwargs.get(side, ()))
+        return out
+
+
+TP1 = Topology("tp1")
+TP2 = Topology("tp2", tp=2, args=FP32)
+TP2_DECODE_TP1 = Topology("tp2-decode-tp1", tp=2, decode_tp=1, args=FP32)
+
+
+def topology_params(*multi_rank: Topology, ci: Tuple[Topology, ...] = ()) -> list:
+    """pytest params: TP=1, then each multi-rank topology marked `tp`, and `tp_matrix`
+    unless it is in `ci` (CI's pick for the module)."""
+    def marks(t):
+        return [pytest.mark.tp] + ([] if t in ci else [pytest.mark.tp_matrix])
+
+    return [pytest.param(TP1, id=TP1.name)] + [pytest.param(t, id=t.name, marks=marks(t)) for t in multi_rank]
+
+
+def topology_pd(deployments: Deployments, topology: Topology, **kwargs):
+    """A module fixture's body (`yield from`): its PDCluster (PDCluster's keywords) at
+    `topology`, taken apart when the fixture ends."""
+    cluster = PDCluster(deployments.model, **topology.pd_kwargs(**kwargs))
+    with deployments.scoped(cluster):
+        yield cluster
+
+
 # Queue harnesses (testing/queue_harness.py): one of each per test module, with its
 # idle snapshot as the baseline its tests return to.
 @pytest.fixture(scope="module")
@@ -392,13 +469,25 @@ def decode_h():
 
 # The production Rust gateway (sglang-router, its defaults) with self-registered
 # engines, a mini LB over the same engines and a plain control server.
-@pytest.fixture(scope="module")
-def gateway_deployment(deployments, shared_single):
-    """(PDCluster(balancer="router"), MiniLB over its engines, the shared SingleServer)."""
+@pytest.fixture(scope="module", params=topology_params(TP2))
+def gateway_deployment(deployments, shared_single, request):
+    """(PDCluster(balancer="router"), MiniLB over its engines, a SingleServer): TP=1 beside
+    the shared control server; TP=2 on both servers beside its own float32 control."""
     from testing.pd_cluster import MiniLB
 
-    cluster, single = deployments.pd_and_single(shared_single, balancer="router")
+    topology = request.param
+    if topology.multi_rank:
+        cluster = PDCluster(deployments.model, **topology.pd_kwargs(balancer="router"))
+        single = SingleServer(deployments.model, args=FP32)
+        own = (cluster, single)
+        deployments._start(*own)
+    else:
+        cluster, single = deployments.pd_and_single(shared_single, balancer="router")
+        own = (cluster,)
     mini = MiniLB(cluster["prefill"].url, cluster.bootstrap_port, cluster["decode"].url,
                   log_dir=str(cluster.log_dir))
     deployments._start(mini)
-    return cluster, mini, single
+    try:
+        yield cluster, mini, single
+    finally:
+        deployments.discard(mini, *own)

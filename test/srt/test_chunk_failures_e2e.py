@@ -18,8 +18,9 @@ import time
 
 import pytest
 
+from conftest import FP32, TP2, topology_params
 from testing.pd_checks import Leg, assert_idle, cluster_end_causes, leg_body, wait_end_causes
-from testing.pd_cluster import generate, generate_concurrently, metric_sum, prompts, wait_until
+from testing.pd_cluster import PDCluster, SingleServer, generate, generate_concurrently, metric_sum, prompts, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -56,13 +57,23 @@ FAILED_REQS = "sglang:num_transfer_failed_reqs_total"
 CHUNK_FAILURES = "sglang:num_transfer_chunk_failures_total"
 
 
-@pytest.fixture(scope="module")
-def deployment(deployments, shared_single):
-    return deployments.pd_and_single(
-        shared_single,
-        prefill_env={"SGLANG_TEST_DISAGG_FAIL_CHUNKS": FAULTS, **RELEASE_ENV, **PROBE_ENV, **HEARTBEAT_ENV},
-        decode_env=RELEASE_ENV,
-    )
+@pytest.fixture(scope="module", params=topology_params(TP2))
+def deployment(deployments, shared_single, request):
+    """(1P1D behind the mini LB, a plain control server): TP=1 beside the shared control; TP=2 on both
+    servers beside its own float32 control. The fault switch fails the write on every prefill rank."""
+    env = dict(prefill_env={"SGLANG_TEST_DISAGG_FAIL_CHUNKS": FAULTS, **RELEASE_ENV, **PROBE_ENV, **HEARTBEAT_ENV},
+               decode_env=RELEASE_ENV)
+    if not request.param.multi_rank:
+        cluster, single = deployments.pd_and_single(shared_single, **env)
+        try:
+            yield cluster, single
+        finally:
+            deployments.discard(cluster)
+        return
+    cluster = PDCluster(deployments.model, **request.param.pd_kwargs(**env))
+    single = SingleServer(deployments.model, args=FP32)
+    with deployments.scoped(cluster, single):
+        yield cluster, single
 
 
 def _chunk_failures(cluster, role, kind):
@@ -78,6 +89,18 @@ def _counters(cluster, kind):
         role: (metric_sum(cluster.metrics(role), FAILED_REQS), _chunk_failures(cluster, role, kind))
         for role in PD_ROLES
     }
+
+
+def _assert_counted_on_every_rank(cluster, before, after):
+    """One failed request, counted by every rank of each side (upstream counts a failed transfer on each
+    rank's scheduler); one failed chunk write per prefill rank that attempted it (the fault switch fails the
+    write on every prefill rank, each writing its own heads; a rank that hears of the failed room first
+    writes nothing), and as many on decode. At TP=1: 1 and 1. The end cause is counted once
+    (wait_end_causes)."""
+    for role in PD_ROLES:
+        ranks = cluster.tp[role]
+        assert after[role][0] - before[role][0] == ranks, (role, before, after)
+        assert 1 <= after[role][1] - before[role][1] <= cluster.tp["prefill"], (role, before, after)
 
 
 def _assert_serving_continues(cluster, baseline, requests, expected_ids=None):
@@ -131,10 +154,7 @@ def test_one_failed_chunk_among_16_fails_only_that_request(deployment, kind):
     # release deadline; prefill its poison mark after the same time)
     assert_idle(cluster, PD_ROLES, baseline=baseline, timeout=60)
 
-    after = _counters(cluster, kind)
-    for role in PD_ROLES:
-        assert after[role][0] - before[role][0] == 1, (role, before, after)
-        assert after[role][1] - before[role][1] == 1, (role, before, after)
+    _assert_counted_on_every_rank(cluster, before, _counters(cluster, kind))
     # ended once on each side, as a transport failure, where the KV was in flight
     wait_end_causes(cluster, causes, {
         ("prefill", "transport", "prefill_inflight"): 1,
@@ -186,9 +206,11 @@ def test_failed_write_to_a_frozen_decode_takes_its_session_out_until_it_answers(
                    "the frozen decode's session to be blacklisted",
                    on_timeout=lambda: str(prefill.resources()["peers"]))
         assert time.monotonic() - t_answer <= PROBE_BOUND_S + 5
-        # still out at the next heartbeat: the decode is declared lost, once, while frozen;
+        # still out at the next heartbeat: the decode is declared lost, once per prefill rank, while frozen;
         # its registration is kept and its session held out
-        wait_until(lambda: metric_sum(cluster.metrics("prefill"), LOSSES) == losses + 1, 2 * HEARTBEAT_S + 10,
+        # (each prefill rank's monitor watches its own session to the decode: each declares it lost)
+        ranks = cluster.tp["prefill"]
+        wait_until(lambda: metric_sum(cluster.metrics("prefill"), LOSSES) == losses + ranks, 2 * HEARTBEAT_S + 10,
                    "the frozen decode to be declared lost", on_timeout=lambda: str(prefill.resources()["peers"]))
         peers = prefill.resources()["peers"]
         assert (peers["decode_kv_args_table"], peers["failed_sessions"], peers["monitor_held_out"]) == (1, 1, 1), peers
@@ -198,18 +220,15 @@ def test_failed_write_to_a_frozen_decode_takes_its_session_out_until_it_answers(
     t_resume = time.monotonic()
     wait_until(decode_leg.done, 30, "decode's answer after resume")
     assert decode_leg.status == 500 and REASON["kv"] in json.dumps(decode_leg.response), decode_leg.out
-    # decode answers again: its session is let back in and the recovery counted, once
+    # decode answers again: its session is let back in and the recovery counted, once per prefill rank
     wait_until(lambda: prefill.resources()["peers"]["failed_sessions"] == 0, 15, "the session back")
     assert time.monotonic() - t_resume < 15
-    wait_until(lambda: metric_sum(cluster.metrics("prefill"), RECOVERIES) == recoveries + 1, 10,
+    wait_until(lambda: metric_sum(cluster.metrics("prefill"), RECOVERIES) == recoveries + ranks, 10,
                "the recovery to be counted")
-    assert metric_sum(cluster.metrics("prefill"), LOSSES) == losses + 1
+    assert metric_sum(cluster.metrics("prefill"), LOSSES) == losses + ranks
     assert prefill.resources()["peers"]["monitor_held_out"] == 0
     assert_idle(cluster, PD_ROLES, baseline=baseline, timeout=60)
-    after = _counters(cluster, "kv")
-    for role in PD_ROLES:
-        assert after[role][0] - before[role][0] == 1, (role, before, after)
-        assert after[role][1] - before[role][1] == 1, (role, before, after)
+    _assert_counted_on_every_rank(cluster, before, _counters(cluster, "kv"))
     wait_end_causes(cluster, causes, {
         ("prefill", "transport", "prefill_inflight"): 1,
         ("decode", "transport", "decode_transfer"): 1,

@@ -14,7 +14,7 @@ from functools import partial
 
 import pytest
 
-from conftest import assert_idle, held
+from conftest import TP2, assert_idle, held, topology_params, topology_pd
 from testing.pd_checks import abort_gate_until_let_go, at_gate, call, on_both, waiting_for_peer
 from testing.pd_cluster import (
     PDCluster,
@@ -29,6 +29,8 @@ pytestmark = pytest.mark.e2e
 PD_ROLES = ("prefill", "decode")
 MODES = ("abort", "in_place", "retract")
 CYCLES = int(os.environ.get("PD_PAUSE_CYCLES", "20"))
+# 4 scheduler ranks and a gateway on 2 cores: fewer cycles per case (each mode and order still covered)
+CYCLES_MULTI_RANK = int(os.environ.get("PD_PAUSE_CYCLES_TP", "5"))
 CONCURRENCY = 8
 MAX_NEW_TOKENS = 64
 REQUEST_DEADLINE_S = 60.0  # generous on 2 loaded cores; a hang is minutes
@@ -39,11 +41,15 @@ LONG_PAUSE_S = 2.0
 RELEASE_MESSAGE = "engine memory released during pause"
 
 
-@pytest.fixture(scope="module")
-def cluster(shared_pd) -> PDCluster:
-    """The shared default 1P1D (conftest.shared_pd): taken idle, running and serving,
-    and left so (checked when the module ends)."""
-    return shared_pd.deployment
+@pytest.fixture(scope="module", params=topology_params(TP2))
+def cluster(shared_pd, deployments, request) -> PDCluster:
+    """TP=1: the shared default 1P1D (conftest.shared_pd) behind the mini LB: taken idle,
+    running and serving, and left so (checked when the module ends). TP=2 on both
+    servers: the module's own, behind the Rust gateway."""
+    if request.param.multi_rank:
+        yield from topology_pd(deployments, request.param, balancer="router")
+    else:
+        yield shared_pd.deployment
 
 
 @pytest.fixture(scope="module")
@@ -222,11 +228,12 @@ def test_calls_upstream_cannot_survive_get_409_naming_the_state(cluster, control
 
 @pytest.mark.parametrize("mode", MODES)
 def test_full_cycles_under_load(cluster, control, mode):
+    cycles = CYCLES_MULTI_RANK if cluster.multi_rank else CYCLES
     baseline = assert_idle(cluster, PD_ROLES)
     outcomes = {"completed": 0, "diverged_after_retraction": 0, "aborted": 0}
     in_flight_at_pause = []
     t_start = time.monotonic()
-    for cycle in range(CYCLES):
+    for cycle in range(cycles):
         burst = Burst(cluster, f"{mode}-{cycle}")
         wait_until(lambda: requests_held(cluster) or all(burst.ended), 30, "requests in flight")
         in_flight_at_pause.append(requests_held(cluster))
@@ -241,7 +248,7 @@ def test_full_cycles_under_load(cluster, control, mode):
         assert_baseline(cluster, baseline)
     elapsed = time.monotonic() - t_start
     busy = sum(1 for n in in_flight_at_pause if n)
-    assert busy >= MIN_CYCLES_IN_FLIGHT * CYCLES, (mode, in_flight_at_pause)
+    assert busy >= MIN_CYCLES_IN_FLIGHT * cycles, (mode, in_flight_at_pause)
     if mode == "abort":  # what is in flight at an abort-mode pause is aborted
         assert outcomes["aborted"] > 0, outcomes
     # After the last cycle the cluster serves exactly what it served before.
@@ -249,7 +256,7 @@ def test_full_cycles_under_load(cluster, control, mode):
     out = generate_concurrently(cluster.url, texts, max_new_tokens=MAX_NEW_TOKENS)
     assert [r["output_ids"] for r in out] == [control[t] for t in texts]
     assert_baseline(cluster, baseline)
-    print(f"{mode}: {CYCLES} cycles in {elapsed:.1f}s, {outcomes}, "
+    print(f"{mode}: {cycles} cycles in {elapsed:.1f}s, {outcomes}, "
           f"held at each pause {in_flight_at_pause}")
 
 
@@ -331,19 +338,29 @@ def _poll(predicate, timeout: float) -> bool:
 
 
 SKEW_CYCLES = int(os.environ.get("PD_PAUSE_SKEW_CYCLES", "6"))
+SKEW_CYCLES_MULTI_RANK = int(os.environ.get("PD_PAUSE_SKEW_CYCLES_TP", "3"))
+
+
+def _skewed(cluster, control, mode, first):
+    """_skewed_cycles, the cluster left running whatever happened (a failed cycle leaves a server paused)."""
+    try:
+        _skewed_cycles(cluster, control, mode, first, SKEW_CYCLES_MULTI_RANK if cluster.multi_rank else SKEW_CYCLES)
+    finally:
+        for role in PD_ROLES:
+            call(cluster, role, "continue_generation")
 
 
 @pytest.mark.parametrize("mode", ("in_place", "retract"))
 @pytest.mark.parametrize("first", PD_ROLES)
 def test_skewed_pause_windows(cluster, control, mode, first):
-    _skewed_cycles(cluster, control, mode, first, SKEW_CYCLES)
+    _skewed(cluster, control, mode, first)
 
 
 @pytest.mark.parametrize("first", PD_ROLES)
 def test_skewed_pause_windows_abort_mode(cluster, control, first):
     """Issue 13 hole 1: decode's gate aborts a request whose prefill copy was let
     through; prefill must hear of it. Hangs without the room ledger's fix."""
-    _skewed_cycles(cluster, control, "abort", first, SKEW_CYCLES)
+    _skewed(cluster, control, "abort", first)
 
 
 def test_abort_during_long_pause_is_answered_within_1s(cluster, control):

@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from conftest import resume_frozen, shared_env
+from conftest import LIVENESS_ARGS, LIVENESS_ENV, TP2, resume_frozen, shared_env, topology_params, topology_pd
 from testing.pd_checks import (
     assert_idle,
     delta,
@@ -49,15 +49,33 @@ RECOVERIES = "sglang:num_pd_peer_recoveries_total"
 PD_ROLES = ("prefill", "decode")
 
 
-@pytest.fixture(scope="module")
-def cluster(shared_liveness):
-    """The shared peer-liveness 1P1D (conftest), running with ENV."""
+@pytest.fixture(scope="module", params=topology_params(TP2))
+def cluster(shared_liveness, deployments, request):
+    """TP=1: the shared peer-liveness 1P1D (conftest), running with ENV; TP=2 on both servers: the module's
+    own with the same env and args. The mini LB in front."""
+    if request.param.multi_rank:
+        yield from topology_pd(deployments, request.param, prefill_env=LIVENESS_ENV, decode_env=LIVENESS_ENV,
+                               prefill_args=LIVENESS_ARGS, decode_args=LIVENESS_ARGS)
+        return
     c = shared_liveness.deployment
     shared_env(c, PD_ROLES, ENV)
     try:
         yield c
     finally:
         resume_frozen(c)
+
+
+@pytest.fixture(autouse=True)
+def restart_a_killed_server(cluster):
+    """A test that failed with a server killed leaves it restarted (same ports) for the next test."""
+    yield
+    if all(cluster[role].is_alive() for role in PD_ROLES):
+        return
+    for role in PD_ROLES:
+        if not cluster[role].is_alive():
+            cluster[role].restart()
+    # one request, as a test that passed ends with: decode knows the prefill again
+    assert generate(cluster.url, "restarted", max_new_tokens=1)["status"] == 200
 
 
 @pytest.fixture(scope="module")
@@ -94,22 +112,28 @@ def _peers(server) -> dict:
 
 
 def _count(server, name: str) -> float:
+    """A counter summed over its label sets: the loss and recovery counters move once per rank of the
+    survivor (each rank's monitor watches its own session to the peer)."""
     return metric_sum(server.metrics(), name)
 
 
-def _assert_named_5xx(legs, lost_role: str, t_kill: float) -> None:
+def _assert_named_5xx(legs, lost_role: str, t_kill: float, multi_rank: bool = False) -> None:
+    """Every leg a 5xx naming the lost peer: 502 "peer ... lost", or 500 naming the failed write to it.
+    With tensor parallelism each rank of the lost peer has its own transfer session (its own address): a
+    500 names the session its write failed to, which may be another rank's than the one a 502 names."""
     lost = [leg for leg in legs if leg.status == 502]
     assert lost, [(leg.status, leg.response) for leg in legs]
     marker = f"{lost_role} peer 127.0.0.1:"
     detail = json.dumps(lost[0].response)
     assert marker in detail, detail
     peer = detail[detail.index(marker) + len(marker) - len("127.0.0.1:"):].split(" ")[0]
+    written_to = "to 127.0.0.1:" if multi_rank else f"to {peer}"
     for leg in legs:
         detail = json.dumps(leg.response)
         if leg.status == 502:
             assert f"PD peer lost: {lost_role} peer {peer} lost" in detail, detail
         else:
-            assert leg.status == 500 and "Failed to send kv chunk" in detail and f"to {peer}" in detail, (leg.status, detail)
+            assert leg.status == 500 and "Failed to send kv chunk" in detail and written_to in detail, (leg.status, detail)
         assert leg.ended_at - t_kill <= DETECT_BOUND, leg.ended_at - t_kill
 
 
@@ -155,7 +179,7 @@ def test_decode_killed_in_flight_then_restarted(cluster, control):
     # every prefill leg ends within detection + a tick, with a 5xx naming the lost
     # decode: 502 "decode peer ... lost", or 500 for a request whose own write was the
     # one that failed (before the loss was known)
-    _assert_named_5xx(prefill_legs, "decode", t_kill)
+    _assert_named_5xx(prefill_legs, "decode", t_kill, cluster.multi_rank)
     # each prefill leg counted once, by the cause its answer names, in its stage
     expected = {("prefill", c, "prefill_inflight"): n for c, n in _lost_by_cause(prefill_legs).items()}
     wait_until(lambda: delta(causes, _causes(prefill)) == expected, 10, "end causes counted",
@@ -167,14 +191,14 @@ def test_decode_killed_in_flight_then_restarted(cluster, control):
         return p["decode_kv_args_table"] == 0 and p["failed_sessions"] == 0 and p["session_failures"] == 0
 
     wait_until(forgotten, DETECT_BOUND, "prefill to forget the dead decode session", on_timeout=lambda: str(_peers(prefill)))
-    assert _count(prefill, LOSSES) == losses + 1
+    assert _count(prefill, LOSSES) == losses + cluster.tp["prefill"]
     assert "decode peer 127.0.0.1:" in prefill.tail(400) and "PD peer lost" in prefill.tail(400)
 
     decode.start()
     decode.wait_healthy()
     _recover(cluster, control, "prefill", baseline, peers_before)
-    assert _count(prefill, RECOVERIES) == recoveries + 1
-    assert _count(prefill, LOSSES) == losses + 1
+    assert _count(prefill, RECOVERIES) == recoveries + cluster.tp["prefill"]
+    assert _count(prefill, LOSSES) == losses + cluster.tp["prefill"]
     assert delta(causes, _causes(prefill)) == expected  # the recovery run ended nothing
 
 
@@ -199,7 +223,7 @@ def test_prefill_killed_in_flight_then_restarted(cluster, control):
     assert not [leg for leg in decode_legs if leg.is_alive()], "a request hangs"
     addr = f"127.0.0.1:{cluster.bootstrap_port}"
     assert [leg.status for leg in decode_legs] == [502] * N_INFLIGHT, [leg.response for leg in decode_legs]
-    _assert_named_5xx(decode_legs, "prefill", t_kill)
+    _assert_named_5xx(decode_legs, "prefill", t_kill, cluster.multi_rank)
     assert f"prefill peer {addr} lost" in json.dumps(decode_legs[0].response)
     expected = {("decode", "peer_failure", "decode_transfer"): N_INFLIGHT}
     wait_until(lambda: delta(causes, _causes(decode)) == expected, 10, "end causes counted",
@@ -207,14 +231,14 @@ def test_prefill_killed_in_flight_then_restarted(cluster, control):
     assert_idle(cluster, ("decode",), baseline, timeout=10)
     assert _peers(decode)["prefill_info_table"] == 0
     assert _peers(decode)["connection_pool"] == 0
-    assert _count(decode, LOSSES) == losses + 1
+    assert _count(decode, LOSSES) == losses + cluster.tp["decode"]
     assert f"prefill peer {addr} lost" in decode.tail(400)
 
     prefill.start()
     prefill.wait_healthy()
     _recover(cluster, control, "decode", baseline, peers_before)
-    assert _count(decode, RECOVERIES) == recoveries + 1
-    assert _count(decode, LOSSES) == losses + 1
+    assert _count(decode, RECOVERIES) == recoveries + cluster.tp["decode"]
+    assert _count(decode, LOSSES) == losses + cluster.tp["decode"]
     assert delta(causes, _causes(decode)) == expected  # the recovery run ended nothing
 
 
@@ -257,6 +281,7 @@ class Traffic(threading.Thread):
 
 
 KILLS = 5
+KILLS_MULTI_RANK = 2  # a TP=2 server takes 1-2 min to start on 2 cores
 
 
 def test_decode_killed_and_restarted_repeatedly_under_traffic(cluster, control):
@@ -265,10 +290,11 @@ def test_decode_killed_and_restarted_repeatedly_under_traffic(cluster, control):
     peers_before = _peers(prefill)
     losses, recoveries = _count(prefill, LOSSES), _count(prefill, RECOVERIES)
     causes = _causes(prefill)
+    kills = KILLS_MULTI_RANK if cluster.multi_rank else KILLS
     traffic = Traffic(cluster.url)
     traffic.start()
     try:
-        for k in range(KILLS):
+        for k in range(kills):
             served = len(traffic.results)
             wait_until(lambda: len(traffic.results) >= served + 2, 60, f"traffic before kill {k}")
             decode.kill()
@@ -288,11 +314,11 @@ def test_decode_killed_and_restarted_repeatedly_under_traffic(cluster, control):
     assert all(s is not None for s in statuses), statuses
     assert max(r["latency"] for r in traffic.results) <= DEADLINE + 15, sorted(r["latency"] for r in traffic.results)[-5:]
     ok = [r for r in traffic.results if r["status"] == 200]
-    assert len(ok) >= 2 * KILLS
+    assert len(ok) >= 2 * kills
     # nothing accumulated on the survivor: rooms, KV, sessions, sockets
     assert_idle(cluster, PD_ROLES, baseline, timeout=DEADLINE + 30)
-    assert _count(prefill, LOSSES) == losses + KILLS
-    assert _count(prefill, RECOVERIES) == recoveries + KILLS
+    assert _count(prefill, LOSSES) == losses + kills * cluster.tp["prefill"]
+    assert _count(prefill, RECOVERIES) == recoveries + kills * cluster.tp["prefill"]
     # what prefill ended, it ended for the lost peer or because the load balancer gave
     # up the request when decode was down (a client abort of the prefill leg); how many
     # depends on what was in flight at each kill. None waited for the deadline fallback.

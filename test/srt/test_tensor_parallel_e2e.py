@@ -16,16 +16,15 @@ import threading
 
 import pytest
 
-from conftest import assert_idle
+from conftest import FP32, assert_idle
 from testing import pd_checks
 from testing.pd_checks import ClosedLoop
 from testing.pd_cluster import (PDCluster, SingleServer, generate, generate_concurrently, http_get, http_post_json,
                                 prompts, wait_until)
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.tp]
 
 PD_ROLES = ("prefill", "decode")
-FP32 = ("--dtype", "float32")
 MAX_NEW = 16
 CALL_TIMEOUT_S = 120.0
 ANSWER_BOUND_S = 30.0  # on 2 cores shared by 4 scheduler ranks, a gateway and the control (measured: < 10 s)

@@ -22,6 +22,7 @@ import urllib.request
 import psutil
 import pytest
 
+from conftest import TP2, TP2_DECODE_TP1, topology_params, topology_pd
 from testing.pd_checks import Leg, assert_idle, cluster_end_causes, delta, held, leg_body, wait_end_causes
 from testing.pd_cluster import (
     HOST,
@@ -47,9 +48,12 @@ COUNTER = "sglang:num_transfer_timeout_reqs_total"
 EARLIEST = DEADLINE
 
 
-@pytest.fixture(scope="module")
-def cluster(deployments):
-    return deployments.pd(prefill_env=ENV, decode_env=ENV)
+@pytest.fixture(scope="module", params=topology_params(TP2, TP2_DECODE_TP1, ci=(TP2,)))
+def cluster(deployments, request):
+    """TP=1 behind the mini LB; TP=2 on both servers, and prefill TP=2 with decode TP=1, behind the Rust
+    gateway (the legs go to the servers)."""
+    balancer = "router" if request.param.multi_rank else "mini"
+    yield from topology_pd(deployments, request.param, prefill_env=ENV, decode_env=ENV, balancer=balancer)
 
 
 def _leg(cluster, room: int, path: str = "/generate", **body) -> dict:

@@ -22,6 +22,7 @@ import time
 
 import pytest
 
+from conftest import TP2, topology_params, topology_pd
 from testing.pd_checks import Leg, assert_idle, call, cluster_end_causes, leg_body, wait_end_causes
 from testing.pd_cluster import generate, prompts, wait_until
 
@@ -36,9 +37,11 @@ OCCUPIER_TOKENS = 4000
 PD_ROLES = ("prefill", "decode")
 
 
-@pytest.fixture(scope="module")
-def cluster(deployments):
-    return deployments.pd(
+@pytest.fixture(scope="module", params=topology_params(TP2))
+def cluster(deployments, request):
+    """TP=1, and TP=2 on both servers (the module plays the load balancer)."""
+    yield from topology_pd(
+        deployments, request.param,
         prefill_env={"SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT": str(DEADLINE),
                      "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN": "1"},
         decode_env={"SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT": "60"},

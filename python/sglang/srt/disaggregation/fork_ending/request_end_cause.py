@@ -68,6 +68,15 @@ def scheduler_labels(scheduler: Any) -> Optional[Dict[str, str]]:
     return dict(labels) if isinstance(labels, dict) else {}
 
 
+def answering_rank(scheduler: Any) -> bool:
+    """Whether this scheduler is the rank that answers the client and exports upstream's scheduler metrics
+    (attention TP/CP rank 0). With tensor parallelism every rank retires the same request in the same
+    iteration; only this rank counts its end (the others' counts would double it, and a rank that did not
+    decide the end knows no tag: it would count a transport failure). True without upstream's context."""
+    context = getattr(scheduler, "metrics_collector_context", None)
+    return getattr(context, "is_stats_logging_rank", True) is not False
+
+
 def counter(key: str, base_labels: Dict[str, str]) -> Any:
     """The counter `key` (created on first use with `base_labels`' names first)."""
     with _made_lock:
@@ -133,7 +142,8 @@ def cause_of(req: Any, kv_manager: Any = None) -> Tuple[str, Optional[str]]:
 
 
 def record_end(scheduler: Any, req: Any, role: str, stage: str, kv_manager: Any = None) -> Optional[str]:
-    """Count `req`'s end once and forget its room's tag; the cause counted (later calls: None)."""
+    """Count `req`'s end once and forget its room's tag; the cause counted (later calls: None). The exported
+    counter moves on the answering rank only (answering_rank); COUNTS is this process's own."""
     if getattr(req, _REQ_COUNTED, False):
         return None
     cause, _peer = cause_of(req, kv_manager)
@@ -141,7 +151,8 @@ def record_end(scheduler: Any, req: Any, role: str, stage: str, kv_manager: Any 
     with _lock:
         _rooms(kv_manager).pop(getattr(req, "bootstrap_room", None), None)
     COUNTS[(role, cause, stage)] += 1
-    inc("end_cause", scheduler_labels(scheduler), role=role, cause=cause, stage=stage)
+    if answering_rank(scheduler):
+        inc("end_cause", scheduler_labels(scheduler), role=role, cause=cause, stage=stage)
     return cause
 
 
