@@ -225,9 +225,12 @@ class TestHosts:
             _bridge("link", "set", "dev", self._port(role), "isolated", "off", netns=self.switch)
         self._cut = None
 
-    def shape(self, role: str, rate_bits: int, burst_bytes: int = MIN_BURST, latency_ms: int = 1000) -> None:
-        """Everything the switch sends to `role` goes at `rate_bits` per second (tbf, burst > a segment)."""
-        if burst_bytes < MIN_BURST:
+    def shape(self, role: str, rate_bits: int, burst_bytes: int = MIN_BURST, latency_ms: int = 1000,
+              drop_large: bool = False) -> None:
+        """Everything the switch sends to `role` goes at `rate_bits` per second (tbf, burst > a segment).
+        `drop_large`: a burst below the segment size is allowed, and then tbf drops every packet larger than it
+        (small ones pass): a link on which bulk TCP transfers stall while connects and small messages work."""
+        if burst_bytes < MIN_BURST and not drop_large:
             raise HostsError(f"burst {burst_bytes} B < {MIN_BURST} B: tbf would drop veth's 64 KiB segments")
         _in(self.switch, "tc", "qdisc", "replace", "dev", self._port(role), "root", "tbf",
             "rate", f"{rate_bits}bit", "burst", str(burst_bytes), "latency", f"{latency_ms}ms")

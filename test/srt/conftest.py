@@ -402,3 +402,17 @@ def gateway_deployment(deployments, shared_single):
                   log_dir=str(cluster.log_dir))
     deployments._start(mini)
     return cluster, mini, single
+
+
+@pytest.fixture(scope="module")
+def pd_hosts():
+    """testing.hosts.TestHosts with prefill, decode and the balancer ("lb") each on a host of its own; the module
+    skips where network namespaces cannot be made (not root). Ask for it before `deployments`, so that the
+    servers are torn down before their hosts."""
+    from testing import hosts
+
+    why = hosts.unavailable()
+    if why:
+        pytest.skip(why)
+    with hosts.TestHosts(("prefill", "decode", "lb")) as made:
+        yield made

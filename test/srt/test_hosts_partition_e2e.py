@@ -14,8 +14,6 @@ import time
 
 import pytest
 
-from testing import hosts as hosts_mod
-from testing.hosts import TestHosts
 from testing.pd_checks import ClosedLoop, assert_idle, delta, cluster_end_causes
 from testing.pd_cluster import generate, metric_sum, wait_until
 
@@ -44,20 +42,11 @@ PD_ROLES = ("prefill", "decode")
 
 
 @pytest.fixture(scope="module")
-def hosts():
-    why = hosts_mod.unavailable()
-    if why:
-        pytest.skip(why)
-    with TestHosts(("prefill", "decode", "lb")) as h:
-        yield h
-
-
-@pytest.fixture(scope="module")
-def cluster(hosts, deployments):
+def cluster(pd_hosts, deployments):
     """1P1D + mini LB, each on its own host (torn down before the hosts)."""
-    c = deployments.pd(hosts=hosts.hosts, prefill_env=ENV, decode_env=ENV)
+    c = deployments.pd(hosts=pd_hosts.hosts, prefill_env=ENV, decode_env=ENV)
     yield c
-    hosts.heal()
+    pd_hosts.heal()
 
 
 def _counts(cluster, name: str) -> dict:
@@ -78,7 +67,7 @@ def _judge(results, peers: dict) -> None:
             assert r["status"] == 504, (r["status"], detail)
 
 
-def test_silent_partition_between_prefill_and_decode(cluster, hosts):
+def test_silent_partition_between_prefill_and_decode(cluster, pd_hosts):
     baseline = assert_idle(cluster, PD_ROLES)
     losses, recoveries = _counts(cluster, LOSSES), _counts(cluster, RECOVERIES)
     causes = cluster_end_causes(cluster)
@@ -88,7 +77,7 @@ def test_silent_partition_between_prefill_and_decode(cluster, hosts):
         wait_until(lambda: loop.completed() >= 2 * CLIENTS, 60, "closed-loop completions before the cut")
 
         t_cut = time.monotonic()
-        hosts.cut("prefill", "decode")
+        pd_hosts.cut("prefill", "decode")
         detected = {}
 
         def both_lost():
@@ -105,7 +94,7 @@ def test_silent_partition_between_prefill_and_decode(cluster, hosts):
                    ANSWER_BOUND + 5, "requests bound to the silent peer to end")
         during = loop.results[:]
         t_heal = time.monotonic()
-        hosts.heal()
+        pd_hosts.heal()
         probes = []
 
         def probe_served():  # one request at a time from the test itself (the clients may still be waiting)
@@ -120,7 +109,7 @@ def test_silent_partition_between_prefill_and_decode(cluster, hosts):
         wait_until(lambda: loop.completed() >= n_heal + 2 * CLIENTS, 60, "serving after the heal")
     finally:
         loop.stop()
-        hosts.heal()
+        pd_hosts.heal()
     print(f"\nsilent partition: declared lost after {detected} s; served again {recovered_after:.2f} s after the heal;"
           f" answers {dict(loop.summary())}; probes after the heal {[(r['status'], round(r['latency'], 2)) for r in probes]}")
     for r in probes:
