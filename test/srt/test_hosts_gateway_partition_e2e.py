@@ -19,7 +19,7 @@ from testing.pd_cluster import generate, wait_until
 
 pytestmark = pytest.mark.e2e
 
-HEALTH_INTERVAL, HEALTH_FAILURES, HEALTH_TIMEOUT = 1, 2, 1
+HEALTH_INTERVAL, HEALTH_FAILURES, HEALTH_TIMEOUT = 1, 2, 3  # upstream's /health takes >= 1 s (a generation)
 GATEWAY_ARGS = (
     "--health-check-interval-secs", str(HEALTH_INTERVAL),
     "--health-failure-threshold", str(HEALTH_FAILURES),
