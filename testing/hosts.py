@@ -226,14 +226,28 @@ class TestHosts:
         self._cut = None
 
     def shape(self, role: str, rate_bits: int, burst_bytes: int = MIN_BURST, latency_ms: int = 1000,
-              drop_large: bool = False) -> None:
-        """Everything the switch sends to `role` goes at `rate_bits` per second (tbf, burst > a segment).
-        `drop_large`: a burst below the segment size is allowed, and then tbf drops every packet larger than it
-        (small ones pass): a link on which bulk TCP transfers stall while connects and small messages work."""
+              drop_large: bool = False, src: Optional[str] = None) -> None:
+        """What the switch sends to `role` (only what comes from host `src`, if given: one link of the switch)
+        goes at `rate_bits` per second (tbf, burst > a segment). `drop_large`: a burst below the segment size is
+        allowed; tbf then drops every packet larger than the burst (a burst below the MTU: every full-size
+        packet), while small ones pass: a link on which bulk TCP transfers stall while connects, acks and small
+        messages still work."""
         if burst_bytes < MIN_BURST and not drop_large:
             raise HostsError(f"burst {burst_bytes} B < {MIN_BURST} B: tbf would drop veth's 64 KiB segments")
-        _in(self.switch, "tc", "qdisc", "replace", "dev", self._port(role), "root", "tbf",
-            "rate", f"{rate_bits}bit", "burst", str(burst_bytes), "latency", f"{latency_ms}ms")
+        port = self._port(role)
+        tbf = ["tbf", "rate", f"{rate_bits}bit", "burst", str(burst_bytes), "latency", f"{latency_ms}ms"]
+        self.unshape(role)
+        if src is None:
+            _in(self.switch, "tc", "qdisc", "add", "dev", port, "root", *tbf)
+            return
+        # htb classifies by source address (u32): `src`'s packets into the shaped class, the rest unshaped
+        _in(self.switch, "tc", "qdisc", "add", "dev", port, "root", "handle", "1:", "htb", "default", "1")
+        _in(self.switch, "tc", "class", "add", "dev", port, "parent", "1:", "classid", "1:1", "htb", "rate", "10gbit")
+        _in(self.switch, "tc", "class", "add", "dev", port, "parent", "1:", "classid", "1:10", "htb",
+            "rate", "10gbit")
+        _in(self.switch, "tc", "qdisc", "add", "dev", port, "parent", "1:10", "handle", "10:", *tbf)
+        _in(self.switch, "tc", "filter", "add", "dev", port, "parent", "1:", "protocol", "ip", "prio", "1", "u32",
+            "match", "ip", "src", f"{self.hosts[src].address}/32", "flowid", "1:10")
 
     def unshape(self, role: str) -> None:
         subprocess.run(["ip", "netns", "exec", self.switch, "tc", "qdisc", "del", "dev", self._port(role), "root"],

@@ -17,14 +17,20 @@ from testing.hosts import HostsError, TestHosts, netns_list
 
 pytestmark = pytest.mark.skipif(hosts_mod.unavailable() is not None, reason=str(hosts_mod.unavailable()))
 
-# A listener on a host: accepts, sends n bytes, closes (one connection at a time).
+# A listener on a host: sends n bytes to each connection (a thread each), closes.
 SERVE = """
-import socket, sys
+import socket, sys, threading
 s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
 s.bind((sys.argv[1], 9000)); s.listen(8)
 print("ready", flush=True)
+def send(c):
+    with c:
+        try:
+            c.sendall(b"x" * int(sys.argv[2]))
+        except (BrokenPipeError, ConnectionResetError, TimeoutError):
+            return  # the client gave up on a stalled link
 while True:
-    c, _ = s.accept(); c.sendall(b"x" * int(sys.argv[2])); c.close()
+    threading.Thread(target=send, args=(s.accept()[0],), daemon=True).start()
 """
 # A client on a host (or here): connect with a 1 s timeout, read everything; prints the outcome and seconds.
 CONNECT = """
@@ -90,7 +96,7 @@ def test_cut_is_silent_between_the_two_hosts_only_and_heals(served):
 def test_shaped_link_goes_at_its_rate(served):
     h, size = served
     rate = 40_000_000  # bit/s: 4 MiB in ~0.84 s
-    h.shape("decode", rate)
+    h.shape("decode", rate, src="prefill")
     try:
         kind, n, seconds = _connect(h, "decode", "prefill", timeout=30)
         assert (kind, n) == ("ok", size)
@@ -100,6 +106,19 @@ def test_shaped_link_goes_at_its_rate(served):
         h.unshape("decode")
     with pytest.raises(HostsError):
         h.shape("decode", rate, burst_bytes=64 * 1024)  # would drop, not shape
+
+
+def test_link_that_drops_full_size_packets_stalls_bulk_transfers_only_from_src(served):
+    h, size = served
+    h.shape("decode", 40_000_000, burst_bytes=1000, drop_large=True, src="prefill")
+    try:
+        kind, n, seconds = _connect(h, "decode", "prefill", timeout=3)
+        assert kind == "TimeoutError" and n == 0, (kind, n, seconds)  # connected, then nothing of bulk arrives
+        assert _connect(h, "gateway", "prefill")[:2] == ("ok", size)  # other links untouched
+        h.shape("decode", 40_000_000, src="prefill")  # replaces it: shaped, not stalled
+        assert _connect(h, "decode", "prefill", timeout=30)[:2] == ("ok", size)
+    finally:
+        h.unshape("decode")
 
 
 def test_everything_is_removed_also_on_failure():

@@ -1,8 +1,8 @@
 """A slow link between prefill and decode on separate test hosts (testing/hosts.py), with the wide-KV tiny model
-(32 KiB of KV a token): a token bucket (tbf) on the switch port towards decode.
+(32 KiB of KV a token): a token bucket (tbf) on what the switch forwards from prefill to decode.
 
 - Shaping (burst well above veth's 64 KiB segments): a large KV transfer completes, at the link's rate.
-- A link that drops every large segment (a burst below the segment size; small packets pass) stalls mooncake's
+- A link that drops every full-size packet (a burst below the MTU; acks and small messages pass) stalls mooncake's
   TCP transport: once it has made no progress for MC_TCP_PROGRESS_TIMEOUT_SEC it gives up, and the request gets
   the clear 500 ("Failed to send kv chunk", naming decode) on both legs, nothing is held, and once the link is
   good again the next request is served. docs/peer-liveness.md ("Slow links").
@@ -50,7 +50,7 @@ def test_shaped_link_moves_kv_at_its_rate(cluster, pd_hosts):
     for _ in range(2):
         fast = generate(cluster.url, PROMPT, 1, timeout=120)
         assert fast["status"] == 200, fast["error"]
-    pd_hosts.shape("decode", RATE)
+    pd_hosts.shape("decode", RATE, src="prefill")
     try:
         slow = generate(cluster.url, PROMPT, 1, timeout=120)
     finally:
@@ -70,7 +70,7 @@ def test_shaped_link_moves_kv_at_its_rate(cluster, pd_hosts):
 def test_stalled_transfer_gives_up_with_a_clear_500(cluster, pd_hosts):
     baseline = assert_idle(cluster, PD_ROLES)
     causes = cluster_end_causes(cluster)
-    pd_hosts.shape("decode", RATE, burst_bytes=16 * 1024, drop_large=True)
+    pd_hosts.shape("decode", RATE, burst_bytes=1000, drop_large=True, src="prefill")
     try:
         t0 = time.monotonic()
         out = generate(cluster.url, PROMPT, 1, timeout=DEADLINE + 60)
