@@ -302,6 +302,8 @@ class Server:
     port: int
     log_path: Path
     health_path: str = "/health"
+    address: str = HOST  # where it listens (its test host's address once placed)
+    netns: Optional[str] = None  # its test host's network namespace (testing/hosts.py), None: this one
     popen: Optional[subprocess.Popen] = None
     # Every process of the tree we have seen, keyed by pid, for teardown.
     _seen: Dict[int, psutil.Process] = field(default_factory=dict)
@@ -309,7 +311,18 @@ class Server:
 
     @property
     def url(self) -> str:
-        return f"http://{HOST}:{self.port}"
+        return f"http://{self.address}:{self.port}"
+
+    def place(self, host: Any) -> None:
+        """Run on a test host (testing.hosts.Host): in its namespace, bound to its address, which the server
+        also advertises (SGLANG_HOST_IP: bootstrap and mooncake's local hostname), as on its own machine."""
+        if self.popen is not None:
+            raise ClusterError(f"{self.role}: place before starting")
+        self.address, self.netns = host.address, host.netns
+        for flag in ("--host", "--prometheus-host"):
+            if flag in self.argv:
+                self.argv[self.argv.index(flag) + 1] = host.address
+        self.env = {**self.env, "SGLANG_HOST_IP": host.address}
 
     # -- lifecycle
 
@@ -321,7 +334,7 @@ class Server:
         self._log_file.write(f"\n==== start {time.strftime('%H:%M:%S')} {self.argv}\n".encode())
         self._log_file.flush()
         self.popen = subprocess.Popen(
-            self.argv,
+            ["ip", "netns", "exec", self.netns, *self.argv] if self.netns else self.argv,
             env=self.env,
             stdout=self._log_file,
             stderr=subprocess.STDOUT,
@@ -631,7 +644,9 @@ class PDCluster(Deployment):
         log_dir: Optional[str] = None,
         tp: int = 1,
         decode_tp: Optional[int] = None,
+        hosts: Optional[Mapping[str, Any]] = None,
     ):
+        """`hosts`: role (prefill, decode, lb) -> testing.hosts.Host to run it on (default: this host)."""
         if balancer not in BALANCERS:
             raise ValueError(f"balancer must be one of {BALANCERS}, not {balancer!r}")
         super().__init__(log_dir)
@@ -660,6 +675,10 @@ class PDCluster(Deployment):
             _role_env(decode_env),
             d_port,
         )
+        hosts = hosts or {}
+        for role in ("prefill", "decode"):
+            if role in hosts:
+                self.servers[role].place(hosts[role])
         self.gateway: Optional[Gateway] = None
         if balancer == "mini":
             self._add("lb", _mini_lb_argv(prefill.url, bootstrap, decode.url, lb_port, lb_args),
@@ -668,6 +687,8 @@ class PDCluster(Deployment):
             self.gateway = Gateway(prefill, decode, bootstrap, role="lb", env=lb_env, args=lb_args,
                                    port=lb_port, prometheus_port=prom_port, log_dir=str(self.log_dir))
             self.servers["lb"] = self.gateway["lb"]
+        if "lb" in hosts:
+            self.servers["lb"].place(hosts["lb"])
 
     @property
     def url(self) -> str:
@@ -808,7 +829,7 @@ class Gateway(Deployment):
 
     def metrics(self) -> Dict[str, float]:
         """The gateway's Prometheus metrics (its own port)."""
-        status, body = http_get(f"http://{HOST}:{self.prometheus_port}/metrics")
+        status, body = http_get(f"http://{self.servers[self.role].address}:{self.prometheus_port}/metrics")
         if status != 200:
             raise ClusterError(f"gateway /metrics -> {status}")
         return parse_prometheus(body.decode())

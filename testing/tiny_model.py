@@ -7,6 +7,9 @@ is idempotent: a complete directory (marker file written last) is reused.
 `ensure_tiny_model(out, seed=1)` is a second checkpoint of the same shapes and
 tokenizer with other weights (RL weight-update tests swap the two).
 
+`ensure_tiny_model(out, wide_kv=True)`: the same tokenizer, 4 layers of 8 KV heads of head_dim 256 (32 KiB of
+KV a token, 4096 positions), for tests and benchmarks that move large KV between hosts.
+
 CLI: python -m testing.tiny_model OUT_DIR [SEED]
 """
 
@@ -52,7 +55,12 @@ def _corpus() -> list[str]:
     return lines * 20
 
 
-def is_complete(out_dir: Path, seed: int = 0) -> bool:
+WIDE_KV = {"num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 8, "head_dim": 256,
+           "max_position_embeddings": 4096}
+WIDE_KV_BYTES_PER_TOKEN = 4 * 2 * 8 * 256 * 2  # layers x (K, V) x heads x head_dim x bf16
+
+
+def is_complete(out_dir: Path, seed: int = 0, wide_kv: bool = False) -> bool:
     marker = out_dir / MARKER
     if not marker.is_file():
         return False
@@ -60,12 +68,12 @@ def is_complete(out_dir: Path, seed: int = 0) -> bool:
         meta = json.loads(marker.read_text())
     except ValueError:
         return False
-    if meta.get("version") != VERSION or meta.get("seed", 0) != seed:
+    if meta.get("version") != VERSION or meta.get("seed", 0) != seed or meta.get("wide_kv", False) != wide_kv:
         return False
     return all((out_dir / name).is_file() for name in _REQUIRED)
 
 
-def _generate(tmp: Path, seed: int = 0) -> None:
+def _generate(tmp: Path, seed: int = 0, wide_kv: bool = False) -> None:
     os.environ["HF_HUB_OFFLINE"] = "1"
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -93,45 +101,46 @@ def _generate(tmp: Path, seed: int = 0) -> None:
         raise RuntimeError(f"tokenizer has {len(fast)} tokens, expected {VOCAB_SIZE}")
     fast.save_pretrained(tmp)
 
+    shape = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "max_position_embeddings": 1024, **(WIDE_KV if wide_kv else {})}
     cfg = LlamaConfig(
         vocab_size=VOCAB_SIZE,
         hidden_size=64,
         intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=2,
         tie_word_embeddings=False,
         torch_dtype="bfloat16",
+        **shape,
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(cfg).to(torch.bfloat16)
     model.save_pretrained(tmp, safe_serialization=True)
     meta = {"version": VERSION} if seed == 0 else {"version": VERSION, "seed": seed}
+    if wide_kv:
+        meta["wide_kv"] = True
     (tmp / MARKER).write_text(json.dumps(meta))
 
 
-def ensure_tiny_model(out_dir: str | os.PathLike, seed: int = 0) -> Path:
+def ensure_tiny_model(out_dir: str | os.PathLike, seed: int = 0, wide_kv: bool = False) -> Path:
     """Create the tiny model in out_dir unless a complete one is already there. Another
-    `seed` gives other weights of the same shapes (and the same tokenizer)."""
+    `seed` gives other weights of the same shapes (and the same tokenizer); `wide_kv` the wide-KV variant."""
     out = Path(out_dir).resolve()
-    if is_complete(out, seed):
+    if is_complete(out, seed, wide_kv):
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tiny-model-", dir=out.parent))
     tmp.chmod(0o755)
     try:
-        _generate(tmp, seed)
+        _generate(tmp, seed, wide_kv)
         if out.exists():
             shutil.rmtree(out)
         try:
             tmp.rename(out)
         except OSError:
             # Another process finished first; keep theirs if it is complete.
-            if not is_complete(out, seed):
+            if not is_complete(out, seed, wide_kv):
                 raise
     finally:
         if tmp.exists():

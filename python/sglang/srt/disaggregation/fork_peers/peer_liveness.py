@@ -91,11 +91,16 @@ class PeerMonitor:
         self.thread = threading.Thread(target=self._run, name=f"ForkPeerMonitor-{role}", daemon=True)
 
     def _run(self) -> None:
+        """One tick per interval at a fixed rate (a tick probing a silent peer takes CONNECT_TIMEOUT: a sleep of
+        a whole interval after it would stretch `max_failures` heartbeats by that much each)."""
+        next_tick = time.monotonic()
         while True:
-            time.sleep(self.interval)
+            next_tick += self.interval
+            time.sleep(max(0.0, next_tick - time.monotonic()))
             if getattr(self.mgr, "_stopped", False):
                 return
             self.tick()
+            next_tick = max(next_tick, time.monotonic() - self.interval)  # fell behind: no burst of ticks
 
     def tick(self) -> None:
         (self._tick_prefill if self.role == "prefill" else self._tick_decode)()
@@ -212,7 +217,10 @@ class PeerMonitor:
                   if session in infos and mgr.request_status.get(room) not in (None, KVPoll.Success)]
         for room in failed:  # other decode ranks of the room wait for it too
             targets = None if keep else [t for t in mgr._room_notify_targets(room) if t != (host, port)]
-            room_ledger.end_room(mgr, room, request_end_cause.PEER_FAILURE, reason, peer=peer, targets=targets)
+            # remembered: a held-out decode's queued handshake for it, delivered once the link is back, is
+            # answered Failed instead of opening the room again (nothing would close it)
+            room_ledger.end_room(mgr, room, request_end_cause.PEER_FAILURE, reason, peer=peer, targets=targets,
+                                 remember=keep)
         with self.lock:
             self.lost.setdefault(host, []).append(peer)
         if not keep:
@@ -237,9 +245,14 @@ class PeerMonitor:
     # -- prefill: decodes held out as lost
 
     def _watch_held(self, session: str, host: str, port: int) -> None:
-        """Monitor thread: a held-out decode is gone once refused, else probed in the background."""
-        if probe(host, port) == REFUSED:
+        """Monitor thread: a held-out decode is gone once refused; still silent, it is left alone (a transfer
+        engine probe through a cut link would only hang for its timeout, and one running when the link heals
+        would hold the re-admission back by as much); answering, it is probed in the background."""
+        verdict = probe(host, port)
+        if verdict == REFUSED:
             self._drop_held(session, "refuses connections")
+            return
+        if verdict == SILENT:
             return
         with self.lock:
             if session in self._probing:
@@ -265,6 +278,10 @@ class PeerMonitor:
             peer = self.held.pop(session, None)
             if peer is None:
                 return
+        # a push sent while it was silent left its connection retransmitting with a backed-off timer: the
+        # next status message would wait behind it; a new socket connects at once
+        _drop_socket(mgr, f"tcp://{peer}")
+        with self.lock:
             host = peer.rpartition(":")[0]
             counted = self._unlost(host, peer) is not None  # else a new decode there counted it
         logger.warning("PD peer recovered: decode peer %s answers again (session %s); served again", peer, session)
@@ -286,12 +303,22 @@ class PeerMonitor:
     # -- decode: prefill bootstrap servers
 
     def _tick_decode(self) -> None:
+        """A prefill bootstrap server that refuses, or has not answered `max_failures` connects in a row (a
+        silent host: upstream's HTTP heartbeat waits its 2+3 s timeouts per miss), is lost."""
         mgr = self.mgr
         with mgr.connection_lock:
             addrs = list(mgr.prefill_info_table)
+        for addr in [a for a in self.misses if a not in addrs]:  # dropped (by upstream's heartbeat, or a loss)
+            self.misses.pop(addr, None)
         for addr in addrs:
             host, _, port = addr.rpartition(":")
-            if probe(host.strip("[]"), int(port)) == REFUSED:  # final; a silent one is upstream's heartbeat's
+            verdict = probe(host.strip("[]"), int(port))
+            if verdict == ALIVE:
+                self.misses[addr] = 0
+                continue
+            self.misses[addr] = self.misses.get(addr, 0) + 1
+            if verdict == REFUSED or self.misses[addr] >= self.max_failures:
+                self.misses.pop(addr, None)
                 mgr._handle_node_failure(addr)
                 with mgr.session_pool_lock:
                     mgr.session_pool.pop(addr, None)
@@ -314,6 +341,20 @@ def _drop_socket(mgr: Any, endpoint: str) -> None:
             sock.close(linger=0)
     if monitor is not None:
         monitor.close()
+
+
+def _reconnect_receivers(bootstrap_addr: str) -> None:
+    """Close decode's cached push sockets to the host of a prefill that answers again. One used while the
+    prefill was silent (a handshake or an abort sent during a partition) is stuck: its connection retransmits on
+    a backed-off timer (or its connect waits for a SYN retry), and a handshake sent on it after the heal would
+    wait as long (seen: 15 s, the whole transfer deadline). A new socket connects at once."""
+    from sglang.srt.disaggregation.common.conn import CommonKVReceiver
+
+    host = bootstrap_addr.rpartition(":")[0]
+    with CommonKVReceiver._global_lock:
+        stale = [ep for ep in CommonKVReceiver._socket_cache if ep.rpartition(":")[0] == f"tcp://{host}"]
+    for endpoint in stale:
+        CommonKVReceiver.disconnect_endpoint(endpoint)
 
 
 def monitor_of(mgr: Any) -> Optional[PeerMonitor]:
@@ -400,6 +441,7 @@ def after_try_ensure_parallel_info(result, mgr, bootstrap_addr, *args, **kwargs)
         with monitor.lock:
             back = monitor.lost.pop(bootstrap_addr, None) is not None
         if back:
+            _reconnect_receivers(bootstrap_addr)
             logger.warning("PD peer recovered: prefill peer %s answers again; its new info fetched", bootstrap_addr)
             _count(monitor, "recovery", bootstrap_addr)
 
@@ -497,4 +539,6 @@ def before_pop_bootstrapped(queue, *args, **kwargs):
         text = orphan_message(req, waited, lost, timeout)
         setattr(req, _ENDED, text)
         logger.warning(text)
-        room_ledger.end_room(kv_mgr, req.bootstrap_room, request_end_cause.PEER_FAILURE, text, peer=lost[0])
+        # remembered: the handshake a silent decode queued for it may still arrive once the link is back
+        room_ledger.end_room(kv_mgr, req.bootstrap_room, request_end_cause.PEER_FAILURE, text, peer=lost[0],
+                             remember=True)

@@ -1,0 +1,132 @@
+"""A silent partition between prefill and decode on separate hosts (testing/hosts.py): prefill, decode and the
+mini load balancer each in their own network namespace, one switch between them. The switch stops forwarding
+between prefill and decode (no RST, nothing refused: connects and reads time out) under closed-loop load, while
+the balancer and this test still reach both. Asserted: each side declares the other lost within two heartbeats;
+every request bound to the silent peer ends (502 naming it, or 504 at its deadline), none waits past its
+deadline; both sides give everything back; once the link heals the peer is served again within a heartbeat,
+with no restart and no manual step. docs/peer-liveness.md ("Silent peers").
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from testing.pd_checks import ClosedLoop, assert_idle, delta, cluster_end_causes
+from testing.pd_cluster import generate, metric_sum, wait_until
+
+pytestmark = pytest.mark.e2e
+
+HEARTBEAT = 2.0  # upstream's floor
+MAX_FAILURE = 2
+DEADLINE = 15.0  # the transfer deadline: what cannot be observed ends by then (504)
+ENV = {
+    "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": str(HEARTBEAT),
+    "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": str(MAX_FAILURE),
+    "SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT": str(DEADLINE),
+}
+CONNECT_TIMEOUT = 1.0  # peer_liveness.CONNECT_TIMEOUT: what a silent heartbeat costs
+MARGIN = 3.0  # a busy 2-core machine: scheduler ticks, metric export
+# declared lost on the MAX_FAILURE-th silent heartbeat, the first within one interval of the cut
+DETECT_BOUND = MAX_FAILURE * HEARTBEAT + CONNECT_TIMEOUT + MARGIN
+RECOVER_BOUND = HEARTBEAT + MARGIN  # served again: the next heartbeat re-admits the peer
+# no client waits past its deadline: one per stage (docs/transfer-deadline.md), and a request waits in at most two
+# (decode's handshake and preallocation, then its transfer)
+ANSWER_BOUND = 2 * DEADLINE + MARGIN
+CLIENTS = 4
+LOSSES = "sglang:num_pd_peer_losses_total"
+RECOVERIES = "sglang:num_pd_peer_recoveries_total"
+PD_ROLES = ("prefill", "decode")
+
+
+@pytest.fixture(scope="module")
+def cluster(pd_hosts, deployments):
+    """1P1D + mini LB, each on its own host (torn down before the hosts)."""
+    c = deployments.pd(hosts=pd_hosts.hosts, prefill_env=ENV, decode_env=ENV)
+    yield c
+    pd_hosts.heal()
+
+
+def _counts(cluster, name: str) -> dict:
+    return {role: metric_sum(cluster[role].metrics(), name) for role in PD_ROLES}
+
+
+def _judge(results, peers: dict) -> None:
+    """Every answer: a completion, a 502 naming the lost peer, or a 504; none later than its deadline."""
+    for r in results:
+        assert r["latency"] <= ANSWER_BOUND, (r["latency"], r["status"], str(r["error"])[:300])
+        if r["status"] == 200:
+            assert r["finish"] == "length", r
+            continue
+        detail = json.dumps(r["error"])
+        if r["status"] == 502:
+            assert "PD peer lost" in detail and any(p in detail for p in peers.values()), detail
+        else:
+            assert r["status"] == 504, (r["status"], detail)
+
+
+def test_silent_partition_between_prefill_and_decode(cluster, pd_hosts):
+    baseline = assert_idle(cluster, PD_ROLES)
+    losses, recoveries = _counts(cluster, LOSSES), _counts(cluster, RECOVERIES)
+    causes = cluster_end_causes(cluster)
+    peers = {role: cluster[role].address for role in PD_ROLES}
+    loop = ClosedLoop(cluster.url, CLIENTS, max_new_tokens=16, timeout=DEADLINE + 30, ignore_eos=True).start()
+    try:
+        wait_until(lambda: loop.completed() >= 2 * CLIENTS, 60, "closed-loop completions before the cut")
+
+        t_cut = time.monotonic()
+        pd_hosts.cut("prefill", "decode")
+        detected = {}
+
+        def both_lost():
+            for role in PD_ROLES:
+                if role not in detected and metric_sum(cluster[role].metrics(), LOSSES) > losses[role]:
+                    detected[role] = time.monotonic() - t_cut
+            return len(detected) == len(PD_ROLES)
+
+        wait_until(both_lost, DETECT_BOUND + 5, "both sides to declare the other lost", interval=0.1)
+        # the link stays cut until the requests in flight at the cut and the next ones each client sent to the
+        # silent peers have ended (prefill ends those no decode can take; decode's wait for the prefill ends at
+        # its deadline, or when prefill's answer arrives after the heal)
+        wait_until(lambda: sum(r["status"] != 200 for r in loop.results if r["t"] >= t_cut) >= 2 * CLIENTS,
+                   ANSWER_BOUND + 5, "requests bound to the silent peer to end")
+        during = loop.results[:]
+        t_heal = time.monotonic()
+        pd_hosts.heal()
+        probes = []
+
+        def probe_served():  # one request at a time from the test itself (the clients may still be waiting)
+            probes.append(generate(cluster.url, "served again?", 4, timeout=ANSWER_BOUND))
+            probes[-1]["t"] = time.monotonic()
+            return probes[-1]["status"] == 200
+
+        wait_until(probe_served, RECOVER_BOUND + 10, "a request sent after the heal served", interval=0.1)
+        served = probes[-1]["t"]
+        recovered_after = served - t_heal
+        n_heal = loop.completed()
+        wait_until(lambda: loop.completed() >= n_heal + 2 * CLIENTS, 60, "serving after the heal")
+    finally:
+        loop.stop()
+        pd_hosts.heal()
+    print(f"\nsilent partition: declared lost after {detected} s; served again {recovered_after:.2f} s after the heal;"
+          f" answers {dict(loop.summary())}; probes after the heal {[(r['status'], round(r['latency'], 2)) for r in probes]}")
+    for r in probes:
+        r["finish"] = (r["meta"] or {}).get("finish_reason", {}).get("type")
+    _judge(probes[:-1], peers)
+    failed = [r for r in during if r["status"] != 200]
+    assert failed, "no request was bound to the silent peer"
+    _judge(loop.results, peers)
+    assert all(r["latency"] <= ANSWER_BOUND for r in probes), [r["latency"] for r in probes]
+    for role, seconds in detected.items():
+        assert seconds <= DETECT_BOUND, (role, seconds)
+    assert recovered_after <= RECOVER_BOUND, recovered_after
+    assert all(r["status"] == 200 for r in loop.results if r["t"] - r["latency"] >= served), loop.summary()
+    assert_idle(cluster, PD_ROLES, baseline)
+    # each side counted the loss and the recovery once
+    assert delta(losses, _counts(cluster, LOSSES)) == {"prefill": 1, "decode": 1}
+    wait_until(lambda: delta(recoveries, _counts(cluster, RECOVERIES)) == {"prefill": 1, "decode": 1}, 10,
+               "both recoveries counted", on_timeout=lambda: str(delta(recoveries, _counts(cluster, RECOVERIES))))
+    moved = delta(causes, cluster_end_causes(cluster))
+    assert any(cause == "peer_failure" for (_, cause, _) in moved), moved
