@@ -19,10 +19,10 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from sglang.srt.disaggregation.fork_ending import pd_queues, request_end_cause, room_ledger
 from sglang.srt.disaggregation.base import KVPoll
 from sglang.srt.disaggregation.fork_ending.room_ledger import engine_clock
-from sglang.srt.disaggregation.fork_transfer.transfer_deadline import _decides
 from sglang.srt.disaggregation.fork_transfer.transfer_deadline_knob import positive_seconds
 from sglang.srt.environ import envs
 from sglang.srt.managers.fork_core import fork_touch
+from sglang.srt.managers.fork_core.rank_agreement import answers
 
 logger = logging.getLogger(__name__)
 
@@ -492,7 +492,7 @@ def orphan_message(req: Any, waited: float, lost: Sequence[str], timeout: float)
 def before_pop_bootstrapped(queue, *args, **kwargs):
     """BEFORE PrefillBootstrapQueue.pop_bootstrapped (scheduler thread): orphans of a lost decode end (502)."""
     now = engine_clock.now()
-    if not queue.queue or now < _next_scan[0] or not _decides():  # rank 0 decides; the poll's all-reduce spreads it
+    if not queue.queue or now < _next_scan[0] or not answers():  # rank 0 decides; the poll's all-reduce spreads it
         return
     _next_scan[0] = now + SCAN_INTERVAL
     timeout = handshake_timeout(os.environ.get(HANDSHAKE_ENV))

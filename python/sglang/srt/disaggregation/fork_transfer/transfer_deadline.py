@@ -20,6 +20,7 @@ from sglang.srt.disaggregation.fork_ending.pd_queues import (
 from sglang.srt.disaggregation.fork_ending.room_ledger import engine_clock
 from sglang.srt.disaggregation.fork_transfer.transfer_deadline_knob import ARG, ENV, configured
 from sglang.srt.managers.fork_core import fork_touch
+from sglang.srt.managers.fork_core.rank_agreement import answers
 
 logger = logging.getLogger(__name__)
 
@@ -32,18 +33,10 @@ COUNTS: Counter = Counter()
 _next_scan: dict = {}
 
 
-def _decides() -> bool:
-    """Whether this rank answers the client (attention TP/CP rank 0, PP rank 0)."""
-    from sglang.srt.runtime_context import get_parallel
-
-    parallel = get_parallel()
-    return all(getattr(parallel, rank, 0) == 0 for rank in ("attn_tp_rank", "attn_cp_rank", "pp_rank"))
-
-
 def _expire(scheduler, stage: str, queue: Sequence[Any], side: str, keep=None) -> None:
     """Stamp `queue`'s entries (Req / DecodeRequest) new to `stage`; end the overdue ones `keep` accepts."""
     now = engine_clock.now()
-    if not queue or now < _next_scan.get(stage, float("-inf")) or not _decides():  # the common case: one lookup
+    if not queue or now < _next_scan.get(stage, float("-inf")) or not answers():  # the common case: one lookup
         return
     deadline = configured()
     _next_scan[stage] = now + min(deadline / SCAN_DIVISOR, MAX_SCAN_INTERVAL)

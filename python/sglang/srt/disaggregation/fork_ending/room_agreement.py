@@ -1,0 +1,124 @@
+"""Every rank answers, counts and remembers a failed room alike, whichever rank noticed the failure.
+
+A room one rank fails (a deadline decided on the answering rank; a failed chunk write, a lost peer, a given-up
+bootstrap fetch on any rank) reaches the other ranks as `KVPoll.Failed` through upstream's MIN all-reduce of the
+queue's polls, but its reason, end-cause tag and late-handshake answer stay on that rank (upstream's other ranks read
+"Failed due to an unknown reason from another rank"). Right after the all-reduce, the Failed set is the same on
+every rank, so `share_failures` makes one all-gather of what each rank knows of exactly those rooms (none when no
+room failed) and every rank adopts the same `agreed` reason, tag and late answer before its queue reads the failure.
+Hooks AROUND upstream's poll functions (scheduler thread); docs/layout.md, "More than one rank per server".
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any, List, NamedTuple, Optional, Sequence, Tuple
+
+from sglang.srt.disaggregation.fork_ending import request_end_cause as end_cause
+from sglang.srt.disaggregation.fork_ending.room_ledger import kept_over, ledger_of
+from sglang.srt.managers.fork_core.rank_agreement import gather
+
+FAILED = 0  # KVPoll.Failed: the lowest state, so the MIN all-reduce spreads it
+COUNTS: Counter = Counter()  # "gathers": collectives made in this process; "rooms": the failed rooms they covered
+
+
+class Known(NamedTuple):
+    """What one rank knows of a failed room: its failure record, its end-cause tag (cause, peer), the reason a
+    late handshake for it is answered with."""
+
+    reason: Optional[str]
+    tag: Optional[Tuple[str, Optional[str]]]
+    late: Optional[str]
+
+
+def _room_of(poller: Any) -> Tuple[Any, Optional[int]]:
+    """A poller's (kv manager, room); (None, None) for one without (fake transfer, a wrapper without them)."""
+    mgr, room = getattr(poller, "kv_mgr", None), getattr(poller, "bootstrap_room", None)
+    return (mgr, room) if hasattr(mgr, "failure_records") and room is not None else (None, None)
+
+
+def known(poller: Any) -> Optional[Known]:
+    """What this rank knows of the poller's failed room, or None."""
+    mgr, room = _room_of(poller)
+    if mgr is None:
+        return None
+    with mgr.failure_lock:
+        reason = mgr.failure_records.get(room)
+    ledger = ledger_of(mgr)
+    late = None if ledger is None else ledger.late_answer(room)
+    found = Known(reason, end_cause.room_tag(mgr, room), late)
+    return found if any(found) else None
+
+
+def agreed(by_rank: Sequence[Optional[Known]]) -> Known:
+    """One Known from every rank's (rank order), the same on every rank: the reason record_failure keeps had the
+    ranks recorded theirs from the last rank to rank 0 (rank 0's, unless a higher rank's outranks it: `kept_over`);
+    the first tag and the first late answer in rank order (rank 0 decides deadlines)."""
+    reason = None
+    for k in reversed(by_rank):
+        if k is not None and k.reason and not kept_over(reason, k.reason):
+            reason = k.reason
+    tag = next((k.tag for k in by_rank if k is not None and k.tag), None)
+    late = next((k.late for k in by_rank if k is not None and k.late), None)
+    return Known(reason, tag, late)
+
+
+def adopt(poller: Any, by_rank: Sequence[Optional[Known]]) -> None:
+    """This rank takes the agreed reason, tag and late answer for the poller's room, before its queue reads the
+    failure (`failure_exception` pops the record; `clear` disowns the room, keeping a remembered one)."""
+    mgr, room = _room_of(poller)
+    if mgr is None:
+        return
+    reason, tag, late = agreed(by_rank)
+    if tag is not None:
+        end_cause.retag(mgr, room, *tag)
+    ledger = ledger_of(mgr)
+    if late is not None and ledger is not None:
+        ledger.remember(room, late)
+    if reason:
+        with mgr.failure_lock:  # only while the room exists (a cleared room's record would reach its next request)
+            if room in mgr.request_status:
+                mgr.failure_records[room] = reason
+
+
+def share_failures(pollers: Sequence[Any], polls: Sequence[int], group: Any) -> None:
+    """After a poll's MIN all-reduce over `group`: one all-gather of what each rank knows of the rooms that turned
+    Failed, then `adopt` on every rank. Called on every rank with the all-reduce's result, so either every rank of
+    `group` gathers or none does."""
+    failed = [p for p, poll in zip(pollers, polls) if poll == FAILED]
+    if not failed:
+        return
+    gathered = gather(group, [known(p) for p in failed])
+    if gathered is None:  # one rank
+        return
+    COUNTS["gathers"] += 1
+    COUNTS["rooms"] += len(failed)
+    for i, poller in enumerate(failed):
+        adopt(poller, [ranks[i] for ranks in gathered])
+
+
+def around_poll_and_all_reduce(original, pollers, gloo_group, *args, **kwargs):
+    """AROUND disaggregation.utils.poll_and_all_reduce (decode's queues; prefill's through the CP/TP variant):
+    the all-reduced polls, then `share_failures` over the same group."""
+    pollers = list(pollers)
+    polls = original(pollers, gloo_group, *args, **kwargs)
+    share_failures(pollers, polls, gloo_group)
+    return polls
+
+
+def around_poll_cp_tp(original, pollers, attn_cp_cpu_group, attn_tp_cpu_group, *args, **kwargs):
+    """AROUND disaggregation.utils.poll_and_all_reduce_attn_cp_tp_group (prefill's queues): its TP poll shares over
+    TP (the hook above), then this over CP (nothing with one CP rank)."""
+    pollers = list(pollers)
+    polls = original(pollers, attn_cp_cpu_group, attn_tp_cpu_group, *args, **kwargs)
+    share_failures(pollers, polls, attn_cp_cpu_group)
+    return polls
+
+
+def around_poll_with_staging(original, decode_reqs, staging_handler, gloo_group, *args, **kwargs):
+    """AROUND disaggregation.utils.poll_and_all_reduce_with_staging (decode's transfer queue with staging)."""
+    decode_reqs = list(decode_reqs)
+    polls = original(decode_reqs, staging_handler, gloo_group, *args, **kwargs)
+    pollers = kwargs.get("pollers") or (args[1] if len(args) > 1 else None)
+    share_failures(pollers if pollers is not None else [r.kv_receiver for r in decode_reqs], polls, gloo_group)
+    return polls
