@@ -16,7 +16,7 @@ from typing import Any, List, NamedTuple, Optional, Sequence, Tuple
 
 from sglang.srt.disaggregation.fork_ending import request_end_cause as end_cause
 from sglang.srt.disaggregation.fork_ending.room_ledger import kept_over, ledger_of
-from sglang.srt.managers.fork_core.rank_agreement import gather
+from sglang.srt.managers.fork_core.rank_agreement import gather, group_size
 
 FAILED = 0  # KVPoll.Failed: the lowest state, so the MIN all-reduce spreads it
 COUNTS: Counter = Counter()  # "gathers": collectives made in this process; "rooms": the failed rooms they covered
@@ -34,7 +34,8 @@ class Known(NamedTuple):
 def _room_of(poller: Any) -> Tuple[Any, Optional[int]]:
     """A poller's (kv manager, room); (None, None) for one without (fake transfer, a wrapper without them)."""
     mgr, room = getattr(poller, "kv_mgr", None), getattr(poller, "bootstrap_room", None)
-    return (mgr, room) if hasattr(mgr, "failure_records") and room is not None else (None, None)
+    ours = hasattr(mgr, "failure_records") and hasattr(mgr, "failure_lock") and room is not None
+    return (mgr, room) if ours else (None, None)
 
 
 def known(poller: Any) -> Optional[Known]:
@@ -85,12 +86,10 @@ def share_failures(pollers: Sequence[Any], polls: Sequence[int], group: Any) -> 
     """After a poll's MIN all-reduce over `group`: one all-gather of what each rank knows of the rooms that turned
     Failed, then `adopt` on every rank. Called on every rank with the all-reduce's result, so either every rank of
     `group` gathers or none does."""
+    if FAILED not in polls or group_size(group) == 1:  # the common case: nothing failed, or one rank
+        return
     failed = [p for p, poll in zip(pollers, polls) if poll == FAILED]
-    if not failed:
-        return
     gathered = gather(group, [known(p) for p in failed])
-    if gathered is None:  # one rank
-        return
     COUNTS["gathers"] += 1
     COUNTS["rooms"] += len(failed)
     for i, poller in enumerate(failed):

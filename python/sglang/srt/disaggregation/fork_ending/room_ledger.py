@@ -324,7 +324,8 @@ def around_record_failure(original, mgr, bootstrap_room, failure_reason, *args, 
             return None
         if (failure_reason or "").startswith(PEER_LOST_TAG):
             end_cause.tag(mgr, bootstrap_room, end_cause.PEER_FAILURE)
-    if kept_over(mgr.failure_records.get(bootstrap_room), failure_reason or ""):
+    new = failure_reason or ""
+    if kept_over(mgr.failure_records.get(bootstrap_room), new):
         return None
     if new.startswith(UPSTREAM_ABORT_REASON) and getattr(_recompute, "reason", None):
         failure_reason = _recompute.reason  # the re-send's failure, not a client's abort

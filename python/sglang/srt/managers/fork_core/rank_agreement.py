@@ -54,14 +54,22 @@ def any_rank(scheduler, *flags: bool) -> List[bool]:
     return [bool(v) for v in values]
 
 
+def group_size(group: Any) -> int:
+    """How many ranks `group` has (1 for None: no group)."""
+    from torch import distributed as dist
+
+    return 1 if group is None else dist.get_world_size(group)
+
+
 def gather(group: Any, mine: Any) -> Optional[List[Any]]:
     """Every rank's `mine` in `group`'s rank order (one all_gather_object), or None with one rank. Every rank of
     `group` must call it at the same point."""
     from torch import distributed as dist
 
-    if group is None or dist.get_world_size(group) == 1:
+    size = group_size(group)
+    if size == 1:
         return None
-    gathered: List[Any] = [None] * dist.get_world_size(group)
+    gathered: List[Any] = [None] * size
     dist.all_gather_object(gathered, mine, group=group)
     return gathered
 
