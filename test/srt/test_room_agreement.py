@@ -35,10 +35,12 @@ def _manager():
     """A prefill kv manager's room tables and upstream's own methods over them (no transfer engine)."""
     from sglang.srt.disaggregation.common.conn import CommonKVManager
     from sglang.srt.disaggregation.fork_ending.room_ledger import ATTR, RoomLedger
+    from sglang.srt.disaggregation.utils import DisaggregationMode
 
     class Manager:
         record_failure = CommonKVManager.record_failure
         update_status = CommonKVManager.update_status
+        disaggregation_mode = DisaggregationMode.PREFILL
 
         def __init__(self):
             self.request_status, self.failure_records, self.transfer_infos = {}, {}, {}
@@ -104,7 +106,10 @@ def _rank(rank: int, store: str, out) -> None:
             "tags": {r: end_cause.room_tag(mgr, r) for r in (11, 12, 13, 14)},
             "status_12": int(room_ledger.lost_peer_status(mgr.failure_records.get(12), 500)),
             "late_13": ledger.late_answer(13),
+            # a rank that learned a room's failure from the other tells its own decode peers
+            "told_at_poll": sorted(mgr.told),
         }
+        mgr.told.clear()
         # no room failed: no collective at all (a rank that gathered alone would hang)
         gathers = room_agreement.COUNTS["gathers"]
         utils.poll_and_all_reduce([Poller(mgr, 14)], group)
@@ -145,6 +150,7 @@ def test_a_room_failed_on_one_rank_is_known_alike_on_every_rank():
             (rank, seen)
         assert seen["status_12"] == 502, (rank, seen)
         assert seen["late_13"] == DEADLINE, (rank, seen)
+        assert seen["told_at_poll"] == ([(11, KV_FAILED), (12, LOST)] if rank == 0 else [(13, DEADLINE)]), (rank, seen)
         assert seen["handshake_13"] == {"request_status": None, "told": [(13, DEADLINE)]}, (rank, seen)
 
 

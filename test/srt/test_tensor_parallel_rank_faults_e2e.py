@@ -52,8 +52,8 @@ def cluster(deployments):
     return deployments.pd(
         tp=2,
         prefill_args=FP32, decode_args=FP32,
-        prefill_env={"SGLANG_TEST_DISAGG_FAIL_CHUNKS": FAULTS, "SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT": str(DEADLINE_S),
-                     **RELEASE_ENV},
+        prefill_env={"SGLANG_TEST_DISAGG_FAIL_CHUNKS": FAULTS,
+                     "SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT": str(DEADLINE_S), **RELEASE_ENV},
         decode_env={"SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT": "120", **RELEASE_ENV},
     )
 

@@ -19,6 +19,7 @@ from sglang.srt.disaggregation.fork_ending.room_ledger import kept_over, ledger_
 from sglang.srt.managers.fork_core.rank_agreement import gather, group_size
 
 FAILED = 0  # KVPoll.Failed: the lowest state, so the MIN all-reduce spreads it
+OTHER_RANK_REASON = "KV transfer failed on another prefill rank"  # what decode is told when no rank knew why
 COUNTS: Counter = Counter()  # "gathers": collectives made in this process; "rooms": the failed rooms they covered
 
 
@@ -66,7 +67,13 @@ def agreed(by_rank: Sequence[Optional[Known]]) -> Known:
 
 def adopt(poller: Any, by_rank: Sequence[Optional[Known]]) -> None:
     """This rank takes the agreed reason, tag and late answer for the poller's room, before its queue reads the
-    failure (`failure_exception` pops the record; `clear` disowns the room, keeping a remembered one)."""
+    failure (`failure_exception` pops the record; `clear` disowns the room, keeping a remembered one). A prefill rank
+    that learns the failure here (its own room was not Failed) tells its own decode peers, as the rank that ended
+    the room told its: a decode rank another prefill rank does not reach would otherwise take this rank's late
+    Success (a stalled transfer worker) as the room's end."""
+    from sglang.srt.disaggregation.base import KVPoll
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+
     mgr, room = _room_of(poller)
     if mgr is None:
         return
@@ -80,6 +87,9 @@ def adopt(poller: Any, by_rank: Sequence[Optional[Known]]) -> None:
         with mgr.failure_lock:  # only while the room exists (a cleared room's record would reach its next request)
             if room in mgr.request_status:
                 mgr.failure_records[room] = reason
+    learned = mgr.request_status.get(room) not in (None, KVPoll.Failed)
+    if learned and ledger is not None and getattr(mgr, "disaggregation_mode", None) == DisaggregationMode.PREFILL:
+        ledger.end(room, None, reason or OTHER_RANK_REASON, fail=False)
 
 
 def share_failures(pollers: Sequence[Any], polls: Sequence[int], group: Any) -> None:

@@ -78,7 +78,8 @@ def build_report(scheduler) -> Dict[str, Any]:
 
 # What each rank holds on its own (its pools, queues and its kv manager's room tables): with more than one attention
 # TP rank the report gives the other ranks' too (`other_ranks`), so a leak on rank 1 is seen as one on rank 0 is.
-PER_RANK = ("kv_tokens", "req_slots", "metadata_slots", "queues", "transfer_rooms", "bootstrap_fetch", "cancelled_rooms")
+PER_RANK = ("kv_tokens", "req_slots", "metadata_slots", "queues", "transfer_rooms", "bootstrap_fetch",
+            "cancelled_rooms")
 
 
 def _other_ranks(scheduler, report: Dict[str, Any]) -> Optional[list]:
