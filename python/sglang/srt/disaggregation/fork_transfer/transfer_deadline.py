@@ -13,6 +13,7 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Dict, NamedTuple, Optional, Sequence, Tuple
 
+from sglang.srt.disaggregation.base import KVPoll
 from sglang.srt.disaggregation.fork_ending import request_end_cause, room_ledger
 from sglang.srt.disaggregation.fork_ending.pd_queues import (
     DECODE_PREALLOC, DECODE_TRANSFER, PREFILL_BOOTSTRAP, PREFILL_INFLIGHT, PREFILL_WAITING,
@@ -60,6 +61,10 @@ def _expire(scheduler, stage: str, queue: Sequence[Any], side: str, keep=None) -
         if hasattr(endpoint.kv_mgr, "record_failure"):  # the peer told; prefill: a late handshake fails too
             room_ledger.end_room(endpoint.kv_mgr, req.bootstrap_room, request_end_cause.TIMEOUT, text,
                                  remember=side == "prefill", receiver=endpoint if side == "decode" else None)
+            if fork_touch.upstream(endpoint, "conclude_state") == KVPoll.Success:
+                # this rank's part is done, another rank's is not (or decode's metadata has not landed): the poll
+                # returns the endpoint's cached Success, so fail it here (its record stays the deadline's)
+                endpoint.abort()
         else:  # fake transfer: no peer
             endpoint.abort()
         COUNTS[stage] += 1
