@@ -70,17 +70,21 @@ def _causes(cluster) -> dict:
 
 
 def _wait_causes(cluster, before: dict, ends: dict, timeout: float = 15.0) -> None:
-    """Until the end-cause counter moved by `ends` {(role, cause, stage): n} on EVERY rank, and nothing else."""
-    expected = {(rank, *k): n for k, n in ends.items() for rank in ("0", "1")}
+    """Until the end-cause counter moved by `ends` {(role, cause, stage): n} on the answering rank (tp_rank 0), and
+    nothing else; a rank that counts too (each rank counts its own series) must have counted the same."""
     last = {}
 
     def moved():
         now = _causes(cluster)
-        last["delta"] = {k: now.get(k, 0) - before.get(k, 0) for k in set(now) | set(before)
-                         if now.get(k, 0) != before.get(k, 0)}
-        return last["delta"] == expected
+        delta = {k: now.get(k, 0) - before.get(k, 0) for k in set(now) | set(before)
+                 if now.get(k, 0) != before.get(k, 0)}
+        by_rank = {}
+        for (rank, *key), n in delta.items():
+            by_rank.setdefault(rank, {})[tuple(key)] = n
+        last["by_rank"] = by_rank
+        return by_rank.get("0", {}) == ends and all(d == ends for d in by_rank.values())
 
-    wait_until(moved, timeout, "end causes on every rank", on_timeout=lambda: f"{last.get('delta')} != {expected}")
+    wait_until(moved, timeout, "end causes on every rank", on_timeout=lambda: f"{last.get('by_rank')} != {ends}")
 
 
 def _chunk_failures(cluster) -> dict:
