@@ -1,5 +1,5 @@
 """peer_liveness' lost-decode handshake rule, its pure parts (no servers): which bootstrap-queue requests are
-orphans of a lost decode, the message (answered 502 as a peer loss), the knob."""
+orphans of a lost decode, the message (answered 502 as a peer loss). Its knob: test_knobs.py."""
 
 from __future__ import annotations
 
@@ -40,14 +40,3 @@ def test_the_message_is_answered_as_a_peer_loss():
     text = ldh.orphan_message(_req(7), 5.2, ["127.0.0.1:4000"], 5.0)
     assert "127.0.0.1:4000" in text and "bootstrap_room=7" in text and ldh.HANDSHAKE_ENV in text
     assert abort_status(text, HTTPStatus.INTERNAL_SERVER_ERROR) == HTTPStatus.BAD_GATEWAY
-
-
-@pytest.mark.parametrize("value,expected", [(None, 5.0), ("0", 0.0), ("2.5", 2.5)])
-def test_knob_values(value, expected):
-    assert ldh.handshake_timeout(value) == expected
-
-
-@pytest.mark.parametrize("value", ["-1", "nan", "inf", "soon"])
-def test_knob_rejects_bad_values_naming_itself(value):
-    with pytest.raises(ValueError, match=ldh.HANDSHAKE_ENV):
-        ldh.handshake_timeout(value)

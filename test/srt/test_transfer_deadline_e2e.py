@@ -325,11 +325,18 @@ def test_frozen_prefill_decode_leg_gets_504(cluster, frozen):
     _serving(cluster, baseline, n=3)
 
 
-# A bad deadline stops the server at start-up: (id, env, args, the knob named).
+# A bad deadline (or any other knob of the fork) stops the server at start-up: (id, env, args, the knob named,
+# what the message says it accepts).
 BAD_DEADLINES = [
-    ("env-non-numeric", {"SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT": "soon"}, [], "SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT"),
-    ("env-negative", {"SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT": "-5"}, [], "SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT"),
-    ("arg-zero", {}, ["--disaggregation-transfer-timeout", "0"], "--disaggregation-transfer-timeout"),
+    ("env-non-numeric", {"SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT": "soon"}, [], "SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT",
+     "seconds > 0"),
+    ("env-negative", {"SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT": "-5"}, [], "SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT",
+     "seconds > 0"),
+    ("arg-zero", {}, ["--disaggregation-transfer-timeout", "0"], "--disaggregation-transfer-timeout", "seconds > 0"),
+    ("handshake-negative", {"SGLANG_FORK_LOST_DECODE_HANDSHAKE_TIMEOUT": "-1"}, [],
+     "SGLANG_FORK_LOST_DECODE_HANDSHAKE_TIMEOUT", "seconds >= 0"),
+    ("probe-non-numeric", {"SGLANG_FORK_SESSION_PROBE_TIMEOUT": "soon"}, [], "SGLANG_FORK_SESSION_PROBE_TIMEOUT",
+     "seconds > 0"),
 ]
 
 
@@ -341,7 +348,7 @@ def bad_deadline_starts(tiny_model, tmp_path_factory):
     seconds)}. Nothing is timed here but the 180 s within which each must exit, and
     the rest of the module has run: no test runs beside them."""
     procs, logs = {}, tmp_path_factory.mktemp("bad-deadline")
-    for case, env, args, _ in BAD_DEADLINES:
+    for case, env, args, _, _ in BAD_DEADLINES:
         port, nccl, bootstrap = free_ports(3)
         argv = [
             fork_python(), "-m", "sglang.launch_server", "--model-path", str(tiny_model),
@@ -374,11 +381,12 @@ def bad_deadline_starts(tiny_model, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("case,named", [(c[0], c[3]) for c in BAD_DEADLINES], ids=[c[0] for c in BAD_DEADLINES])
-def test_bad_deadline_stops_the_server_at_startup(bad_deadline_starts, case, named):
+@pytest.mark.parametrize("case,named,accepted", [(c[0], c[3], c[4]) for c in BAD_DEADLINES],
+                         ids=[c[0] for c in BAD_DEADLINES])
+def test_bad_deadline_stops_the_server_at_startup(bad_deadline_starts, case, named, accepted):
     returncode, text, pid, seconds = bad_deadline_starts[case]
     assert returncode != 0, text[-2000:]
-    assert named in text and "seconds > 0" in text, text[-2000:]
+    assert named in text and accepted in text, text[-2000:]
     # nothing half-started: no process of its session survives, no port was opened
     assert not [p for p in psutil.process_iter(["pid"]) if _sid(p) == pid]
     assert "Uvicorn running" not in text

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import os
 import socket
 import threading
 import time
@@ -19,9 +18,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from sglang.srt.disaggregation.fork_ending import pd_queues, request_end_cause, room_ledger
 from sglang.srt.disaggregation.base import KVPoll
 from sglang.srt.disaggregation.fork_ending.room_ledger import engine_clock
-from sglang.srt.disaggregation.fork_transfer.transfer_deadline_knob import positive_seconds
 from sglang.srt.environ import envs
-from sglang.srt.managers.fork_core import fork_touch
+from sglang.srt.managers.fork_core import fork_touch, knobs
 from sglang.srt.managers.fork_core.rank_agreement import answers
 
 logger = logging.getLogger(__name__)
@@ -361,8 +359,7 @@ def _publish_and_watch(monitor: PeerMonitor, publish: Any, session_id: str, deco
 
 
 def on_prefill_manager_init(mgr: Any, queue: Any, *args: Any, **kwargs: Any) -> None:
-    """AFTER PrefillBootstrapQueue._init_kv_manager (result: the manager); a bad knob stops the prefill."""
-    handshake_timeout(os.environ.get(HANDSHAKE_ENV))
+    """AFTER PrefillBootstrapQueue._init_kv_manager (result: the manager)."""
     _start(queue, mgr, "prefill")
 
 
@@ -447,17 +444,11 @@ def around_send_multipart_locked(original, mgr, endpoint, parts, *args, **kwargs
     return original(mgr, endpoint, parts, *args, **kwargs)
 
 
-HANDSHAKE_ENV = "SGLANG_FORK_LOST_DECODE_HANDSHAKE_TIMEOUT"  # a gateway's lost decode (docs/gateway.md)
+HANDSHAKE_ENV = knobs.LOST_DECODE_HANDSHAKE_TIMEOUT.name  # a gateway's lost decode (docs/gateway.md)
 _SINCE = "fork_handshake_wait_since"  # per request: engine-clock time first seen waiting for its handshake
 _ENDED = "fork_lost_decode_handshake"
 SCAN_INTERVAL = 0.5
 _next_scan = [float("-inf")]
-
-
-def handshake_timeout(value: Optional[str]) -> float:
-    """HANDSHAKE_ENV in seconds (default 5, 0: off); ValueError naming it when not valid."""
-    accepted = "a finite number of seconds >= 0 (0 turns the rule off)"
-    return 5.0 if value is None else positive_seconds(value, HANDSHAKE_ENV, "valid", accepted, zero=True)
 
 
 def lost_decodes(monitor: Any) -> List[str]:
@@ -495,7 +486,7 @@ def before_pop_bootstrapped(queue, *args, **kwargs):
     if not queue.queue or now < _next_scan[0] or not answers():  # rank 0 decides; the poll's all-reduce spreads it
         return
     _next_scan[0] = now + SCAN_INTERVAL
-    timeout = handshake_timeout(os.environ.get(HANDSHAKE_ENV))
+    timeout = knobs.LOST_DECODE_HANDSHAKE_TIMEOUT.get()
     kv_mgr = fork_touch.upstream(queue, "kv_manager")
     lost = lost_decodes(monitor_of(kv_mgr))
     if not lost or timeout == 0:

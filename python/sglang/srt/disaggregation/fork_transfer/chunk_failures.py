@@ -10,7 +10,6 @@ import contextlib
 import ctypes
 import functools
 import logging
-import os
 import re
 import threading
 import time
@@ -19,9 +18,8 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Set, Tuple
 from sglang.srt.disaggregation.fork_ending import request_end_cause
 from sglang.srt.disaggregation.base import KVPoll
 from sglang.srt.disaggregation.fork_ending.room_ledger import end_room
-from sglang.srt.disaggregation.fork_transfer.transfer_deadline_knob import positive_seconds
 from sglang.srt.environ import envs
-from sglang.srt.managers.fork_core import fork_touch
+from sglang.srt.managers.fork_core import fork_touch, knobs
 from sglang.srt.managers.fork_core.rank_agreement import answers, attn_tp_rank
 
 logger = logging.getLogger(__name__)
@@ -174,7 +172,7 @@ def probe_session(mgr: Any, send_probe: Any, session_id: str) -> int:
 
 
 # Bounds a probe of a frozen peer (mooncake's own timeouts: 60 s handshake, 30 s read); default 5 s.
-PROBE_TIMEOUT_ENV = "SGLANG_FORK_SESSION_PROBE_TIMEOUT"
+PROBE_TIMEOUT_ENV = knobs.SESSION_PROBE_TIMEOUT.name
 
 
 def bounded_probe(mgr: Any, send_probe: Any, timeout: float) -> Callable[[str], int]:
@@ -250,8 +248,7 @@ def on_prefill_manager_init(mgr: Any, queue: Any, *args: Any, **kwargs: Any) -> 
     with getattr(mgr, "session_lock", contextlib.nullcontext()):  # mooncake's (prefill)
         swapped = fork_touch.swap(mgr, "failed_sessions", probing, by=__name__)
     if swapped is not None:
-        timeout = positive_seconds(os.environ.get(PROBE_TIMEOUT_ENV, "5"), PROBE_TIMEOUT_ENV, "valid",
-                                   "a finite number of seconds > 0 (e.g. 5)")
+        timeout = knobs.SESSION_PROBE_TIMEOUT.get()
         scratch = mgr.fork_probe_scratch = ctypes.create_string_buffer(READ_BYTES)
         mgr.engine.register(ctypes.addressof(scratch), READ_BYTES)  # kept for the manager's life
         fork_touch.swap(mgr, "_send_probe", lambda send_probe: bounded_probe(mgr, send_probe, timeout), by=__name__)

@@ -19,6 +19,7 @@ import logging
 from datetime import timedelta
 from typing import Any, List, Optional
 
+from sglang.srt.managers.fork_core import knobs
 from sglang.srt.managers.fork_core.fork_touch import upstream
 
 logger = logging.getLogger(__name__)
@@ -77,10 +78,8 @@ def gather(group: Any, mine: Any) -> Optional[List[Any]]:
 def gloo_timeout(*args, **kwargs):
     """BEFORE distributed.parallel_state.GroupCoordinator.__init__: SGLANG_FORK_GLOO_TIMEOUT (seconds > 0) as
     the gloo groups' timeout; unset or 0: upstream's."""
-    from sglang.srt.environ import envs
-
-    seconds = envs.SGLANG_FORK_GLOO_TIMEOUT.get()
-    if seconds and seconds > 0:
+    seconds = knobs.GLOO_TIMEOUT.get()
+    if seconds > 0:
         kwargs["gloo_timeout"] = timedelta(seconds=seconds)
         if not _logged:
             _logged.append(seconds)

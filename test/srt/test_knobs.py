@@ -1,0 +1,67 @@
+"""The fork's knobs (managers/fork_core/knobs.py): each declared once in upstream's `Envs` with its default, read
+strictly (a bad value raises naming the knob and what it accepts, where upstream's `EnvField.get` would warn and take
+the default), and all checked where ServerArgs resolve (`transfer_deadline_knob.validate`). A server started with a
+bad knob: test_transfer_deadline_e2e.py::test_bad_deadline_stops_the_server_at_startup."""
+
+from __future__ import annotations
+
+import pytest
+
+from sglang.srt.disaggregation.fork_transfer import transfer_deadline_knob
+from sglang.srt.environ import EnvFloat, envs
+from sglang.srt.managers.fork_core import knobs
+
+DEFAULTS = {  # the documented defaults (README, docs/): a changed default is a user-visible change
+    "SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT": 600.0,
+    "SGLANG_FORK_LOST_DECODE_HANDSHAKE_TIMEOUT": 5.0,
+    "SGLANG_FORK_SESSION_PROBE_TIMEOUT": 5.0,
+    "SGLANG_FORK_GLOO_TIMEOUT": 0.0,
+}
+
+
+@pytest.fixture(autouse=True)
+def _unset(monkeypatch):
+    for knob in knobs.KNOBS:
+        monkeypatch.delenv(knob.name, raising=False)
+
+
+@pytest.mark.parametrize("knob", knobs.KNOBS, ids=lambda k: k.name)
+def test_each_knob_is_declared_once_in_upstreams_envs_with_its_default(knob):
+    field = getattr(envs, knob.name)
+    assert isinstance(field, EnvFloat) and field.name == knob.name
+    assert knob.get() == field.get() == DEFAULTS[knob.name]
+    assert sorted(k.name for k in knobs.KNOBS) == sorted(DEFAULTS)
+
+
+@pytest.mark.parametrize("knob", knobs.KNOBS, ids=lambda k: k.name)
+@pytest.mark.parametrize("bad", ["soon", "-1", "nan", "inf", ""])
+def test_a_bad_value_raises_naming_the_knob_where_upstream_would_take_the_default(monkeypatch, knob, bad):
+    monkeypatch.setenv(knob.name, bad)
+    with pytest.raises(ValueError, match=knob.name) as raised:
+        knob.get()
+    assert "expected a finite number of seconds" in str(raised.value)
+    with pytest.raises(ValueError, match=knob.name):  # the start-up check finds it among the others
+        transfer_deadline_knob.validate(None)
+
+
+@pytest.mark.parametrize("knob", knobs.KNOBS, ids=lambda k: k.name)
+def test_zero_is_accepted_only_where_it_means_something(monkeypatch, knob):
+    monkeypatch.setenv(knob.name, "0")
+    if knob.zero is None:
+        with pytest.raises(ValueError, match=knob.name):
+            knob.get()
+    else:
+        assert knob.get() == 0.0 and knob.zero in knob.accepted
+    monkeypatch.setenv(knob.name, "2.5")
+    assert knob.get() == 2.5
+
+
+def test_the_server_argument_wins_over_the_env_and_both_are_checked(monkeypatch):
+    monkeypatch.setenv(knobs.TRANSFER_TIMEOUT.name, "30")
+    assert transfer_deadline_knob.validate(None) == 30.0
+    assert transfer_deadline_knob.validate(7.5) == 7.5
+    with pytest.raises(ValueError, match=transfer_deadline_knob.ARG):
+        transfer_deadline_knob.validate(0)
+    monkeypatch.setenv(knobs.TRANSFER_TIMEOUT.name, "-3")
+    with pytest.raises(ValueError, match=knobs.TRANSFER_TIMEOUT.name):  # a bad env fails even under a good arg
+        transfer_deadline_knob.validate(7.5)
