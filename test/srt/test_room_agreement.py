@@ -156,9 +156,13 @@ def test_a_room_failed_on_one_rank_is_known_alike_on_every_rank():
 
 def test_agreed_is_rank_0s_unless_a_higher_rank_outranks_it():
     abort = "Aborted by AbortReq."
+    echo = "PD request aborted on decode: bootstrap_room=11 was aborted by the decode peer."
     assert agreed([Known("a", None, None), Known("b", None, None)]).reason == "a"
     assert agreed([None, Known(KV_FAILED, None, None)]).reason == KV_FAILED
     assert agreed([Known(abort, None, None), Known(KV_FAILED, None, None)]).reason == KV_FAILED  # a bare abort loses
+    # decode's ABORT reached rank 0 first, answering the failed write rank 1 had told it of: the write wins
+    assert agreed([Known(echo, None, None), Known(KV_FAILED, None, None)]).reason == KV_FAILED
+    assert agreed([Known(echo, None, None), Known(abort, None, None)]).reason == echo
     assert agreed([Known(KV_FAILED, None, None), Known(LOST, None, None)]).reason == LOST  # a lost peer wins
     assert agreed([Known(LOST, None, None), Known(KV_FAILED, None, None)]).reason == LOST
     one = agreed([Known(None, ("timeout", None), DEADLINE), Known(None, ("transport", None), "other")])

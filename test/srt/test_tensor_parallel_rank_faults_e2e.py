@@ -193,5 +193,5 @@ def test_late_handshake_reaching_rank_1_is_answered_failed_and_creates_nothing(c
     # neither prefill rank re-created the room (upstream, and rank 1 before: request_status/transfer_infos kept)
     assert_idle(cluster, PD_ROLES, baseline=baseline)
     _wait_causes(cluster, before, {("prefill", "timeout", "prefill_bootstrap"): 1,
-                                   ("decode", "timeout", "decode_prealloc"): 1})
+                                   ("decode", "timeout", "decode_transfer"): 1})
     _serves(cluster, baseline, list(plain)[3], plain[list(plain)[3]])
