@@ -66,3 +66,42 @@ def test_plugin_load_leaves_prometheus_unimported():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "False"
+
+
+def test_rank_selector_keeps_only_this_ranks_entries():
+    spec = "kv@1:rid=one-,aux:rid=all-,kv+failed@0:room=5"
+    assert [(f.kind, f.rank) for f in FaultPlan.parse(spec, rank=1).faults] == [("kv", 1), ("aux", None)]
+    assert [(f.kind, f.rank) for f in FaultPlan.parse(spec, rank=0).faults] == [("aux", None), ("kv", 0)]
+    assert FaultPlan.parse("kv@1:rid=x", rank=0) is None  # nothing for rank 0: no plan, no cost
+    assert len(FaultPlan.parse(spec).faults) == 3  # no rank given: every entry
+    assert FaultPlan.parse(spec, rank=0).faults[1].mark_failed_first
+
+
+def test_delay_entry_reports_the_write_late_and_does_not_fail_it():
+    plan = FaultPlan.parse("kv+delay=2.5@1:rid=slow-", rank=1)
+    (fault,) = plan.faults
+    assert (fault.delay, fault.mark_failed_first, fault.rank) == (2.5, False, 1)
+    plan.bind("slow-1", 9)
+    assert plan.take(9, "kv").delay == 2.5
+    assert plan.take(9, "kv") is None  # once per room
+
+
+@pytest.mark.parametrize("spec", ["kv+delay=:rid=x", "kv+delay=x:rid=x", "kv@:rid=x", "kv@one:rid=x",
+                                  "kv+failed+delay=1:rid=x"])
+def test_malformed_rank_or_delay_is_rejected(spec):
+    with pytest.raises(ValueError, match="SGLANG_TEST_DISAGG_FAIL_CHUNKS"):
+        FaultPlan.parse(spec)
+
+
+def test_a_delayed_write_holds_its_worker_then_reports_success():
+    import time
+    from types import SimpleNamespace
+
+    from sglang.srt.disaggregation.fork_transfer.chunk_failures import checked
+
+    mgr = SimpleNamespace(fork_chunk_faults=FaultPlan.parse("kv+delay=0.3:room=4"))
+    t0 = time.monotonic()
+    assert checked(mgr, 4, "kv", 0) == 0
+    assert time.monotonic() - t0 >= 0.3
+    t0 = time.monotonic()
+    assert checked(mgr, 4, "kv", 0) == 0 and time.monotonic() - t0 < 0.3  # once

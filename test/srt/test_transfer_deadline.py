@@ -151,6 +151,43 @@ def test_prefill_inflight_expires_others_finish(prefill, clock, state):
     h.assert_baseline(h.idle)
 
 
+@pytest.fixture
+def other_rank_transferring(monkeypatch):
+    """Another attention TP rank whose part of every transfer is still in flight: upstream's MIN all-reduce of the
+    polls gives at most Transferring while `pending` holds (this rank's own Success stays cached in its sender)."""
+    from sglang.srt.disaggregation import utils
+
+    reduce, other = utils._all_reduce_polls, {"pending": True}
+
+    def with_other_rank(polls, group):
+        polls = reduce(polls, group)
+        return [min(p, int(KVPoll.Transferring)) for p in polls] if other["pending"] else polls
+
+    monkeypatch.setattr(utils, "_all_reduce_polls", with_other_rank)
+    return other
+
+
+@pytest.mark.parametrize("side", ["prefill", "decode"])
+def test_expires_when_this_rank_is_done_and_another_is_not(prefill_h, decode_h, clock, other_rank_transferring,
+                                                           side):
+    """TP > 1: this rank's transfer concluded Success, another rank's has not, so the request stays in the stage:
+    the deadline (decided on this rank) still ends it 504 (its endpoint's cached Success was kept before)."""
+    h, stage = (prefill_h, td.PREFILL_INFLIGHT) if side == "prefill" else (decode_h, td.DECODE_TRANSFER)
+    h.assert_baseline(h.idle)
+    req = h.add(h.make_req(tokens=range(500, 510)) if side == "prefill" else h.make_req(prompt_len=10))
+    for _ in range(3):  # this rank's part concludes (Success, cached); the stage holds it for the other rank
+        h.tick()
+    queue = h.inflight if side == "prefill" else [d.req for d in h.scheduler.disagg_decode_transfer_queue.queue]
+    assert queue == [req] and h.outputs.final(req.rid) is None
+
+    assert expire(h, clock, stage) == 1
+
+    assert_504(h, req, stage)
+    other_rank_transferring["pending"] = False
+    h.tick()
+    h.assert_baseline(h.idle)
+
+
 def test_pause_longer_than_deadline_expires_nothing(prefill, clock):
     h = prefill
     req = h.add(h.make_req(tokens=range(500, 510)))

@@ -111,6 +111,20 @@ def tag(kv_manager: Any, room: int, cause: str, peer: Optional[str] = None) -> N
             rooms.popitem(last=False)
 
 
+def room_tag(kv_manager: Any, room: int) -> Optional[Tuple[str, Optional[str]]]:
+    """(cause, peer) `room` is tagged with on this manager, or None."""
+    with _lock:
+        return _rooms(kv_manager).get(room)
+
+
+def retag(kv_manager: Any, room: int, cause: str, peer: Optional[str] = None) -> None:
+    """Tag `room` with the cause every rank agreed on (rank_agreement.share_failures): replaces this rank's own."""
+    _check(cause)
+    with _lock:
+        kv_manager.__dict__.setdefault(_ROOMS_ATTR, OrderedDict()).pop(room, None)
+    tag(kv_manager, room, cause, peer)
+
+
 def tag_req(req: Any, cause: str, peer: Optional[str] = None) -> None:
     """Record why `req` is ending (sites that hold the request, not the room). First tag wins."""
     _check(cause)

@@ -22,6 +22,7 @@ from sglang.srt.disaggregation.base import KVPoll
 from sglang.srt.environ import envs
 from sglang.srt.managers.fork_core import fork_touch
 from sglang.srt.managers.fork_core.fork_touch import upstream
+from sglang.srt.managers.fork_core.rank_agreement import answers
 
 logger = logging.getLogger(__name__)
 
@@ -323,13 +324,19 @@ def around_record_failure(original, mgr, bootstrap_room, failure_reason, *args, 
             return None
         if (failure_reason or "").startswith(PEER_LOST_TAG):
             end_cause.tag(mgr, bootstrap_room, end_cause.PEER_FAILURE)
-    current, new = mgr.failure_records.get(bootstrap_room), failure_reason or ""
-    if current and (new.startswith(UPSTREAM_ABORT_REASON)  # e.g. the sender's Failed after the ledger told the pause
-                    or current.startswith(PEER_LOST_TAG) and not new.startswith(PEER_LOST_TAG)):
+    new = failure_reason or ""
+    if kept_over(mgr.failure_records.get(bootstrap_room), new):
         return None
     if new.startswith(UPSTREAM_ABORT_REASON) and getattr(_recompute, "reason", None):
         failure_reason = _recompute.reason  # the re-send's failure, not a client's abort
     return original(mgr, bootstrap_room, failure_reason, *args, **kwargs)
+
+
+def kept_over(current: Optional[str], new: str) -> bool:
+    """Whether a room's recorded reason `current` stays when `new` is recorded: over upstream's bare abort reason
+    (e.g. the sender's Failed after the ledger told the pause), and a lost peer over anything but a lost peer."""
+    return bool(current) and (new.startswith(UPSTREAM_ABORT_REASON)
+                              or current.startswith(PEER_LOST_TAG) and not new.startswith(PEER_LOST_TAG))
 
 
 # The reason `_fail_prefill_recompute` is recording on this thread (decode's re-bootstrap pool).
@@ -570,9 +577,12 @@ def _ended_on_prefill(ledger: "RoomLedger", room: int, reason: str) -> None:
 
 
 def after_send_abort_output(result: Any, scheduler: Any, abort_req: Any, req: Any, *args: Any, **kwargs: Any) -> None:
-    """AFTER Scheduler.send_abort_output: a scheduler's rejection ends the other side's copy."""
+    """AFTER Scheduler.send_abort_output: a scheduler's rejection ends the other side's copy (told by the answering
+    rank alone: every rank rejects the same request, and the teller tells every prefill rank)."""
     from sglang.srt.disaggregation.utils import DisaggregationMode, TransferBackend
 
+    if not answers():
+        return
     mode = scheduler.disaggregation_mode  # a request without a room: tell_prefill tells nothing
     if (mode == DisaggregationMode.DECODE and scheduler.transfer_backend != TransferBackend.FAKE
             and not req.time_stats.decode_prealloc_queue_entry_time):

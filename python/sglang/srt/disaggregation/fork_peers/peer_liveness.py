@@ -18,9 +18,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from sglang.srt.disaggregation.fork_ending import pd_queues, request_end_cause, room_ledger
 from sglang.srt.disaggregation.base import KVPoll
 from sglang.srt.disaggregation.fork_ending.room_ledger import engine_clock
-from sglang.srt.disaggregation.fork_transfer.transfer_deadline import _decides
 from sglang.srt.environ import envs
 from sglang.srt.managers.fork_core import fork_touch, knobs
+from sglang.srt.managers.fork_core.rank_agreement import answers
 
 logger = logging.getLogger(__name__)
 
@@ -525,7 +525,7 @@ def orphan_message(req: Any, waited: float, lost: Sequence[str], timeout: float)
 def before_pop_bootstrapped(queue, *args, **kwargs):
     """BEFORE PrefillBootstrapQueue.pop_bootstrapped (scheduler thread): orphans of a lost decode end (502)."""
     now = engine_clock.now()
-    if not queue.queue or now < _next_scan[0] or not _decides():  # rank 0 decides; the poll's all-reduce spreads it
+    if not queue.queue or now < _next_scan[0] or not answers():  # rank 0 decides; the poll's all-reduce spreads it
         return
     _next_scan[0] = now + SCAN_INTERVAL
     timeout = knobs.LOST_DECODE_HANDSHAKE_TIMEOUT.get()

@@ -20,6 +20,7 @@ from sglang.srt.disaggregation.base import KVPoll
 from sglang.srt.disaggregation.fork_ending.room_ledger import end_room
 from sglang.srt.environ import envs
 from sglang.srt.managers.fork_core import fork_touch, knobs
+from sglang.srt.managers.fork_core.rank_agreement import answers, attn_tp_rank
 
 logger = logging.getLogger(__name__)
 
@@ -41,13 +42,16 @@ class _Fault(NamedTuple):
     rid: Optional[str]  # a rid prefix, or None
     room: Optional[int]  # a room number, or None
     mark_failed_first: bool  # the room is Failed locally before the write reports
+    delay: float = 0.0  # > 0: the write succeeds, its transfer worker reports it this many seconds late
+    rank: Optional[int] = None  # only on this attention TP rank (None: every rank)
 
 
-_FAULT = re.compile(r"(kv|aux|state)(\+failed)?:(?:rid=(.+)|room=(\d+))")
+_FAULT = re.compile(r"(kv|aux|state)(\+failed|\+delay=(\d+(?:\.\d*)?))?(?:@(\d+))?:(?:rid=(.+)|room=(\d+))")
 
 
 class FaultPlan:
-    """`SGLANG_TEST_DISAGG_FAIL_CHUNKS`: a matching room's first write of a kind reports -1 once."""
+    """`SGLANG_TEST_DISAGG_FAIL_CHUNKS`: a matching room's first write of a kind reports -1 once (or, `+delay=S`,
+    holds its transfer worker S seconds); `@R` aims an entry at attention TP rank R alone."""
 
     def __init__(self, faults: List[_Fault]):
         self.faults = faults
@@ -56,15 +60,19 @@ class FaultPlan:
         self._lock = threading.Lock()
 
     @classmethod
-    def parse(cls, spec: str) -> Optional["FaultPlan"]:
+    def parse(cls, spec: str, rank: Optional[int] = None) -> Optional["FaultPlan"]:
+        """The entries of `spec` for attention TP rank `rank` (None: every entry); None if there are none."""
         faults = []
         for item in filter(None, (s.strip() for s in spec.split(","))):
             match = _FAULT.fullmatch(item)
             if match is None:
                 raise ValueError(f"SGLANG_TEST_DISAGG_FAIL_CHUNKS: bad entry {item!r}; expected "
-                                 "kind[+failed]:rid=PREFIX or kind[+failed]:room=N, kind in kv/aux/state")
-            kind, failed, rid, room = match.groups()
-            faults.append(_Fault(kind, rid, None if room is None else int(room), failed is not None))
+                                 "kind[+failed|+delay=S][@RANK]:rid=PREFIX or ...:room=N, kind in kv/aux/state")
+            kind, option, delay, on_rank, rid, room = match.groups()
+            fault = _Fault(kind, rid, None if room is None else int(room), option == "+failed",
+                           float(delay or 0.0), None if on_rank is None else int(on_rank))
+            if rank is None or fault.rank is None or fault.rank == rank:
+                faults.append(fault)
         return cls(faults) if faults else None
 
     def bind(self, rid: str, room: int) -> None:
@@ -88,7 +96,10 @@ def checked(mgr: Any, room: int, kind: str, rc: int) -> int:
     plan = getattr(mgr, "fork_chunk_faults", None)
     if plan is not None and rc == 0:
         fault = plan.take(room, kind)
-        if fault is not None:
+        if fault is not None and fault.delay > 0:  # a stalled transfer worker: the write is reported late
+            logger.warning("Injected: the %s chunk write of room %s reported %gs late", kind, room, fault.delay)
+            time.sleep(fault.delay)
+        elif fault is not None:
             if fault.mark_failed_first:  # as a concurrent local abort would (the write tells decode)
                 end_room(mgr, room, None, f"room {room} failed locally during its {kind} write (injected)", tell=False)
             logger.warning("Injected %s chunk write failure for room %s", kind, room)
@@ -228,7 +239,7 @@ class SessionBlacklist(set):
 
 def on_prefill_manager_init(mgr: Any, queue: Any, *args: Any, **kwargs: Any) -> None:
     """AFTER PrefillBootstrapQueue._init_kv_manager: the fault switch, the probing blacklist."""
-    mgr.fork_chunk_faults = FaultPlan.parse(envs.SGLANG_TEST_DISAGG_FAIL_CHUNKS.get() or "")
+    mgr.fork_chunk_faults = FaultPlan.parse(envs.SGLANG_TEST_DISAGG_FAIL_CHUNKS.get() or "", attn_tp_rank())
 
     def probing(failed_sessions):
         assert not failed_sessions, "session blacklist swapped after first use"
@@ -251,9 +262,10 @@ def on_prefill_add(result: Any, queue: Any, req: Any, *args: Any, **kwargs: Any)
 
 
 def on_decode_transfer_failure(result: Any, queue: Any, failure_reason: str, *args: Any, **kwargs: Any) -> None:
-    """AFTER `DecodeTransferQueue._record_transfer_failure`: count by chunk kind."""
+    """AFTER `DecodeTransferQueue._record_transfer_failure`: count by chunk kind, once (the answering rank: every
+    rank has the reason, rank_agreement.share_failures)."""
     kind = chunk_kind(failure_reason)
-    if kind is not None:
+    if kind is not None and answers():
         request_end_cause.inc("chunk_failure", {}, kind=kind, role="decode")
 
 

@@ -13,6 +13,7 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Dict, NamedTuple, Optional, Sequence, Tuple
 
+from sglang.srt.disaggregation.base import KVPoll
 from sglang.srt.disaggregation.fork_ending import request_end_cause, room_ledger
 from sglang.srt.disaggregation.fork_ending.pd_queues import (
     DECODE_PREALLOC, DECODE_TRANSFER, PREFILL_BOOTSTRAP, PREFILL_INFLIGHT, PREFILL_WAITING,
@@ -20,6 +21,7 @@ from sglang.srt.disaggregation.fork_ending.pd_queues import (
 from sglang.srt.disaggregation.fork_ending.room_ledger import engine_clock
 from sglang.srt.disaggregation.fork_transfer.transfer_deadline_knob import ARG, ENV, configured
 from sglang.srt.managers.fork_core import fork_touch
+from sglang.srt.managers.fork_core.rank_agreement import answers
 
 logger = logging.getLogger(__name__)
 
@@ -32,18 +34,10 @@ COUNTS: Counter = Counter()
 _next_scan: dict = {}
 
 
-def _decides() -> bool:
-    """Whether this rank answers the client (attention TP/CP rank 0, PP rank 0)."""
-    from sglang.srt.runtime_context import get_parallel
-
-    parallel = get_parallel()
-    return all(getattr(parallel, rank, 0) == 0 for rank in ("attn_tp_rank", "attn_cp_rank", "pp_rank"))
-
-
 def _expire(scheduler, stage: str, queue: Sequence[Any], side: str, keep=None) -> None:
     """Stamp `queue`'s entries (Req / DecodeRequest) new to `stage`; end the overdue ones `keep` accepts."""
     now = engine_clock.now()
-    if not queue or now < _next_scan.get(stage, float("-inf")) or not _decides():  # the common case: one lookup
+    if not queue or now < _next_scan.get(stage, float("-inf")) or not answers():  # the common case: one lookup
         return
     deadline = configured()
     _next_scan[stage] = now + min(deadline / SCAN_DIVISOR, MAX_SCAN_INTERVAL)
@@ -67,6 +61,10 @@ def _expire(scheduler, stage: str, queue: Sequence[Any], side: str, keep=None) -
         if hasattr(endpoint.kv_mgr, "record_failure"):  # the peer told; prefill: a late handshake fails too
             room_ledger.end_room(endpoint.kv_mgr, req.bootstrap_room, request_end_cause.TIMEOUT, text,
                                  remember=side == "prefill", receiver=endpoint if side == "decode" else None)
+            if fork_touch.upstream(endpoint, "conclude_state") == KVPoll.Success:
+                # this rank's part is done, another rank's is not (or decode's metadata has not landed): the poll
+                # returns the endpoint's cached Success, so fail it here (its record stays the deadline's)
+                endpoint.abort()
         else:  # fake transfer: no peer
             endpoint.abort()
         COUNTS[stage] += 1

@@ -8,7 +8,8 @@ SRT = "sglang.srt."
 # The fork's modules that hold hooks, by the short name the tables below use.
 OURS = {name.rpartition(".")[2]: SRT + name for name in (
     "disaggregation.fork_ending.room_ledger", "disaggregation.fork_ending.pd_queues",
-    "disaggregation.fork_ending.request_end_cause", "disaggregation.fork_peers.peer_liveness",
+    "disaggregation.fork_ending.request_end_cause", "disaggregation.fork_ending.room_agreement",
+    "disaggregation.fork_peers.peer_liveness",
     "disaggregation.fork_transfer.transfer_deadline", "disaggregation.fork_transfer.chunk_failures",
     "managers.fork_pause.pd_pause", "managers.fork_core.fork_touch", "managers.fork_core.pd_resource_report",
     "managers.fork_cache.weight_epoch", "managers.fork_core.rank_agreement")}
@@ -106,6 +107,10 @@ HOOKS: list[tuple[str, str, str]] = [_full(target, ref) + (kind,) for target, re
     ("managers.scheduler.Scheduler.process_batch_result", "request_end_cause:after_process_batch_result", AFTER),
     # a short gloo timeout where SGLANG_FORK_GLOO_TIMEOUT asks for one (tests: a rank stuck in a collective fails)
     ("distributed.parallel_state.GroupCoordinator.__init__", "rank_agreement:gloo_timeout", BEFORE),
+    # a room one rank failed: every rank answers, counts and remembers it alike (one all-gather after the poll's)
+    ("disaggregation.utils.poll_and_all_reduce", "room_agreement:around_poll_and_all_reduce", AROUND),
+    ("disaggregation.utils.poll_and_all_reduce_attn_cp_tp_group", "room_agreement:around_poll_cp_tp", AROUND),
+    ("disaggregation.utils.poll_and_all_reduce_with_staging", "room_agreement:around_poll_with_staging", AROUND),
     # KV cached under earlier weights is never matched after an update, and freed once no request holds it
     ("managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager.flush_cache_after_weight_update",
      "weight_epoch:around_flush_after_update", AROUND),

@@ -78,7 +78,8 @@ def build_report(scheduler) -> Dict[str, Any]:
 
 # What each rank holds on its own (its pools, queues and its kv manager's room tables): with more than one attention
 # TP rank the report gives the other ranks' too (`other_ranks`), so a leak on rank 1 is seen as one on rank 0 is.
-PER_RANK = ("kv_tokens", "req_slots", "metadata_slots", "queues", "transfer_rooms")
+PER_RANK = ("kv_tokens", "req_slots", "metadata_slots", "queues", "transfer_rooms", "bootstrap_fetch",
+            "cancelled_rooms")
 
 
 def _other_ranks(scheduler, report: Dict[str, Any]) -> Optional[list]:
@@ -87,14 +88,12 @@ def _other_ranks(scheduler, report: Dict[str, Any]) -> Optional[list]:
     from torch import distributed as dist
 
     from sglang.srt.managers.fork_core.fork_touch import upstream
+    from sglang.srt.managers.fork_core.rank_agreement import gather
 
     group = upstream(scheduler, "attn_tp_cpu_group")
-    size = dist.get_world_size(group)
-    if size == 1:
+    gathered = gather(group, {key: report[key] for key in PER_RANK})
+    if gathered is None:
         return None
-    mine = {key: report[key] for key in PER_RANK}
-    gathered: list = [None] * size
-    dist.all_gather_object(gathered, mine, group=group)
     rank = dist.get_rank(group)
     return [r for i, r in enumerate(gathered) if i != rank]
 

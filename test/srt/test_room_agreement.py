@@ -1,0 +1,170 @@
+"""A room one rank failed is answered, counted and remembered alike on every rank (room_agreement), over real gloo
+groups in two processes (no server, a few seconds): each rank runs upstream's poll_and_all_reduce with the fork's
+hook table entries applied, on its own kv manager state (upstream's CommonKVManager methods on a bare object), the
+room ledger and the end-cause tags of its own. The end-to-end proof at TP=2: test_tensor_parallel_rank_faults_e2e.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import tempfile
+import threading
+
+from sglang.srt.disaggregation.fork_ending.room_agreement import Known, agreed
+
+WORLD = 2
+KV_FAILED = "Failed to send kv chunk of bootstrap_room 11 to 127.0.0.1:7000"
+LOST = "PD peer lost: decode peer 127.0.0.1:7001 lost (refused)"
+DEADLINE = "PD transfer deadline exceeded: request r13 (bootstrap_room=13) spent 10.1s in stage prefill_bootstrap"
+
+
+def _apply_poll_hooks() -> None:
+    """The fork's hook table entries on upstream's poll functions, applied as the plugin applies them."""
+    from sglang.srt.managers.fork_core import fork_plugin
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    for target, ref, kind in fork_plugin.HOOKS:
+        if target.startswith("sglang.srt.disaggregation.utils.poll_and_all_reduce"):
+            module, fn = ref.split(":")
+            HookRegistry.register(target, getattr(__import__(module, fromlist=[fn]), fn), HookType[kind])
+    HookRegistry.apply_hooks()
+
+
+def _manager():
+    """A prefill kv manager's room tables and upstream's own methods over them (no transfer engine)."""
+    from sglang.srt.disaggregation.common.conn import CommonKVManager
+    from sglang.srt.disaggregation.fork_ending.room_ledger import ATTR, RoomLedger
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+
+    class Manager:
+        record_failure = CommonKVManager.record_failure
+        update_status = CommonKVManager.update_status
+        disaggregation_mode = DisaggregationMode.PREFILL
+
+        def __init__(self):
+            self.request_status, self.failure_records, self.transfer_infos = {}, {}, {}
+            self.req_to_decode_prefix_len, self._deferred_ack_targets, self._staging_outstanding = {}, {}, {}
+            self._deferred_ack_poisoned_rooms = set()
+            self.failure_lock = threading.Lock()
+            self.deferred_bootstrap = None
+            self.told = []  # Failed statuses sent to decode: (room, reason)
+
+        def _room_notify_targets(self, room):
+            return [("127.0.0.1", 7000)]
+
+        def send_kv_status_message(self, targets, bootstrap_room, status, failure_reason=None):
+            self.told.append((bootstrap_room, failure_reason))
+
+    mgr = Manager()
+    mgr.__dict__[ATTR] = RoomLedger(mgr)
+    return mgr
+
+
+class Poller:
+    """A sender as the queue polls it: its room's status on this rank."""
+
+    def __init__(self, mgr, room):
+        self.kv_mgr, self.bootstrap_room = mgr, room
+
+    def poll(self):
+        return self.kv_mgr.request_status[self.bootstrap_room]
+
+
+def _rank(rank: int, store: str, out) -> None:
+    import torch.distributed as dist
+
+    from sglang.srt.disaggregation import utils
+    from sglang.srt.disaggregation.base import KVPoll
+    from sglang.srt.disaggregation.fork_ending import request_end_cause as end_cause
+    from sglang.srt.disaggregation.fork_ending import room_agreement, room_ledger
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
+    try:
+        group = dist.new_group([0, 1], backend="gloo")
+        _apply_poll_hooks()
+        mgr = _manager()
+        ledger = room_ledger.ledger_of(mgr)
+        S = KVPoll
+        # room 11: a kv write failed on rank 1 alone; rank 0's own write went through
+        # room 12: rank 1's peer monitor lost the decode first; rank 0 still transferring
+        # room 13: rank 0's deadline (its clock) ended it before decode's handshake; rank 1 still bootstrapping
+        # room 14: nothing failed
+        mgr.request_status.update({11: S.Success if rank == 0 else S.Failed, 12: S.Transferring,
+                                   13: S.Bootstrapping, 14: S.Transferring})
+        if rank == 1:
+            mgr.failure_records[11] = KV_FAILED
+            room_ledger.end_room(mgr, 12, end_cause.PEER_FAILURE, LOST, peer="127.0.0.1:7001", tell=False)
+        else:
+            room_ledger.end_room(mgr, 13, end_cause.TIMEOUT, DEADLINE, remember=True, tell=False)
+        gathers = room_agreement.COUNTS["gathers"]
+        polls = utils.poll_and_all_reduce([Poller(mgr, r) for r in (11, 12, 13, 14)], group)
+        seen = {
+            "polls": [int(p) for p in polls],
+            "gathers": room_agreement.COUNTS["gathers"] - gathers,
+            "records": {r: mgr.failure_records.get(r) for r in (11, 12, 13, 14)},
+            "tags": {r: end_cause.room_tag(mgr, r) for r in (11, 12, 13, 14)},
+            "status_12": int(room_ledger.lost_peer_status(mgr.failure_records.get(12), 500)),
+            "late_13": ledger.late_answer(13),
+            # a rank that learned a room's failure from the other tells its own decode peers
+            "told_at_poll": sorted(mgr.told),
+        }
+        mgr.told.clear()
+        # no room failed: no collective at all (a rank that gathered alone would hang)
+        gathers = room_agreement.COUNTS["gathers"]
+        utils.poll_and_all_reduce([Poller(mgr, 14)], group)
+        seen["quiet_gathers"] = room_agreement.COUNTS["gathers"] - gathers
+        # the queue retires room 13 (upstream's sender.clear, then the ledger's hook) ...
+        mgr.request_status.pop(13)
+        room_ledger.on_sender_clear(None, type("Sender", (), {"kv_mgr": mgr, "bootstrap_room": 13,
+                                                                "conclude_state": S.Failed})())
+        # ... and decode's late handshake reaches this rank: answered Failed with the reason, nothing re-created
+        room_ledger.around_update_status(type(mgr).update_status, mgr, 13, S.WaitingForInput)
+        seen["handshake_13"] = {"request_status": mgr.request_status.get(13), "told": mgr.told}
+        out.put((rank, seen))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_room_failed_on_one_rank_is_known_alike_on_every_rank():
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        store = os.path.join(tmp, "store")
+        procs = [ctx.Process(target=_rank, args=(r, store, out)) for r in range(WORLD)]
+        for p in procs:
+            p.start()
+        results = dict(out.get(timeout=180) for _ in procs)
+        for p in procs:
+            p.join(60)
+            assert p.exitcode == 0
+    failed, transferring = 0, 3
+    for rank in range(WORLD):
+        seen = results[rank]
+        assert seen["polls"] == [failed, failed, failed, transferring], (rank, seen)
+        assert (seen["gathers"], seen["quiet_gathers"]) == (1, 0), (rank, seen)
+        # the answering rank names rank 1's failed write, answers rank 1's lost peer 502 with its cause, and
+        # every rank remembers rank 0's deadline for a late handshake
+        assert seen["records"] == {11: KV_FAILED, 12: LOST, 13: DEADLINE, 14: None}, (rank, seen)
+        assert seen["tags"] == {11: None, 12: ("peer_failure", "127.0.0.1:7001"), 13: ("timeout", None), 14: None}, \
+            (rank, seen)
+        assert seen["status_12"] == 502, (rank, seen)
+        assert seen["late_13"] == DEADLINE, (rank, seen)
+        assert seen["told_at_poll"] == ([(11, KV_FAILED), (12, LOST)] if rank == 0 else [(13, DEADLINE)]), (rank, seen)
+        assert seen["handshake_13"] == {"request_status": None, "told": [(13, DEADLINE)]}, (rank, seen)
+
+
+def test_agreed_is_rank_0s_unless_a_higher_rank_outranks_it():
+    abort = "Aborted by AbortReq."
+    echo = "PD request aborted on decode: bootstrap_room=11 was aborted by the decode peer."
+    assert agreed([Known("a", None, None), Known("b", None, None)]).reason == "a"
+    assert agreed([None, Known(KV_FAILED, None, None)]).reason == KV_FAILED
+    assert agreed([Known(abort, None, None), Known(KV_FAILED, None, None)]).reason == KV_FAILED  # a bare abort loses
+    # decode's ABORT reached rank 0 first, answering the failed write rank 1 had told it of: the write wins
+    assert agreed([Known(echo, None, None), Known(KV_FAILED, None, None)]).reason == KV_FAILED
+    assert agreed([Known(echo, None, None), Known(abort, None, None)]).reason == echo
+    assert agreed([Known(KV_FAILED, None, None), Known(LOST, None, None)]).reason == LOST  # a lost peer wins
+    assert agreed([Known(LOST, None, None), Known(KV_FAILED, None, None)]).reason == LOST
+    one = agreed([Known(None, ("timeout", None), DEADLINE), Known(None, ("transport", None), "other")])
+    assert (one.tag, one.late) == (("timeout", None), DEADLINE)  # rank order: rank 0 decides deadlines
+    assert agreed([None, None]) == Known(None, None, None)
