@@ -301,9 +301,11 @@ def test_hook_cost_runs_over_the_real_queues_at_small_counts():
     stages = {(r["side"], r["stage"]) for r in results}
     assert stages == {(side, stage) for side, stage, _ in hook_cost.STAGES}
     assert all(r["on_us"] > 0 and r["off_us"] > 0 and r["pairs"] >= 15 for r in results)
-    # each pass runs exactly the fork hook on its own method (transfer deadline's BEFORE)
+    # each pass runs exactly the fork hooks on its own method (transfer deadline's BEFORE) and on the poll's
+    # all-reduce (room_agreement's AROUND: with one rank and nothing failed it shares nothing)
     called = {r["stage"]: r["called"] for r in results if r["n"] == 40}
-    assert called["transfer"] == {"sglang.srt.disaggregation.decode.DecodeTransferQueue.pop_transferred": 1}
+    assert called["transfer"] == {"sglang.srt.disaggregation.decode.DecodeTransferQueue.pop_transferred": 1,
+                                  "sglang.srt.disaggregation.utils.poll_and_all_reduce": 1}
 
 
 # The deliberately slower fork: 5 ms of busy loop per decode scheduler pass, against

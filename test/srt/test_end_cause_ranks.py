@@ -6,7 +6,27 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
+
 from sglang.srt.disaggregation.fork_ending import request_end_cause as rec
+
+
+@pytest.fixture(autouse=True)
+def own_end_cause_counter():
+    """A counter of this module's own: the process-wide one is made with the label names of its first user (an
+    earlier test of the same pytest process may have made it without `tp_rank`); put back after."""
+    from prometheus_client import REGISTRY
+
+    earlier = rec._made.pop("end_cause", None)
+    if earlier is not None:
+        REGISTRY.unregister(earlier)
+    yield
+    made = rec._made.pop("end_cause", None)
+    if made is not None:
+        REGISTRY.unregister(made)
+    if earlier is not None:
+        REGISTRY.register(earlier)
+        rec._made["end_cause"] = earlier
 
 
 def _scheduler(rank0: bool) -> SimpleNamespace:

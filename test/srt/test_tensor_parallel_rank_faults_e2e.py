@@ -27,7 +27,7 @@ import pytest
 from testing.pd_checks import END_CAUSES, Leg, assert_idle, leg_body
 from testing.pd_cluster import generate, metric_sum, prompts, wait_until
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.tp]
 
 PD_ROLES = ("prefill", "decode")
 FP32 = ("--dtype", "float32")

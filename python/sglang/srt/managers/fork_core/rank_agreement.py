@@ -89,4 +89,3 @@ def gloo_timeout(*args, **kwargs):
 
 
 _logged: List[float] = []
-
