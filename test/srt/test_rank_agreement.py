@@ -4,10 +4,9 @@ The end-to-end proof at TP=2 is test_tensor_parallel_e2e.py."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import os
-import tempfile
 from types import SimpleNamespace
+
+from testing.gloo_ranks import run_ranks
 
 WORLD = 2
 # (rank 0's flags, rank 1's flags) -> what both must decide
@@ -36,16 +35,6 @@ def _rank(rank: int, store: str, out) -> None:
 
 
 def test_ranks_that_see_different_flags_take_the_same_decision():
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        store = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_rank, args=(r, store, out)) for r in range(WORLD)]
-        for p in procs:
-            p.start()
-        results = dict(out.get(timeout=120) for _ in procs)
-        for p in procs:
-            p.join(60)
-            assert p.exitcode == 0
+    results = run_ranks(_rank, WORLD, timeout=120)
     expected = [case[2] for case in CASES]
     assert results == {0: expected, 1: expected}

@@ -6,12 +6,10 @@ room ledger and the end-cause tags of its own. The end-to-end proof at TP=2: tes
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import os
-import tempfile
 import threading
 
 from sglang.srt.disaggregation.fork_ending.room_agreement import Known, agreed
+from testing.gloo_ranks import run_ranks
 
 WORLD = 2
 KV_FAILED = "Failed to send kv chunk of bootstrap_room 11 to 127.0.0.1:7000"
@@ -127,17 +125,7 @@ def _rank(rank: int, store: str, out) -> None:
 
 
 def test_a_room_failed_on_one_rank_is_known_alike_on_every_rank():
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        store = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_rank, args=(r, store, out)) for r in range(WORLD)]
-        for p in procs:
-            p.start()
-        results = dict(out.get(timeout=180) for _ in procs)
-        for p in procs:
-            p.join(60)
-            assert p.exitcode == 0
+    results = run_ranks(_rank, WORLD, timeout=180)
     failed, transferring = 0, 3
     for rank in range(WORLD):
         seen = results[rank]
