@@ -13,7 +13,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from http import HTTPStatus
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from fastapi import HTTPException
 
@@ -680,12 +680,17 @@ tm_resume_memory_occupation = _guarded("resume_memory_occupation")
 RELEASE_SETTLE_S = 1.0
 
 
+def _client_states(tokenizer_manager) -> List[Tuple[str, Any]]:
+    """(rid, state) of the requests in the tokenizer that a client sent: health probes aside (`/health`,
+    `/health_generate` put one in rid_to_state for about a second)."""
+    return [(rid, s) for rid, s in list(tokenizer_manager.rid_to_state.items())
+            if not str(rid).startswith(HEALTH_CHECK_RID_PREFIX)]
+
+
 def client_requests_running(tokenizer_manager) -> List[str]:
-    """Rids of requests a client sent that are still running: not a health probe (`/health`, `/health_generate`
-    put one in rid_to_state for about a second; the scheduler ends it on release), not answered, not held at the
-    pause gate (nothing of it reached the scheduler)."""
-    return [rid for rid, s in list(tokenizer_manager.rid_to_state.items())
-            if not str(rid).startswith(HEALTH_CHECK_RID_PREFIX) and not s.finished and not s.__dict__.get(_AT_GATE)]
+    """Rids of requests a client sent that are still running: not a health probe (the scheduler ends one on
+    release), not answered, not held at the pause gate (nothing of it reached the scheduler)."""
+    return [rid for rid, s in _client_states(tokenizer_manager) if not s.finished and not s.__dict__.get(_AT_GATE)]
 
 
 async def client_requests_settled(tokenizer_manager, timeout: float) -> List[str]:
@@ -741,8 +746,7 @@ def _undecided_client_requests(tokenizer_manager) -> List[Any]:
     drops a probe (upstream: "ongoing requests already carry health info"), so it is never answered; its
     /health(_generate) handler holds it, and the model-update reader lock, until its 1 s sleep ends, and the
     abort_all sent before the pause's answer ends it too if it did reach the scheduler."""
-    return [s for rid, s in list(tokenizer_manager.rid_to_state.items())
-            if s.__dict__.get(_AT_GATE) is False and not str(rid).startswith(HEALTH_CHECK_RID_PREFIX)]
+    return [s for _, s in _client_states(tokenizer_manager) if s.__dict__.get(_AT_GATE) is False]
 
 
 def _retrieved(future: "asyncio.Future") -> None:
