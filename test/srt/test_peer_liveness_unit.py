@@ -9,6 +9,8 @@ import pytest
 
 from sglang.srt.disaggregation.fork_peers import peer_liveness as pl
 
+pytestmark = pytest.mark.unit
+
 
 def test_probe_tells_alive_from_refused():
     with socket.socket() as listener:
