@@ -1,6 +1,6 @@
 """The engine clock excludes paused time and is idempotent under repeated calls."""
 
-from sglang.srt.disaggregation.fork_ending.room_ledger import EngineClock
+from sglang.srt.disaggregation.fork_ending.engine_clock import EngineClock
 
 
 class Wall:
