@@ -427,3 +427,34 @@ def test_release_without_pause_names_the_client_requests_still_running():
     message = str(err.value)
     assert "1 request(s) in flight (rollout-7)" in message and "call pause_generation first" in message
     assert "HEALTH_CHECK" not in message
+
+
+def test_scheduler_pause_moves_only_by_its_named_transitions():
+    """SchedulerPause (docs/layout.md, "The scheduler pause's states"): the first mode is kept unless a retract
+    follows, a release keeps the pause's mode and a resume goes back to it, continue ends it; the pump window is
+    never open while released; a pump inside a drain leaves the drain's work as it found it."""
+    S, Work = scheduler_pause.PauseState, scheduler_pause.Work
+    sp = scheduler_pause.SchedulerPause(SimpleNamespace(disaggregation_mode="null"))
+    assert (sp.state, sp.mode, sp.work) == (S.SERVING, None, Work.IDLE)
+    sp.pause("in_place")
+    sp.pause("abort")
+    assert (sp.state, sp.mode) == (S.PAUSED, "in_place")
+    sp.pause("retract")
+    sp.release()
+    assert (sp.state, sp.mode, sp.released) == (S.RELEASED, "retract", True)
+    sp.resume()
+    assert (sp.state, sp.mode) == (S.PAUSED, "retract")
+    sp.continue_()
+    assert (sp.state, sp.mode) == (S.SERVING, None)
+    sp.release()  # without a pause
+    sp.continue_()
+    assert sp.state is S.RELEASED
+    sp.open_pump_window()
+    assert not sp.in_pump_window()
+    sp.resume()
+    assert sp.state is S.SERVING and sp.in_pump_window()
+    sp.close_pump_window()
+    assert not sp.in_pump_window()
+    sp.work = Work.DRAINING
+    sp.pump()  # no PD queues here: nothing to pump, the drain's work kept
+    assert sp.work is Work.DRAINING
