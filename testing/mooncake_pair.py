@@ -126,10 +126,10 @@ class _Worker:
     def tick(self, n: int = 1) -> None:
         if getattr(self.h.scheduler, "_engine_paused", False):
             # what a paused event loop runs instead of scheduling (the fork's hook)
-            from sglang.srt.managers.fork_pause import pd_pause
+            from sglang.srt.managers.fork_pause import scheduler_pause
 
             with self.h.active():
-                pd_pause.paused_loop_tick(None, self.h.scheduler)
+                scheduler_pause.paused_loop_tick(None, self.h.scheduler)
             return
         self.h.tick(n)
 
@@ -164,12 +164,12 @@ class _Worker:
         self.h.scheduler._engine_paused = paused
 
     def end_queued(self, message: str) -> None:
-        """What a release during a pause does with the PD queues (pd_pause): abort
+        """What a release during a pause does with the PD queues (scheduler_pause): abort
         everything queued and drain it through upstream's retire paths."""
-        from sglang.srt.managers.fork_pause import pd_pause
+        from sglang.srt.managers.fork_pause import scheduler_pause
 
         with self.h.active():
-            pd_pause._abort_all_and_drain(self.h.scheduler, message)
+            scheduler_pause.pause_of(self.h.scheduler).abort_all_and_drain(message)
 
     def cancelled_rooms(self) -> Optional[int]:
         """Peer cancellations this side remembers (disaggregation.fork_ending.room_ledger)."""

@@ -2,7 +2,7 @@
 
 import pytest
 
-from sglang.srt.disaggregation.fork_ending.room_ledger import EngineClock
+from sglang.srt.disaggregation.fork_ending.engine_clock import EngineClock
 
 pytestmark = pytest.mark.unit
 

@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pytest
 
 from sglang.srt.disaggregation.fork_ending import pd_queues
-from sglang.srt.managers.fork_pause import pd_pause
-from sglang.srt.managers.fork_pause.pd_pause import ALL_TAGS, EnginePauseState, PauseStateError
+from sglang.srt.managers.fork_pause import engine_pause_state, pause_gate, pd_pause, scheduler_pause, tokenizer_pause
+from sglang.srt.managers.fork_pause.engine_pause_state import ALL_TAGS, EnginePauseState, PauseStateError
 
 pytestmark = pytest.mark.unit
 
@@ -159,18 +159,18 @@ def test_pause_gate_opens_only_for_aborted_requests():
     tm = SimpleNamespace(is_pause=True, rid_to_state={}, disaggregation_mode="null")  # not decode: nobody to tell
     waiting = {"a": SimpleNamespace(), "b": SimpleNamespace()}
     tm.rid_to_state.update(waiting)
-    assert not pd_pause.gate_open(tm, waiting)
-    assert not pd_pause.gate_aborted(waiting)
+    assert not pause_gate.gate_open(tm, waiting)
+    assert not pause_gate.gate_aborted(waiting)
     waiting["b"]._fork_gate_abort = "Aborted by the client while the engine was paused (rid=b)."
-    assert pd_pause.gate_open(tm, waiting)
+    assert pause_gate.gate_open(tm, waiting)
     # answered as upstream answers an abort: 200 body, finish_reason abort, the reason
-    (out,) = pd_pause.gate_abort_answers(tm, SimpleNamespace(is_single=True), {"b": waiting["b"]})
+    (out,) = pause_gate.gate_abort_answers(tm, SimpleNamespace(is_single=True), {"b": waiting["b"]})
     assert out["meta_info"]["finish_reason"] == {
         "type": "abort", "status_code": None,
         "message": "Aborted by the client while the engine was paused (rid=b).",
     }
     assert out["meta_info"]["id"] == "b" and "b" not in tm.rid_to_state
-    assert pd_pause.gate_open(SimpleNamespace(is_pause=False), {"a": SimpleNamespace()})
+    assert pause_gate.gate_open(SimpleNamespace(is_pause=False), {"a": SimpleNamespace()})
 
 
 def test_upstream_timers_of_live_transfers_skip_the_pause():
@@ -193,25 +193,23 @@ def test_upstream_timers_of_live_transfers_skip_the_pause():
                 assert len(endpoints) == 1, cls
                 ep = endpoints[0]
                 ep.init_time, ep._prefill_wait_start = 1000.0, None
-                assert pd_pause.shift_upstream_timers(sched, 42.5) == 1
+                assert scheduler_pause.shift_upstream_timers(sched, 42.5) == 1
                 assert (ep.init_time, ep._prefill_wait_start) == (1042.5, None)
-                assert pd_pause.shift_upstream_timers(sched, 0.0) == 0
+                assert scheduler_pause.shift_upstream_timers(sched, 0.0) == 0
                 h.abort(req.rid)
 
 
 def test_invalid_pause_body_names_the_state():
     """The validation-error hook (http_server patch) adds the state to /pause_generation
     400s only."""
-    from sglang.srt.managers.fork_pause import pd_pause
-
     tm = SimpleNamespace()
     gs = SimpleNamespace(tokenizer_manager=tm)
-    s = pd_pause._state_of(tm)
+    s = engine_pause_state.state_of(tm)
     _run(s, "pause_generation", "in_place")
-    msg = pd_pause.name_state_if_pause_call("/pause_generation", "bad mode", gs)
+    msg = engine_pause_state.name_state_if_pause_call("/pause_generation", "bad mode", gs)
     assert "engine state is 'paused' (pause mode in_place)" in msg and msg.endswith("bad mode")
-    assert pd_pause.name_state_if_pause_call("/generate", "bad", gs) == "bad"
-    assert pd_pause.name_state_if_pause_call("/pause_generation", "bad", None) == "bad"
+    assert engine_pause_state.name_state_if_pause_call("/generate", "bad", gs) == "bad"
+    assert engine_pause_state.name_state_if_pause_call("/pause_generation", "bad", None) == "bad"
 
 
 def test_abort_pause_answers_once_every_answer_is_decided():
@@ -235,15 +233,15 @@ def test_abort_pause_answers_once_every_answer_is_decided():
     async def scenario():
         lock = RWLock()
         running, gated, arriving = (SimpleNamespace(event=asyncio.Event()) for _ in range(3))
-        running.__dict__[pd_pause._AT_GATE] = False  # passed the gate (gate_open's mark)
-        gated.__dict__[pd_pause._AT_GATE] = True
+        running.__dict__[pause_gate._AT_GATE] = False  # passed the gate (gate_open's mark)
+        gated.__dict__[pause_gate._AT_GATE] = True
         # arriving: not at the gate yet (waits for the gate's lock the pause holds)
         tm = SimpleNamespace(rid_to_state={"run": running, "gate": gated, "new": arriving})
         for _ in range(2):  # the running request's handler; one writing a decided answer
             await lock.acquire_reader()
-        token = pd_pause._ABORT_PAUSE.set(tm)
+        token = tokenizer_pause._ABORT_PAUSE.set(tm)
         try:
-            check = asyncio.ensure_future(pd_pause.around_is_locked(original, lock))
+            check = asyncio.ensure_future(tokenizer_pause.around_is_locked(original, lock))
             await yield_to_loop()
             assert not check.done()  # "run" is past the gate, its answer not decided
             del tm.rid_to_state["run"]
@@ -251,9 +249,9 @@ def test_abort_pause_answers_once_every_answer_is_decided():
             assert await asyncio.wait_for(check, 2.0) is False
             assert lock._readers == 2  # answered before the handlers left
         finally:
-            pd_pause._ABORT_PAUSE.reset(token)
+            tokenizer_pause._ABORT_PAUSE.reset(token)
         # not in a pause call: upstream's criterion, the lock
-        check = asyncio.ensure_future(pd_pause.around_is_locked(original, lock))
+        check = asyncio.ensure_future(tokenizer_pause.around_is_locked(original, lock))
         await yield_to_loop()
         assert not check.done()
         for _ in range(2):
@@ -280,14 +278,14 @@ def test_abort_pause_does_not_wait_for_a_health_probe_a_busy_scheduler_dropped()
         lock = RWLock()
         probe, running = SimpleNamespace(event=asyncio.Event()), SimpleNamespace(event=asyncio.Event())
         for state in (probe, running):
-            state.__dict__[pd_pause._AT_GATE] = False  # both passed the gate
+            state.__dict__[pause_gate._AT_GATE] = False  # both passed the gate
         tm = SimpleNamespace(rid_to_state={f"{HEALTH_CHECK_RID_PREFIX}_0f": probe, "rollout-1": running})
         for _ in range(2):  # the probe's handler and the running request's
             await lock.acquire_reader()
-        token = pd_pause._ABORT_PAUSE.set(tm)
+        token = tokenizer_pause._ABORT_PAUSE.set(tm)
         loop = asyncio.get_running_loop()
         try:
-            check = asyncio.ensure_future(pd_pause.around_is_locked(original, lock))
+            check = asyncio.ensure_future(tokenizer_pause.around_is_locked(original, lock))
             await asyncio.sleep(0.05)
             assert not check.done()  # rollout-1's answer is not decided
             t0 = loop.time()
@@ -297,7 +295,7 @@ def test_abort_pause_does_not_wait_for_a_health_probe_a_busy_scheduler_dropped()
             assert loop.time() - t0 < 0.5
             assert lock._readers == 2 and f"{HEALTH_CHECK_RID_PREFIX}_0f" in tm.rid_to_state
         finally:
-            pd_pause._ABORT_PAUSE.reset(token)
+            tokenizer_pause._ABORT_PAUSE.reset(token)
 
     asyncio.run(scenario())
 
@@ -360,16 +358,16 @@ def test_the_abort_mode_pause_never_sends_a_bare_abort_all():
     def upstream_abort_request(tokenizer_manager, rid="", abort_all=False):
         tokenizer_manager._dispatch_to_scheduler(AbortReq(rid=rid, abort_all=abort_all))
 
-    state = pd_pause._state_of(tm)
+    state = engine_pause_state.state_of(tm)
     state.busy, state.busy_mode = "pause_generation", "abort"
     tm.is_pause = True
     for _ in range(3):  # upstream's repeats
-        pd_pause.tm_abort_request(upstream_abort_request, tm, abort_all=True)
+        pause_gate.tm_abort_request(upstream_abort_request, tm, abort_all=True)
     assert [(r.abort_all, (r.finished_reason or {}).get("message")) for r in sent] == [
         (True, pd_pause.PAUSE_ABORT_MESSAGE)] * 3
     sent.clear()
     state.busy, state.busy_mode, tm.is_pause = None, None, False
-    pd_pause.tm_abort_request(upstream_abort_request, tm, abort_all=True)
+    pause_gate.tm_abort_request(upstream_abort_request, tm, abort_all=True)
     assert [(r.abort_all, r.finished_reason) for r in sent] == [(True, None)]
 
 
@@ -406,7 +404,7 @@ def _release(rid_to_state, finish_later=()):
 
         task = asyncio.create_task(finish())
         try:
-            await pd_pause.tm_release_memory_occupation(original, tm, ReleaseMemoryOccupationReqInput())
+            await tokenizer_pause.tm_release_memory_occupation(original, tm, ReleaseMemoryOccupationReqInput())
         finally:
             await task
         return tm, calls
@@ -421,7 +419,7 @@ def test_release_after_a_finished_rollout_is_not_blocked_by_probes_or_answered_r
               "late": _req_state("late")}
     tm, calls = _release(states, finish_later=("late",))
     assert len(calls) == 1
-    assert pd_pause._state_of(tm).state == "released"
+    assert engine_pause_state.state_of(tm).state == "released"
 
 
 def test_release_without_pause_names_the_client_requests_still_running():
@@ -431,3 +429,34 @@ def test_release_without_pause_names_the_client_requests_still_running():
     message = str(err.value)
     assert "1 request(s) in flight (rollout-7)" in message and "call pause_generation first" in message
     assert "HEALTH_CHECK" not in message
+
+
+def test_scheduler_pause_moves_only_by_its_named_transitions():
+    """SchedulerPause (docs/layout.md, "The scheduler pause's states"): the first mode is kept unless a retract
+    follows, a release keeps the pause's mode and a resume goes back to it, continue ends it; the pump window is
+    never open while released; a pump inside a drain leaves the drain's work as it found it."""
+    S, Work = scheduler_pause.PauseState, scheduler_pause.Work
+    sp = scheduler_pause.SchedulerPause(SimpleNamespace(disaggregation_mode="null"))
+    assert (sp.state, sp.mode, sp.work) == (S.SERVING, None, Work.IDLE)
+    sp.pause("in_place")
+    sp.pause("abort")
+    assert (sp.state, sp.mode) == (S.PAUSED, "in_place")
+    sp.pause("retract")
+    sp.release()
+    assert (sp.state, sp.mode, sp.released) == (S.RELEASED, "retract", True)
+    sp.resume()
+    assert (sp.state, sp.mode) == (S.PAUSED, "retract")
+    sp.continue_()
+    assert (sp.state, sp.mode) == (S.SERVING, None)
+    sp.release()  # without a pause
+    sp.continue_()
+    assert sp.state is S.RELEASED
+    sp.open_pump_window()
+    assert not sp.in_pump_window()
+    sp.resume()
+    assert sp.state is S.SERVING and sp.in_pump_window()
+    sp.close_pump_window()
+    assert not sp.in_pump_window()
+    sp.work = Work.DRAINING
+    sp.pump()  # no PD queues here: nothing to pump, the drain's work kept
+    assert sp.work is Work.DRAINING

@@ -1,4 +1,4 @@
-"""The room ledger: the one way the fork ends a PD room, its memory of ended rooms, the verdict, the engine clock.
+"""The room ledger: the one way the fork ends a PD room, its memory of ended rooms, the verdict.
 
 `RoomLedger.end` does the ending in the order of docs/layout.md ("How a room ends"); `verdict`
 answers every PD request's failure end. Any thread; `RoomLedger.lock` is a leaf."""
@@ -6,18 +6,17 @@ answers every PD request's failure end. Any thread; `RoomLedger.lock` is a leaf.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
-import queue
 import sys
 import threading
-import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from http import HTTPStatus
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 from sglang.srt.disaggregation.fork_ending import pd_queues, request_end_cause as end_cause
+from sglang.srt.disaggregation.fork_ending.engine_clock import engine_clock
+from sglang.srt.disaggregation.fork_ending.teller import ENDED_ON_PREFILL, tell_prefill
 from sglang.srt.disaggregation.base import KVPoll
 from sglang.srt.environ import envs
 from sglang.srt.managers.fork_core import fork_touch
@@ -35,40 +34,6 @@ CANCEL_REASON = "PD request aborted on decode: the decode peer {peer} aborted ro
 DECODE_ABORT_REASON = "PD request aborted on decode: bootstrap_room={room} was aborted by the decode peer."
 # Decode appends [WHY_FRAME, message] to the ABORT of a room its pause or a release ended; prefill strips them.
 WHY_FRAME = b"fork-why"
-# A prefill-side end sent to prefill's own bootstrap thread: [ABORT_TAG, room, mark, reason]. A manager without our
-# ABORT wrapper parses it as upstream's ABORT with a bad return address (logged) and only fails the room.
-ENDED_ON_PREFILL = b"~fork-ended-on-prefill"
-
-
-class EngineClock:
-    """Monotonic seconds not counting paused time (one per scheduler process): PD deadlines and the ledger's memory
-    read `now()`; pd_pause calls `pause()` / `resume()` (both idempotent) on pause_generation / continue_generation."""
-
-    def __init__(self, monotonic: Callable[[], float] = time.monotonic):
-        self._monotonic = monotonic
-        self._paused_at: Optional[float] = None
-        self._paused_total = 0.0
-
-    @property
-    def paused(self) -> bool:
-        return self._paused_at is not None
-
-    def now(self) -> float:
-        return (self._paused_at if self._paused_at is not None else self._monotonic()) - self._paused_total
-
-    def pause(self) -> None:
-        if self._paused_at is None:
-            self._paused_at = self._monotonic()
-
-    def resume(self) -> float:
-        """Restart the clock; returns how long it stood still (0.0 if it was running)."""
-        paused = 0.0 if self._paused_at is None else self._monotonic() - self._paused_at
-        self._paused_total += paused
-        self._paused_at = None
-        return paused
-
-
-engine_clock = EngineClock()
 
 
 @dataclass
@@ -613,64 +578,3 @@ def after_ensure_abort_notified(result: Any, receiver: Any, *args: Any, **kwargs
     ledger.note_drain(room, addr, generation, len(receiver.bootstrap_infos or ()))
     if addr in monitor.lost:  # lost already, or meanwhile (settle_peer may have run)
         ledger.settle_peer(addr)
-
-
-_tells: "queue.Queue[Tuple[str, int, str, Optional[str]]]" = queue.Queue(maxsize=4096)  # a full one drops, logged
-_teller: List[threading.Thread] = []  # one daemon thread per process, started at the first tell
-_teller_lock = threading.Lock()
-
-
-def tell_prefill(host: Optional[str], port: Optional[int], room: Optional[int], why: str, reason: Optional[str] = None):
-    """The teller thread tells prefill's bootstrap thread that `room` ended before that side's scheduler saw it:
-    `reason` None: decode's ABORT for it; else prefill's own end of it (answered at decode's handshake)."""
-    if host is None or port is None or room is None:
-        return
-    with _teller_lock:
-        if not _teller:
-            _teller.append(threading.Thread(target=_run_teller, name="ForkRoomLedgerTeller", daemon=True))
-            _teller[0].start()
-    try:
-        _tells.put_nowait((f"{host}:{port}", int(room), why, reason))
-    except queue.Full:
-        logger.warning("room_ledger: cannot tell prefill %s:%s that room %s ended (queue full)", host, port, room)
-
-
-def _run_teller() -> None:
-    from sglang.srt.disaggregation.common.conn import ABORT_TAG, AbortNotification, CommonKVReceiver
-
-    endpoints: Dict[str, List[dict]] = {}  # prefill bootstrap address -> its ranks' endpoints
-    while True:
-        addr, room, why, reason = _tells.get()
-        try:
-            if addr not in endpoints:
-                endpoints[addr] = _rank_endpoints(addr)
-            message = (AbortNotification(room=room).to_zmq() if reason is None
-                       else [ABORT_TAG, str(room).encode("ascii"), ENDED_ON_PREFILL, reason.encode("utf-8")])
-            for info in endpoints[addr]:
-                sock, lock = CommonKVReceiver._connect_to_bootstrap_server(info)
-                with lock:
-                    sock.send_multipart(message)
-            logger.info("room_ledger: told prefill %s that room %s ended on %s (%s)",
-                        addr, room, "decode" if reason is None else "prefill", why)
-        except Exception as e:  # best effort: prefill's deadline remains the fallback
-            endpoints.pop(addr, None)
-            logger.warning("room_ledger: could not tell prefill %s that room %s ended: %r", addr, room, e)
-
-
-def _rank_endpoints(addr: str) -> List[dict]:
-    """Every prefill rank's {rank_ip, rank_port} from its bootstrap server's /route."""
-    import requests
-
-    def route(dp: int, cp: int, tp: int, pp: int) -> dict:
-        r = requests.get(f"http://{addr}/route?prefill_dp_rank={dp}&prefill_cp_rank={cp}"
-                         f"&target_tp_rank={tp}&target_pp_rank={pp}", timeout=5)
-        r.raise_for_status()
-        return r.json()
-
-    info = route(-1, -1, -1, -1)
-    sizes = (int(info.get(k) or 1) for k in ("dp_size", "attn_cp_size", "attn_tp_size", "pp_size"))
-    ranks = {}
-    for dp, cp, tp, pp in itertools.product(*(range(n) for n in sizes)):
-        rank = route(dp, cp, tp, pp)
-        ranks.setdefault((rank["rank_ip"], rank["rank_port"]), rank)
-    return list(ranks.values())

@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from sglang.srt.disaggregation.fork_ending import pd_queues, request_end_cause, room_ledger
 from sglang.srt.disaggregation.base import KVPoll
-from sglang.srt.disaggregation.fork_ending.room_ledger import engine_clock
+from sglang.srt.disaggregation.fork_ending.engine_clock import engine_clock
 from sglang.srt.environ import envs
 from sglang.srt.managers.fork_core import fork_touch, knobs
 from sglang.srt.managers.fork_core.rank_agreement import answers

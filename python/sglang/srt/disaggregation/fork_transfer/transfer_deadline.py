@@ -18,7 +18,7 @@ from sglang.srt.disaggregation.fork_ending import request_end_cause, room_ledger
 from sglang.srt.disaggregation.fork_ending.pd_queues import (
     DECODE_PREALLOC, DECODE_TRANSFER, PREFILL_BOOTSTRAP, PREFILL_INFLIGHT, PREFILL_WAITING,
 )
-from sglang.srt.disaggregation.fork_ending.room_ledger import engine_clock
+from sglang.srt.disaggregation.fork_ending.engine_clock import engine_clock
 from sglang.srt.disaggregation.fork_transfer.transfer_deadline_knob import ARG, ENV, configured
 from sglang.srt.managers.fork_core import fork_touch
 from sglang.srt.managers.fork_core.rank_agreement import answers

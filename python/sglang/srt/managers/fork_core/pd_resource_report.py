@@ -47,7 +47,7 @@ def build_report(scheduler) -> Dict[str, Any]:
     from sglang.srt.disaggregation.fork_peers.peer_liveness import peer_tables
     from sglang.srt.managers.fork_core import fork_touch
     from sglang.srt.managers.fork_cache import weight_epoch
-    from sglang.srt.managers.fork_pause import pd_pause
+    from sglang.srt.managers.fork_pause import queue_buffers, scheduler_pause
     from sglang.srt.managers.fork_core.fork_plugin import hooks_applied
 
     mode = scheduler.disaggregation_mode
@@ -62,13 +62,13 @@ def build_report(scheduler) -> Dict[str, Any]:
         "hooks_applied": hooks_applied(),
         # fork_plugin.SWAPS made on this scheduler's kv manager, each still in place
         "swaps_applied": fork_touch.swaps_applied(kv_manager, mode.value),
-        "pause": pd_pause.report(scheduler),
+        "pause": scheduler_pause.report(scheduler),
         # the prefix cache's weight epoch (None before the first weight update)
         "weight_epoch": weight_epoch.report(scheduler),
         # which of upstream's is_fully_idle conditions fail now (a cache flush would be refused)
-        "not_idle": pd_pause.not_idle_reasons(scheduler) if kv_manager is not None else [],
+        "not_idle": scheduler_pause.not_idle_reasons(scheduler) if kv_manager is not None else [],
         "peers": None if kv_manager is None else peer_tables(kv_manager),
-        "te_registration": None if kv_manager is None else pd_pause.registration_report(kv_manager),
+        "te_registration": None if kv_manager is None else queue_buffers.registration_report(scheduler, kv_manager),
         # decode: prefill info / endpoint fetches running on transfer_deadline's pool, totals
         "bootstrap_fetch": None if kv_manager is None else transfer_deadline.fetch_report(kv_manager),
         # Peer cancellations kept for rooms not created yet (bounded; held by no request).
