@@ -35,7 +35,7 @@ MAX_GONE = 256
 
 # (kind "loss"/"recovery", role, peer) -> count in this process (also in Prometheus).
 COUNTS: Counter = Counter()
-_MONITOR = room_ledger.PEER_MONITOR_ATTR
+_MONITOR = "fork_peer_monitor"  # the monitor's attribute on its kv manager (monitor_of)
 
 
 def probe(host: str, port: int, timeout: float = CONNECT_TIMEOUT) -> str:
@@ -106,6 +106,10 @@ class PeerMonitor:
         (self._tick_prefill if self.role == "prefill" else self._tick_decode)()
 
     # -- prefill: decode sessions
+
+    def is_lost(self, peer: str) -> bool:
+        """Whether `peer` (decode: a prefill's bootstrap address) is lost now (the room ledger asks; any thread)."""
+        return peer in self.lost
 
     def is_gone(self, names: List[str], text: Optional[str] = None) -> bool:
         """Whether any of `names` (sessions, host:port), or a peer named in `text`, is lost."""
@@ -387,6 +391,7 @@ def _start(queue: Any, mgr: Any, role: str) -> None:
     labels = request_end_cause.scheduler_labels(getattr(queue, "scheduler", None))
     monitor = PeerMonitor(mgr, role, labels or {}, labels is not None)
     mgr.__dict__[_MONITOR] = monitor
+    room_ledger.ledger_for(mgr).watch_peers(monitor.is_lost)
     if role == "prefill":  # a registration is seen at once (a restarted decode, before its first request)
         fork_touch.swap(mgr, "_publish_peer_registration",
                         lambda publish: functools.partial(_publish_and_watch, monitor, publish), by=__name__)

@@ -111,6 +111,13 @@ def checked(mgr: Any, room: int, kind: str, rc: int) -> int:
     return rc
 
 
+def ended_before_state(mgr: Any, room: int, state_rc: int) -> bool:
+    """The last chunk's state write done (its code from `checked`): whether the worker stops there without concluding,
+    as upstream does for a room already Failed (an ABORT during the send marks it Failed too). A failed state write
+    is never skipped so: it always concludes, so decode hears of it (the patched line's one call)."""
+    return state_rc == 0 and fork_touch.upstream(mgr, "request_status").get(room, KVPoll.Failed) == KVPoll.Failed
+
+
 def conclude_failure(mgr: Any, req: Any, *, bootstrap_room: int, failure_reason: str) -> None:
     """The worker's `conclude_failure` after a failed KV or state write of `req`."""
     conclude_transfer(mgr, bootstrap_room=bootstrap_room, status=KVPoll.Failed, failure_reason=failure_reason,
