@@ -497,7 +497,9 @@ def counts_as_failure(scheduler, req, role: str, stage: Optional[str] = None, kv
 def count_failed_end(scheduler, req, role: str, stage: Optional[str] = None, kv_mgr=None, *, counter: str) -> None:
     """A patched failure path's one call (prefill's bootstrap and inflight failures, decode's prealloc): `req`'s
     end counted by cause; upstream's failure `counter` (a SchedulerMetricsCollector method) only for a real one."""
-    if counts_as_failure(scheduler, req, role, stage, kv_mgr) and upstream(scheduler, "metrics_reporter").enable_metrics:
+    if not counts_as_failure(scheduler, req, role, stage, kv_mgr):
+        return
+    if upstream(upstream(scheduler, "metrics_reporter"), "enable_metrics"):
         upstream(upstream(scheduler, "metrics_collector"), counter)()
 
 
