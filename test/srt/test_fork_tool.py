@@ -499,6 +499,9 @@ def test_check_rejects_an_import_against_the_layers_and_hooks_apart(repo_copy):
     assert text.count(moved) == 1
     text = text.replace(moved, "").replace("\n]]\n", "\n" + moved + "]]\n", 1)
     plugin.write_text(text)
+    report = root / "python/sglang/srt/managers/fork_report/pd_resource_report.py"
+    report.write_text(report.read_text().replace('"sglang.srt.disaggregation.decode.DecodeReqToTokenPool"',
+                                                 '"sglang.srt.disaggregation.decode.DecodeReqToTokenPul"'))
 
     out = fork(root, "check", ok=False).stdout
     assert ("FAIL import layers: sglang.srt.disaggregation.fork_ending.request_end_cause "
@@ -507,4 +510,6 @@ def test_check_rejects_an_import_against_the_layers_and_hooks_apart(repo_copy):
     assert "ok   no import cycles:" in out  # not a circle: the layer order alone rejects it
     assert re.search(r"(?m)^FAIL plugin hooks: (.*; )?hooks on sglang\.srt\.managers\.scheduler\.Scheduler\."
                      r"send_abort_output are apart \(HOOKS entries \d+, \d+, \d+\): list them together", out), out
+    assert ("sglang.srt.managers.fork_report.pd_resource_report:27 DECODE_REQ_POOL names "
+            f"sglang.srt.disaggregation.decode.DecodeReqToTokenPul, which does not exist in upstream {OLD}") in out
     assert "check: FAILED (plugin hooks, import layers)" in out
