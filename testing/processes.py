@@ -5,7 +5,7 @@ Every process started here (and its whole tree: launch_server forks a scheduler 
 detokenizer) is killed on teardown, on exceptions, on Ctrl-C / SIGTERM and at exit,
 and teardown verifies nothing is left. Each server can be frozen (SIGSTOP), resumed,
 killed and restarted on the same ports; its Prometheus metrics and the fork's resource
-report (`fork_pd_resources`, see sglang.srt.managers.fork_core.pd_resource_report) are readable.
+report (`fork_pd_resources`, see sglang.srt.managers.fork_report.pd_resource_report) are readable.
 
 The python that runs the servers is $SGLANG_FORK_PYTHON (default: this interpreter).
 """

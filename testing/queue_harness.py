@@ -46,7 +46,7 @@ from sglang.srt.disaggregation.utils import (
     ReqToMetadataIdxAllocator,
     TransferBackend,
 )
-from sglang.srt.managers.fork_core import pd_resource_report
+from sglang.srt.managers.fork_report import pd_resource_report
 from sglang.srt.managers.io_struct import AbortReq
 from sglang.srt.managers.schedule_batch import FINISH_LENGTH, Req, ScheduleBatch
 from sglang.srt.managers.utils import GenerationBatchResult

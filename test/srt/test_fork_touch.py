@@ -57,3 +57,23 @@ def test_renamed_upstream_attribute_stops_prefill_at_start(attr):
     text = str(failed.value)
     assert "UpstreamChanged" in text, text[-2000:]
     assert f"upstream attribute {target} does not exist" in text, text[-2000:]
+
+
+def test_an_attribute_of_one_backend_is_required_there_and_defaulted_elsewhere():
+    from types import SimpleNamespace
+
+    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
+    from sglang.srt.managers.fork_core import fork_touch
+
+    class Renamed(MooncakeKVManager):  # as if upstream renamed `session_lock` (no __init__ ran: no attributes)
+        pass
+
+    mgr = Renamed.__new__(Renamed)
+    with pytest.raises(fork_touch.UpstreamChanged, match="session_lock does not exist"):
+        fork_touch.upstream_on(mgr, "session_lock", fork_touch.MOONCAKE_MANAGER, default=None)
+    mgr.session_lock = lock = object()
+    assert fork_touch.upstream_on(mgr, "session_lock", fork_touch.MOONCAKE_MANAGER) is lock
+    assert fork_touch.upstream_on(mgr, "session_lock", fork_touch.COMMON_MANAGER) is lock  # a subclass counts
+    other = SimpleNamespace()  # another backend (the fake one): upstream has no such attribute there
+    assert fork_touch.upstream_on(other, "session_lock", fork_touch.MOONCAKE_MANAGER, default=7) == 7
+    assert fork_touch.upstream_on(None, "session_lock", fork_touch.MOONCAKE_MANAGER) is None

@@ -129,7 +129,7 @@ def lengths(scheduler: Any) -> Dict[str, int]:
 
 def table_sizes(obj: Any, names: Tuple[str, ...]) -> Dict[str, int]:
     """len() of each table in `names` that `obj` has (a role or backend may lack some)."""
-    return {name: len(table) for name in names if (table := getattr(obj, name, None)) is not None}
+    return {name: len(table) for name in names if (table := getattr(obj, name, None)) is not None}  # the ones it has
 
 
 def kv_manager(scheduler: Any) -> Any:

@@ -17,6 +17,7 @@ from typing import Any, List, NamedTuple, Optional, Sequence, Tuple
 from sglang.srt.disaggregation.fork_ending import request_end_cause as end_cause
 from sglang.srt.disaggregation.fork_ending.room_ledger import ABORT_TAG, PEER_LOST_TAG, UPSTREAM_ABORT_REASON, ledger_of
 from sglang.srt.managers.fork_core.rank_agreement import gather, group_size
+from sglang.srt.managers.fork_core.fork_touch import upstream
 
 FAILED = 0  # KVPoll.Failed: the lowest state, so the MIN all-reduce spreads it
 OTHER_RANK_REASON = "KV transfer failed on another prefill rank"  # what decode is told when no rank knew why
@@ -34,6 +35,7 @@ class Known(NamedTuple):
 
 def _room_of(poller: Any) -> Tuple[Any, Optional[int]]:
     """A poller's (kv manager, room); (None, None) for one without (fake transfer, a wrapper without them)."""
+    # Defaults genuinely needed: the fake backend's pollers have neither, and a poller counts as ours by what it has
     mgr, room = getattr(poller, "kv_mgr", None), getattr(poller, "bootstrap_room", None)
     ours = hasattr(mgr, "failure_records") and hasattr(mgr, "failure_lock") and room is not None
     return (mgr, room) if ours else (None, None)
@@ -95,7 +97,7 @@ def adopt(poller: Any, by_rank: Sequence[Optional[Known]]) -> None:
             if room in mgr.request_status:
                 mgr.failure_records[room] = reason
     learned = mgr.request_status.get(room) not in (None, KVPoll.Failed)
-    if learned and ledger is not None and getattr(mgr, "disaggregation_mode", None) == DisaggregationMode.PREFILL:
+    if learned and ledger is not None and upstream(mgr, "disaggregation_mode") == DisaggregationMode.PREFILL:
         ledger.end(room, None, reason or OTHER_RANK_REASON, fail=False)
 
 

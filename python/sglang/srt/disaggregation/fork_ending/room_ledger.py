@@ -26,7 +26,6 @@ from sglang.srt.managers.fork_core.rank_agreement import answers
 logger = logging.getLogger(__name__)
 
 ATTR = "fork_room_ledger"
-PEER_MONITOR_ATTR = "fork_peer_monitor"  # peer_liveness._MONITOR
 MAX_RECORDS = 65536
 NEVER = float("inf")
 # Opens with ABORT_TAG: decode ended the request, so prefill's leg ends as an abort, not as a bootstrap failure.
@@ -58,6 +57,12 @@ class RoomLedger:
         self.owned: set = set()  # rooms a live sender of this side owns
         self.ttl_s = float(envs.SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT.get()
                            + envs.SGLANG_DISAGGREGATION_WAITING_TIMEOUT.get())
+        self.peer_lost: Optional[Callable[[str], bool]] = None  # watch_peers: whether a peer is lost now
+
+    def watch_peers(self, lost: Callable[[str], bool]) -> None:
+        """peer_liveness, when its monitor starts on this manager: `lost(addr)` says whether that peer is lost now.
+        Decode notes a drain a prefill owes only while one is watching (`after_ensure_abort_notified`)."""
+        self.peer_lost = lost
 
     def end(self, room: int, cause: Optional[str], reason: str, *, peer: Optional[str] = None, fail: bool = True,
             tell: bool = True, targets: Optional[list] = None, receiver: Any = None, remember: bool = False,
@@ -178,9 +183,14 @@ def ledger_of(mgr: Any) -> Optional[RoomLedger]:
     return getattr(mgr, "__dict__", {}).get(ATTR)
 
 
+def ledger_for(mgr: Any) -> RoomLedger:
+    """`mgr`'s ledger, made here if a hook-less manager has none."""
+    return ledger_of(mgr) or mgr.__dict__.setdefault(ATTR, RoomLedger(mgr))
+
+
 def end_room(mgr: Any, room: int, cause: Optional[str], reason: str, **kwargs: Any) -> None:
     """`RoomLedger.end` on `mgr`'s ledger (made here if a hook-less manager has none)."""
-    (ledger_of(mgr) or mgr.__dict__.setdefault(ATTR, RoomLedger(mgr))).end(room, cause, reason, **kwargs)
+    ledger_for(mgr).end(room, cause, reason, **kwargs)
 
 
 def report(mgr: Any) -> Optional[int]:
@@ -391,7 +401,8 @@ def prepare_abort_verdict(original, req, error_message, status_code=None, *args,
 
 # ----------------------------------------------------------------------------- aborts (scheduler thread)
 # An AbortReq marks each PD request it reaches with the verdict it asked for; prefill tells decode at once and clears
-# the room on its retire paths; patched lines call `counts_as_failure` and `finish_transferred` (docs/aborts.md).
+# the room on its retire paths; patched lines call `count_failed_end`, `record_transfer_failure` and
+# `finish_transferred` (docs/aborts.md).
 
 
 def _kv_mgr(req):
@@ -446,6 +457,22 @@ def counts_as_failure(scheduler, req, role: str, stage: Optional[str] = None, kv
         stage, kv_mgr = stage or pd_queues.prefill_stage(scheduler, req), _kv_mgr(req)
     cause = end_cause.record_end(scheduler, req, role, stage, kv_mgr) or end_cause.cause_of(req, kv_mgr)[0]
     return cause not in (end_cause.CLIENT_ABORT, end_cause.PAUSE)
+
+
+def count_failed_end(scheduler, req, role: str, stage: Optional[str] = None, kv_mgr=None, *, counter: str) -> None:
+    """A patched failure path's one call (prefill's bootstrap and inflight failures, decode's prealloc): `req`'s
+    end counted by cause; upstream's failure `counter` (a SchedulerMetricsCollector method) only for a real one."""
+    if not counts_as_failure(scheduler, req, role, stage, kv_mgr):
+        return
+    if upstream(upstream(scheduler, "metrics_reporter"), "enable_metrics"):
+        upstream(upstream(scheduler, "metrics_collector"), counter)()
+
+
+def record_transfer_failure(queue_, decode_req, failure_reason: str) -> None:
+    """Decode's transfer queue, a Failed poll (the patched line's one call): the request's end counted by cause;
+    upstream's `_record_transfer_failure` (its failure counter, chunk_failures' hook) only for a real failure."""
+    if counts_as_failure(queue_.scheduler, decode_req.req, "decode", "decode_transfer", decode_req.kv_receiver.kv_mgr):
+        queue_._record_transfer_failure(failure_reason)
 
 
 def finish_transferred(scheduler, req) -> bool:
@@ -570,11 +597,11 @@ def after_ensure_abort_notified(result: Any, receiver: Any, *args: Any, **kwargs
                      "ended on decode before prefill's info was fetched")
         return
     mgr = receiver.kv_mgr
-    # peer_liveness' monitor, read by its attribute (peer_liveness imports this module)
-    monitor, ledger = mgr.__dict__.get(PEER_MONITOR_ATTR), ledger_of(mgr)
+    ledger = ledger_of(mgr)
+    lost = ledger.peer_lost if ledger is not None else None  # peer_liveness' monitor (RoomLedger.watch_peers)
     generation, room = upstream(receiver, "_abort_generation"), receiver.bootstrap_room
-    if monitor is None or ledger is None or generation is None or room not in mgr._deferred_abort_ack_tracker:
+    if lost is None or generation is None or room not in mgr._deferred_abort_ack_tracker:
         return
     ledger.note_drain(room, addr, generation, len(receiver.bootstrap_infos or ()))
-    if addr in monitor.lost:  # lost already, or meanwhile (settle_peer may have run)
+    if lost(addr):  # lost already, or meanwhile (settle_peer may have run)
         ledger.settle_peer(addr)

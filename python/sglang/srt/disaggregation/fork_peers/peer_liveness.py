@@ -35,7 +35,8 @@ MAX_GONE = 256
 
 # (kind "loss"/"recovery", role, peer) -> count in this process (also in Prometheus).
 COUNTS: Counter = Counter()
-_MONITOR = room_ledger.PEER_MONITOR_ATTR
+MORI_MANAGER = "sglang.srt.disaggregation.mori.conn.MoriKVManager"  # has mooncake's `_stopped` too
+_MONITOR = "fork_peer_monitor"  # the monitor's attribute on its kv manager (monitor_of)
 
 
 def probe(host: str, port: int, timeout: float = CONNECT_TIMEOUT) -> str:
@@ -100,7 +101,7 @@ class PeerMonitor:
         while True:
             next_tick += self.interval
             time.sleep(max(0.0, next_tick - time.monotonic()))
-            if getattr(self.mgr, "_stopped", False):
+            if fork_touch.upstream_on(self.mgr, "_stopped", fork_touch.MOONCAKE_MANAGER, MORI_MANAGER, default=False):
                 return
             self.tick()
             next_tick = max(next_tick, time.monotonic() - self.interval)  # fell behind: no burst of ticks
@@ -109,6 +110,10 @@ class PeerMonitor:
         (self._tick_prefill if self.role == "prefill" else self._tick_decode)()
 
     # -- prefill: decode sessions
+
+    def is_lost(self, peer: str) -> bool:
+        """Whether `peer` (decode: a prefill's bootstrap address) is lost now (the room ledger asks; any thread)."""
+        return peer in self.lost
 
     def is_gone(self, names: List[str], text: Optional[str] = None) -> bool:
         """Whether any of `names` (sessions, host:port), or a peer named in `text`, is lost."""
@@ -382,7 +387,7 @@ def peer_tables(mgr: Any) -> Dict[str, int]:
         "state_layout_rejections", "state_strides_validated", "prefill_info_table",
         "connection_pool", "heartbeat_failures", "session_pool", "_socket_cache",
     ))
-    rooms_by_addr = getattr(mgr, "addr_to_rooms_tracker", None)
+    rooms_by_addr = getattr(mgr, "addr_to_rooms_tracker", None)  # decode's only (a report: what this role has)
     if rooms_by_addr is not None:
         out["addr_to_rooms_tracker_addrs"] = len(rooms_by_addr)
     monitor = monitor_of(mgr)
@@ -395,12 +400,14 @@ def peer_tables(mgr: Any) -> Dict[str, int]:
 
 
 def _start(queue: Any, mgr: Any, role: str) -> None:
-    needed = ("decode_kv_args_table", "session_lock") if role == "prefill" else ("prefill_info_table", "connection_lock")
-    if mgr is None or not all(hasattr(mgr, a) for a in needed) or monitor_of(mgr) is not None:
-        return  # fake transfer backend, or not mooncake
-    labels = request_end_cause.scheduler_labels(getattr(queue, "scheduler", None))
+    # prefill: mooncake's (its sessions and session_lock); decode: any of upstream's (its prefill_info_table)
+    owner = fork_touch.MOONCAKE_MANAGER if role == "prefill" else fork_touch.COMMON_MANAGER
+    if mgr is None or not fork_touch.is_a(mgr, owner) or monitor_of(mgr) is not None:
+        return  # fake transfer backend, or (prefill) not mooncake
+    labels = request_end_cause.scheduler_labels(fork_touch.upstream(queue, "scheduler"))
     monitor = PeerMonitor(mgr, role, labels or {}, labels is not None)
     mgr.__dict__[_MONITOR] = monitor
+    room_ledger.ledger_for(mgr).watch_peers(monitor.is_lost)
     if role == "prefill":  # a registration is seen at once (a restarted decode, before its first request)
         fork_touch.swap(mgr, "_publish_peer_registration",
                         lambda publish: functools.partial(_publish_and_watch, monitor, publish), by=__name__)
@@ -481,7 +488,8 @@ def around_conclude_transfer(original, mgr, *args, bootstrap_room=None, status=N
                     for session in list(infos):
                         monitor.poisoned.setdefault(session, set()).add(bootstrap_room)
         if failure_reason and failure_reason.startswith(UPSTREAM_SESSION_DEAD):
-            dead = [(s, i) for s, i in list(infos.items()) if s in getattr(mgr, "failed_sessions", ())]
+            failed = fork_touch.upstream_on(mgr, "failed_sessions", fork_touch.MOONCAKE_MANAGER, default=())
+            dead = [(s, i) for s, i in list(infos.items()) if s in failed]
             if dead:
                 session, info = dead[0]
                 peer = f"{info.endpoint}:{info.dst_port}"

@@ -111,6 +111,13 @@ def checked(mgr: Any, room: int, kind: str, rc: int) -> int:
     return rc
 
 
+def ended_before_state(mgr: Any, room: int, state_rc: int) -> bool:
+    """The last chunk's state write done (its code from `checked`): whether the worker stops there without concluding,
+    as upstream does for a room already Failed (an ABORT during the send marks it Failed too). A failed state write
+    is never skipped so: it always concludes, so decode hears of it (the patched line's one call)."""
+    return state_rc == 0 and fork_touch.upstream(mgr, "request_status").get(room, KVPoll.Failed) == KVPoll.Failed
+
+
 def conclude_failure(mgr: Any, req: Any, *, bootstrap_room: int, failure_reason: str) -> None:
     """The worker's `conclude_failure` after a failed KV or state write of `req`."""
     conclude_transfer(mgr, bootstrap_room=bootstrap_room, status=KVPoll.Failed, failure_reason=failure_reason,
@@ -133,7 +140,7 @@ def conclude_transfer(mgr: Any, *, bootstrap_room: int, status: int, targets: Op
 
 def _expire_poison_later(mgr: Any, room: int) -> None:
     """Drop a failed write's poison mark once decode's release deadline passed."""
-    if not getattr(mgr, "enable_deferred_decode_kv_release", False):
+    if not fork_touch.upstream(mgr, "enable_deferred_decode_kv_release"):
         return
     delay = envs.SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT.get()
     timer = threading.Timer(delay, mgr._deferred_ack_poisoned_rooms.discard, args=(room,))
@@ -147,6 +154,9 @@ READ_ATTEMPTS = 2
 READ_BYTES = 8
 
 
+MOONCAKE_ENGINE = "sglang.srt.distributed.device_communicators.mooncake_transfer_engine.MooncakeTransferEngine"
+
+
 def probe_session(mgr: Any, send_probe: Any, session_id: str) -> int:
     """0 only when the peer answers mooncake's probe and a read of its KV memory completes."""
     rc = send_probe(session_id)
@@ -154,10 +164,10 @@ def probe_session(mgr: Any, send_probe: Any, session_id: str) -> int:
         return rc
     with mgr.session_lock:
         info = mgr.decode_kv_args_table.get(session_id)
-    peer_ptrs = [p for p in (getattr(info, "dst_kv_ptrs", None) or []) if p]
+    peer_ptrs = [p for p in (() if info is None else fork_touch.upstream(info, "dst_kv_ptrs") or ()) if p]
     if not peer_ptrs:
         return rc
-    engine = getattr(mgr.engine, "engine", mgr.engine)
+    engine = fork_touch.upstream_on(mgr.engine, "engine", MOONCAKE_ENGINE, default=mgr.engine)  # the raw one reads
     for attempt in range(READ_ATTEMPTS):
         if attempt:
             time.sleep(RECONNECT_COOLDOWN_S + 0.2)  # the transport's cooldown, then a new round
@@ -249,7 +259,7 @@ def on_prefill_manager_init(mgr: Any, queue: Any, *args: Any, **kwargs: Any) -> 
         assert not failed_sessions, "session blacklist swapped after first use"
         return SessionBlacklist(mgr)
 
-    with getattr(mgr, "session_lock", contextlib.nullcontext()):  # mooncake's (prefill)
+    with fork_touch.upstream_on(mgr, "session_lock", fork_touch.MOONCAKE_MANAGER, default=contextlib.nullcontext()):
         swapped = fork_touch.swap(mgr, "failed_sessions", probing, by=__name__)
     if swapped is not None:
         timeout = knobs.SESSION_PROBE_TIMEOUT.get()
@@ -260,7 +270,7 @@ def on_prefill_manager_init(mgr: Any, queue: Any, *args: Any, **kwargs: Any) -> 
 
 def on_prefill_add(result: Any, queue: Any, req: Any, *args: Any, **kwargs: Any) -> None:
     """AFTER `PrefillBootstrapQueue.add`: bind rid-selected faults to the room."""
-    plan = getattr(getattr(queue, "kv_manager", None), "fork_chunk_faults", None)
+    plan = getattr(fork_touch.upstream(queue, "kv_manager"), "fork_chunk_faults", None)  # the fork's own attribute
     if plan is not None and req.bootstrap_room is not None:
         plan.bind(req.rid, req.bootstrap_room)
 

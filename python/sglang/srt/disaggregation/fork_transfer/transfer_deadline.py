@@ -58,7 +58,9 @@ def _expire(scheduler, stage: str, queue: Sequence[Any], side: str, keep=None) -
                 "take longer.")
         setattr(req, room_ledger.DEADLINE_EXPIRED, text)
         logger.warning(text)
-        if hasattr(endpoint.kv_mgr, "record_failure"):  # the peer told; prefill: a late handshake fails too
+        # a manager that records failures (upstream's fake one has no rooms to fail; a test's scripted one does)
+        if hasattr(fork_touch.upstream(endpoint, "kv_mgr"), "record_failure"):
+            # the peer told; prefill: a late handshake fails too
             room_ledger.end_room(endpoint.kv_mgr, req.bootstrap_room, request_end_cause.TIMEOUT, text,
                                  remember=side == "prefill", receiver=endpoint if side == "decode" else None)
             if fork_touch.upstream(endpoint, "conclude_state") == KVPoll.Success:
@@ -165,10 +167,18 @@ class BootstrapFetch:
 
 def fetch_of(mgr: Any, create: bool = False) -> Optional[BootstrapFetch]:
     """The manager's BootstrapFetch (made by the first hook that needs it); None but on decode."""
-    fetch = getattr(mgr, "__dict__", {}).get(ATTR)
-    if fetch is None and create and "prefill_info_table" in getattr(mgr, "__dict__", {}):
+    fetch = getattr(mgr, "__dict__", {}).get(ATTR)  # the fork's own attribute
+    if fetch is None and create and _decode_manager(mgr):
         fetch = mgr.__dict__.setdefault(ATTR, BootstrapFetch())
     return fetch
+
+
+def _decode_manager(mgr: Any) -> bool:
+    """Whether `mgr` is upstream's decode kv manager (it fetches prefill's info); not prefill's, not the fake one."""
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+
+    return (fork_touch.is_a(mgr, fork_touch.COMMON_MANAGER)
+            and fork_touch.upstream(mgr, "disaggregation_mode") == DisaggregationMode.DECODE)
 
 
 def fetch_report(mgr: Any) -> Optional[Dict[str, int]]:
@@ -244,7 +254,7 @@ def around_init_receiver(original, queue, decode_req, prefill_dp_rank, *args, **
     mgr = queue.kv_manager
     fetch = fetch_of(mgr, create=True)
     receiver = decode_req.kv_receiver
-    addr = getattr(receiver, "bootstrap_addr", None)
+    addr = None if fetch is None else fork_touch.upstream(receiver, "bootstrap_addr")  # fetch: upstream's receiver
     info = None if fetch is None else fork_touch.upstream(mgr, "prefill_info_table").get(addr)
     if info is None or fork_touch.upstream(receiver, "conclude_state") is not None:  # failed: init returns
         return original(queue, decode_req, prefill_dp_rank, *args, **kwargs)

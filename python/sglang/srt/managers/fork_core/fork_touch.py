@@ -1,6 +1,7 @@
 """How fork modules touch upstream outside HookRegistry (docs/layout.md "Ways the fork touches upstream"):
 `swap()` swaps an upstream attribute as `fork_plugin.SWAPS` declares (scheduler thread, while it builds its kv
-manager; checked by `check_at_start`); `upstream(obj, name)` reads an upstream internal, failing on a rename."""
+manager; checked by `check_at_start`); `upstream(obj, name)` reads an upstream internal, failing on a rename;
+`upstream_on(obj, name, owner)` reads one only some classes have (a transfer backend's), failing on a rename there."""
 
 from __future__ import annotations
 
@@ -31,6 +32,20 @@ def upstream(obj: Any, name: str) -> Any:
     return value
 
 
+# Upstream classes whose attributes only some kv managers have (`upstream_on`)
+COMMON_MANAGER = "sglang.srt.disaggregation.common.conn.CommonKVManager"  # mooncake, nixl, mori (not fake)
+MOONCAKE_MANAGER = "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager"
+
+
+def upstream_on(obj: Any, name: str, *owners: str, default: Any = None) -> Any:
+    """`obj.name` for an attribute upstream defines only on the classes `owners` ("module.Class", subclasses too):
+    required on an object of one of them (UpstreamChanged on a rename), `default` on an object of any other class
+    (another transfer backend, the fake one, None), which has no such attribute upstream."""
+    if obj is not None and any(is_a(obj, owner) for owner in owners):
+        return upstream(obj, name)
+    return default
+
+
 def _declared(obj: Any, by: str, attr: str, kind: str) -> Optional[Tuple[str, str]]:
     """`by`'s SWAPS entry (target, ref) for `attr` on `obj`'s class, None for another class; raises if undeclared."""
     from sglang.srt.managers.fork_core.fork_plugin import SWAPS
@@ -40,10 +55,11 @@ def _declared(obj: Any, by: str, attr: str, kind: str) -> Optional[Tuple[str, st
     if not entries:
         raise UpstreamChanged(f"{by} swaps {attr!r} ({kind}) but fork_plugin.SWAPS does not declare it: every "
                               "swap of an upstream attribute is declared there")
-    return next((e for e in entries if _is_a(obj, e[0].rpartition(".")[0])), None)
+    return next((e for e in entries if is_a(obj, e[0].rpartition(".")[0])), None)
 
 
-def _is_a(obj: Any, owner: str) -> bool:
+def is_a(obj: Any, owner: str) -> bool:
+    """Whether `obj` is (or, a class, subclasses) upstream's class `owner` ("module.Class")."""
     classes = obj.__mro__ if isinstance(obj, type) else type(obj).__mro__
     return any(_qualname(c) == owner for c in classes)
 
@@ -89,7 +105,7 @@ def swaps_applied(obj: Any, role: Optional[str] = None) -> Dict[str, bool]:
     out: Dict[str, bool] = {}
     for target, ref, _, r in SWAPS:
         owner, _, attr = target.rpartition(".")
-        if (role is None or r in (role, "both")) and _is_a(obj, owner):
+        if (role is None or r in (role, "both")) and is_a(obj, owner):
             with _lock:
                 made = [(weak(), new) for weak, new in _APPLIED.get((target, ref), ())]
             out[f"{target} <- {ref}"] = any(o is not None and (o is obj or (isinstance(o, type) and isinstance(obj, o)))

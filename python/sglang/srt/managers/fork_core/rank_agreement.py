@@ -30,7 +30,7 @@ def attn_tp_rank() -> int:
     """This process's attention TP rank (0 without a runtime context: one rank)."""
     from sglang.srt.runtime_context import get_parallel
 
-    return int(getattr(get_parallel(), "attn_tp_rank", 0) or 0)
+    return int(upstream(get_parallel(), "attn_tp_rank") or 0)
 
 
 def answers() -> bool:
@@ -39,7 +39,7 @@ def answers() -> bool:
     from sglang.srt.runtime_context import get_parallel
 
     parallel = get_parallel()
-    return all(getattr(parallel, rank, 0) == 0 for rank in ("attn_tp_rank", "attn_cp_rank", "pp_rank"))
+    return all(upstream(parallel, rank) == 0 for rank in ("attn_tp_rank", "attn_cp_rank", "pp_rank"))
 
 
 def any_rank(scheduler, *flags: bool) -> List[bool]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any, Dict, Optional
 
 from sglang.srt.disaggregation.fork_ending import pd_queues, request_end_cause
+from sglang.srt.managers.fork_core import fork_touch
 
 # Per-room (or per-peer-of-a-room) tables of upstream's Common/MooncakeKVManager (a role or backend may lack some)
 KV_MANAGER_ROOM_TABLES = pd_queues.ROOM_TABLES + (
@@ -23,18 +24,21 @@ def kv_tokens(scheduler) -> Dict[str, int]:
             "protected": int(scheduler.tree_cache.protected_size()), "held": total - free - evictable}
 
 
+DECODE_REQ_POOL = "sglang.srt.disaggregation.decode.DecodeReqToTokenPool"  # the one with pre-allocated slots
+
+
 def slots(allocator) -> Optional[Dict[str, int]]:
     """Free and total slots of a request or metadata-buffer allocator (decode's req pool: pre_alloc_size more)."""
     if allocator is None:
         return None
-    total = allocator.size + getattr(allocator, "pre_alloc_size", 0)
+    total = allocator.size + fork_touch.upstream_on(allocator, "pre_alloc_size", DECODE_REQ_POOL, default=0)
     return {"free": int(allocator.available_size()), "total": int(total)}
 
 
 def _room_tables(kv_manager) -> Dict[str, int]:
     tables = pd_queues.table_sizes(kv_manager, KV_MANAGER_ROOM_TABLES)
     tables["fork_end_causes"] = request_end_cause.tagged_rooms(kv_manager)  # the fork's, until each end is counted
-    rooms_by_addr = getattr(kv_manager, "addr_to_rooms_tracker", None)
+    rooms_by_addr = getattr(kv_manager, "addr_to_rooms_tracker", None)  # decode's only (a report: what it has)
     if rooms_by_addr is not None:
         # list() copies the values in one step: transfer threads mutate the dict.
         tables["addr_to_rooms_tracker"] = sum(len(r) for r in list(rooms_by_addr.values()))
@@ -45,7 +49,6 @@ def build_report(scheduler) -> Dict[str, Any]:
     from sglang.srt.disaggregation.fork_ending import room_ledger
     from sglang.srt.disaggregation.fork_transfer import transfer_deadline
     from sglang.srt.disaggregation.fork_peers.peer_liveness import peer_tables
-    from sglang.srt.managers.fork_core import fork_touch
     from sglang.srt.managers.fork_cache import weight_epoch
     from sglang.srt.managers.fork_pause import queue_buffers, scheduler_pause
     from sglang.srt.managers.fork_core.fork_plugin import hooks_applied
@@ -56,7 +59,9 @@ def build_report(scheduler) -> Dict[str, Any]:
         "disaggregation_mode": mode.value,
         "kv_tokens": kv_tokens(scheduler),
         "req_slots": slots(scheduler.req_to_token_pool),
-        "metadata_slots": slots(getattr(scheduler, "req_to_metadata_buffer_idx_allocator", None)),
+        # PD modes only (upstream makes it with the PD queues)
+        "metadata_slots": slots(None if mode.value == "null"
+                                else fork_touch.upstream(scheduler, "req_to_metadata_buffer_idx_allocator")),
         "queues": pd_queues.lengths(scheduler),
         "transfer_rooms": None if kv_manager is None else _room_tables(kv_manager),
         "hooks_applied": hooks_applied(),
