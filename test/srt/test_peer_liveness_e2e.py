@@ -40,7 +40,11 @@ ENV = {
     "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": "2",
     "SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT": str(DEADLINE),
 }
-# detection (one heartbeat) + a scheduler tick, generously: a busy 2-core machine
+# detection (one heartbeat) + a scheduler tick, generously: a busy 2-core machine. Counted from when the
+# killed peer is gone (`kill()` returned: every process of its tree exited): the kernel closes a killed
+# process's sockets only in its exit, after tearing down its memory, so no survivor can see the death
+# earlier. That teardown is not the fork's: a TP 2 server is two scheduler processes (and the tokenizer's,
+# the detokenizer's) exiting on two loaded cores, which took from 2 to 12 s.
 DETECT_BOUND = HEARTBEAT + 6.0
 N_INFLIGHT = 16
 N_AFTER = 20
@@ -117,8 +121,9 @@ def _count(server, name: str) -> float:
     return metric_sum(server.metrics(), name)
 
 
-def _assert_named_5xx(legs, lost_role: str, t_kill: float, multi_rank: bool = False) -> None:
-    """Every leg a 5xx naming the lost peer: 502 "peer ... lost", or 500 naming the failed write to it.
+def _assert_named_5xx(legs, lost_role: str, t_gone: float, multi_rank: bool = False) -> None:
+    """Every leg a 5xx naming the lost peer, within DETECT_BOUND of the peer being gone (`t_gone`):
+    502 "peer ... lost", or 500 naming the failed write to it.
     With tensor parallelism each rank of the lost peer has its own transfer session (its own address): a
     500 names the session its write failed to, which may be another rank's than the one a 502 names."""
     lost = [leg for leg in legs if leg.status == 502]
@@ -134,7 +139,7 @@ def _assert_named_5xx(legs, lost_role: str, t_kill: float, multi_rank: bool = Fa
             assert f"PD peer lost: {lost_role} peer {peer} lost" in detail, detail
         else:
             assert leg.status == 500 and "Failed to send kv chunk" in detail and written_to in detail, (leg.status, detail)
-        assert leg.ended_at - t_kill <= DETECT_BOUND, leg.ended_at - t_kill
+        assert leg.ended_at - t_gone <= DETECT_BOUND, leg.ended_at - t_gone
 
 
 def _recover(cluster, control, survivor: str, baseline: dict, peers_before: dict) -> None:
@@ -172,6 +177,8 @@ def test_decode_killed_in_flight_then_restarted(cluster, control):
     )
     t_kill = time.monotonic()
     decode.kill()
+    t_gone = time.monotonic()
+    print(f"decode killed: gone after {t_gone - t_kill:.1f}s")
 
     for leg in prefill_legs + decode_legs:
         leg.join(DEADLINE + 30)
@@ -179,7 +186,7 @@ def test_decode_killed_in_flight_then_restarted(cluster, control):
     # every prefill leg ends within detection + a tick, with a 5xx naming the lost
     # decode: 502 "decode peer ... lost", or 500 for a request whose own write was the
     # one that failed (before the loss was known)
-    _assert_named_5xx(prefill_legs, "decode", t_kill, cluster.multi_rank)
+    _assert_named_5xx(prefill_legs, "decode", t_gone, cluster.multi_rank)
     # each prefill leg counted once, by the cause its answer names, in its stage
     expected = {("prefill", c, "prefill_inflight"): n for c, n in _lost_by_cause(prefill_legs).items()}
     wait_until(lambda: delta(causes, _causes(prefill)) == expected, 10, "end causes counted",
@@ -217,13 +224,15 @@ def test_prefill_killed_in_flight_then_restarted(cluster, control):
     wait_until(lambda: decode.resources()["queues"]["decode_transfer"] == N_INFLIGHT, 60, "decode handshakes")
     t_kill = time.monotonic()
     prefill.kill()
+    t_gone = time.monotonic()
+    print(f"prefill killed: gone after {t_gone - t_kill:.1f}s")
 
     for leg in decode_legs:
         leg.join(DEADLINE + 30)
     assert not [leg for leg in decode_legs if leg.is_alive()], "a request hangs"
     addr = f"127.0.0.1:{cluster.bootstrap_port}"
     assert [leg.status for leg in decode_legs] == [502] * N_INFLIGHT, [leg.response for leg in decode_legs]
-    _assert_named_5xx(decode_legs, "prefill", t_kill, cluster.multi_rank)
+    _assert_named_5xx(decode_legs, "prefill", t_gone, cluster.multi_rank)
     assert f"prefill peer {addr} lost" in json.dumps(decode_legs[0].response)
     expected = {("decode", "peer_failure", "decode_transfer"): N_INFLIGHT}
     wait_until(lambda: delta(causes, _causes(decode)) == expected, 10, "end causes counted",
