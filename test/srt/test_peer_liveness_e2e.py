@@ -17,6 +17,7 @@ import random
 import threading
 import time
 
+import psutil
 import pytest
 
 from conftest import LIVENESS_ARGS, LIVENESS_ENV, TP2, resume_frozen, shared_env, topology_params, topology_pd
@@ -40,7 +41,11 @@ ENV = {
     "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": "2",
     "SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT": str(DEADLINE),
 }
-# detection (one heartbeat) + a scheduler tick, generously: a busy 2-core machine
+# detection (one heartbeat) + a scheduler tick, generously: a busy 2-core machine. Counted from when the
+# killed peer is gone (`kill()` returned: every process of its tree exited): the kernel closes a killed
+# process's sockets only in its exit, after tearing down its memory, so no survivor can see the death
+# earlier. That teardown is not the fork's: a TP 2 server is two scheduler processes (and the tokenizer's,
+# the detokenizer's) exiting on two loaded cores, which took from 2 to 12 s.
 DETECT_BOUND = HEARTBEAT + 6.0
 N_INFLIGHT = 16
 N_AFTER = 20
@@ -110,8 +115,9 @@ def _count(server, name: str) -> float:
     return metric_sum(server.metrics(), name)
 
 
-def _assert_named_5xx(legs, lost_role: str, t_kill: float, multi_rank: bool = False) -> None:
-    """Every leg a 5xx naming the lost peer: 502 "peer ... lost", or 500 naming the failed write to it.
+def _assert_named_5xx(legs, lost_role: str, t_gone: float, multi_rank: bool = False) -> None:
+    """Every leg a 5xx naming the lost peer, within DETECT_BOUND of the peer being gone (`t_gone`):
+    502 "peer ... lost", or 500 naming the failed write to it.
     With tensor parallelism each rank of the lost peer has its own transfer session (its own address): a
     500 names the session its write failed to, which may be another rank's than the one a 502 names."""
     lost = [leg for leg in legs if leg.status == 502]
@@ -127,7 +133,7 @@ def _assert_named_5xx(legs, lost_role: str, t_kill: float, multi_rank: bool = Fa
             assert f"PD peer lost: {lost_role} peer {peer} lost" in detail, detail
         else:
             assert leg.status == 500 and "Failed to send kv chunk" in detail and written_to in detail, (leg.status, detail)
-        assert leg.ended_at - t_kill <= DETECT_BOUND, leg.ended_at - t_kill
+        assert leg.ended_at - t_gone <= DETECT_BOUND, leg.ended_at - t_gone
 
 
 def _recover(cluster, control, survivor: str, baseline: dict, peers_before: dict) -> None:
@@ -143,6 +149,21 @@ def _recover(cluster, control, survivor: str, baseline: dict, peers_before: dict
                "per-peer tables as before", on_timeout=lambda: f"{_peers(cluster[survivor])} != {peers_before}")
 
 
+def _in_flight_to_frozen_decode(cluster, label: str):
+    """16 requests prefill holds in flight (KV computed, transfer started) to a frozen decode: the decode legs first
+    (decode hands prefill its pages), then decode frozen, then the prefill legs. Returns (decode legs, prefill legs)."""
+    prefill, decode = cluster["prefill"], cluster["decode"]
+    rooms = random.sample(range(1, 2**62), N_INFLIGHT)
+    texts = [f"{label} {i}: " + "the quick brown fox " * 20 for i in range(N_INFLIGHT)]
+    decode_legs = start_legs(decode.url, [leg_body(cluster, r, t) for t, r in zip(texts, rooms)])
+    wait_until(lambda: decode.resources()["queues"]["decode_transfer"] == N_INFLIGHT, 60, "decode handshakes")
+    decode.freeze()
+    prefill_legs = start_legs(prefill.url, [leg_body(cluster, r, t) for t, r in zip(texts, rooms)])
+    wait_until(lambda: held(prefill.resources())["queue.prefill_inflight"] == N_INFLIGHT, 60,
+               "prefill to hold all 16 requests in flight")
+    return decode_legs, prefill_legs
+
+
 def test_decode_killed_in_flight_then_restarted(cluster, control):
     baseline = assert_idle(cluster, PD_ROLES)
     prefill, decode = cluster["prefill"], cluster["decode"]
@@ -151,20 +172,11 @@ def test_decode_killed_in_flight_then_restarted(cluster, control):
     losses, recoveries = _count(prefill, LOSSES), _count(prefill, RECOVERIES)
     causes = _causes(prefill)
 
-    rooms = random.sample(range(1, 2**62), N_INFLIGHT)
-    texts = [f"in flight {i}: " + "the quick brown fox " * 20 for i in range(N_INFLIGHT)]
-    # decode legs first: decode hands prefill its pages; then freeze it, so prefill
-    # holds every request (KV computed, transfer started) when decode dies
-    decode_legs = start_legs(decode.url, [leg_body(cluster, r, t) for t, r in zip(texts, rooms)])
-    wait_until(lambda: decode.resources()["queues"]["decode_transfer"] == N_INFLIGHT, 60, "decode handshakes")
-    decode.freeze()
-    prefill_legs = start_legs(prefill.url, [leg_body(cluster, r, t) for t, r in zip(texts, rooms)])
-    wait_until(
-        lambda: held(prefill.resources())["queue.prefill_inflight"] == N_INFLIGHT, 60,
-        "prefill to hold all 16 requests in flight",
-    )
+    decode_legs, prefill_legs = _in_flight_to_frozen_decode(cluster, "in flight")
     t_kill = time.monotonic()
     decode.kill()
+    t_gone = time.monotonic()
+    print(f"decode killed: gone after {t_gone - t_kill:.1f}s")
 
     for leg in prefill_legs + decode_legs:
         leg.join(DEADLINE + 30)
@@ -172,7 +184,7 @@ def test_decode_killed_in_flight_then_restarted(cluster, control):
     # every prefill leg ends within detection + a tick, with a 5xx naming the lost
     # decode: 502 "decode peer ... lost", or 500 for a request whose own write was the
     # one that failed (before the loss was known)
-    _assert_named_5xx(prefill_legs, "decode", t_kill, cluster.multi_rank)
+    _assert_named_5xx(prefill_legs, "decode", t_gone, cluster.multi_rank)
     # each prefill leg counted once, by the cause its answer names, in its stage
     expected = {("prefill", c, "prefill_inflight"): n for c, n in _lost_by_cause(prefill_legs).items()}
     wait_until(lambda: delta(causes, _causes(prefill)) == expected, 10, "end causes counted",
@@ -195,6 +207,69 @@ def test_decode_killed_in_flight_then_restarted(cluster, control):
     assert delta(causes, _causes(prefill)) == expected  # the recovery run ended nothing
 
 
+def _scheduler_process(server, rank: int):
+    """The psutil process of `server`'s scheduler for TP rank `rank` (upstream titles it sglang::scheduler_TP<rank>)."""
+    root = psutil.Process(server.popen.pid)
+    title = f"sglang::scheduler_TP{rank}"
+    found = [p for p in [root] + root.children(recursive=True) if " ".join(p.cmdline()).split(" ")[0] == title]
+    assert len(found) == 1, (title, [p.cmdline() for p in root.children(recursive=True)])
+    return found[0]
+
+
+def _exited(process) -> bool:
+    """A process that exited (its sockets closed): reaped, or a zombie its stopped parent has not reaped."""
+    try:
+        return process.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_decode_rank_lost_by_one_prefill_rank_alone(cluster, control):
+    """TP 2: decode frozen with 16 requests in flight, then only its rank-1 scheduler killed. Decode's rank 0 still
+    takes connections (a stopped process's listening socket does), so only prefill rank 1's peer monitor loses its
+    peer: every prefill leg is answered as when the whole decode dies (502 naming the lost decode rank, or 500 naming
+    the write that failed to it), each counted once by the cause its answer names, one loss counted (rank 1's).
+    Then decode is taken down and restarted: nothing held on any prefill rank, and serving goes on."""
+    if not cluster.multi_rank:
+        pytest.skip("one rank per server: no rank to lose alone")
+    baseline = assert_idle(cluster, PD_ROLES)
+    prefill, decode = cluster["prefill"], cluster["decode"]
+    peers_before = _peers(prefill)
+    losses, recoveries = _count(prefill, LOSSES), _count(prefill, RECOVERIES)
+    causes = _causes(prefill)
+
+    try:
+        decode_legs, prefill_legs = _in_flight_to_frozen_decode(cluster, "rank lost")
+        rank1 = _scheduler_process(decode, 1)
+        rank1.kill()
+        # exited (a zombie: its frozen parent does not reap it): its sockets are closed
+        wait_until(lambda: _exited(rank1), 30, "decode rank 1 to exit", interval=0.05)
+        t_gone = time.monotonic()
+        for leg in prefill_legs:
+            leg.join(DEADLINE + 30)
+        assert not [leg for leg in prefill_legs if leg.is_alive()], "a request hangs"
+        _assert_named_5xx(prefill_legs, "decode", t_gone, multi_rank=True)
+        expected = {("prefill", c, "prefill_inflight"): n for c, n in _lost_by_cause(prefill_legs).items()}
+        wait_until(lambda: delta(causes, _causes(prefill)) == expected, 10, "end causes counted",
+                   on_timeout=lambda: f"{delta(causes, _causes(prefill))} != {expected}")
+        # prefill rank 1's monitor loses its peer (a failed write may have answered first); rank 0's does not
+        wait_until(lambda: _count(prefill, LOSSES) > losses, DETECT_BOUND, "prefill rank 1 to count the loss")
+        assert _count(prefill, LOSSES) == losses + 1
+    finally:
+        decode.kill()
+    for leg in decode_legs:
+        leg.join(30)
+    assert not [leg for leg in decode_legs if leg.is_alive()], "a decode leg hangs"
+    assert_idle(cluster, ("prefill",), baseline, timeout=DETECT_BOUND + 10)
+
+    decode.start()
+    decode.wait_healthy()
+    _recover(cluster, control, "prefill", baseline, peers_before)
+    assert _count(prefill, LOSSES) == losses + cluster.tp["prefill"]  # rank 0's too, when the rest of decode died
+    assert _count(prefill, RECOVERIES) == recoveries + cluster.tp["prefill"]
+    assert delta(causes, _causes(prefill)) == expected  # nothing else ended
+
+
 def test_prefill_killed_in_flight_then_restarted(cluster, control):
     baseline = assert_idle(cluster, PD_ROLES)
     prefill, decode = cluster["prefill"], cluster["decode"]
@@ -210,13 +285,15 @@ def test_prefill_killed_in_flight_then_restarted(cluster, control):
     wait_until(lambda: decode.resources()["queues"]["decode_transfer"] == N_INFLIGHT, 60, "decode handshakes")
     t_kill = time.monotonic()
     prefill.kill()
+    t_gone = time.monotonic()
+    print(f"prefill killed: gone after {t_gone - t_kill:.1f}s")
 
     for leg in decode_legs:
         leg.join(DEADLINE + 30)
     assert not [leg for leg in decode_legs if leg.is_alive()], "a request hangs"
     addr = f"127.0.0.1:{cluster.bootstrap_port}"
     assert [leg.status for leg in decode_legs] == [502] * N_INFLIGHT, [leg.response for leg in decode_legs]
-    _assert_named_5xx(decode_legs, "prefill", t_kill, cluster.multi_rank)
+    _assert_named_5xx(decode_legs, "prefill", t_gone, cluster.multi_rank)
     assert f"prefill peer {addr} lost" in json.dumps(decode_legs[0].response)
     expected = {("decode", "peer_failure", "decode_transfer"): N_INFLIGHT}
     wait_until(lambda: delta(causes, _causes(decode)) == expected, 10, "end causes counted",

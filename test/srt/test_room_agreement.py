@@ -11,6 +11,7 @@ import threading
 import pytest
 
 from sglang.srt.disaggregation.fork_ending.room_agreement import Known, agreed
+from sglang.srt.disaggregation.fork_ending.room_ledger import CANCEL_REASON
 from testing.gloo_ranks import run_ranks
 
 pytestmark = pytest.mark.pair
@@ -92,20 +93,27 @@ def _rank(rank: int, store: str, out) -> None:
         # room 12: rank 1's peer monitor lost the decode first; rank 0 still transferring
         # room 13: rank 0's deadline (its clock) ended it before decode's handshake; rank 1 still bootstrapping
         # room 14: nothing failed
+        # room 15: decode's ABORT reached rank 1 before its sender (the cancellation fails the sender at once); rank 0
+        #          has neither the ABORT nor the handshake yet (decode TP 1 talks to each prefill rank on its own socket)
         mgr.request_status.update({11: S.Success if rank == 0 else S.Failed, 12: S.Transferring,
-                                   13: S.Bootstrapping, 14: S.Transferring})
+                                   13: S.Bootstrapping, 14: S.Transferring, 15: S.Bootstrapping})
+        if rank == 1:
+            ledger.note_abort(15, "127.0.0.1:7000")
+        cancelled = ledger.own(15)  # on_prefill_create_sender
+        if cancelled is not None:
+            ledger.end(15, None, cancelled, tell=False)
         if rank == 1:
             mgr.failure_records[11] = KV_FAILED
             room_ledger.end_room(mgr, 12, end_cause.PEER_FAILURE, LOST, peer="127.0.0.1:7001", tell=False)
         else:
             room_ledger.end_room(mgr, 13, end_cause.TIMEOUT, DEADLINE, remember=True, tell=False)
         gathers = room_agreement.COUNTS["gathers"]
-        polls = utils.poll_and_all_reduce([Poller(mgr, r) for r in (11, 12, 13, 14)], group)
+        polls = utils.poll_and_all_reduce([Poller(mgr, r) for r in (11, 12, 13, 14, 15)], group)
         seen = {
             "polls": [int(p) for p in polls],
             "gathers": room_agreement.COUNTS["gathers"] - gathers,
-            "records": {r: mgr.failure_records.get(r) for r in (11, 12, 13, 14)},
-            "tags": {r: end_cause.room_tag(mgr, r) for r in (11, 12, 13, 14)},
+            "records": {r: mgr.failure_records.get(r) for r in (11, 12, 13, 14, 15)},
+            "tags": {r: end_cause.room_tag(mgr, r) for r in (11, 12, 13, 14, 15)},
             "status_12": int(room_ledger.lost_peer_status(mgr.failure_records.get(12), 500)),
             "late_13": ledger.late_answer(13),
             # a rank that learned a room's failure from the other tells its own decode peers
@@ -116,13 +124,17 @@ def _rank(rank: int, store: str, out) -> None:
         gathers = room_agreement.COUNTS["gathers"]
         utils.poll_and_all_reduce([Poller(mgr, 14)], group)
         seen["quiet_gathers"] = room_agreement.COUNTS["gathers"] - gathers
-        # the queue retires room 13 (upstream's sender.clear, then the ledger's hook) ...
-        mgr.request_status.pop(13)
-        room_ledger.on_sender_clear(None, type("Sender", (), {"kv_mgr": mgr, "bootstrap_room": 13,
-                                                                "conclude_state": S.Failed})())
+        # the queue retires rooms 13 and 15 (upstream's sender.clear, then the ledger's hook) ...
+        for room in (13, 15):
+            mgr.request_status.pop(room)
+            mgr.failure_records.pop(room, None)
+            room_ledger.on_sender_clear(None, type("Sender", (), {"kv_mgr": mgr, "bootstrap_room": room,
+                                                                    "conclude_state": S.Failed})())
         # ... and decode's late handshake reaches this rank: answered Failed with the reason, nothing re-created
-        room_ledger.around_update_status(type(mgr).update_status, mgr, 13, S.WaitingForInput)
-        seen["handshake_13"] = {"request_status": mgr.request_status.get(13), "told": mgr.told}
+        for room in (13, 15) if rank == 0 else (13,):
+            room_ledger.around_update_status(type(mgr).update_status, mgr, room, S.WaitingForInput)
+            seen[f"handshake_{room}"] = {"request_status": mgr.request_status.get(room), "told": list(mgr.told)}
+            mgr.told.clear()
         out.put((rank, seen))
     finally:
         dist.destroy_process_group()
@@ -131,19 +143,25 @@ def _rank(rank: int, store: str, out) -> None:
 def test_a_room_failed_on_one_rank_is_known_alike_on_every_rank():
     results = run_ranks(_rank, WORLD, timeout=180)
     failed, transferring = 0, 3
+    cancelled = CANCEL_REASON.format(peer="127.0.0.1:7000", room=15)
     for rank in range(WORLD):
         seen = results[rank]
-        assert seen["polls"] == [failed, failed, failed, transferring], (rank, seen)
+        assert seen["polls"] == [failed, failed, failed, transferring, failed], (rank, seen)
         assert (seen["gathers"], seen["quiet_gathers"]) == (1, 0), (rank, seen)
         # the answering rank names rank 1's failed write, answers rank 1's lost peer 502 with its cause, and
         # every rank remembers rank 0's deadline for a late handshake
-        assert seen["records"] == {11: KV_FAILED, 12: LOST, 13: DEADLINE, 14: None}, (rank, seen)
-        assert seen["tags"] == {11: None, 12: ("peer_failure", "127.0.0.1:7001"), 13: ("timeout", None), 14: None}, \
-            (rank, seen)
+        assert seen["records"] == {11: KV_FAILED, 12: LOST, 13: DEADLINE, 14: None, 15: cancelled}, (rank, seen)
+        assert seen["tags"] == {11: None, 12: ("peer_failure", "127.0.0.1:7001"), 13: ("timeout", None), 14: None,
+                                15: None}, (rank, seen)
         assert seen["status_12"] == 502, (rank, seen)
         assert seen["late_13"] == DEADLINE, (rank, seen)
-        assert seen["told_at_poll"] == ([(11, KV_FAILED), (12, LOST)] if rank == 0 else [(13, DEADLINE)]), (rank, seen)
+        assert seen["told_at_poll"] == ([(11, KV_FAILED), (12, LOST), (15, cancelled)] if rank == 0
+                                        else [(13, DEADLINE)]), (rank, seen)
         assert seen["handshake_13"] == {"request_status": None, "told": [(13, DEADLINE)]}, (rank, seen)
+    # rank 0 learned room 15's failure from rank 1; decode's handshake reaching it only now is answered Failed, no
+    # room re-created that no sender would close (the leak prefill TP 2 + decode TP 1 showed under random aborts).
+    # Rank 1 had decode's handshake and ABORT in order on one socket: no late handshake there.
+    assert results[0]["handshake_15"] == {"request_status": None, "told": [(15, cancelled)]}, results[0]
 
 
 def test_agreed_is_rank_0s_unless_a_higher_rank_outranks_it():

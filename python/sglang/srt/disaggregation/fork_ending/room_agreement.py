@@ -79,7 +79,8 @@ def adopt(poller: Any, by_rank: Sequence[Optional[Known]]) -> None:
     failure (`failure_exception` pops the record; `clear` disowns the room, keeping a remembered one). A prefill rank
     that learns the failure here (its own room was not Failed) tells its own decode peers, as the rank that ended
     the room told its: a decode rank another prefill rank does not reach would otherwise take this rank's late
-    Success (a stalled transfer worker) as the room's end."""
+    Success (a stalled transfer worker) as the room's end; and it remembers the room, so a decode handshake that
+    reaches it late is answered Failed instead of re-creating the room."""
     from sglang.srt.disaggregation.base import KVPoll
     from sglang.srt.disaggregation.utils import DisaggregationMode
 
@@ -98,7 +99,10 @@ def adopt(poller: Any, by_rank: Sequence[Optional[Known]]) -> None:
                 mgr.failure_records[room] = reason
     learned = mgr.request_status.get(room) not in (None, KVPoll.Failed)
     if learned and ledger is not None and upstream(mgr, "disaggregation_mode") == DisaggregationMode.PREFILL:
-        ledger.end(room, None, reason or OTHER_RANK_REASON, fail=False)
+        # remembered (unless a late answer was agreed above): decode's handshake may reach this rank only after its
+        # sender is cleared (decode TP 1 handshakes each prefill rank on its own socket), and would otherwise open
+        # the room again with no sender to close it
+        ledger.end(room, None, reason or OTHER_RANK_REASON, fail=False, remember=late is None)
 
 
 def share_failures(pollers: Sequence[Any], polls: Sequence[int], group: Any) -> None:

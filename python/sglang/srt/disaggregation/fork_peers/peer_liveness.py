@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import re
 import socket
 import threading
 import time
@@ -121,6 +122,12 @@ class PeerMonitor:
             if any(n in self.gone for n in names):
                 return True
             return bool(text) and any(f" {peer}" in text for peer in self.gone if ":" in peer)
+
+    def sessions_named(self, text: Optional[str]) -> List[str]:
+        """The known decode sessions whose host:port `text` names (upstream's failed write names its decode)."""
+        with self.lock:
+            return [s for s, (host, port) in self.known.items()
+                    if text and re.search(rf" {re.escape(host)}:{port}(?!\d)", text)]
 
     def endpoint_gone(self, endpoint: Any) -> bool:
         """Whether the push endpoint "tcp://host:port" is a decode declared lost."""
@@ -484,8 +491,11 @@ def around_conclude_transfer(original, mgr, *args, bootstrap_room=None, status=N
             if monitor.is_gone(list(infos) + peers, failure_reason):  # nobody to ack or protect
                 mgr._deferred_ack_poisoned_rooms.discard(bootstrap_room)
             else:
+                # a room cleared meanwhile (another rank failed it first) has no infos left: the sessions of the
+                # decode its failed write names, so the mark still goes when that decode is lost
+                sessions = list(infos) or monitor.sessions_named(failure_reason)
                 with monitor.lock:
-                    for session in list(infos):
+                    for session in sessions:
                         monitor.poisoned.setdefault(session, set()).add(bootstrap_room)
         if failure_reason and failure_reason.startswith(UPSTREAM_SESSION_DEAD):
             failed = fork_touch.upstream_on(mgr, "failed_sessions", fork_touch.MOONCAKE_MANAGER, default=())
