@@ -116,6 +116,78 @@ def raw_tcp(hosts: hosts_mod.TestHosts, src: str, dst: str, nbytes: int, repeats
     return rates
 
 
+# ----------------------------------------------------------------------------- mooncake alone on the same link
+
+
+def _mc_engine(hostname: str):
+    """A mooncake TransferEngine on TCP in P2P-handshake mode, as sglang initialises it."""
+    from mooncake.engine import TransferEngine
+
+    engine = TransferEngine()
+    if engine.initialize(hostname, "P2PHANDSHAKE", "tcp", "") != 0:
+        raise RuntimeError("mooncake initialize failed")
+    return engine
+
+
+def _mc_buffer(engine, nbytes: int):
+    import ctypes
+
+    buf = (ctypes.c_char * nbytes)()
+    ctypes.memset(buf, 1, nbytes)  # fault every page in
+    if engine.register_memory(ctypes.addressof(buf), nbytes) != 0:
+        raise RuntimeError("mooncake register_memory failed")
+    return buf, ctypes.addressof(buf)
+
+
+def mc_sink(hostname: str, nbytes: int) -> None:
+    """Register `nbytes` with a mooncake engine, print its session and address, serve until stdin closes."""
+    engine = _mc_engine(hostname)
+    buf, ptr = _mc_buffer(engine, nbytes)
+    print(json.dumps({"session": f"{hostname}:{engine.get_rpc_port()}", "addr": ptr}), flush=True)
+    sys.stdin.read()
+    del buf
+
+
+def mc_source(hostname: str, session: str, peer_addr: int, nbytes: int, blocks: int, repeats: int) -> None:
+    """Write `nbytes` into the peer's buffer as `blocks` contiguous blocks in one batch_transfer_sync_write (what
+    sglang's mooncake sender does with one chunk's KV: a block per layer and K/V); print each run's bytes/s."""
+    engine = _mc_engine(hostname)
+    buf, ptr = _mc_buffer(engine, nbytes)  # held: the engine reads it
+    size = nbytes // blocks
+    rates = []
+    for _ in range(repeats + 1):  # the first one opens the connection
+        t0 = time.perf_counter()
+        ret = engine.batch_transfer_sync_write(session, [ptr + i * size for i in range(blocks)],
+                                               [peer_addr + i * size for i in range(blocks)], [size] * blocks)
+        took = time.perf_counter() - t0
+        if ret < 0:
+            raise RuntimeError(f"batch_transfer_sync_write -> {ret}")
+        rates.append(size * blocks / took)
+    del buf
+    print(json.dumps(rates[1:]), flush=True)
+
+
+def raw_mooncake(hosts: hosts_mod.TestHosts, src: str, dst: str, nbytes: int, blocks: int = 8,
+                 repeats: int = 3) -> List[float]:
+    """Bytes/s of mooncake's TCP transport alone (no sglang) from host `src` to host `dst`: one batch write of
+    `nbytes` in `blocks` blocks, `repeats` times after a first one."""
+    sink = subprocess.Popen(hosts[dst].exec_argv([fork_python(), "-m", "bench.transfer", "--mc-sink",
+                                                  hosts[dst].address, str(nbytes)]),
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT)
+    try:
+        peer = json.loads(sink.stdout.readline())
+        out = subprocess.run(hosts[src].exec_argv([fork_python(), "-m", "bench.transfer", "--mc-source",
+                                                   hosts[src].address, peer["session"], str(peer["addr"]),
+                                                   str(nbytes), str(blocks), str(repeats)]),
+                             timeout=300, cwd=REPO_ROOT, capture_output=True, text=True)
+        if out.returncode != 0:
+            raise RuntimeError(f"mooncake source failed: {out.stderr[-2000:]}")
+    finally:
+        sink.stdin.close()
+        sink.wait(timeout=60)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 # ----------------------------------------------------------------------------- one request
 
 
@@ -174,11 +246,13 @@ def _median(rows: List[Dict[str, float]], key: str) -> float:
     return statistics.median(r[key] for r in rows)
 
 
-def table(results: Dict[str, Dict[int, List[Dict[str, float]]]], limits: Dict[str, float], links: Sequence[str]) -> str:
-    """Markdown: per link and prompt length, each side's median figures; KV bytes/s against the raw TCP limit."""
+def table(results: Dict[str, Dict[tuple, List[Dict[str, float]]]], limits: Dict[str, float],
+          mooncake: Dict[str, float], links: Sequence[str]) -> str:
+    """Markdown: per link and prompt length, each side's median figures; KV bytes/s against the raw TCP limit and
+    against mooncake's TCP transport alone on the same link."""
     lines = ["| link | prompt tokens | KV moved | side | TTFT (s) | prefill compute (s) | transfer (s) | KV MB/s | "
-             "of raw TCP | fork/upstream KV rate |",
-             "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
+             "of raw TCP | of mooncake alone | fork/upstream KV rate |",
+             "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for link in links:
         lengths = sorted({n for side in results for (l, n) in results[side] if l == link})
         for n in lengths:
@@ -190,10 +264,12 @@ def table(results: Dict[str, Dict[int, List[Dict[str, float]]]], limits: Dict[st
                 lines.append(
                     f"| {link} | {n} | {_median(r, 'kv_bytes') / 2**20:.0f} MiB | {side} | {_median(r, 'ttft'):.2f} | "
                     f"{_median(r, 'compute'):.2f} | {_median(r, 'transfer'):.3f} | {rates[side] / 1e6:.0f} | "
-                    f"{rates[side] / limits[link]:.0%} | {ratio} |")
+                    f"{rates[side] / limits[link]:.0%} | {rates[side] / mooncake[link]:.0%} | {ratio} |")
     lines.append("")
-    lines.append("Raw TCP on the same link (one Python socket stream, prefill host to decode host, 4 MiB writes): "
-                 + "; ".join(f"{link} {limits[link] / 1e6:.0f} MB/s" for link in links) + ".")
+    lines.append("Raw TCP on the same link (one Python socket stream, prefill host to decode host, 4 MiB writes), and "
+                 "mooncake's TCP transport alone (one batch write of 8 blocks, as sglang sends one chunk's KV): "
+                 + "; ".join(f"{link} {limits[link] / 1e6:.0f} MB/s and {mooncake[link] / 1e6:.0f} MB/s"
+                             for link in links) + " (medians).")
     return "\n".join(lines)
 
 
@@ -203,12 +279,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--repeats", type=int, default=2, help="requests per length and side (default 2)")
     parser.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES))
     parser.add_argument("--rate", type=int, default=0, help="also on a link shaped to RATE Mbit/s (tbf)")
+    parser.add_argument("--paced", action="store_true",
+                        help="both sides load the release gate's probe plugin: a scheduler waiting on a transfer "
+                             "sleeps 1 ms per idle pass instead of spinning (bench/baseline.py)")
     parser.add_argument("--model-dir", default=str(REPO_ROOT / ".cache" / "tiny-llama-wide-kv"))
     parser.add_argument("--write-readme", action="store_true", help="write the table into README.md")
     parser.add_argument("--keep-logs", action="store_true")
     parser.add_argument("--tcp-sink", nargs=2, type=int, metavar=("PORT", "BYTES"), help=argparse.SUPPRESS)
     parser.add_argument("--tcp-source", nargs=3, metavar=("ADDR", "PORT", "BYTES"), help=argparse.SUPPRESS)
+    parser.add_argument("--mc-sink", nargs=2, metavar=("HOST", "BYTES"), help=argparse.SUPPRESS)
+    parser.add_argument("--mc-source", nargs=6, metavar=("HOST", "SESSION", "ADDR", "BYTES", "BLOCKS", "REPEATS"),
+                        help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.mc_sink:
+        mc_sink(args.mc_sink[0], int(args.mc_sink[1]))
+        return 0
+    if args.mc_source:
+        host, session, *nums = args.mc_source
+        mc_source(host, session, *(int(x) for x in nums))
+        return 0
     if args.tcp_sink:
         tcp_sink(*args.tcp_sink)
         return 0
@@ -226,8 +315,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         model = str(ensure_tiny_model(args.model_dir, wide_kv=True))
         prepared = baseline.prepare(work, fork_python())
-        envs = {"fork": baseline.fork_env(prepared, standins=True, probe=False),
-                "upstream": baseline.upstream_env(prepared, probe=False)}
+        envs = {"fork": baseline.fork_env(prepared, standins=True, probe=args.paced),
+                "upstream": baseline.upstream_env(prepared, probe=args.paced)}
         lb_env = baseline.fork_env(prepared, standins=False, probe=False)
         with hosts_mod.TestHosts(("prefill", "decode", "lb")) as hosts:
             print(f"hosts on {hosts.subnet}: " + ", ".join(f"{r} {h.address}" for r, h in hosts.hosts.items()),
@@ -237,7 +326,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             limits: Dict[str, float] = {}
             rates = raw_tcp(hosts, "prefill", "decode", nbytes)
             limits["veth"] = statistics.median(rates)
-            print(f"raw TCP prefill -> decode: {[round(r / 1e6) for r in rates]} MB/s", flush=True)
+            mc = raw_mooncake(hosts, "prefill", "decode", nbytes)
+            mooncake: Dict[str, float] = {"veth": statistics.median(mc)}
+            print(f"raw TCP prefill -> decode: {[round(r / 1e6) for r in rates]} MB/s; mooncake alone "
+                  f"{[round(r / 1e6) for r in mc]} MB/s", flush=True)
             clusters = {
                 name: PDCluster(model, hosts=hosts.hosts, prefill_env=envs[name], decode_env=envs[name],
                                 lb_env=lb_env, prefill_args=(*baseline.SHARED_ARGS, *SERVER_ARGS),
@@ -255,9 +347,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 for link in links:
                     if link != "veth":
                         hosts.shape("decode", args.rate * 1_000_000, src="prefill")
-                        rates = raw_tcp(hosts, "prefill", "decode", nbytes)
+                        rates = raw_tcp(hosts, "prefill", "decode", nbytes, repeats=1)
                         limits[link] = statistics.median(rates)
-                        print(f"raw TCP on {link}: {[round(r / 1e6) for r in rates]} MB/s", flush=True)
+                        mc = raw_mooncake(hosts, "prefill", "decode", nbytes, repeats=1)
+                        mooncake[link] = statistics.median(mc)
+                        print(f"raw TCP on {link}: {[round(r / 1e6) for r in rates]} MB/s; mooncake alone "
+                              f"{[round(r / 1e6) for r in mc]} MB/s", flush=True)
                     try:
                         for n in lengths:
                             for repeat in range(args.repeats):
@@ -275,7 +370,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             finally:
                 for c in clusters.values():
                     c.teardown()
-        text = table(results, limits, links)
+        text = table(results, limits, mooncake, links)
         print()
         print(text)
         print(f"\nwall time {time.monotonic() - t_start:.0f}s")
