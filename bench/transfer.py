@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence
 
-from bench import baseline
+from bench import baseline, cpu_window
 from bench.readme_block import write_block
 from testing import hosts as hosts_mod
 from testing.pd_cluster import PDCluster, fork_python, http_post_json, start_all
@@ -207,13 +207,16 @@ def _delta(before: Mapping[str, float], after: Mapping[str, float]) -> Dict[str,
     return {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
 
 
-def one_request(cluster: PDCluster, ids: Sequence[int]) -> Dict[str, float]:
-    """One prompt of token ids, one output token; its figures from the servers' histograms and the client."""
+def one_request(cluster: PDCluster, ids: Sequence[int], names: Mapping[int, str]) -> Dict[str, float]:
+    """One prompt of token ids, one output token; its figures from the servers' histograms and the client, and
+    what ran on the machine meanwhile (bench/cpu_window.py; `names`: its labels of the deployments' processes)."""
     before = {r: _stage_sums(cluster[r].metrics()) for r in ("prefill", "decode")}
+    snap = cpu_window.snapshot()
     t0 = time.monotonic()
     status, body = http_post_json(cluster.url + "/generate", {
         "input_ids": list(ids), "sampling_params": {"temperature": 0.0, "max_new_tokens": 1}}, timeout=300)
     ttft = time.monotonic() - t0
+    win = cpu_window.window(snap, cpu_window.snapshot(), names, ttft)
     if status != 200 or not isinstance(body, dict):
         raise RuntimeError(f"request failed: {status} {str(body)[:300]}")
     # the histograms are exported by each scheduler's metrics loop: poll until the transfer shows
@@ -236,6 +239,7 @@ def one_request(cluster: PDCluster, ids: Sequence[int]) -> Dict[str, float]:
         "transfer": transfer,
         "kv_rate": kv / transfer,
         "decode_transferred": d.get("decode_transferred", 0.0),
+        "cpu": win,
     }
 
 
@@ -342,8 +346,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 start_all(*clusters.values())
                 print(f"servers up ({time.monotonic() - t_start:.0f}s)", flush=True)
                 rng = random.Random(0)
+                names = cpu_window.labels(clusters)
                 for name, cluster in clusters.items():  # warm-up: first-request costs out of the figures
-                    one_request(cluster, [rng.randrange(3, VOCAB_SIZE) for _ in range(min(lengths))])
+                    one_request(cluster, [rng.randrange(3, VOCAB_SIZE) for _ in range(min(lengths))], names)
                 for link in links:
                     if link != "veth":
                         hosts.shape("decode", args.rate * 1_000_000, src="prefill")
@@ -361,10 +366,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                 if repeat % 2:
                                     order.reverse()
                                 for name, cluster in order:
-                                    row = one_request(cluster, ids)
+                                    row = one_request(cluster, ids, names)
                                     results[name].setdefault((link, n), []).append(row)
+                                    win = row.pop("cpu")
                                     print(f"{link} {name} {n} tokens: " + ", ".join(
-                                        f"{k} {v:.3f}" for k, v in row.items()), flush=True)
+                                        f"{k} {v:.3f}" for k, v in row.items()) + f"; CPU run/wait s: {win.top(8)}",
+                                          flush=True)
                     finally:
                         hosts.unshape("decode")
             finally:
