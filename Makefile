@@ -37,7 +37,8 @@ bench-deadline: venv
 # RL step calls (pause/release/resume/update/continue) timed, fork vs upstream (~10 min).
 bench-rl: venv
 	$(VPY) -m bench.rl_step $(ARGS)
-
+# KV moved prefill -> decode over mooncake TCP between test hosts, fork vs upstream, against raw TCP
+# (~3 min; root). ARGS: --rate MBIT, --paced, --repeats N, --write-readme (bench/README.md).
 bench-transfer: venv
 	$(VPY) -m bench.transfer $(ARGS)
 
