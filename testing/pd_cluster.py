@@ -622,7 +622,7 @@ PD_ROLES = ("prefill", "decode")
 
 
 class PDCluster(Deployment):
-    """1 prefill + 1 decode (mooncake over TCP on loopback) + a load balancer (role 'lb').
+    """1 prefill (or more: `prefills`) + 1 decode (mooncake over TCP on loopback) + a load balancer (role 'lb').
 
     balancer="mini" (default): sglang-router's Python mini LB, given both engines on its
     command line. balancer="router": the production Rust gateway (`Gateway`, its
