@@ -9,7 +9,7 @@ would put on the wire is kept (`Notice`). Installed while a harness lives.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -23,13 +23,6 @@ POLL_NAMES = {v: k for k, v in vars(KVPoll).items() if isinstance(v, int)}
 
 def poll_name(state: Optional[int]) -> str:
     return "None" if state is None else POLL_NAMES.get(int(state), str(state))
-
-
-def free_port() -> int:
-    """A port reserved for this process, outside the ephemeral range (pd_cluster.free_ports)."""
-    from testing.pd_cluster import free_ports
-
-    return free_ports(1)[0]
 
 
 @dataclasses.dataclass(frozen=True)

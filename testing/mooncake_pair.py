@@ -28,6 +28,8 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Any, Callable, Dict, Optional
 
+from testing.ports import free_port
+
 # Mooncake needs none of MOONCAKE_PROTOCOL, MC_FORCE_TCP or SGLANG_HOST_IP: without an
 # RDMA device it serves TCP by itself, and the host IP is detected. (Its engine.so does
 # need libibverbs1 installed.) One thing in stock 0.5.23 needs help on a CPU:
@@ -38,13 +40,6 @@ CHILD_ENV = {
     # patch is in the build; harmless with it.
     "SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER": "1",
 }
-
-
-def _free_port() -> int:
-    """A port reserved for this process, outside the ephemeral range (pd_cluster.free_ports)."""
-    from testing.pd_cluster import free_ports
-
-    return free_ports(1)[0]
 
 
 class _Worker:
@@ -417,7 +412,7 @@ class Side:
         self.conn, child_conn = ctx.Pipe()
         self.proc = ctx.Process(
             target=_serve,
-            args=(role, child_conn, bootstrap_port, _free_port(), sizes, dict(env or {})),
+            args=(role, child_conn, bootstrap_port, free_port(), sizes, dict(env or {})),
             name=f"mooncake-{role}",
             daemon=True,
         )
@@ -473,7 +468,7 @@ class MooncakePair:
         decode_env: Optional[Dict[str, str]] = None,
         **sizes: Any,
     ):
-        self.bootstrap_port = _free_port()
+        self.bootstrap_port = free_port()
         self._rooms = iter(range(5000, 1 << 30))
         self._sizes, self._env = sizes, {"prefill": prefill_env, "decode": decode_env}
         self.prefill = Side("prefill", self.bootstrap_port, sizes, prefill_env)

@@ -3,7 +3,7 @@ back to its baseline), a client abort's answer, a leg of a PD request sent by th
 itself, a control call on one or both servers, closed-loop clients, the end-cause
 counter by role/cause/stage, the answers of a partition test, and a mooncake pair back to idle.
 
-Used by test/srt (conftest re-exports the idleness helpers under their old names).
+The one home of these helpers: test/srt imports them from here (never through conftest).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
-from testing.pd_cluster import HOST, generate, http_post_json, prompts, wait_until
+from testing.pd_cluster import HOST, generate, http_get, http_post_json, prompts, wait_until
 
 IDLE_TIMEOUT = 60.0
 END_CAUSES = "sglang:num_pd_request_end_causes_total"
@@ -218,6 +218,20 @@ def on_both(cluster, endpoint: str, body=None, log: Optional[list] = None, timeo
     return results
 
 
+def weight_versions(cluster) -> Dict[str, str]:
+    """{role: weight_version} of both servers from GET /model_info, each checked against
+    GET /get_weight_version (where RL engine clients written for earlier sglang releases
+    read it)."""
+    out = {}
+    for role in PD_ROLES:
+        status, body = http_get(f"{cluster[role].url}/model_info")
+        assert status == 200, (role, body)
+        out[role] = json.loads(body)["weight_version"]
+        status, body = http_get(f"{cluster[role].url}/get_weight_version")
+        assert status == 200 and json.loads(body) == {"weight_version": out[role]}, (role, status, body)
+    return out
+
+
 # ----------------------------------------------------------------------------- closed-loop clients
 
 
@@ -346,6 +360,12 @@ def assert_pair_idle(pair) -> None:
 def wait_pair_idle(pair, timeout: float = 30.0) -> float:
     """Tick both sides until both are back to the idle snapshot; returns seconds."""
     return pair.run_until(lambda: pair_is_idle(pair), timeout=timeout)
+
+
+def pair_new_causes(side, before: Mapping[str, float]) -> Dict[str, float]:
+    """The end-cause counts (role/cause/stage) that moved on a pair's `side` since
+    `before` (its `end_causes` then)."""
+    return {k: v - before.get(k, 0) for k, v in side.call("end_causes").items() if v != before.get(k, 0)}
 
 
 def pair_fixture(scope: str = "module", prepare: Optional[Callable[[Any], None]] = None, **kwargs):

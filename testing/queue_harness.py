@@ -79,12 +79,12 @@ from testing.harness_backend import (  # noqa: F401  the scripted transfer backe
     Notice,
     _install_faulty_backend,
     _uninstall_faulty_backend,
-    free_port,
     poll_name,
 )
 from testing.harness_client import Counters, Outputs, Streamed  # noqa: F401  what the client saw, counted
 from testing.harness_scheduler import SchedulerStandIn, _model_stub  # noqa: F401  the scheduler stand-in
 from testing.harness_snapshot import Snapshot  # what a harness holds
+from testing.ports import free_port
 
 # ---------------------------------------------------------------------------
 # Harnesses

@@ -3,7 +3,8 @@ factory (`deployments`) whose failures attach every server's log, the default 1P
 plain control server shared by the modules that only serve through them
 (`shared_pd`, `shared_single`, see SharedDeployments), the queue harnesses. The
 assertions shared by the tests (nothing held, client abort, legs, end-cause counter)
-live in testing/pd_checks.py and are re-exported here under their old names.
+live in testing/pd_checks.py (tests import them from there), the servers and requests in
+testing/pd_cluster.py.
 
 Servers run under $SGLANG_FORK_PYTHON (see testing.pd_cluster).
 """
@@ -17,13 +18,7 @@ from typing import Optional, Tuple
 
 import pytest
 
-from testing.pd_checks import (  # noqa: F401  (re-exported for the test modules)
-    HEARTBEAT_TABLES,
-    IDLE_TIMEOUT,
-    assert_idle,
-    held,
-    stable_peer_tables,
-)
+from testing.pd_checks import assert_idle
 from testing.pd_cluster import Deployment, PDCluster, SingleServer, generate, start_all
 from testing.tiny_model import ensure_tiny_model
 
@@ -133,6 +128,22 @@ def pytest_collection_modifyitems(session, config, items):
 
 
 _LAST_USER: "dict[str, str]" = {}  # shared key -> the last module (in run order) that claims it
+
+
+# ----------------------------------------------------------------------------- levels
+#
+# Every test carries exactly one level mark (pyproject's markers: unit, pair, e2e), so that
+# `-m unit` / `-m "not e2e"` select what they say. A test without one, or with two, fails
+# at setup naming its marks (the rest of the suite runs).
+LEVELS = ("unit", "pair", "e2e")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    levels = sorted({m.name for m in item.iter_markers() if m.name in LEVELS})
+    if len(levels) != 1:
+        pytest.fail(f"{item.nodeid}: needs exactly one level mark of {LEVELS} "
+                    f"(pytestmark = pytest.mark.<level> in its module), has {levels or 'none'}", pytrace=False)
 
 
 class SharedDeployments:

@@ -16,6 +16,8 @@ from sglang.srt.managers.schedule_batch import FINISH_ABORT
 from testing.pd_checks import is_client_abort
 from testing.queue_harness import KVPoll, Notice, PrefillHarness
 
+pytestmark = pytest.mark.unit
+
 FAILURE_COUNTERS = ("increment_bootstrap_failed_reqs", "increment_transfer_failed_reqs")
 # The bounded memory of ended rooms that answers a late handshake (transfer_deadline).
 TOMBSTONE = "fork_expired_rooms"

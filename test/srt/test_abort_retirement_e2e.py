@@ -25,9 +25,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from conftest import TP2, TP2_DECODE_TP1, topology_params, topology_pd
-from testing.pd_checks import Leg, assert_idle, end_causes, held, http_client_abort
+from testing.pd_checks import Leg, assert_idle, end_causes, held, http_client_abort, leg_body
 from testing.pd_checks import delta as _delta
-from testing.pd_cluster import HOST, generate, http_post_json, metric_sum, prompts, wait_until
+from testing.pd_cluster import generate, http_post_json, metric_sum, prompts, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -62,14 +62,6 @@ def _counts(cluster) -> dict:
 
 
 
-def _body(cluster, rid: str, room: int, text: str, max_new_tokens: int = 8, **extra) -> dict:
-    return {
-        "rid": rid, "text": text, "bootstrap_host": HOST, "bootstrap_room": room,
-        "bootstrap_port": cluster.bootstrap_port,
-        "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens, **extra},
-    }
-
-
 def _abort(server, rid: str) -> tuple:
     return http_post_json(server.url + "/abort_request", {"rid": rid}, timeout=30)
 
@@ -100,7 +92,7 @@ def test_abort_in_prefill_bootstrap_then_late_decode_leg(cluster):
     prefill, decode = cluster["prefill"], cluster["decode"]
     before = _counts(cluster)
     rid, room = f"ab-boot-{uuid.uuid4().hex}", _room()
-    body = _body(cluster, rid, room, "the quick brown fox")
+    body = leg_body(cluster, room, "the quick brown fox", rid=rid)
     p_leg = Leg(prefill.url, body)
     p_leg.start()
     wait_until(lambda: prefill.resources()["queues"]["prefill_bootstrap"] == 1, 30, "prefill leg queued")
@@ -128,7 +120,7 @@ def test_abort_in_decode_transfer_then_late_prefill_leg(cluster):
     prefill, decode = cluster["prefill"], cluster["decode"]
     before = _counts(cluster)
     rid, room = f"ab-dtr-{uuid.uuid4().hex}", _room()
-    body = _body(cluster, rid, room, "hello world paris london")
+    body = leg_body(cluster, room, "hello world paris london", rid=rid)
     d_leg = Leg(decode.url, body)
     d_leg.start()
     wait_until(lambda: decode.resources()["queues"]["decode_transfer"] == 1, 30, "decode handshake")
@@ -158,7 +150,7 @@ def test_abort_inflight_on_prefill_while_decode_frozen(cluster):
     prefill, decode = cluster["prefill"], cluster["decode"]
     before = _counts(cluster)
     rid, room = f"ab-infl-{uuid.uuid4().hex}", _room()
-    body = _body(cluster, rid, room, "the lazy dog " * 60)  # several 64-token chunks
+    body = leg_body(cluster, room, "the lazy dog " * 60, rid=rid)  # several 64-token chunks
     d_leg = Leg(decode.url, body)
     d_leg.start()
     wait_until(lambda: decode.resources()["queues"]["decode_transfer"] == 1, 30, "decode handshake")

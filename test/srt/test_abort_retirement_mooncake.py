@@ -15,8 +15,10 @@ import time
 import pytest
 
 from sglang.srt.disaggregation.fork_ending import room_ledger as ar
-from testing.pd_checks import is_client_abort, pair_fixture, pair_is_idle, wait_pair_idle
+from testing.pd_checks import is_client_abort, pair_fixture, pair_is_idle, pair_new_causes, wait_pair_idle
 from testing.pd_cluster import wait_until
+
+pytestmark = pytest.mark.pair
 
 FAILURE_COUNTERS = ("increment_bootstrap_failed_reqs", "increment_transfer_failed_reqs")
 # Bounded memories of ended rooms (not transfer state): prefill's rooms it ended
@@ -66,11 +68,6 @@ def _told_at_once(pair, teller, peer, room) -> int:
     return pair.ticks_until(peer, lambda: _ended(peer, room), END_TICKS)
 
 
-def _new_causes(side, before):
-    old = before[1]
-    return {k: v - old.get(k, 0) for k, v in side.call("end_causes").items() if v != old.get(k, 0)}
-
-
 def _assert_no_failure_counted(pair, before):
     for name in ("prefill", "decode"):
         side = getattr(pair, name)
@@ -106,8 +103,8 @@ def test_prefill_abort_frees_decode_preallocation_at_once(pair, before):
     assert pair.decode.call("output_ids", room) == []  # no token generated
     assert pair.prefill.call("finals", room) == pair.decode.call("finals", room) == 1
     _assert_no_failure_counted(pair, before)
-    assert _new_causes(pair.prefill, before["prefill"]) == {"prefill/client_abort/prefill_bootstrap": 1}
-    assert _new_causes(pair.decode, before["decode"]) == {"decode/client_abort/decode_transfer": 1}
+    assert pair_new_causes(pair.prefill, before["prefill"][1]) == {"prefill/client_abort/prefill_bootstrap": 1}
+    assert pair_new_causes(pair.decode, before["decode"][1]) == {"decode/client_abort/decode_transfer": 1}
     _wait_idle_and_clean(pair, room)
 
 
@@ -124,8 +121,8 @@ def test_decode_abort_frees_prefill_at_once(pair, before):
     assert _client_abort(pair.prefill, room), pair.prefill.call("final_reason", room)
     assert pair.prefill.call("finals", room) == pair.decode.call("finals", room) == 1
     _assert_no_failure_counted(pair, before)
-    assert _new_causes(pair.prefill, before["prefill"]) == {"prefill/client_abort/prefill_bootstrap": 1}
-    assert _new_causes(pair.decode, before["decode"]) == {"decode/client_abort/decode_transfer": 1}
+    assert pair_new_causes(pair.prefill, before["prefill"][1]) == {"prefill/client_abort/prefill_bootstrap": 1}
+    assert pair_new_causes(pair.decode, before["decode"][1]) == {"decode/client_abort/decode_transfer": 1}
     _wait_idle_and_clean(pair, room)
 
 
@@ -171,8 +168,8 @@ def test_abort_on_both_sides_ends_once(pair, before):
     pair.decode.call("tick", 3)
     assert pair.prefill.call("finals", room) == pair.decode.call("finals", room) == 1
     assert _client_abort(pair.prefill, room) and _client_abort(pair.decode, room)
-    assert sum(_new_causes(pair.prefill, before["prefill"]).values()) == 1
-    assert sum(_new_causes(pair.decode, before["decode"]).values()) == 1
+    assert sum(pair_new_causes(pair.prefill, before["prefill"][1]).values()) == 1
+    assert sum(pair_new_causes(pair.decode, before["decode"][1]).values()) == 1
     _assert_no_failure_counted(pair, before)
     _wait_idle_and_clean(pair, room)
 
@@ -258,8 +255,8 @@ def test_decode_pause_abort_tells_prefill_why(pair, before):
     assert _pause_answer(pair.prefill.call("final_reason", room)), pair.prefill.call("final_reason", room)
     assert pair.prefill.call("finals", room) == pair.decode.call("finals", room) == 1
     _assert_no_failure_counted(pair, before)
-    assert _new_causes(pair.prefill, before["prefill"]) == {"prefill/pause/prefill_bootstrap": 1}
-    assert _new_causes(pair.decode, before["decode"]) == {"decode/pause/decode_transfer": 1}
+    assert pair_new_causes(pair.prefill, before["prefill"][1]) == {"prefill/pause/prefill_bootstrap": 1}
+    assert pair_new_causes(pair.decode, before["decode"][1]) == {"decode/pause/decode_transfer": 1}
     _wait_idle_and_clean(pair, room)
 
 
@@ -283,7 +280,7 @@ def test_decode_pause_abort_before_prefill_leg_tells_it_why(pair, before):
     assert _pause_answer(pair.prefill.call("final_reason", room)), pair.prefill.call("final_reason", room)
     assert pair.prefill.call("sends", room) == 0
     _assert_no_failure_counted(pair, before)
-    assert _new_causes(pair.prefill, before["prefill"]) == {"prefill/pause/prefill_bootstrap": 1}
+    assert pair_new_causes(pair.prefill, before["prefill"][1]) == {"prefill/pause/prefill_bootstrap": 1}
     _wait_idle_and_clean(pair, room)
 
 
@@ -306,5 +303,5 @@ def test_a_failed_retract_rebootstrap_ends_as_its_failure_never_as_a_client_abor
     assert pair.decode.call("status", room) == 500, final
     # prefill heard decode's ABORT (sent by the failure path itself) and ends its copy
     pair.ticks_until(pair.prefill, lambda: _ended(pair.prefill, room), END_TICKS)
-    assert "decode/client_abort/decode_transfer" not in _new_causes(pair.decode, before["decode"])
+    assert "decode/client_abort/decode_transfer" not in pair_new_causes(pair.decode, before["decode"][1])
     _wait_idle_and_clean(pair, room)

@@ -20,6 +20,8 @@ from fork_build.lock import read_lock
 from fork_build.patchqueue import git, read_series
 from fork_build.upstream import select_tag, upstream_wheel
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[2]
 LOCK = read_lock(ROOT)
 SOURCES = ("pyproject.toml", "upstream.lock", "patches", "python", "build_backend")

@@ -7,7 +7,11 @@ This is how a release during a retract pause ends a request whose prefill copy i
 still held at prefill's pause gate (sglang.srt.disaggregation.cancelled_rooms).
 """
 
+import pytest
+
 from testing.pd_checks import assert_pair_idle, is_client_abort, pair_fixture
+
+pytestmark = pytest.mark.pair
 
 SIZES = dict(kv_tokens=1024, req_slots=8, metadata_slots=8, max_context_len=64)
 ANSWER_S = 5.0  # generous on a loaded machine; without the fix: the bootstrap timeout

@@ -20,6 +20,8 @@ from testing.pd_checks import assert_pair_idle as _assert_idle
 from testing.pd_checks import pair_fixture
 from testing.pd_checks import wait_pair_idle as _wait_idle
 
+pytestmark = pytest.mark.pair
+
 N = 16
 FAILING = 3  # index of the failing request among the N
 FAULTS = "kv:rid=fail-kv-,aux:rid=fail-aux-,state:rid=fail-state-,state+failed:rid=fail-state+failed-"

@@ -5,6 +5,8 @@ import pytest
 
 from sglang.srt.disaggregation.fork_transfer.chunk_failures import FaultPlan, chunk_kind
 
+pytestmark = pytest.mark.unit
+
 
 def test_unset_is_no_plan():
     assert FaultPlan.parse("") is None

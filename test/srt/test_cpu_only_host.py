@@ -9,6 +9,8 @@ import torch
 
 from sglang.srt.utils import cpu_only_host as h
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture(autouse=True)
 def fresh_caches():

@@ -10,6 +10,8 @@ import pytest
 
 from sglang.srt.disaggregation.fork_ending import request_end_cause as rec
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture(autouse=True)
 def own_end_cause_counter():

@@ -1,6 +1,10 @@
 """The engine clock excludes paused time and is idempotent under repeated calls."""
 
+import pytest
+
 from sglang.srt.disaggregation.fork_ending.room_ledger import EngineClock
+
+pytestmark = pytest.mark.unit
 
 
 class Wall:

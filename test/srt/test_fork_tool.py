@@ -25,6 +25,8 @@ from fork_build.lock import read_lock
 from fork_build.patchqueue import git, read_series
 from fork_build.upstream import select_tag
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[2]
 TOOL = ROOT / "tools" / "fork"
 LOCK = read_lock(ROOT)

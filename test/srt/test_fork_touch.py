@@ -11,8 +11,11 @@ import time
 
 import pytest
 
-from testing.mooncake_pair import RENAME_ENV, Side, _free_port
+from testing.mooncake_pair import RENAME_ENV, Side
+from testing.pd_cluster import free_port
 from testing.pd_checks import pair_fixture
+
+pytestmark = pytest.mark.pair
 
 MOONCAKE = "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager"
 D = "sglang.srt.disaggregation"
@@ -44,7 +47,7 @@ def test_every_declared_swap_is_in_place_on_live_managers(pair):
 def test_renamed_upstream_attribute_stops_prefill_at_start(attr):
     target = f"{MOONCAKE}.{attr}"
     t0 = time.monotonic()
-    side = Side("prefill", _free_port(), SIZES, {RENAME_ENV: target})
+    side = Side("prefill", free_port(), SIZES, {RENAME_ENV: target})
     try:
         with pytest.raises(RuntimeError) as failed:
             side.ready(120)

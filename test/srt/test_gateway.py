@@ -14,8 +14,7 @@ from collections import Counter
 
 import pytest
 
-from conftest import assert_idle, held
-from testing.pd_checks import ClosedLoop
+from testing.pd_checks import ClosedLoop, assert_idle, held
 from testing.pd_cluster import (
     generate_concurrently,
     http_post_json,

@@ -14,7 +14,6 @@ is handed back serving the same checkpoint.
 
 from __future__ import annotations
 
-import json
 import signal
 import threading
 import time
@@ -22,9 +21,8 @@ from contextlib import nullcontext
 
 import pytest
 
-from conftest import assert_idle
-from testing.pd_checks import ClosedLoop
-from testing.pd_cluster import Gateway, generate, http_get, http_post_json, prompts, wait_until
+from testing.pd_checks import ClosedLoop, assert_idle, weight_versions
+from testing.pd_cluster import Gateway, generate, http_post_json, prompts, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -82,15 +80,6 @@ class Preempted:
         self._stop.set()
         self._thread.join(10)
         self.proc.send_signal(signal.SIGCONT)
-
-
-def weight_versions(cluster) -> dict:
-    out = {}
-    for role in PD_ROLES:
-        status, body = http_get(f"{cluster[role].url}/model_info")
-        assert status == 200, (role, body)
-        out[role] = json.loads(body)["weight_version"]
-    return out
 
 
 @pytest.mark.parametrize("balancer", ("router", "mini"))

@@ -15,7 +15,7 @@ import pytest
 from testing import hosts as hosts_mod
 from testing.hosts import HostsError, TestHosts, netns_list
 
-pytestmark = pytest.mark.skipif(hosts_mod.unavailable() is not None, reason=str(hosts_mod.unavailable()))
+pytestmark = [pytest.mark.pair, pytest.mark.skipif(hosts_mod.unavailable() is not None, reason=str(hosts_mod.unavailable()))]
 
 # A listener on a host: sends n bytes to each connection (a thread each), closes.
 SERVE = """

@@ -31,7 +31,10 @@ CONNECT_TIMEOUT = 1.0  # peer_liveness.CONNECT_TIMEOUT: what a silent heartbeat 
 MARGIN = 3.0  # a busy 2-core machine: scheduler ticks, metric export
 # declared lost on the MAX_FAILURE-th silent heartbeat, the first within one interval of the cut
 DETECT_BOUND = MAX_FAILURE * HEARTBEAT + CONNECT_TIMEOUT + MARGIN
-RECOVER_BOUND = HEARTBEAT + MARGIN  # served again: the next heartbeat re-admits the peer
+PROBE_READ_RETRY = 1.2  # chunk_failures.probe_session: a read refused once is retried after mooncake's 1 s cooldown
+# served again: the first tick after the heal sees the link answer (within an interval, after at most one silent
+# connect), and the transfer engine probe it starts then (a new one: not one started during the cut) lets it in
+RECOVER_BOUND = HEARTBEAT + CONNECT_TIMEOUT + PROBE_READ_RETRY + MARGIN
 # no client waits past its deadline: one per stage (docs/transfer-deadline.md), and a request waits in at most two
 # (decode's handshake and preallocation, then its transfer)
 ANSWER_BOUND = 2 * DEADLINE + MARGIN

@@ -11,6 +11,8 @@ from sglang.srt.disaggregation.fork_transfer import transfer_deadline_knob
 from sglang.srt.environ import EnvFloat, envs
 from sglang.srt.managers.fork_core import knobs
 
+pytestmark = pytest.mark.unit
+
 DEFAULTS = {  # the documented defaults (README, docs/): a changed default is a user-visible change
     "SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT": 600.0,
     "SGLANG_FORK_LOST_DECODE_HANDSHAKE_TIMEOUT": 5.0,

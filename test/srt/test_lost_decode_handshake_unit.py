@@ -12,6 +12,8 @@ import pytest
 from sglang.srt.disaggregation.fork_peers import peer_liveness as ldh
 from sglang.srt.disaggregation.fork_peers.peer_liveness import abort_status
 
+pytestmark = pytest.mark.unit
+
 
 def _req(room):
     return SimpleNamespace(rid=f"rid-{room}", bootstrap_room=room)

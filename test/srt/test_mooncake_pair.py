@@ -1,8 +1,12 @@
 """Real mooncake over TCP between a prefill and a decode process: the KV lands intact and
 both managers forget the room once the request succeeded."""
 
+import pytest
+
 from testing.pd_checks import assert_pair_idle as _assert_idle
 from testing.pd_checks import pair_fixture
+
+pytestmark = pytest.mark.pair
 
 pair = pair_fixture()
 

@@ -10,6 +10,8 @@ from fork_build.copyguard import upstream_copies, upstream_index, verdict
 from fork_build.lock import read_lock
 from fork_build.upstream import select_tag, upstream_wheel
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

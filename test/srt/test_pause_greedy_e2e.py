@@ -21,8 +21,8 @@ import time
 
 import pytest
 
-from conftest import TINY_MODEL_DIR, assert_idle
-from testing.pd_checks import ClosedLoop, requests_held
+from conftest import TINY_MODEL_DIR
+from testing.pd_checks import ClosedLoop, assert_idle, requests_held
 from testing.tiny_model import ensure_tiny_model
 from testing.pd_cluster import PDCluster, SingleServer, generate, http_post_json, prompts, wait_until
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import assert_idle, held
+from testing.pd_checks import assert_idle, held
 from testing.pd_cluster import (
     MiniLB,
     generate,

@@ -14,8 +14,8 @@ from functools import partial
 
 import pytest
 
-from conftest import TP2, assert_idle, held, topology_params, topology_pd
-from testing.pd_checks import abort_gate_until_let_go, at_gate, call, on_both, waiting_for_peer
+from conftest import TP2, topology_params, topology_pd
+from testing.pd_checks import abort_gate_until_let_go, assert_idle, at_gate, call, held, on_both, requests_held, waiting_for_peer
 from testing.pd_cluster import (
     PDCluster,
     generate,
@@ -119,12 +119,6 @@ def judge(burst, control, mode, outcomes, where):
         else:
             assert abort_answer(r, mode), (where, r)
             outcomes["aborted"] += 1
-
-
-def requests_held(cluster) -> int:
-    """Requests held in either server's queues and running batch right now."""
-    return sum(v for role in PD_ROLES for k, v in held(cluster.resources(role)).items()
-               if k.startswith("queue."))
 
 
 class Burst:

@@ -8,6 +8,8 @@ import pytest
 
 from testing.pd_checks import assert_pair_idle, pair_fixture
 
+pytestmark = pytest.mark.pair
+
 
 def _transfer(pair, prompt_len: int) -> int:
     room = pair.submit(prompt_len=prompt_len)

@@ -14,6 +14,8 @@ from sglang.srt.disaggregation.fork_ending import pd_queues
 from sglang.srt.managers.fork_pause import pd_pause
 from sglang.srt.managers.fork_pause.pd_pause import ALL_TAGS, EnginePauseState, PauseStateError
 
+pytestmark = pytest.mark.unit
+
 CYCLE = [
     ("pause_generation", "retract"),
     ("release_memory_occupation", None),

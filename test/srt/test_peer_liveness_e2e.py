@@ -86,13 +86,6 @@ def control(cluster):
     return [r["output_ids"] for r in results]
 
 
-def _body(text: str, room: int, cluster) -> dict:
-    return leg_body(cluster, room, text)
-
-
-_start_legs = start_legs
-
-
 def _causes(server) -> dict:
     return end_causes(server.metrics())
 
@@ -162,10 +155,10 @@ def test_decode_killed_in_flight_then_restarted(cluster, control):
     texts = [f"in flight {i}: " + "the quick brown fox " * 20 for i in range(N_INFLIGHT)]
     # decode legs first: decode hands prefill its pages; then freeze it, so prefill
     # holds every request (KV computed, transfer started) when decode dies
-    decode_legs = _start_legs(decode.url, [_body(t, r, cluster) for t, r in zip(texts, rooms)])
+    decode_legs = start_legs(decode.url, [leg_body(cluster, r, t) for t, r in zip(texts, rooms)])
     wait_until(lambda: decode.resources()["queues"]["decode_transfer"] == N_INFLIGHT, 60, "decode handshakes")
     decode.freeze()
-    prefill_legs = _start_legs(prefill.url, [_body(t, r, cluster) for t, r in zip(texts, rooms)])
+    prefill_legs = start_legs(prefill.url, [leg_body(cluster, r, t) for t, r in zip(texts, rooms)])
     wait_until(
         lambda: held(prefill.resources())["queue.prefill_inflight"] == N_INFLIGHT, 60,
         "prefill to hold all 16 requests in flight",
@@ -213,7 +206,7 @@ def test_prefill_killed_in_flight_then_restarted(cluster, control):
     # decode legs only: decode preallocates, tells prefill, and waits for the KV
     rooms = random.sample(range(1, 2**62), N_INFLIGHT)
     texts = [f"waiting {i}: hello world" for i in range(N_INFLIGHT)]
-    decode_legs = _start_legs(decode.url, [_body(t, r, cluster) for t, r in zip(texts, rooms)])
+    decode_legs = start_legs(decode.url, [leg_body(cluster, r, t) for t, r in zip(texts, rooms)])
     wait_until(lambda: decode.resources()["queues"]["decode_transfer"] == N_INFLIGHT, 60, "decode handshakes")
     t_kill = time.monotonic()
     prefill.kill()

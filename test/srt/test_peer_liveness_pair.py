@@ -12,7 +12,11 @@ import os
 import signal
 import time
 
-from testing.pd_checks import assert_pair_serves, pair_fixture, stable_peer_tables
+import pytest
+
+from testing.pd_checks import assert_pair_serves, pair_fixture, pair_new_causes, stable_peer_tables
+
+pytestmark = pytest.mark.pair
 
 HEARTBEAT = 2.0
 ENV = {
@@ -55,11 +59,6 @@ def _decode_handshakes(pair, n: int) -> list:
 def _room_entries(side, room) -> list:
     """Per-room state left for `room` (every table, the end-cause tag included)."""
     return side.call("room_entries", room)
-
-
-def _new_causes(side, before: dict) -> dict:
-    """The end-cause counts (role/cause/stage) that moved on `side` since `before`."""
-    return {k: v - before.get(k, 0) for k, v in side.call("end_causes").items() if v != before.get(k, 0)}
 
 
 def _wait_equal(read, expected, timeout: float) -> None:
@@ -122,7 +121,7 @@ def test_decode_killed_prefill_fails_bound_rooms_and_accepts_restart(pair):
     assert after["decode_kv_args_table"] == 0 and after["failed_sessions"] == 0, after
     # each room counted once: a 502 as a peer failure, a 500 as the transport failure
     # it was, in the stage it ended in
-    ended = _new_causes(pair.prefill, causes)
+    ended = pair_new_causes(pair.prefill, causes)
     by_cause = {}
     for key, n in ended.items():
         role, cause, stage = key.split("/")
@@ -139,7 +138,7 @@ def test_decode_killed_prefill_fails_bound_rooms_and_accepts_restart(pair):
     assert pair.prefill.call("snapshot") == idle
     _wait_equal(lambda: stable_peer_tables(pair.prefill.call("peers")), stable_peer_tables(peers), HEARTBEAT + 5)
     assert pair.prefill.call("peer_counts") == {f"loss/prefill/{host}": 1, f"recovery/prefill/{host}": 1}
-    assert _new_causes(pair.prefill, causes) == ended  # the served requests ended nothing
+    assert pair_new_causes(pair.prefill, causes) == ended  # the served requests ended nothing
 
 
 def test_prefill_killed_decode_fails_bound_rooms_and_accepts_restart(pair):
@@ -168,7 +167,7 @@ def test_prefill_killed_decode_fails_bound_rooms_and_accepts_restart(pair):
     after = pair.decode.call("peers")
     assert after["prefill_info_table"] == 0 and after["connection_pool"] == 0, after
     assert pair.decode.call("peer_counts") == {f"loss/decode/{addr}": 1}
-    assert _new_causes(pair.decode, causes) == {"decode/peer_failure/decode_transfer": N}
+    assert pair_new_causes(pair.decode, causes) == {"decode/peer_failure/decode_transfer": N}
 
     pair.restart("prefill")
     _serve_new_requests(pair)
@@ -176,7 +175,7 @@ def test_prefill_killed_decode_fails_bound_rooms_and_accepts_restart(pair):
     # session pool and miss count per prefill)
     _wait_equal(lambda: stable_peer_tables(pair.decode.call("peers")), stable_peer_tables(peers), HEARTBEAT + 5)
     assert pair.decode.call("peer_counts") == {f"loss/decode/{addr}": 1, f"recovery/decode/{addr}": 1}
-    assert _new_causes(pair.decode, causes) == {"decode/peer_failure/decode_transfer": N}
+    assert pair_new_causes(pair.decode, causes) == {"decode/peer_failure/decode_transfer": N}
 
 
 def _wait_blacklist(pair, want: list, timeout: float) -> float:
@@ -235,7 +234,7 @@ def test_decode_lost_while_frozen_is_served_again_once_it_runs(frozen_pair):
             pair.prefill.call("tick")
         held = pair.prefill.call("peers")
         assert (held["decode_kv_args_table"], held["failed_sessions"], held["monitor_held_out"]) == (1, 1, 1), held
-        ended = _new_causes(pair.prefill, p_causes)  # each room once, as a peer failure
+        ended = pair_new_causes(pair.prefill, p_causes)  # each room once, as a peer failure
         assert {k.rsplit("/", 1)[0] for k in ended} == {"prefill/peer_failure"}, ended
         assert all(k.rsplit("/", 1)[1] in STAGES for k in ended) and sum(ended.values()) == N, ended
         # no answer, no recovery: still out a heartbeat later
@@ -268,5 +267,5 @@ def test_decode_lost_while_frozen_is_served_again_once_it_runs(frozen_pair):
         assert _room_entries(pair.decode, room) == [] and _room_entries(pair.prefill, room) == []
     _wait_equal(lambda: stable_peer_tables(pair.prefill.call("peers")), stable_peer_tables(peers), HEARTBEAT + 5)
     assert pair.decode.call("session_id") == session  # the same process and session
-    assert _new_causes(pair.decode, d_causes) == {"decode/peer_failure/decode_transfer": N}
-    assert _new_causes(pair.prefill, p_causes) == ended  # the served requests ended nothing
+    assert pair_new_causes(pair.decode, d_causes) == {"decode/peer_failure/decode_transfer": N}
+    assert pair_new_causes(pair.prefill, p_causes) == ended  # the served requests ended nothing

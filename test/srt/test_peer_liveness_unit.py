@@ -9,6 +9,8 @@ import pytest
 
 from sglang.srt.disaggregation.fork_peers import peer_liveness as pl
 
+pytestmark = pytest.mark.unit
+
 
 def test_probe_tells_alive_from_refused():
     with socket.socket() as listener:
@@ -42,3 +44,37 @@ def test_heartbeat_knobs(monkeypatch, interval, failures, expected):
             pl.heartbeat_settings()
     else:
         assert pl.heartbeat_settings() == expected
+
+
+def test_a_probe_started_while_the_link_was_cut_is_not_joined_after_the_heal():
+    """chunk_failures.bounded_probe: a transfer engine probe started during a silent cut hangs in the transport's
+    connect retries past the heal. A caller that asks for a probe started after `since` (peer_liveness, once the
+    peer answers again) gets a new one, answered at once; a caller without `since` joins the one running."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from sglang.srt.disaggregation.fork_transfer import chunk_failures
+
+    link_back = threading.Event()
+    calls = []
+
+    def send_probe(session_id):  # the transport: the first probe went out while the link was cut
+        calls.append(time.monotonic())
+        if len(calls) == 1:
+            link_back.wait(30)
+            return -1
+        return 0
+
+    mgr = SimpleNamespace(session_lock=threading.Lock(), decode_kv_args_table={})
+    probe = chunk_failures.bounded_probe(mgr, send_probe, timeout=0.5)
+    try:
+        assert probe("decode:1") == -1  # cut: no answer within the bound, the probe keeps hanging
+        assert probe("decode:1") == -1  # joined it: still no answer, no second probe sent
+        assert len(calls) == 1
+        healed = time.monotonic()
+        t0 = time.monotonic()
+        assert probe("decode:1", since=healed) == 0  # a new probe, answered at once
+        assert time.monotonic() - t0 < 0.4 and len(calls) == 2
+    finally:
+        link_back.set()

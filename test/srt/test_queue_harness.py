@@ -7,6 +7,8 @@ import pytest
 
 from testing.queue_harness import KVPoll, Notice
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture
 def prefill(prefill_h):

@@ -6,7 +6,11 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
+
 from testing.gloo_ranks import run_ranks
+
+pytestmark = pytest.mark.pair
 
 WORLD = 2
 # (rank 0's flags, rank 1's flags) -> what both must decide

@@ -13,6 +13,10 @@ import json
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.unit
+
 CODE = r'''
 import json, socket, struct, threading, time
 

@@ -26,7 +26,7 @@ from functools import partial
 
 import pytest
 
-from conftest import TINY_MODEL_DIR, assert_idle, held
+from conftest import TINY_MODEL_DIR
 from testing import pd_checks
 from testing.pd_cluster import (
     Gateway,
@@ -38,7 +38,7 @@ from testing.pd_cluster import (
     prompts,
     wait_until,
 )
-from testing.pd_checks import Leg, cluster_end_causes, delta, leg_body
+from testing.pd_checks import Leg, assert_idle, cluster_end_causes, delta, held, leg_body, weight_versions
 from testing.tiny_model import ensure_tiny_model
 
 pytestmark = pytest.mark.e2e
@@ -113,18 +113,6 @@ def flush_polled(url, attempts=60, interval=0.5):
 
 def flush_until_ok(cluster, role, attempts=60):
     flush_polled(cluster[role].url, attempts)
-
-
-def weight_versions(cluster):
-    out = {}
-    for role in PD_ROLES:
-        status, body = http_get(f"{cluster[role].url}/model_info")
-        assert status == 200, (role, body)
-        out[role] = json.loads(body)["weight_version"]
-        # where RL engine clients written for earlier sglang releases read it
-        status, body = http_get(f"{cluster[role].url}/get_weight_version")
-        assert status == 200 and json.loads(body) == {"weight_version": out[role]}, (role, status, body)
-    return out
 
 
 def update(cluster, checkpoints, name, version, log):
@@ -215,10 +203,20 @@ def _loaded(cluster, reference):
 
 
 def test_release_without_pause_on_a_busy_engine_is_409_and_changes_nothing(cluster, reference):
+    """release_memory_occupation with no pause while decode serves is 409 and changes
+    nothing. The race with the requests finishing first is always won: one PD request is
+    held on decode (its decode leg sent alone, waiting for its prefill leg, which the test
+    sends only after the release call), besides the running ones."""
     baseline = assert_idle(cluster, PD_ROLES)
     loaded = _loaded(cluster, reference)
     texts = list(reference[loaded])
     results = {}
+    room = random.getrandbits(62)
+    held_body = leg_body(cluster, room, "held for the release: hello world", MAX_NEW_TOKENS,
+                         rid=f"held-{room}", ignore_eos=True)
+    held_legs = [Leg(cluster["decode"].url, held_body, timeout=REQUEST_DEADLINE_S)]
+    held_legs[0].start()
+    wait_until(lambda: pd_checks.waiting_for_peer(cluster["decode"]) == 1, 30, "decode holding the held leg")
 
     def run():  # each runs to its 900th token (seconds), far past the release's 1 s settle
         results["out"] = generate_concurrently(cluster.url, texts, max_new_tokens=BUSY_NEW_TOKENS,
@@ -228,8 +226,13 @@ def test_release_without_pause_on_a_busy_engine_is_409_and_changes_nothing(clust
     t.start()
     wait_until(lambda: held(cluster.resources("decode"))["queue.running"] > 0, 30, "requests running on decode")
     status, reply, took = call(cluster, "decode", "release_memory_occupation", {})
+    held_legs.append(Leg(cluster["prefill"].url, dict(held_body), timeout=REQUEST_DEADLINE_S))
+    held_legs[1].start()  # let the held request go
     t.join(REQUEST_DEADLINE_S)
     assert not t.is_alive()
+    for leg in held_legs:
+        leg.join(REQUEST_DEADLINE_S)
+        assert leg.done(), leg.body
     if status == 200:
         assert call(cluster, "decode", "resume_memory_occupation", {})[0] == 200
     assert status == 409, (status, reply, took)
@@ -237,6 +240,8 @@ def test_release_without_pause_on_a_busy_engine_is_409_and_changes_nothing(clust
     assert pause_state(cluster, "decode")["paused"] is False
     for r in results["out"]:  # nothing changed: every request completes
         assert r["status"] == 200 and r["meta"]["finish_reason"]["type"] == "length", r
+    for leg in held_legs:  # the held one too, on both servers
+        assert leg.status == 200 and leg.response["meta_info"]["finish_reason"]["type"] == "length", leg.out
     assert_idle(cluster, PD_ROLES, baseline=baseline)
     rollout(cluster, reference, loaded)
 

@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import threading
 
+import pytest
+
 from sglang.srt.disaggregation.fork_ending.room_agreement import Known, agreed
 from testing.gloo_ranks import run_ranks
+
+pytestmark = pytest.mark.pair
 
 WORLD = 2
 KV_FAILED = "Failed to send kv chunk of bootstrap_room 11 to 127.0.0.1:7000"

@@ -21,18 +21,20 @@ import time
 
 import pytest
 
-from conftest import assert_idle, resume_frozen, shared_env
+from conftest import resume_frozen, shared_env
 from testing.pd_checks import (
+    assert_idle,
     at_gate,
+    bootstrap_queue,
     cluster_end_causes,
     delta,
     is_completion_or_abort_answer,
+    leg_body,
     post,
     skewed_abort_pause_cycles,
     wait_end_causes,
 )
 from testing.pd_cluster import (
-    HOST,
     generate,
     http_get,
     http_post_json,
@@ -69,17 +71,6 @@ def cluster(shared_liveness):
         yield c
     finally:
         resume_frozen(c)
-
-
-def _body(text: str, room: int, cluster, rid: str) -> dict:
-    return {
-        "rid": rid,
-        "text": text,
-        "sampling_params": {"temperature": 0.0, "max_new_tokens": 8},
-        "bootstrap_host": HOST,
-        "bootstrap_port": cluster.bootstrap_port,
-        "bootstrap_room": room,
-    }
 
 
 class Leg(threading.Thread):
@@ -140,7 +131,7 @@ def test_prefill_killed_while_decode_awaits_drain_acks(cluster):
     n = 8
     rooms = random.sample(range(1, 2**62), n)
     rids = [f"hole2-{i}-{room}" for i, room in enumerate(rooms)]
-    legs = [Leg(decode.url, _body(f"held {i}: hello world", r, cluster, rid)) for i, (r, rid) in enumerate(zip(rooms, rids))]
+    legs = [Leg(decode.url, leg_body(cluster, r, f"held {i}: hello world", rid=rid)) for i, (r, rid) in enumerate(zip(rooms, rids))]
     for leg in legs:
         leg.start()
     wait_until(lambda: decode.resources()["queues"]["decode_transfer"] == n, 60, "decode handshakes")
@@ -189,14 +180,10 @@ def _call(server, endpoint: str, body=None):
     return reply
 
 
-def _bootstrap_queue(server) -> int:
-    return server.resources()["queues"]["prefill_bootstrap"]
-
-
 def _prefill_copy_ends_at_once(prefill, leg, t0) -> None:
     """Prefill's copy, waiting for decode's handshake, was let go within about a second
     of `t0` (it waited for its bootstrap timeout), answered as an abort."""
-    wait_until(lambda: _bootstrap_queue(prefill) == 0, 5, "prefill's bootstrap queue to empty",
+    wait_until(lambda: bootstrap_queue(prefill) == 0, 5, "prefill's bootstrap queue to empty",
                interval=0.05, on_timeout=lambda: str(prefill.resources()["queues"]))
     emptied = time.monotonic() - t0
     leg.join(10)
@@ -248,11 +235,11 @@ def test_abort_at_decodes_gate_reaches_prefill_at_once(cluster):
         clients = [Client(cluster.url, f"hole1-{i}-{random.getrandbits(40)}", f"gate {i}: hello") for i in range(n)]
         for c in clients:
             c.start()
-        wait_until(lambda: _bootstrap_queue(prefill) == n, 30, "prefill's copies waiting for decode's handshake")
+        wait_until(lambda: bootstrap_queue(prefill) == n, 30, "prefill's copies waiting for decode's handshake")
         t_abort = time.monotonic()
         for c in clients:
             assert http_post_json(decode.url + "/abort_request", {"rid": c.rid}, timeout=10)[0] == 200
-        wait_until(lambda: _bootstrap_queue(prefill) == 0, 5, "prefill's bootstrap queue to empty",
+        wait_until(lambda: bootstrap_queue(prefill) == 0, 5, "prefill's bootstrap queue to empty",
                    interval=0.05, on_timeout=lambda: str(prefill.resources()["queues"]))
         emptied = time.monotonic() - t_abort
         for c in clients:
@@ -282,11 +269,11 @@ def test_request_decodes_scheduler_rejects_reaches_prefill_at_once(cluster):
     baseline, aborts, failed = _warm_baseline_counts(cluster)
     room = random.getrandbits(62)
     rid = f"rejected-{room}"
-    leg = Leg(prefill.url, _body("rejected by decode: hello", room, cluster, rid))
+    leg = Leg(prefill.url, leg_body(cluster, room, "rejected by decode: hello", rid=rid))
     leg.start()
-    wait_until(lambda: _bootstrap_queue(prefill) == 1, 30, "prefill's copy waiting for decode's handshake")
+    wait_until(lambda: bootstrap_queue(prefill) == 1, 30, "prefill's copy waiting for decode's handshake")
     t0 = time.monotonic()
-    status, reply = http_post_json(decode.url + "/generate", dict(_body("rejected by decode: hello", room, cluster, rid),
+    status, reply = http_post_json(decode.url + "/generate", dict(leg_body(cluster, room, "rejected by decode: hello", rid=rid),
                                                                    priority=1), timeout=30)
     assert status == 503 and "priority" in str(reply), (status, reply)
     _prefill_copy_ends_at_once(prefill, leg, t0)
@@ -314,7 +301,7 @@ def _legs_held_by_prefills_gate(cluster, tag: str, text: str):
     prefill, decode = cluster["prefill"], cluster["decode"]
     room = random.getrandbits(62)
     rid = f"{tag}-{room}"
-    body = _body(f"{text}: hello", room, cluster, rid)
+    body = leg_body(cluster, room, f"{text}: hello", rid=rid)
     d_leg, p_leg = Leg(decode.url, body), Leg(prefill.url, body)
     d_leg.start()
     p_leg.start()
@@ -348,7 +335,7 @@ def test_request_prefills_scheduler_rejects_reaches_decode_at_once(cluster):
     before = cluster_end_causes(cluster)
     room = random.getrandbits(62)
     rid = f"rejected-on-prefill-{room}"
-    body = _body("rejected by prefill: hello", room, cluster, rid)
+    body = leg_body(cluster, room, "rejected by prefill: hello", rid=rid)
     leg = Leg(decode.url, body)
     leg.start()
     wait_until(lambda: _decode_transfer(decode) == 1, 30, "decode's copy waiting for prefill's KV")
@@ -381,10 +368,10 @@ def test_request_decodes_tokenizer_rejects_reaches_prefill_at_once(cluster):
     baseline, aborts, failed = _warm_baseline_counts(cluster)
     room = random.getrandbits(62)
     rid = f"tokenizer-rejected-{room}"
-    body = _body("rejected by decode's tokenizer: hello", room, cluster, rid)
+    body = leg_body(cluster, room, "rejected by decode's tokenizer: hello", rid=rid)
     leg = Leg(prefill.url, body)
     leg.start()
-    wait_until(lambda: _bootstrap_queue(prefill) == 1, 30, "prefill's copy waiting for decode's handshake")
+    wait_until(lambda: bootstrap_queue(prefill) == 1, 30, "prefill's copy waiting for decode's handshake")
     t0 = time.monotonic()
     status, reply = http_post_json(cluster["decode"].url + "/generate", _too_long(body), timeout=30)
     assert status == 400 and "context length" in str(reply), (status, reply)
@@ -406,7 +393,7 @@ def test_request_prefills_tokenizer_rejects_reaches_decode_at_once(cluster):
     before = cluster_end_causes(cluster)
     room = random.getrandbits(62)
     rid = f"tokenizer-rejected-on-prefill-{room}"
-    body = _body("rejected by prefill's tokenizer: hello", room, cluster, rid)
+    body = leg_body(cluster, room, "rejected by prefill's tokenizer: hello", rid=rid)
     leg = Leg(decode.url, body)
     leg.start()
     wait_until(lambda: _decode_transfer(decode) == 1, 30, "decode's copy waiting for prefill's KV")

@@ -16,9 +16,9 @@ import threading
 
 import pytest
 
-from conftest import FP32, assert_idle
+from conftest import FP32
 from testing import pd_checks
-from testing.pd_checks import ClosedLoop
+from testing.pd_checks import ClosedLoop, assert_idle
 from testing.pd_cluster import (PDCluster, SingleServer, generate, generate_concurrently, http_get, http_post_json,
                                 prompts, wait_until)
 

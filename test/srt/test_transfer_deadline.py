@@ -11,6 +11,8 @@ from sglang.srt.disaggregation.fork_transfer import transfer_deadline as td
 from sglang.srt.disaggregation.fork_ending.room_ledger import engine_clock
 from testing.queue_harness import DecodeHarness, KVPoll, Notice, PrefillHarness
 
+pytestmark = pytest.mark.unit
+
 DEADLINE = 5.0
 
 

@@ -9,8 +9,12 @@ processes, queue harness on each side; deadline 3 s):
 
 import time
 
+import pytest
+
 from testing.pd_checks import pair_fixture
 from testing.pd_checks import pair_is_idle as _idle
+
+pytestmark = pytest.mark.pair
 
 DEADLINE = 3.0
 # decode's deferred release of a room whose drain ack is poisoned (upstream's default

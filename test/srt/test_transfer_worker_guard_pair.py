@@ -6,7 +6,11 @@ forever, the worker thread dead); nothing is left held on either side; the resta
 worker serves the requests after it, byte-identical.
 """
 
+import pytest
+
 from testing.pd_checks import assert_pair_serves, assert_pair_idle, pair_fixture, wait_pair_idle
+
+pytestmark = pytest.mark.pair
 
 RELEASE_TIMEOUT_S = 3.0  # decode's deferred release of a room whose drain ack is poisoned
 ERROR = "injected transfer engine error"

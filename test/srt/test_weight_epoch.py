@@ -9,6 +9,7 @@ import inspect
 from array import array
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from sglang.srt.managers.fork_cache import weight_epoch
@@ -16,6 +17,8 @@ from sglang.srt.managers.schedule_batch import ReqKvInfo
 from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
 from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
+
+pytestmark = pytest.mark.unit
 
 SIZE = 64
 PREFIX = list(range(100, 110))

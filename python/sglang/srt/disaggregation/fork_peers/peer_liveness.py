@@ -88,6 +88,9 @@ class PeerMonitor:
         self.held_out: set = set()  # prefill: sessions blacklisted at the last tick
         self.held: Dict[str, str] = {}  # prefill: session -> host:port lost while it may be alive
         self._probing: set = set()  # held sessions with a probe running
+        # held session -> when it last did not answer (held out, or silent at a tick): a transfer engine probe
+        # started before then may still hang in the transport's connect retries, so none is joined
+        self.unanswered_at: Dict[str, float] = {}
         self.thread = threading.Thread(target=self._run, name=f"ForkPeerMonitor-{role}", daemon=True)
 
     def _run(self) -> None:
@@ -142,7 +145,7 @@ class PeerMonitor:
                 _drop_socket(mgr, endpoint)
         with self.lock:
             for session in [s for s in self.known if s not in sessions]:  # dropped by someone else
-                for table in (self.known, self.misses, self.held):
+                for table in (self.known, self.misses, self.held, self.unanswered_at):
                     table.pop(session, None)
         # still blacklisted a tick later, or silent: lost, but it may be alive (held out)
         held_out = set()
@@ -205,6 +208,7 @@ class PeerMonitor:
                 return
             if keep:
                 self.held[session] = f"{host}:{port}"
+                self.unanswered_at[session] = time.monotonic()
         self.misses.pop(session, None)
         peer = f"{host}:{port}"
         reason = loss_message("decode", peer, f"{why}; mooncake session {session}")
@@ -252,19 +256,30 @@ class PeerMonitor:
         if verdict == REFUSED:
             self._drop_held(session, "refuses connections")
             return
-        if verdict == SILENT:
-            return
         with self.lock:
+            if verdict == SILENT:
+                self.unanswered_at[session] = time.monotonic()
+                return
             if session in self._probing:
                 return
             self._probing.add(session)
-        threading.Thread(target=self._probe_held, args=(session,), name="ForkPeerProbe", daemon=True).start()
+            since = self.unanswered_at.get(session, float("-inf"))
+        threading.Thread(target=self._probe_held, args=(session, since), name="ForkPeerProbe", daemon=True).start()
 
-    def _probe_held(self, session: str) -> None:
+    def _probe_held(self, session: str, since: float) -> None:
         mgr = self.mgr
-        rc = mgr._send_probe(session)  # chunk_failures.bounded_probe (upstream's too) answers -1, never raises
+        # chunk_failures.bounded_probe: answers -1, never raises; a probe started before `since` is not joined
+        rc = mgr._send_probe(session, since=since)
         with self.lock:
             self._probing.discard(session)
+        if rc == 0:
+            # a push sent while it was silent left its connection retransmitting with a backed-off timer: a status
+            # message sent on it after the heal waits behind that (seen: 10 s). Closed before the session is let
+            # back in, so the first transfer's status after the heal goes on a new socket, which connects at once
+            with self.lock:
+                peer = self.held.get(session)
+            if peer is not None:
+                _drop_socket(mgr, f"tcp://{peer}")
         with mgr.session_lock:
             with self.lock:
                 held = session in self.held
@@ -276,11 +291,9 @@ class PeerMonitor:
             mgr._unblacklist_session(session)
         with self.lock:  # it answers again: served again
             peer = self.held.pop(session, None)
+            self.unanswered_at.pop(session, None)
             if peer is None:
                 return
-        # a push sent while it was silent left its connection retransmitting with a backed-off timer: the
-        # next status message would wait behind it; a new socket connects at once
-        _drop_socket(mgr, f"tcp://{peer}")
         with self.lock:
             host = peer.rpartition(":")[0]
             counted = self._unlost(host, peer) is not None  # else a new decode there counted it
@@ -292,6 +305,7 @@ class PeerMonitor:
         """A decode held out as lost is gone (its loss was counted already)."""
         with self.lock:
             peer = self.held.pop(session, None)
+            self.unanswered_at.pop(session, None)
             host, port = self.known.get(session, (None, None))
         if peer is None or host is None:
             return

@@ -175,11 +175,14 @@ def probe_session(mgr: Any, send_probe: Any, session_id: str) -> int:
 PROBE_TIMEOUT_ENV = knobs.SESSION_PROBE_TIMEOUT.name
 
 
-def bounded_probe(mgr: Any, send_probe: Any, timeout: float) -> Callable[[str], int]:
-    """The manager's `_send_probe`: `probe_session` on its own thread (one per session), awaited at most `timeout` s."""
-    lock, running = threading.Lock(), {}
+def bounded_probe(mgr: Any, send_probe: Any, timeout: float) -> Callable[..., int]:
+    """The manager's `_send_probe`: `probe_session` on its own thread (one per session), awaited at most `timeout` s.
+    A caller joins the probe already running for the session, unless that one started before `since` (a probe
+    started while the link was cut stays in the transport's connect retries after the heal: peer_liveness asks
+    for one started once the peer answered again)."""
+    lock, running = threading.Lock(), {}  # session -> (started, future)
 
-    def run(session_id: str, future: concurrent.futures.Future) -> None:
+    def run(session_id: str, entry: tuple) -> None:
         rc = -1
         try:
             rc = probe_session(mgr, send_probe, session_id)
@@ -187,17 +190,18 @@ def bounded_probe(mgr: Any, send_probe: Any, timeout: float) -> Callable[[str], 
             logger.exception("Session %s: the probe raised; counted as no answer", session_id)
         finally:
             with lock:
-                running.pop(session_id, None)
-            future.set_result(rc)
+                if running.get(session_id) is entry:
+                    del running[session_id]
+            entry[1].set_result(rc)
 
-    def probe(session_id: str) -> int:
+    def probe(session_id: str, since: float = float("-inf")) -> int:
         with lock:
-            future = running.get(session_id)
-            if future is None:
-                future = running[session_id] = concurrent.futures.Future()
-                threading.Thread(target=run, args=(session_id, future), name="ForkSessionProbeIO", daemon=True).start()
+            entry = running.get(session_id)
+            if entry is None or entry[0] < since:
+                entry = running[session_id] = (time.monotonic(), concurrent.futures.Future())
+                threading.Thread(target=run, args=(session_id, entry), name="ForkSessionProbeIO", daemon=True).start()
         try:
-            return future.result(timeout=timeout)
+            return entry[1].result(timeout=timeout)
         except concurrent.futures.TimeoutError:
             logger.warning("Session %s: no answer to a probe within %gs (%s)", session_id, timeout, PROBE_TIMEOUT_ENV)
             return -1
