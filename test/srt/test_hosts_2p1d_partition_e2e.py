@@ -34,7 +34,10 @@ ENV = {
 CONNECT_TIMEOUT = 1.0  # peer_liveness.CONNECT_TIMEOUT: what a silent heartbeat costs
 MARGIN = 3.0  # a busy 2-core machine
 DETECT_BOUND = MAX_FAILURE * HEARTBEAT + CONNECT_TIMEOUT + MARGIN  # the MAX_FAILURE-th silent heartbeat
-RECOVER_BOUND = HEARTBEAT + MARGIN  # the next heartbeat re-admits the peer
+PROBE_READ_RETRY = 1.2  # chunk_failures.probe_session: a read refused once is retried after mooncake's 1 s cooldown
+# recovery: the first tick after the heal sees the link answer (within an interval, after at most one silent connect),
+# and the transfer-engine probe it starts then lets the peer back in (as in test_hosts_partition_e2e.py)
+RECOVER_BOUND = HEARTBEAT + CONNECT_TIMEOUT + PROBE_READ_RETRY + MARGIN
 ANSWER_BOUND = 2 * DEADLINE + MARGIN  # a request waits in at most two stages, one deadline each
 CLIENTS = 4
 LOSSES = "sglang:num_pd_peer_losses_total"
