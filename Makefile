@@ -5,7 +5,7 @@ VPY    := $(VENV)/bin/python
 # Inputs of the fork wheel: rebuilt and reinstalled when any of them changes.
 SOURCES := $(shell git ls-files -co --exclude-standard pyproject.toml upstream.lock patches python build_backend 2>/dev/null)
 
-.PHONY: venv demo test test-tp test-long bench bench-hooks bench-deadline bench-rl bench-transfer wheel system-deps clean
+.PHONY: venv demo test test-tp bench bench-hooks bench-deadline bench-rl bench-transfer wheel system-deps clean
 
 venv: $(VENV)/.fork-installed
 
@@ -19,10 +19,6 @@ test: venv
 # decode TP 1); `make test` runs the pick of them not marked tp_matrix. README: how long.
 test-tp: venv
 	$(VPY) -m pytest -ra --durations=50 --timeout=1800 -m tp test/srt
-
-# The e2e cases that each start a large deployment of their own (2P1D on test hosts ...), over ~90 s each.
-test-long: venv
-	$(VPY) -m pytest -ra --durations=10 --timeout=1200 -m long test/srt
 
 # Release gate: the fork vs stock upstream on CPU, judged on CPU time, then the cost of
 # each hook in process (~8 min on the shared box; not part of `make test`).
