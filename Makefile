@@ -5,7 +5,7 @@ VPY    := $(VENV)/bin/python
 # Inputs of the fork wheel: rebuilt and reinstalled when any of them changes.
 SOURCES := $(shell git ls-files -co --exclude-standard pyproject.toml upstream.lock patches python build_backend 2>/dev/null)
 
-.PHONY: venv demo test test-tp bench bench-hooks bench-deadline bench-rl wheel system-deps clean
+.PHONY: venv demo test test-tp bench bench-hooks bench-deadline bench-rl bench-transfer wheel system-deps clean
 
 venv: $(VENV)/.fork-installed
 
@@ -33,6 +33,10 @@ bench-deadline: venv
 # RL step calls (pause/release/resume/update/continue) timed, fork vs upstream (~10 min).
 bench-rl: venv
 	$(VPY) -m bench.rl_step $(ARGS)
+# KV moved prefill -> decode over mooncake TCP between test hosts, fork vs upstream, against raw TCP
+# (~3 min; root). ARGS: --rate MBIT, --paced, --repeats N, --write-readme (bench/README.md).
+bench-transfer: venv
+	$(VPY) -m bench.transfer $(ARGS)
 
 wheel:
 	$(PYTHON) -m pip wheel --no-deps --wheel-dir dist .

@@ -90,7 +90,7 @@ PD_ROLES = ("prefill", "decode")
 
 
 class PDCluster(Deployment):
-    """1 prefill + 1 decode (mooncake over TCP on loopback) + a load balancer (role 'lb').
+    """1 prefill (or more: `prefills`) + 1 decode (mooncake over TCP on loopback) + a load balancer (role 'lb').
 
     balancer="mini" (default): sglang-router's Python mini LB, given both engines on its
     command line. balancer="router": the production Rust gateway (`Gateway`, its
@@ -113,10 +113,15 @@ class PDCluster(Deployment):
         tp: int = 1,
         decode_tp: Optional[int] = None,
         hosts: Optional[Mapping[str, Any]] = None,
+        prefills: int = 1,
     ):
-        """`hosts`: role (prefill, decode, lb) -> testing.hosts.Host to run it on (default: this host)."""
+        """`hosts`: role (prefill, decode, lb) -> testing.hosts.Host to run it on (default: this host).
+        `prefills`: more than one prefill server (roles prefill, prefill2, ...; each its own bootstrap port, the same
+        env and args), behind the mini LB (which picks one at random per request)."""
         if balancer not in BALANCERS:
             raise ValueError(f"balancer must be one of {BALANCERS}, not {balancer!r}")
+        if prefills > 1 and balancer != "mini":
+            raise ValueError("more than one prefill: only behind the mini LB")
         super().__init__(log_dir)
         self.tp = {"prefill": tp, "decode": tp if decode_tp is None else decode_tp}
         prefill_args, prefill_env = (*tp_args(self.tp["prefill"]), *prefill_args), tp_env(self.tp["prefill"], prefill_env)
@@ -143,13 +148,25 @@ class PDCluster(Deployment):
             _role_env(decode_env),
             d_port,
         )
+        self.prefill_roles = ["prefill"]
+        self.bootstrap_ports = {"prefill": bootstrap}
+        for i in range(2, prefills + 1):
+            role = f"prefill{i}"
+            port, nccl, boot = free_ports(3)
+            self._add(role, _launch_server_argv(model, port, nccl, [
+                "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(boot),
+                *pd, *prefill_args,
+            ]), _role_env(prefill_env), port)
+            self.prefill_roles.append(role)
+            self.bootstrap_ports[role] = boot
         hosts = hosts or {}
-        for role in ("prefill", "decode"):
+        for role in self.servers:
             if role in hosts:
                 self.servers[role].place(hosts[role])
         self.gateway: Optional[Gateway] = None
         if balancer == "mini":
-            self._add("lb", _mini_lb_argv(prefill.url, bootstrap, decode.url, lb_port, lb_args),
+            self._add("lb", _mini_lb_argv([(self.servers[r].url, self.bootstrap_ports[r]) for r in self.prefill_roles],
+                                          decode.url, lb_port, lb_args),
                       _role_env(lb_env), lb_port)
         else:
             self.gateway = Gateway(prefill, decode, bootstrap, role="lb", env=lb_env, args=lb_args,
@@ -178,12 +195,13 @@ class PDCluster(Deployment):
         return self
 
 
-def _mini_lb_argv(prefill_url: str, bootstrap_port: int, decode_url: str, port: int,
+def _mini_lb_argv(prefills: Sequence[Tuple[str, int]], decode_url: str, port: int,
                   args: Sequence[str] = ()) -> List[str]:
+    """`prefills`: (url, bootstrap port) of each prefill server."""
     return [
         fork_python(), "-m", "sglang_router.launch_router", "--pd-disaggregation", "--mini-lb",
         "--host", HOST,
-        "--prefill", prefill_url, str(bootstrap_port),
+        *(a for url, boot in prefills for a in ("--prefill", url, str(boot))),
         "--decode", decode_url,
         "--port", str(port),
         *args,
@@ -332,7 +350,7 @@ class MiniLB(Deployment):
                  *, log_dir: Optional[str] = None):
         super().__init__(log_dir)
         (port,) = free_ports(1)
-        self._add("mini_lb", _mini_lb_argv(prefill_url, bootstrap_port, decode_url, port), _role_env(None), port)
+        self._add("mini_lb", _mini_lb_argv([(prefill_url, bootstrap_port)], decode_url, port), _role_env(None), port)
 
     @property
     def url(self) -> str:

@@ -1,7 +1,7 @@
 """What the fork's tests assert, written once: nothing held (a server's resource report
 back to its baseline), a client abort's answer, a leg of a PD request sent by the test
 itself, a control call on one or both servers, closed-loop clients, the end-cause
-counter by role/cause/stage, and a mooncake pair back to idle.
+counter by role/cause/stage, the answers of a partition test, and a mooncake pair back to idle.
 
 The one home of these helpers: test/srt imports them from here (never through conftest).
 """
@@ -278,6 +278,22 @@ class ClosedLoop:
 
     def summary(self) -> Counter:
         return Counter((r["status"], r["finish"] or str(r["error"])[:90]) for r in self.results)
+
+
+def judge_partition_answers(results, peers: Mapping[str, str], answer_bound: float) -> None:
+    """Every answer of a partition test (ClosedLoop results, ignore_eos; or generate's with "finish" set): a
+    completion run to max_new_tokens, a 502 "PD peer lost" naming one of `peers` (role -> address), or a 504 (its
+    deadline came first); none later than `answer_bound` seconds. Called by the test-hosts partition tests."""
+    for r in results:
+        assert r["latency"] <= answer_bound, (r["latency"], r["status"], str(r["error"])[:300])
+        if r["status"] == 200:
+            assert r["finish"] == "length", r
+            continue
+        detail = json.dumps(r["error"])
+        if r["status"] == 502:
+            assert "PD peer lost" in detail and any(p in detail for p in peers.values()), detail
+        else:
+            assert r["status"] == 504, (r["status"], detail)
 
 
 # ----------------------------------------------------------------------------- counters

@@ -505,14 +505,14 @@ def gateway_deployment(deployments, shared_single, request):
 
 
 @pytest.fixture(scope="module")
-def pd_hosts():
-    """testing.hosts.TestHosts with prefill, decode and the balancer ("lb") each on a host of its own; the module
-    skips where network namespaces cannot be made (not root). Ask for it before `deployments`, so that the
-    servers are torn down before their hosts."""
+def pd_hosts(request):
+    """testing.hosts.TestHosts with prefill, decode and the balancer ("lb") each on a host of its own (the module's
+    HOST_ROLES, if it names others); the module skips where network namespaces cannot be made (not root). Ask for
+    it before `deployments`, so that the servers are torn down before their hosts."""
     from testing import hosts
 
     why = hosts.unavailable()
     if why:
         pytest.skip(why)
-    with hosts.TestHosts(("prefill", "decode", "lb")) as made:
+    with hosts.TestHosts(getattr(request.module, "HOST_ROLES", ("prefill", "decode", "lb"))) as made:
         yield made

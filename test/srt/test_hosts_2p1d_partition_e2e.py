@@ -1,0 +1,128 @@
+"""2P1D on separate hosts (testing/hosts.py): two prefill servers, one decode and the mini load balancer each in a
+network namespace of its own on one switch. Under closed-loop load the switch stops forwarding between the second
+prefill and decode (silent: nothing refused, nothing reset), while the balancer, the first prefill and this test
+still reach every host. The balancer keeps picking either prefill at random, so about half the requests are bound
+to the silent pair. Asserted: prefill2 and decode each declare the other lost within two heartbeats, and nobody
+else is declared lost; every request bound to the silent pair ends (502 naming the lost peer, or 504 at its
+deadline), none waits past its deadline, and the first prefill carries the rest (completions all through the cut,
+no end charged to it); every server gives everything back; once the link heals both count the recovery within a
+heartbeat and prefill2 serves again, with no restart and no manual step. docs/peer-liveness.md ("Silent peers").
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+import pytest
+
+from testing.pd_checks import ClosedLoop, assert_idle, delta, end_causes, judge_partition_answers
+from testing.pd_cluster import metric_sum, wait_until
+
+pytestmark = pytest.mark.e2e  # its own 4 servers: 63 s on the 2-core box (104 s under other sessions' load)
+
+HOST_ROLES = ("prefill", "prefill2", "decode", "lb")  # the pd_hosts fixture makes these hosts
+ROLES = ("prefill", "prefill2", "decode")
+HEARTBEAT = 2.0  # upstream's floor
+MAX_FAILURE = 2
+DEADLINE = 15.0
+ENV = {
+    "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": str(HEARTBEAT),
+    "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": str(MAX_FAILURE),
+    "SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT": str(DEADLINE),
+}
+CONNECT_TIMEOUT = 1.0  # peer_liveness.CONNECT_TIMEOUT: what a silent heartbeat costs
+MARGIN = 3.0  # a busy 2-core machine
+DETECT_BOUND = MAX_FAILURE * HEARTBEAT + CONNECT_TIMEOUT + MARGIN  # the MAX_FAILURE-th silent heartbeat
+PROBE_READ_RETRY = 1.2  # chunk_failures.probe_session: a read refused once is retried after mooncake's 1 s cooldown
+# recovery: the first tick after the heal sees the link answer (within an interval, after at most one silent connect),
+# and the transfer-engine probe it starts then lets the peer back in (as in test_hosts_partition_e2e.py)
+RECOVER_BOUND = HEARTBEAT + CONNECT_TIMEOUT + PROBE_READ_RETRY + MARGIN
+ANSWER_BOUND = 2 * DEADLINE + MARGIN  # a request waits in at most two stages, one deadline each
+CLIENTS = 4
+LOSSES = "sglang:num_pd_peer_losses_total"
+RECOVERIES = "sglang:num_pd_peer_recoveries_total"
+PROMPT_TOKENS = "sglang:prompt_tokens_total"
+
+
+@pytest.fixture(scope="module")
+def cluster(pd_hosts, deployments):
+    """2P1D + mini LB, each on its own host (torn down before the hosts)."""
+    c = deployments.pd(hosts=pd_hosts.hosts, prefills=2, prefill_env=ENV, decode_env=ENV)
+    yield c
+    pd_hosts.heal()
+
+
+def _counts(cluster, name: str) -> dict:
+    return {role: metric_sum(cluster[role].metrics(), name) for role in ROLES}
+
+
+def _causes(cluster) -> dict:
+    """End causes per server (both prefills label their ends role="prefill")."""
+    return {(server,) + key: n for server in ROLES for key, n in end_causes(cluster[server].metrics()).items()}
+
+
+def test_silent_partition_of_one_prefill_the_other_carries_the_load(cluster, pd_hosts):
+    baseline = assert_idle(cluster, ROLES)
+    losses, recoveries = _counts(cluster, LOSSES), _counts(cluster, RECOVERIES)
+    causes = _causes(cluster)
+    peers = {role: cluster[role].address for role in ("prefill2", "decode")}
+    loop = ClosedLoop(cluster.url, CLIENTS, max_new_tokens=16, timeout=DEADLINE + 30, ignore_eos=True).start()
+    try:
+        wait_until(lambda: loop.completed() >= 2 * CLIENTS, 90, "closed-loop completions before the cut")
+        t_cut = time.monotonic()
+        pd_hosts.cut("prefill2", "decode")
+        detected = {}
+
+        def both_lost():
+            for role in ("prefill2", "decode"):
+                if role not in detected and metric_sum(cluster[role].metrics(), LOSSES) > losses[role]:
+                    detected[role] = time.monotonic() - t_cut
+            return len(detected) == 2
+
+        wait_until(both_lost, DETECT_BOUND + 5, "prefill2 and decode to declare each other lost", interval=0.1)
+        # the cut lasts until requests bound to the silent pair have ended and the other prefill has served more
+        wait_until(lambda: sum(r["status"] != 200 for r in loop.results if r["t"] >= t_cut) >= CLIENTS
+                   and sum(r["status"] == 200 for r in loop.results if r["t"] - r["latency"] >= t_cut) >= 2 * CLIENTS,
+                   ANSWER_BOUND + 30, "requests bound to the silent pair to end, the others served")
+        during = [r for r in loop.results if r["t"] >= t_cut]
+        t_heal = time.monotonic()
+        pd_hosts.heal()
+        recovered = {}
+
+        def both_recovered():
+            for role in ("prefill2", "decode"):
+                if role not in recovered and metric_sum(cluster[role].metrics(), RECOVERIES) > recoveries[role]:
+                    recovered[role] = time.monotonic() - t_heal
+            return len(recovered) == 2
+
+        wait_until(both_recovered, RECOVER_BOUND + 10, "prefill2 and decode to count the recovery", interval=0.1)
+        t_back = time.monotonic()
+        served_by_prefill2 = metric_sum(cluster["prefill2"].metrics(), PROMPT_TOKENS)
+        # requests sent from now on: each one served, prefill2's share among them
+        wait_until(lambda: metric_sum(cluster["prefill2"].metrics(), PROMPT_TOKENS) > served_by_prefill2
+                   and sum(r["status"] == 200 for r in loop.results if r["t"] - r["latency"] >= t_back) >= 2 * CLIENTS,
+                   60, "prefill2 serving again after the heal")
+    finally:
+        loop.stop()
+        pd_hosts.heal()
+    print(f"\n2P1D silent partition of prefill2: declared lost after {detected} s; recovery counted {recovered} s "
+          f"after the heal; statuses during the cut {dict(Counter(r['status'] for r in during))}; "
+          f"all {dict(loop.summary())}")
+    judge_partition_answers(loop.results, peers, ANSWER_BOUND)
+    assert any(r["status"] != 200 for r in during), "no request was bound to the silent pair"
+    assert sum(r["status"] == 200 for r in during) >= 2 * CLIENTS, "the other prefill did not carry the load"
+    for role, seconds in detected.items():
+        assert seconds <= DETECT_BOUND, (role, seconds)
+    for role, seconds in recovered.items():
+        assert seconds <= RECOVER_BOUND, (role, seconds)
+    assert all(r["status"] == 200 for r in loop.results if r["t"] - r["latency"] >= t_back), loop.summary()
+    assert_idle(cluster, ROLES, baseline)
+    # the silent pair counted the loss and the recovery once each; the first prefill lost nobody
+    assert delta(losses, _counts(cluster, LOSSES)) == {"prefill2": 1, "decode": 1}
+    wait_until(lambda: delta(recoveries, _counts(cluster, RECOVERIES)) == {"prefill2": 1, "decode": 1}, 10,
+               "both recoveries counted", on_timeout=lambda: str(delta(recoveries, _counts(cluster, RECOVERIES))))
+    moved = delta(causes, _causes(cluster))
+    assert any(cause == "peer_failure" for (_, _, cause, _) in moved), moved
+    assert not any(server == "prefill" for (server, _, _, _) in moved), moved  # nothing ended on the first prefill
+
