@@ -56,6 +56,13 @@ UPSTREAM_ABORT_MESSAGE = "Aborted by AbortReq."  # the same, as the fork writes 
 UPSTREAM_BARE_ABORT = "Aborted"  # schedule_batch.FINISH_ABORT()'s message: an abort naming no cause
 UPSTREAM_SESSION_DEAD = "Decode instance could be dead, remote mooncake session"  # mooncake's transfer worker
 UPSTREAM_WRITE_FAILED = ("Failed to send", UPSTREAM_SESSION_DEAD)  # how mooncake's reasons for a failed write open
+UPSTREAM_CHUNK_FAILED = {  # mooncake/conn.py's transfer worker: how it words each chunk kind's failure
+    "kv": "Failed to send kv chunk",
+    "aux": "Failed to send aux data",
+    "state": "Failed to send state components",
+}
+# A room prefill ended for an abort while paused: opens as upstream's abort reason, so decode answers a client abort.
+PAUSED_ABORT_REASON = UPSTREAM_ABORT_REASON + " while prefill was paused (room {room})"
 
 
 # ----------------------------------------------------------------------------- the per-request record
@@ -124,30 +131,30 @@ class Row:
 
 ABORT_ANSWER = "upstream's abort answer (200, finish_reason abort)"
 TABLE: Tuple[Row, ...] = (
-    Row(Cause.DEADLINE, "`deadline` (transfer_deadline)", "504",
+    Row(Cause.DEADLINE, "record's `deadline` (set by transfer_deadline)", "504",
         "the deadline's (`DEADLINE_TAG` ...)", TIMEOUT,
         "whatever failed meanwhile is a consequence of waiting too long"),
-    Row(Cause.PAUSE, "`pause` (pd_pause)", ABORT_ANSWER,
+    Row(Cause.PAUSE, "record's `pause` (set by pd_pause)", ABORT_ANSWER,
         "the pause's or release's (`PAUSE_ABORT_MESSAGE`, `RELEASE_*_MESSAGE`)", PAUSE,
         "pause/release ended it; the transfer failure it caused is not the client's"),
-    Row(Cause.REQUESTED_ABORT, "`requested` (room_ledger.before_abort_request)",
+    Row(Cause.REQUESTED_ABORT, "record's `requested` (set by room_ledger.before_abort_request, pd_pause.keep_abort_verdict)",
         "the AbortReq's: client abort: " + ABORT_ANSWER + "; SLA abort: 503",
         "the AbortReq's (a client's: `CLIENT_ABORT_MESSAGE`)", "client_abort / timeout (SLA) / pause",
         "the room's failure is the abort's consequence"),
-    Row(Cause.PEER_PAUSE, "reason opens with `ABORT_TAG` (or upstream's abort) and names the pause", ABORT_ANSWER,
+    Row(Cause.PEER_PAUSE, "reason carries `ABORT_TAG` or `UPSTREAM_ABORT_REASON` and names the pause (`PAUSE_MARKERS`)", ABORT_ANSWER,
         "the peer's pause or release message", PAUSE,
         "the peer ended the room because its pause or release ended the request there"),
-    Row(Cause.PEER_REJECTION, "reason opens with `ABORT_TAG` and `PEER_WHY` + `REJECTED`", ABORT_ANSWER,
+    Row(Cause.PEER_REJECTION, "reason carries `ABORT_TAG` or `UPSTREAM_ABORT_REASON`, and `PEER_WHY` + `REJECTED`", ABORT_ANSWER,
         "the rejection, as the peer's tokenizer or scheduler said it", CLIENT_ABORT,
         "the peer rejected the request: nothing failed"),
-    Row(Cause.PEER_ABORT, "reason opens with `ABORT_TAG` or is upstream's `Aborted by AbortReq`", ABORT_ANSWER,
+    Row(Cause.PEER_ABORT, "reason carries `ABORT_TAG` or `UPSTREAM_ABORT_REASON`", ABORT_ANSWER,
         "`CLIENT_ABORT_MESSAGE`", CLIENT_ABORT,
         "the peer ended the room because its request was aborted there"),
-    Row(Cause.PEER_DEADLINE, "reason names `DEADLINE_TAG` (the peer's deadline)", "504",
+    Row(Cause.PEER_DEADLINE, "reason carries `DEADLINE_TAG` (the peer's deadline)", "504",
         "the reason", TIMEOUT, "the peer waited too long: a deadline, as above"),
-    Row(Cause.PAUSE_REASON, "reason names the pause or a release (a room prefill's pause ended)", ABORT_ANSWER,
+    Row(Cause.PAUSE_REASON, "reason names the pause or a release (`PAUSE_MARKERS`: a room prefill's pause ended)", ABORT_ANSWER,
         "the reason", PAUSE, "pause/release ended it, as above"),
-    Row(Cause.LOST_PEER, "reason names `PEER_LOST_TAG` or upstream's lost prefill", "502",
+    Row(Cause.LOST_PEER, "reason carries `PEER_LOST_TAG` or `UPSTREAM_PREFILL_LOST`", "502",
         "the reason", "peer_failure (tagged by whoever lost it), else transport", "a peer is gone: not this server's fault"),
     Row(Cause.FAILURE, "anything else", "the caller's (500)", "the reason", TRANSPORT, ""),
 )
@@ -205,6 +212,11 @@ def is_bare_finish_abort(message: Any) -> bool:
 def is_failed_write(reason: Any) -> bool:
     """mooncake's reason for a failed KV write."""
     return str(reason or "").startswith(UPSTREAM_WRITE_FAILED)
+
+
+def failed_chunk_kind(reason: Any) -> Optional[str]:
+    """The chunk kind ("kv", "aux", "state") a transfer failure reason names, or None (abort, timeout...)."""
+    return next((kind for kind, text in UPSTREAM_CHUNK_FAILED.items() if text in str(reason or "")), None)
 
 
 def is_dead_session(reason: Any) -> bool:

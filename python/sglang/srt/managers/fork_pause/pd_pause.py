@@ -275,7 +275,7 @@ def abort_while_paused(original, scheduler, recv_req, *args, **kwargs):
     keep_abort_verdict(scheduler, recv_req)
     pump_pd_queues(scheduler)
     if role == "prefill":
-        end_prefill_rooms(scheduler, matched, "Aborted by AbortReq while prefill was paused (room {room})")
+        end_prefill_rooms(scheduler, matched, verdict.PAUSED_ABORT_REASON)
     return result
 
 
