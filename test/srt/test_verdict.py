@@ -161,3 +161,21 @@ def test_no_fork_attribute_is_set_on_a_request_outside_the_record():
                         and t.value.attr == "__dict__" and is_request(t.value.value)):
                     found.append(f"{where} writes a request's __dict__")
     assert not found, "\n".join(found)
+
+
+def test_only_the_ledger_records_or_drops_a_room_failure():
+    """Every room ends through RoomLedger.end (docs/layout.md "How a room ends"): no fork module but room_ledger
+    calls a kv manager's record_failure or pops its failure_records."""
+    ledger = SRT / "disaggregation" / "fork_ending" / "room_ledger.py"
+    found = []
+    for path in fork_modules():
+        if path == ledger:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+                continue
+            if node.func.attr == "record_failure" or (
+                    node.func.attr == "pop" and isinstance(node.func.value, ast.Attribute)
+                    and node.func.value.attr == "failure_records"):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno} {ast.unparse(node.func)}")
+    assert not found, "\n".join(found)

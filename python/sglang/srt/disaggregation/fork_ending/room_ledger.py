@@ -526,7 +526,7 @@ def after_send_abort_output(result: Any, scheduler: Any, abort_req: Any, req: An
             and not req.time_stats.decode_prealloc_queue_entry_time):
         ended_at_gate(mode, req, table.rejected_by("decode's scheduler"))
     elif mode == DisaggregationMode.PREFILL and req.disagg_kv_sender is None:  # no room here
-        said = (getattr(abort_req, "finished_reason", None) or {}).get("message")
+        said = (upstream(abort_req, "finished_reason") or {}).get("message")
         ended_at_gate(mode, req, table.rejected_by("prefill's scheduler", said))
 
 
