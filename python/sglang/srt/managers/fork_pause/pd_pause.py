@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from fastapi import HTTPException
 
 from sglang.srt.constants import HEALTH_CHECK_RID_PREFIX
-from sglang.srt.disaggregation.fork_ending import pd_queues, request_end_cause, room_ledger, verdict
+from sglang.srt.disaggregation.fork_ending import pd_queues, room_ledger, verdict
 from sglang.srt.disaggregation.fork_ending.verdict import (  # the pause's messages and answer: the verdict's
     PAUSE_ABORT_MESSAGE, RELEASE_ABORT_MESSAGE, RELEASE_NO_PAUSE_MESSAGE, pause_finish_reason)
 from sglang.srt.disaggregation.fork_ending.room_ledger import engine_clock
