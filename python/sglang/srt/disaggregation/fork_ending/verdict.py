@@ -53,7 +53,7 @@ DECODE_ABORT_REASON = "PD request aborted on decode: bootstrap_room={room} was a
 UPSTREAM_PREFILL_LOST = "Lost connection with prefill instance"  # decode's heartbeat, CommonKVManager._handle_node_failure
 UPSTREAM_ABORT_REASON = "Aborted by AbortReq"  # Common{Sender,Receiver}.abort()'s failure record
 UPSTREAM_ABORT_MESSAGE = "Aborted by AbortReq."  # the same, as the fork writes it for a request it answers like upstream
-UPSTREAM_BARE_ABORT = "Aborted"  # schedule_batch.FINISH_ABORT()'s message: an abort naming no cause
+UPSTREAM_BARE_ABORT = "Aborted"  # schedule_batch.FINISH_ABORT's default: an AbortReq's status without a message
 UPSTREAM_SESSION_DEAD = "Decode instance could be dead, remote mooncake session"  # mooncake's transfer worker
 UPSTREAM_WRITE_FAILED = ("Failed to send", UPSTREAM_SESSION_DEAD)  # how mooncake's reasons for a failed write open
 UPSTREAM_CHUNK_FAILED = {  # mooncake/conn.py's transfer worker: how it words each chunk kind's failure
@@ -205,8 +205,11 @@ def is_bare_abort(reason: Any) -> bool:
 
 
 def is_bare_finish_abort(message: Any) -> bool:
-    """Upstream's FINISH_ABORT() message (a running request an AbortReq reached), naming no cause."""
-    return message == UPSTREAM_BARE_ABORT
+    """Upstream's FINISH_ABORT() message (a running request an AbortReq reached), naming no cause (read from
+    upstream's class, so a reworded default is followed)."""
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+    return message == FINISH_ABORT().message
 
 
 def is_failed_write(reason: Any) -> bool:
@@ -333,7 +336,7 @@ def requested(recv_req: Any) -> Tuple[str, Optional[int], str]:
         return recv_req.abort_message, HTTPStatus.SERVICE_UNAVAILABLE, TIMEOUT
     reason = recv_req.finished_reason or {}
     if reason.get("status_code") is not None:
-        return reason.get("message") or "Aborted", reason["status_code"], CLIENT_ABORT
+        return reason.get("message") or UPSTREAM_BARE_ABORT, reason["status_code"], CLIENT_ABORT
     if names_pause(reason.get("message")):  # pause(abort), release
         return reason["message"], None, PAUSE
     return CLIENT_ABORT_MESSAGE, None, CLIENT_ABORT
