@@ -9,6 +9,7 @@ would put on the wire is kept (`Notice`). Installed while a harness lives.
 from __future__ import annotations
 
 import dataclasses
+import threading
 from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
@@ -130,10 +131,15 @@ class FaultyKVManager(FakeKVManager):
 
     faults: Faults  # attached by the harness right after the queue builds the manager
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, args, disaggregation_mode, *rest, **kwargs):
+        super().__init__(args, disaggregation_mode, *rest, **kwargs)
+        self.disaggregation_mode = disaggregation_mode  # as Common keeps it
         self.request_status: Dict[int, int] = {}
         self.failure_records: Dict[int, str] = {}
+        self.failure_lock = threading.Lock()
+
+    def _room_notify_targets(self, bootstrap_room: int) -> list:
+        return []  # send_kv_status_message records a Notice whatever the targets
 
     def update_status(self, bootstrap_room: int, status: int) -> None:
         if self.request_status.get(bootstrap_room) == KVPoll.Failed:

@@ -12,6 +12,7 @@ import pytest
 from sglang.srt.disaggregation.fork_ending import pd_queues
 from sglang.srt.disaggregation.fork_ending import request_end_cause as ec
 from sglang.srt.disaggregation.fork_ending import room_ledger as ar
+from sglang.srt.disaggregation.fork_ending import verdict
 from sglang.srt.managers.schedule_batch import FINISH_ABORT
 from testing.pd_checks import is_client_abort
 from testing.queue_harness import KVPoll, Notice, PrefillHarness
@@ -63,7 +64,7 @@ def assert_room_gone(h, room):
 
 def told_decode(h, room):
     return [n for n in h.faults.notices_for(room) if n.to == "decode" and n.status == KVPoll.Failed
-            and ar.ABORT_TAG in (n.reason or "")]
+            and verdict.ABORT_TAG in (n.reason or "")]
 
 
 # ----------------------------------------------------------------------------- prefill
@@ -295,7 +296,7 @@ def test_decode_ends_a_room_prefill_aborted_as_an_abort(decode, stage):
     else:
         h.faults.hold_transfer(room)
         h.run_until(lambda: len(h.transfer_queue.queue) == 1)
-    h.kv_manager.record_failure(room, ar.peer_reason(req.rid, room, "prefill"))
+    h.kv_manager.record_failure(room, verdict.peer_reason(req.rid, room, "prefill"))
     h.faults.set(room, KVPoll.Failed)
     h.tick()
     assert_client_abort(h, req)
@@ -318,7 +319,7 @@ def test_decode_ends_a_room_prefills_pause_ended_as_a_pause_abort(decode, then_b
     room = req.bootstrap_room
     h.faults.hold_transfer(room)
     h.run_until(lambda: len(h.transfer_queue.queue) == 1)
-    reasons = [ar.peer_reason(req.rid, room, "prefill", pd_pause.PAUSE_ABORT_MESSAGE)]
+    reasons = [verdict.peer_reason(req.rid, room, "prefill", pd_pause.PAUSE_ABORT_MESSAGE)]
     reasons += ["Aborted by AbortReq."] if then_bare else []
     for reason in reasons:  # through the hook around the manager's own (CommonKVManager's on mooncake)
         ar.around_record_failure(type(h.kv_manager).record_failure, h.kv_manager, room, reason)

@@ -306,17 +306,17 @@ def test_running_request_answers_the_abort_verdict_not_upstreams_bare_abort():
     abort of its rid or of all for one the marking did not see, the pause's; an SLA abort (503, its message) is
     left as it is."""
     from sglang.srt.disaggregation.fork_ending import request_end_cause as ec
-    from sglang.srt.disaggregation.fork_ending import room_ledger
+    from sglang.srt.disaggregation.fork_ending import verdict as table
     from sglang.srt.managers.io_struct import AbortReq
     from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
     def running(rid, verdict=None, pending=None):
         req = SimpleNamespace(rid=rid, to_finish=pending or FINISH_ABORT())
         if verdict is not None:
-            setattr(req, room_ledger.REQUESTED_ABORT, verdict)
+            table.of(req).requested = verdict
         return req
 
-    client = (room_ledger.CLIENT_ABORT_MESSAGE, None)
+    client = (table.CLIENT_ABORT_MESSAGE, None)
     marked = running("marked", verdict=client)
     unseen = running("unseen")  # e.g. decode's last batch, which the marking does not walk
     paused = running("paused", verdict=(pd_pause.PAUSE_ABORT_MESSAGE, None))
@@ -326,7 +326,7 @@ def test_running_request_answers_the_abort_verdict_not_upstreams_bare_abort():
     pd_pause.keep_abort_verdict(scheduler, AbortReq(rid="unseen"))
     assert (marked.to_finish.message, marked.to_finish.status_code) == client
     assert (unseen.to_finish.message, unseen.to_finish.status_code) == client
-    assert getattr(unseen, room_ledger.REQUESTED_ABORT) == client
+    assert table.of(unseen).requested == client
     assert ec.cause_of(unseen)[0] == ec.CLIENT_ABORT
     assert paused.to_finish.message == pd_pause.PAUSE_ABORT_MESSAGE
     assert (sla.to_finish.message, sla.to_finish.status_code) == ("SLA exceeded", 503)

@@ -80,7 +80,7 @@ def _rank(rank: int, store: str, out) -> None:
     from sglang.srt.disaggregation import utils
     from sglang.srt.disaggregation.base import KVPoll
     from sglang.srt.disaggregation.fork_ending import request_end_cause as end_cause
-    from sglang.srt.disaggregation.fork_ending import room_agreement, room_ledger
+    from sglang.srt.disaggregation.fork_ending import room_agreement, room_ledger, verdict
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
     try:
@@ -114,7 +114,7 @@ def _rank(rank: int, store: str, out) -> None:
             "gathers": room_agreement.COUNTS["gathers"] - gathers,
             "records": {r: mgr.failure_records.get(r) for r in (11, 12, 13, 14, 15)},
             "tags": {r: end_cause.room_tag(mgr, r) for r in (11, 12, 13, 14, 15)},
-            "status_12": int(room_ledger.lost_peer_status(mgr.failure_records.get(12), 500)),
+            "status_12": int(verdict.lost_peer_status(mgr.failure_records.get(12), 500)),
             "late_13": ledger.late_answer(13),
             # a rank that learned a room's failure from the other tells its own decode peers
             "told_at_poll": sorted(mgr.told),

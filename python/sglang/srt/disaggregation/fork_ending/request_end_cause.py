@@ -11,10 +11,9 @@ import threading
 from collections import Counter, OrderedDict
 from typing import Any, Dict, Optional, Tuple
 
-from sglang.srt.disaggregation.fork_ending import pd_queues
-
-CLIENT_ABORT, TIMEOUT, TRANSPORT, PEER_FAILURE, PAUSE = "client_abort", "timeout", "transport", "peer_failure", "pause"
-CAUSES = (CLIENT_ABORT, TIMEOUT, TRANSPORT, PEER_FAILURE, PAUSE)
+from sglang.srt.disaggregation.fork_ending import pd_queues, verdict
+# The causes (the counter's labels) and which one a request's end counts as: the verdict's table.
+from sglang.srt.disaggregation.fork_ending.verdict import CAUSES, CLIENT_ABORT, PAUSE, PEER_FAILURE, TIMEOUT, TRANSPORT
 
 # (role, cause, stage) -> requests ended so in this process.
 COUNTS: Counter = Counter()
@@ -22,9 +21,7 @@ COUNTS: Counter = Counter()
 # Per kv manager: room -> (cause, peer), newest last, bounded.
 _ROOMS_ATTR = "fork_end_causes"
 MAX_TAGGED_ROOMS = 4096
-# Per request: (cause, peer) once known; and whether its end was already counted.
-_REQ_CAUSE = "fork_end_cause"
-_REQ_COUNTED = "fork_end_counted"
+# Per request: (cause, peer) once known and whether its end was counted: verdict.ReqState (end_cause, counted).
 _lock = threading.Lock()  # guards the per-manager room tags (docs/layout.md, threading model)
 
 # key -> (name, documentation, the counter's own label names); labelled by the scheduler's labels first.
@@ -96,9 +93,7 @@ def inc(key: str, base_labels: Optional[Dict[str, str]], **labels: str) -> None:
     counter(key, base).labels(**base, **labels).inc(1)
 
 
-def _check(cause: str) -> None:
-    if cause not in CAUSES:
-        raise ValueError(f"unknown PD request end cause {cause!r}; expected one of {CAUSES}")
+_check = verdict.check_cause
 
 
 def tag(kv_manager: Any, room: int, cause: str, peer: Optional[str] = None) -> None:
@@ -127,9 +122,7 @@ def retag(kv_manager: Any, room: int, cause: str, peer: Optional[str] = None) ->
 
 def tag_req(req: Any, cause: str, peer: Optional[str] = None) -> None:
     """Record why `req` is ending (sites that hold the request, not the room). First tag wins."""
-    _check(cause)
-    if getattr(req, _REQ_CAUSE, None) is None:
-        setattr(req, _REQ_CAUSE, (cause, peer))
+    verdict.tag(req, cause, peer)
 
 
 def _rooms(kv_manager: Any) -> dict:
@@ -141,27 +134,18 @@ def tagged_rooms(kv_manager: Any) -> int:
     return len(_rooms(kv_manager))
 
 
-def _is_client_abort(req: Any) -> bool:
-    """Upstream's client abort: `to_finish` / `finished_reason` FINISH_ABORT without a status."""
-    from sglang.srt.managers.schedule_batch import FINISH_ABORT
-
-    reasons = (getattr(req, "to_finish", None), getattr(req, "finished_reason", None))
-    return any(isinstance(r, FINISH_ABORT) and getattr(r, "status_code", None) is None for r in reasons)
-
-
 def cause_of(req: Any, kv_manager: Any = None) -> Tuple[str, Optional[str]]:
-    """(cause, peer) for `req`: its own tag, its room's, a client abort, else a transport failure."""
-    tagged = getattr(req, _REQ_CAUSE, None) or _rooms(kv_manager).get(getattr(req, "bootstrap_room", None))
-    return tagged or ((CLIENT_ABORT if _is_client_abort(req) else TRANSPORT), None)
+    """(cause, peer) for `req`: its own tag, its room's, a client abort, else a transport failure (the verdict)."""
+    return verdict.counted_cause(req, _rooms(kv_manager).get(getattr(req, "bootstrap_room", None)))
 
 
 def record_end(scheduler: Any, req: Any, role: str, stage: str, kv_manager: Any = None) -> Optional[str]:
     """Count `req`'s end once and forget its room's tag; the cause counted (later calls: None). The exported
     counter moves on the answering rank only (answering_rank); COUNTS is this process's own."""
-    if getattr(req, _REQ_COUNTED, False):
+    if verdict.peek(req).counted:
         return None
     cause, _peer = cause_of(req, kv_manager)
-    setattr(req, _REQ_COUNTED, True)
+    verdict.of(req).counted = True
     with _lock:
         _rooms(kv_manager).pop(getattr(req, "bootstrap_room", None), None)
     COUNTS[(role, cause, stage)] += 1
@@ -178,11 +162,11 @@ def after_process_batch_result(result: Any, scheduler: Any, batch: Any, *args: A
 
     for req in batch.reqs:
         if isinstance(req.finished_reason, FINISH_ABORT) and (
-                getattr(req, _REQ_CAUSE, None) is not None or _is_client_abort(req)):
+                verdict.peek(req).end_cause is not None or verdict.is_client_abort(req)):
             record_end(scheduler, req, "decode", pd_queues.DECODE_RUNNING)
 
 
 def before_send_abort_output(scheduler: Any, abort_req: Any, req: Any, *args: Any, **kwargs: Any) -> None:
     """BEFORE Scheduler.send_abort_output (decode): count a tagged request it answers."""
-    if pd_queues.role(scheduler) == pd_queues.DECODE and getattr(req, _REQ_CAUSE, None) is not None:
+    if pd_queues.role(scheduler) == pd_queues.DECODE and verdict.peek(req).end_cause is not None:
         record_end(scheduler, req, "decode", pd_queues.DECODE_RUNNING)

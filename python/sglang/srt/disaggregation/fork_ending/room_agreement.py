@@ -15,7 +15,8 @@ from collections import Counter
 from typing import Any, List, NamedTuple, Optional, Sequence, Tuple
 
 from sglang.srt.disaggregation.fork_ending import request_end_cause as end_cause
-from sglang.srt.disaggregation.fork_ending.room_ledger import ABORT_TAG, PEER_LOST_TAG, UPSTREAM_ABORT_REASON, ledger_of
+from sglang.srt.disaggregation.fork_ending.room_ledger import ledger_of
+from sglang.srt.disaggregation.fork_ending.verdict import reason_weight
 from sglang.srt.managers.fork_core.rank_agreement import gather, group_size
 from sglang.srt.managers.fork_core.fork_touch import upstream
 
@@ -54,20 +55,11 @@ def known(poller: Any) -> Optional[Known]:
     return found if any(found) else None
 
 
-def _weight(reason: str) -> int:
-    """How a reason ranks against another rank's for the same room: a lost peer first, then a failure of this side
-    (a failed write, a deadline), last the peer's abort of the room (upstream's bare abort reason, or decode's ABORT
-    echoing a failure another rank had already told it of)."""
-    if reason.startswith(PEER_LOST_TAG):
-        return 0
-    return 2 if any(t in reason for t in (ABORT_TAG, UPSTREAM_ABORT_REASON)) else 1
-
-
 def agreed(by_rank: Sequence[Optional[Known]]) -> Known:
     """One Known from every rank's (rank order), the same on every rank: the reason of the lowest rank among those
-    of the strongest kind (`_weight`), the first tag and the first late answer in rank order (rank 0 decides
+    of the strongest kind (`verdict.reason_weight`), the first tag and the first late answer in rank order (rank 0 decides
     deadlines)."""
-    reasons = [(_weight(k.reason), rank, k.reason) for rank, k in enumerate(by_rank) if k is not None and k.reason]
+    reasons = [(reason_weight(k.reason), rank, k.reason) for rank, k in enumerate(by_rank) if k is not None and k.reason]
     reason = min(reasons)[2] if reasons else None
     tag = next((k.tag for k in by_rank if k is not None and k.tag), None)
     late = next((k.late for k in by_rank if k is not None and k.late), None)

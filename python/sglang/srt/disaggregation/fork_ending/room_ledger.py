@@ -1,22 +1,21 @@
-"""The room ledger: the one way the fork ends a PD room, its memory of ended rooms, the verdict.
+"""The room ledger: the one way the fork ends a PD room, its memory of ended rooms, the abort hooks.
 
-`RoomLedger.end` does the ending in the order of docs/layout.md ("How a room ends"); `verdict`
-answers every PD request's failure end. Any thread; `RoomLedger.lock` is a leaf."""
+`RoomLedger.end` does the ending in the order of docs/layout.md ("How a room ends"); `prepare_abort_verdict`
+answers every PD request's failure end by the verdict's table (`verdict`). Any thread; `RoomLedger.lock` is a leaf."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import sys
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from http import HTTPStatus
-from typing import Any, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from sglang.srt.disaggregation.fork_ending import pd_queues, request_end_cause as end_cause
+from sglang.srt.disaggregation.fork_ending import pd_queues, request_end_cause as end_cause, verdict as table
 from sglang.srt.disaggregation.fork_ending.engine_clock import engine_clock
 from sglang.srt.disaggregation.fork_ending.teller import ENDED_ON_PREFILL, tell_prefill
+from sglang.srt.disaggregation.fork_ending.verdict import CANCEL_REASON, DECODE_ABORT_REASON, peer_reason, with_why
 from sglang.srt.disaggregation.base import KVPoll
 from sglang.srt.environ import envs
 from sglang.srt.managers.fork_core import fork_touch
@@ -28,9 +27,6 @@ logger = logging.getLogger(__name__)
 ATTR = "fork_room_ledger"
 MAX_RECORDS = 65536
 NEVER = float("inf")
-# Opens with ABORT_TAG: decode ended the request, so prefill's leg ends as an abort, not as a bootstrap failure.
-CANCEL_REASON = "PD request aborted on decode: the decode peer {peer} aborted room {room} before prefill received the request"
-DECODE_ABORT_REASON = "PD request aborted on decode: bootstrap_room={room} was aborted by the decode peer."
 # Decode appends [WHY_FRAME, message] to the ABORT of a room its pause or a release ended; prefill strips them.
 WHY_FRAME = b"fork-why"
 
@@ -66,25 +62,32 @@ class RoomLedger:
 
     def end(self, room: int, cause: Optional[str], reason: str, *, peer: Optional[str] = None, fail: bool = True,
             tell: bool = True, targets: Optional[list] = None, receiver: Any = None, remember: bool = False,
-            cancel: bool = False) -> None:
-        """End `room` for `cause` (None: the request's own) with `reason` (docs/layout.md)."""
+            cancel: bool = False, clear: Any = None, mark: bool = True) -> None:
+        """End `room` for `cause` (None: the request's own) with `reason` (docs/layout.md). `clear`: the room's
+        sender, whose transfer state and failure record this side drops first (a request retired elsewhere).
+        `mark=False`: the failure is recorded, not marked (an upstream path about to fail the room reads it)."""
         mgr = self.mgr
         if room is None:
             return
         if cause is not None:  # first: before anyone can see Failed
             end_cause.tag(mgr, room, cause, peer)
+        tables = has_room_tables(mgr)
+        if clear is not None and tables and room in upstream(mgr, "request_status"):
+            clear.clear()
+            forget_failure(mgr, room)
         if remember or cancel:
             self.remember(room, reason, answer=remember, cancel=cancel)
-        if fail and room in getattr(mgr, "request_status", {}):
+        if fail and tables and room in upstream(mgr, "request_status"):
             mgr.record_failure(room, reason)
-            mgr.update_status(room, KVPoll.Failed)
+            if mark:
+                mgr.update_status(room, KVPoll.Failed)
         if tell and receiver is not None:
             receiver.ensure_abort_notified()
-        elif tell and hasattr(mgr, "send_kv_status_message"):
-            if targets is None and hasattr(mgr, "_room_notify_targets"):
-                targets = mgr._room_notify_targets(room)
-            mgr.send_kv_status_message(targets=targets, bootstrap_room=room, status=KVPoll.Failed,
-                                       failure_reason=reason)
+        elif tell and tables:
+            if targets is None:
+                targets = upstream(mgr, "_room_notify_targets")(room)
+            upstream(mgr, "send_kv_status_message")(targets=targets, bootstrap_room=room, status=KVPoll.Failed,
+                                                    failure_reason=reason)
 
     def remember(self, room: int, reason: str, *, answer: bool = True, cancel: bool = False) -> None:
         now = engine_clock.now()
@@ -133,7 +136,7 @@ class RoomLedger:
             self._expire(engine_clock.now())
             if room in self.owned or room in self.ended:
                 return False
-        self.remember(room, _with_why(CANCEL_REASON.format(peer=peer, room=room), why), answer=False, cancel=True)
+        self.remember(room, with_why(CANCEL_REASON.format(peer=peer, room=room), why), answer=False, cancel=True)
         return True
 
     def drop_cancel(self, room: int) -> None:
@@ -179,6 +182,33 @@ class RoomLedger:
             logger.info("room_ledger: prefill peer %s lost; drains of %d rooms acked on its behalf", peer, len(owed))
 
 
+def has_room_tables(mgr: Any) -> bool:
+    """Whether `mgr` keeps per-room tables and a peer to tell: every kv manager but upstream's fake backend's
+    (`FakeKVManager` itself, no peer). Decided by class, never by an attribute's presence: on the others, upstream's
+    names (`request_status`, `record_failure`, `send_kv_status_message`, ...) are read through
+    `fork_touch.upstream`, so a rename raises instead of silently not telling the peer."""
+    from sglang.srt.disaggregation.fake.conn import FakeKVManager
+
+    return mgr is not None and type(mgr) is not FakeKVManager
+
+
+def handles_aborts(mgr: Any) -> bool:
+    """Whether `mgr`'s class is one `fork_plugin.SWAPS` gives the ledger's ABORT handler (mooncake, nixl): read from
+    the touch table, not from the presence of upstream's handler."""
+    from sglang.srt.managers.fork_core.fork_plugin import SWAPS
+
+    classes = {f"{c.__module__}.{c.__qualname__}" for c in type(mgr).__mro__}
+    return mgr is not None and any(target.endswith("._handle_abort_notification") and target.rpartition(".")[0] in classes
+                                   for target, *_ in SWAPS)
+
+
+def forget_failure(mgr: Any, room: int) -> None:
+    """Drop `room`'s failure record (upstream's table, under its failure lock): its request was retired."""
+    if has_room_tables(mgr):
+        with upstream(mgr, "failure_lock"):
+            upstream(mgr, "failure_records").pop(room, None)
+
+
 def ledger_of(mgr: Any) -> Optional[RoomLedger]:
     return getattr(mgr, "__dict__", {}).get(ATTR)
 
@@ -196,7 +226,7 @@ def end_room(mgr: Any, room: int, cause: Optional[str], reason: str, **kwargs: A
 def report(mgr: Any) -> Optional[int]:
     """How many peer cancellations are remembered (resource report)."""
     ledger = ledger_of(mgr)
-    return None if ledger is None or not hasattr(mgr, "_handle_abort_notification") else ledger.cancelled()
+    return None if ledger is None or not handles_aborts(mgr) else ledger.cancelled()
 
 
 # ----------------------------------------------------------------------------- hooks
@@ -207,7 +237,7 @@ def on_manager_init(mgr: Any, queue_: Any, *args: Any, **kwargs: Any) -> None:
     from sglang.srt.disaggregation.utils import DisaggregationMode
 
     ledger = mgr.__dict__[ATTR] = RoomLedger(mgr)  # a new manager each call (upstream's role switch too)
-    if getattr(mgr, "disaggregation_mode", None) == DisaggregationMode.PREFILL:
+    if has_room_tables(mgr) and upstream(mgr, "disaggregation_mode") == DisaggregationMode.PREFILL:
         fork_touch.swap(mgr, "_handle_abort_notification",
                         lambda original: lambda msg: _handle_abort(ledger, original, msg), by=__name__)
 
@@ -236,16 +266,11 @@ def _handle_abort(ledger: RoomLedger, original: Any, msg: List[bytes]) -> bool:
         if mgr.request_status.get(room) not in (None, KVPoll.Success):
             with mgr.failure_lock:  # re-checked: a room cleared meanwhile gets no record back
                 if room in mgr.request_status:
-                    mgr.failure_records.setdefault(room, _with_why(DECODE_ABORT_REASON.format(room=room), why))
+                    mgr.failure_records.setdefault(room, with_why(DECODE_ABORT_REASON.format(room=room), why))
     handled = original(msg)
     if kept and note.room in mgr.request_status:
         ledger.drop_cancel(note.room)  # the sender appeared meanwhile; upstream failed it
     return handled
-
-
-def _with_why(reason: str, why: Optional[str]) -> str:
-    """Decode's reason, with the pause's or release's message that ended the room."""
-    return f"{reason.rstrip('.')}{PEER_WHY}{why}" if why else reason
 
 
 def _drop_unowned_room(mgr: Any, room: int) -> None:
@@ -257,7 +282,7 @@ def _drop_unowned_room(mgr: Any, room: int) -> None:
 def on_prefill_create_sender(result: Any, queue_: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
     """AFTER `PrefillBootstrapQueue.create_sender`: a room decode already ended fails at once."""
     mgr, ledger = queue_.kv_manager, ledger_of(queue_.kv_manager)
-    if not result or ledger is None or req.bootstrap_room is None or not hasattr(mgr, "_handle_abort_notification"):
+    if not result or ledger is None or req.bootstrap_room is None or not handles_aborts(mgr):
         return
     reason = ledger.own(req.bootstrap_room)
     if reason is not None:
@@ -293,25 +318,18 @@ def around_record_failure(original, mgr, bootstrap_room, failure_reason, *args, 
     bare abort reason, over any reason; tags our loss."""
     from sglang.srt.disaggregation.utils import DisaggregationMode
 
-    if getattr(mgr, "disaggregation_mode", None) == DisaggregationMode.DECODE:
+    if upstream(mgr, "disaggregation_mode") == DisaggregationMode.DECODE:
         if bootstrap_room not in mgr.request_status:
             logger.debug("room_ledger: dropping failure for ended room %s: %s", bootstrap_room, failure_reason)
             return None
-        if (failure_reason or "").startswith(PEER_LOST_TAG):
+        if table.is_lost_peer(failure_reason):
             end_cause.tag(mgr, bootstrap_room, end_cause.PEER_FAILURE)
     new = failure_reason or ""
-    if kept_over(mgr.failure_records.get(bootstrap_room), new):
+    if table.kept_over(mgr.failure_records.get(bootstrap_room), new):
         return None
-    if new.startswith(UPSTREAM_ABORT_REASON) and getattr(_recompute, "reason", None):
+    if table.is_bare_abort(new) and getattr(_recompute, "reason", None):
         failure_reason = _recompute.reason  # the re-send's failure, not a client's abort
     return original(mgr, bootstrap_room, failure_reason, *args, **kwargs)
-
-
-def kept_over(current: Optional[str], new: str) -> bool:
-    """Whether a room's recorded reason `current` stays when `new` is recorded: over upstream's bare abort reason
-    (e.g. the sender's Failed after the ledger told the pause), and a lost peer over anything but a lost peer."""
-    return bool(current) and (new.startswith(UPSTREAM_ABORT_REASON)
-                              or current.startswith(PEER_LOST_TAG) and not new.startswith(PEER_LOST_TAG))
 
 
 # The reason `_fail_prefill_recompute` is recording on this thread (decode's re-bootstrap pool).
@@ -328,74 +346,14 @@ def around_fail_prefill_recompute(original, mgr, kv_receiver, reason, *args, **k
         _recompute.reason = None
 
 
-# ----------------------------------------------------------------------------- the verdict
-
-# How a failure reason names its cause: declared where the verdict reads them, so it imports none of their writers.
-DEADLINE_TAG = "PD transfer deadline exceeded"  # transfer_deadline.TAG
-PEER_LOST_TAG = "PD peer lost"  # peer_liveness.TAG
-UPSTREAM_PREFILL_LOST = "Lost connection with prefill instance"  # upstream's decode heartbeat
-ABORT_TAG = "PD request aborted"  # opens the reason a room carries to the peer when its request was aborted
-UPSTREAM_ABORT_REASON = "Aborted by AbortReq"  # upstream's Common{Sender,Receiver}.abort()
-CLIENT_ABORT_MESSAGE = "Aborted by the client."
-RELEASE_MARKER = "engine memory released"  # pd_pause.RELEASE_MARKER
-# A message naming the pause or the release ends the request as a pause abort (end cause "pause").
-PAUSE_MARKERS = ("pause_generation", RELEASE_MARKER)
-PEER_WHY = " was aborted: "  # peer_reason: what the peer is told, then why
-REJECTED = "rejected by"  # a tokenizer's or scheduler's rejection, told to the peer with its message
-
-# Per request, set by the module that decided its end (read only here).
-PAUSE_ABORT = "_fork_pause_abort"  # pd_pause: the pause/release message
-REQUESTED_ABORT = "fork_abort_verdict"  # before_abort_request: (message, status) the AbortReq asked for
-DEADLINE_EXPIRED = "fork_transfer_deadline_message"  # transfer_deadline: its message
-
-# What a PD request that ends on a failure path is answered: the first cause found wins. The statuses (HTTPStatus
-# members, never plain ints: upstream's OpenAI stream checks the type) and why each row wins: docs/layout.md.
-VERDICT_TABLE = ("deadline", "pause", "requested_abort", "peer_abort", "failure")
-
-
-def lost_peer_status(error_message: str, status_code: Any) -> Any:
-    lost = error_message and any(t in error_message for t in (PEER_LOST_TAG, UPSTREAM_PREFILL_LOST))
-    return HTTPStatus.BAD_GATEWAY if lost else status_code
-
-
-def verdict(req: Any, error_message: str, status_code: Any) -> Tuple[str, Any]:
-    """(message, status) `prepare_abort` reports for `req`, by VERDICT_TABLE."""
-    text = str(error_message or "")
-    found = {
-        "deadline": getattr(req, DEADLINE_EXPIRED, None),
-        "pause": getattr(req, PAUSE_ABORT, None),
-        "requested_abort": getattr(req, REQUESTED_ABORT, None),
-        "peer_abort": any(t in text for t in (ABORT_TAG, UPSTREAM_ABORT_REASON)) or None,
-        "failure": True,
-    }
-    cause = next(c for c in VERDICT_TABLE if found[c] is not None)
-    if cause == "deadline":
-        return found[cause], HTTPStatus.GATEWAY_TIMEOUT
-    if cause == "pause":
-        message, status = found[cause], None
-    elif cause == "requested_abort":
-        message, status = found[cause]
-    elif cause == "peer_abort" and any(t in text for t in PAUSE_MARKERS):  # the peer's pause or release
-        message, status = text.rsplit(PEER_WHY, 1)[-1], None
-    elif cause == "peer_abort":  # the peer's client abort, or its scheduler's rejection (named)
-        end_cause.tag_req(req, end_cause.CLIENT_ABORT)
-        said = text.rsplit(PEER_WHY, 1)[-1] if PEER_WHY + REJECTED in text else None
-        message, status = said or CLIENT_ABORT_MESSAGE, None
-    else:
-        message, status = error_message, lost_peer_status(text, status_code)
-    said = str(message or "")
-    if DEADLINE_TAG in said:  # the peer's deadline ended it: 504, counted as a timeout
-        end_cause.tag_req(req, end_cause.TIMEOUT)
-        return message, HTTPStatus.GATEWAY_TIMEOUT
-    if any(t in said for t in PAUSE_MARKERS):  # the pause's or a release's end, not a failure
-        end_cause.tag_req(req, end_cause.PAUSE)
-        return message, None
-    return message, status
+# ----------------------------------------------------------------------------- the verdict (verdict.TABLE)
 
 
 def prepare_abort_verdict(original, req, error_message, status_code=None, *args, **kwargs):
-    """AROUND `disaggregation.utils.prepare_abort`: the one verdict hook."""
-    error_message, status_code = verdict(req, error_message, status_code)
+    """AROUND `disaggregation.utils.prepare_abort`: the one verdict hook (verdict.TABLE)."""
+    error_message, status_code, cause = table.verdict(req, error_message, status_code)
+    if cause is not None:
+        end_cause.tag_req(req, cause)
     return original(req, error_message, status_code, *args, **kwargs)
 
 
@@ -415,21 +373,8 @@ def _retire_prefill_room(scheduler, req, stage: str) -> None:
     kv_mgr = _kv_mgr(req)
     if kv_mgr is not None:
         req.disagg_kv_sender.clear()
-        with getattr(kv_mgr, "failure_lock", None) or contextlib.nullcontext():  # fake: neither
-            getattr(kv_mgr, "failure_records", {}).pop(req.bootstrap_room, None)
+        forget_failure(kv_mgr, req.bootstrap_room)  # fake: none
     end_cause.record_end(scheduler, req, "prefill", stage, kv_mgr)
-
-
-def requested_verdict(recv_req: Any) -> Tuple[str, Optional[int], str]:
-    """(message, status, cause) an AbortReq asks for (client abort: no status; SLA abort: 503)."""
-    if recv_req.abort_message:
-        return recv_req.abort_message, HTTPStatus.SERVICE_UNAVAILABLE, end_cause.TIMEOUT
-    reason = recv_req.finished_reason or {}
-    if reason.get("status_code") is not None:
-        return reason.get("message") or "Aborted", reason["status_code"], end_cause.CLIENT_ABORT
-    if any(m in str(reason.get("message") or "") for m in PAUSE_MARKERS):  # pause(abort), release
-        return reason["message"], None, end_cause.PAUSE
-    return CLIENT_ABORT_MESSAGE, None, end_cause.CLIENT_ABORT
 
 
 def before_abort_request(scheduler, recv_req, *args, **kwargs) -> None:
@@ -437,17 +382,17 @@ def before_abort_request(scheduler, recv_req, *args, **kwargs) -> None:
     role = pd_queues.role(scheduler)
     if role is None:
         return
-    message, status, cause = requested_verdict(recv_req)
+    message, status, cause = table.requested(recv_req)
     for stage, req in pd_queues.walk(scheduler):
         if not (recv_req.abort_all or req.rid.startswith(recv_req.rid or "")) or req.finished():
             continue
-        if getattr(req, REQUESTED_ABORT, None) is not None:
+        if table.peek(req).requested is not None:
             continue  # already aborted (or met earlier in the walk): a second abort changes nothing
-        setattr(req, REQUESTED_ABORT, (message, status))
+        table.of(req).requested = (message, status)
         end_cause.tag_req(req, cause)
         kv_mgr = _kv_mgr(req) if role == "prefill" else None  # decode: none; the fake one cannot send
         room = req.bootstrap_room  # None: `end` ends nothing
-        if hasattr(kv_mgr, "send_kv_status_message") and kv_mgr.request_status.get(room) != KVPoll.Success:
+        if has_room_tables(kv_mgr) and upstream(kv_mgr, "request_status").get(room) != KVPoll.Success:
             end_room(kv_mgr, room, None, peer_reason(req.rid, room, "prefill", message), fail=False, remember=True)
 
 
@@ -482,19 +427,19 @@ def finish_transferred(scheduler, req) -> bool:
 
     if isinstance(req.finished_reason, FINISH_ABORT):
         return True
-    asked = getattr(req, REQUESTED_ABORT, None)
+    asked = table.peek(req).requested
     if not (is_aborted(req) or asked is not None):
         return False
     pending = req.to_finish
     if asked is None:  # the pending abort (is_aborted, not finished) asks for its own verdict
-        asked = (CLIENT_ABORT_MESSAGE, None) if pending.status_code is None else (pending.message, pending.status_code)
-        setattr(req, REQUESTED_ABORT, asked)
-        end_cause.tag_req(req, end_cause.CLIENT_ABORT if asked[1] is None else end_cause.TIMEOUT)
+        asked, cause = table.requested_by_pending(pending)
+        table.of(req).requested = asked
+        end_cause.tag_req(req, cause)
     req.to_finish = None
-    prepare_abort(req, CLIENT_ABORT_MESSAGE)
+    prepare_abort(req, table.CLIENT_ABORT_MESSAGE)
     kv_mgr = _kv_mgr(req)
     end_cause.record_end(scheduler, req, "prefill", pd_queues.PREFILL_INFLIGHT, kv_mgr)
-    if hasattr(kv_mgr, "send_kv_status_message"):  # decode must not run it; None: no room
+    if has_room_tables(kv_mgr):  # the fake backend has no peer
         reason = peer_reason(req.rid, req.bootstrap_room, "prefill", asked[0])
         end_room(kv_mgr, req.bootstrap_room, None, reason, fail=False, remember=True)
     return True
@@ -542,17 +487,10 @@ def before_release_on_failure(tokenizer_manager: Any, request_states: Any, *args
     exc = sys.exc_info()[1]
     role = str(getattr(tokenizer_manager.disaggregation_mode, "value", ""))
     rejected = isinstance(exc, Exception)  # not the CancelledError (a BaseException) of a client gone at the gate
-    why = f"{REJECTED} {role}'s tokenizer ({exc})" if rejected else f"ended at {role}'s tokenizer"
+    why = table.rejected_by(f"{role}'s tokenizer", str(exc)) if rejected else f"ended at {role}'s tokenizer"
     for rid, state in request_states.items():
         if tokenizer_manager.rid_to_state.get(rid) is state and not state.dispatched:
             ended_at_gate(role, state.obj, why)
-
-
-def peer_reason(rid: Any, room: int, side: str, why: Optional[str] = None) -> str:
-    """What the peer is told of a request `side` ended (`why` only for a pause or rejection)."""
-    told_why = why and (any(m in str(why) for m in PAUSE_MARKERS) or str(why).startswith(REJECTED))
-    said = f"{PEER_WHY}{why}" if told_why else " was aborted."
-    return f"{ABORT_TAG} on {side}: request {rid} (bootstrap_room={room}){said}"
 
 
 def _ended_on_prefill(ledger: "RoomLedger", room: int, reason: str) -> None:
@@ -578,10 +516,10 @@ def after_send_abort_output(result: Any, scheduler: Any, abort_req: Any, req: An
     mode = scheduler.disaggregation_mode  # a request without a room: tell_prefill tells nothing
     if (mode == DisaggregationMode.DECODE and scheduler.transfer_backend != TransferBackend.FAKE
             and not req.time_stats.decode_prealloc_queue_entry_time):
-        ended_at_gate(mode, req, "rejected by decode's scheduler")
+        ended_at_gate(mode, req, table.rejected_by("decode's scheduler"))
     elif mode == DisaggregationMode.PREFILL and req.disagg_kv_sender is None:  # no room here
-        said = (getattr(abort_req, "finished_reason", None) or {}).get("message")
-        ended_at_gate(mode, req, f"{REJECTED} prefill's scheduler" + (f" ({said})" if said else ""))
+        said = (upstream(abort_req, "finished_reason") or {}).get("message")
+        ended_at_gate(mode, req, table.rejected_by("prefill's scheduler", said))
 
 
 def after_ensure_abort_notified(result: Any, receiver: Any, *args: Any, **kwargs: Any) -> None:

@@ -16,7 +16,7 @@ import time
 from collections import Counter, OrderedDict
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from sglang.srt.disaggregation.fork_ending import pd_queues, request_end_cause, room_ledger
+from sglang.srt.disaggregation.fork_ending import pd_queues, request_end_cause, room_ledger, verdict
 from sglang.srt.disaggregation.base import KVPoll
 from sglang.srt.disaggregation.fork_ending.engine_clock import engine_clock
 from sglang.srt.environ import envs
@@ -25,10 +25,7 @@ from sglang.srt.managers.fork_core.rank_agreement import answers
 
 logger = logging.getLogger(__name__)
 
-TAG = room_ledger.PEER_LOST_TAG  # opens every failure reason this module records; the verdict answers it 502
-# Upstream's reason for a room whose decode session is blacklisted; reworded by `around_conclude_transfer`.
-UPSTREAM_SESSION_DEAD = "Decode instance could be dead, remote mooncake session"
-WRITE_FAILED = ("Failed to send", UPSTREAM_SESSION_DEAD)  # how upstream's reasons for a failed write open
+TAG = verdict.PEER_LOST_TAG  # opens every failure reason this module records; the verdict answers it 502
 
 ALIVE, REFUSED, SILENT = "alive", "refused", "silent"
 CONNECT_TIMEOUT = 1.0
@@ -55,7 +52,7 @@ def loss_message(role_lost: str, peer: str, why: str) -> str:
     return f"{TAG}: {role_lost} peer {peer} lost ({why})"
 
 
-abort_status = room_ledger.lost_peer_status  # the verdict's 502
+abort_status = verdict.lost_peer_status  # the verdict's 502 (row LOST_PEER)
 
 
 def heartbeat_settings() -> Tuple[float, int]:
@@ -479,7 +476,7 @@ def around_conclude_transfer(original, mgr, *args, bootstrap_room=None, status=N
     if status == KVPoll.Failed:
         infos = mgr.transfer_infos.get(bootstrap_room) or {}
         monitor = monitor_of(mgr)
-        if monitor is not None and failure_reason and failure_reason.startswith(WRITE_FAILED):
+        if monitor is not None and verdict.is_failed_write(failure_reason):
             # nothing listens at the peer of a failed write: gone before the status is pushed (it would block)
             for session, info in list(infos.items()):
                 peer = f"{info.endpoint}:{info.dst_port}"
@@ -497,7 +494,7 @@ def around_conclude_transfer(original, mgr, *args, bootstrap_room=None, status=N
                 with monitor.lock:
                     for session in sessions:
                         monitor.poisoned.setdefault(session, set()).add(bootstrap_room)
-        if failure_reason and failure_reason.startswith(UPSTREAM_SESSION_DEAD):
+        if verdict.is_dead_session(failure_reason):  # upstream's reason for a blacklisted session: reworded
             failed = fork_touch.upstream_on(mgr, "failed_sessions", fork_touch.MOONCAKE_MANAGER, default=())
             dead = [(s, i) for s, i in list(infos.items()) if s in failed]
             if dead:
@@ -519,8 +516,8 @@ def around_send_multipart_locked(original, mgr, endpoint, parts, *args, **kwargs
 
 
 HANDSHAKE_ENV = knobs.LOST_DECODE_HANDSHAKE_TIMEOUT.name  # a gateway's lost decode (docs/gateway.md)
-_SINCE = "fork_handshake_wait_since"  # per request: engine-clock time first seen waiting for its handshake
-_ENDED = "fork_lost_decode_handshake"
+# Per request (verdict.ReqState): `handshake_wait_since` (engine-clock time first seen waiting for its handshake),
+# `lost_decode` (the message that ended it).
 SCAN_INTERVAL = 0.5
 _next_scan = [float("-inf")]
 
@@ -538,11 +535,12 @@ def orphans(reqs: Sequence[Any], handshaken, now: float, timeout: float) -> List
     after `timeout`; one seen waiting for the first time is stamped `now`."""
     out = []
     for req in reqs:
-        if getattr(req, _ENDED, None) is not None or handshaken(req.bootstrap_room):
+        state = verdict.of(req)
+        if state.lost_decode is not None or handshaken(req.bootstrap_room):
             continue
-        since = getattr(req, _SINCE, None)
+        since = state.handshake_wait_since
         if since is None:
-            setattr(req, _SINCE, now)
+            state.handshake_wait_since = now
         elif now - since > timeout:
             out.append((req, now - since))
     return out
@@ -565,11 +563,11 @@ def before_pop_bootstrapped(queue, *args, **kwargs):
     lost = lost_decodes(monitor_of(kv_mgr))
     if not lost or timeout == 0:
         for req in queue.queue:  # nothing is lost: forget the stamps
-            setattr(req, _SINCE, None)
+            verdict.of(req).handshake_wait_since = None
         return
     for req, waited in orphans(queue.queue, kv_mgr.transfer_infos.__contains__, now, timeout):
         text = orphan_message(req, waited, lost, timeout)
-        setattr(req, _ENDED, text)
+        verdict.of(req).lost_decode = text
         logger.warning(text)
         # remembered: the handshake a silent decode queued for it may still arrive once the link is back
         room_ledger.end_room(kv_mgr, req.bootstrap_room, request_end_cause.PEER_FAILURE, text, peer=lost[0],

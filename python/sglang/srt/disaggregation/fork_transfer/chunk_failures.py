@@ -15,7 +15,7 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Set, Tuple
 
-from sglang.srt.disaggregation.fork_ending import request_end_cause
+from sglang.srt.disaggregation.fork_ending import request_end_cause, verdict
 from sglang.srt.disaggregation.base import KVPoll
 from sglang.srt.disaggregation.fork_ending.room_ledger import end_room
 from sglang.srt.environ import envs
@@ -24,17 +24,8 @@ from sglang.srt.managers.fork_core.rank_agreement import answers, attn_tp_rank
 
 logger = logging.getLogger(__name__)
 
-# How upstream's transfer worker words each failure (mooncake/conn.py); decode classifies by it.
-_REASON_PREFIX = {
-    "kv": "Failed to send kv chunk",
-    "aux": "Failed to send aux data",
-    "state": "Failed to send state components",
-}
-
-
-def chunk_kind(failure_reason: Optional[str]) -> Optional[str]:
-    """The chunk kind a transfer failure reason names, or None (abort, timeout...)."""
-    return next((kind for kind, prefix in _REASON_PREFIX.items() if prefix in (failure_reason or "")), None)
+# The chunk kind a transfer failure reason names (upstream's wording: the verdict's), or None (abort, timeout...).
+chunk_kind = verdict.failed_chunk_kind
 
 
 class _Fault(NamedTuple):

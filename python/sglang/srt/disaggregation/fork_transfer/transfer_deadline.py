@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Dict, NamedTuple, Optional, Sequence, Tuple
 
 from sglang.srt.disaggregation.base import KVPoll
-from sglang.srt.disaggregation.fork_ending import request_end_cause, room_ledger
+from sglang.srt.disaggregation.fork_ending import request_end_cause, room_ledger, verdict
 from sglang.srt.disaggregation.fork_ending.pd_queues import (
     DECODE_PREALLOC, DECODE_TRANSFER, PREFILL_BOOTSTRAP, PREFILL_INFLIGHT, PREFILL_WAITING,
 )
@@ -25,8 +25,8 @@ from sglang.srt.managers.fork_core.rank_agreement import answers
 
 logger = logging.getLogger(__name__)
 
-_STAMP = "fork_transfer_stage"  # per request: (stage, entered_at on engine_clock)
-TAG = room_ledger.DEADLINE_TAG  # opens every deadline message, the room's failure reason at the peer too
+# Per request (verdict.ReqState): `stage` (stage, entered_at on engine_clock), `deadline` (its message).
+TAG = verdict.DEADLINE_TAG  # opens every deadline message, the room's failure reason at the peer too
 # A queue is scanned at most every deadline/SCAN_DIVISOR s (capped): why in docs/transfer-deadline.md ("Cost").
 SCAN_DIVISOR = 50
 MAX_SCAN_INTERVAL = 1.0
@@ -43,11 +43,12 @@ def _expire(scheduler, stage: str, queue: Sequence[Any], side: str, keep=None) -
     _next_scan[stage] = now + min(deadline / SCAN_DIVISOR, MAX_SCAN_INTERVAL)
     for entry in list(queue):
         req = entry if side == "prefill" else entry.req
-        stamp = getattr(req, _STAMP, None)
+        state = verdict.of(req)
+        stamp = state.stage
         if stamp is None or stamp[0] != stage:
-            setattr(req, _STAMP, (stage, now))
+            state.stage = (stage, now)
             continue
-        if now - stamp[1] <= deadline or getattr(req, room_ledger.DEADLINE_EXPIRED, None) is not None:
+        if now - stamp[1] <= deadline or state.deadline is not None:
             continue
         endpoint = req.disagg_kv_sender if side == "prefill" else entry.kv_receiver
         # `keep` only for the overdue ones: upstream's is_aborted costs ~8 µs a request
@@ -56,11 +57,9 @@ def _expire(scheduler, stage: str, queue: Sequence[Any], side: str, keep=None) -
         text = (f"{TAG}: request {req.rid} (bootstrap_room={req.bootstrap_room}) spent {now - stamp[1]:.1f}s in "
                 f"stage {stage}, over the {deadline:g}s deadline. Raise {ENV} or {ARG} if transfers legitimately "
                 "take longer.")
-        setattr(req, room_ledger.DEADLINE_EXPIRED, text)
+        state.deadline = text
         logger.warning(text)
-        # a manager that records failures (upstream's fake one has no rooms to fail; a test's scripted one does)
-        if hasattr(fork_touch.upstream(endpoint, "kv_mgr"), "record_failure"):
-            # the peer told; prefill: a late handshake fails too
+        if room_ledger.has_room_tables(fork_touch.upstream(endpoint, "kv_mgr")):  # the peer told; prefill: a late handshake fails too
             room_ledger.end_room(endpoint.kv_mgr, req.bootstrap_room, request_end_cause.TIMEOUT, text,
                                  remember=side == "prefill", receiver=endpoint if side == "decode" else None)
             if fork_touch.upstream(endpoint, "conclude_state") == KVPoll.Success:
@@ -228,11 +227,11 @@ def around_ensure_prefill_info(original, queue, addr_to_reqs, *args, **kwargs):
         n = counts.get(addr, 0) + 1
         if outcome is None or n < last or (outcome.error is None and outcome.value):
             continue
-        reason = (f"{room_ledger.PEER_LOST_TAG}: prefill bootstrap server {addr} unreachable: could not fetch its "
+        reason = (f"{verdict.PEER_LOST_TAG}: prefill bootstrap server {addr} unreachable: could not fetch its "
                   f"parallel info after {n} attempts")
         for decode_req in reqs:
-            if decode_req.kv_receiver is not None and decode_req.req.bootstrap_room is not None:
-                mgr.record_failure(decode_req.req.bootstrap_room, reason)
+            if decode_req.kv_receiver is not None:  # recorded only: upstream's last attempt fails it
+                room_ledger.end_room(mgr, decode_req.req.bootstrap_room, None, reason, tell=False, mark=False)
     ready, remaining = original(queue, asked, *args, **kwargs)  # upstream's: ({}, []) for no addrs
     return ready, remaining + waiting
 

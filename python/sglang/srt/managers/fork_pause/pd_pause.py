@@ -11,25 +11,13 @@ import time
 from collections import OrderedDict
 from typing import Any, Dict, List
 
-from sglang.srt.disaggregation.fork_ending import pd_queues, request_end_cause, room_ledger
+from sglang.srt.disaggregation.fork_ending import pd_queues, room_ledger, verdict
+from sglang.srt.disaggregation.fork_ending.verdict import (  # the pause's messages and answer: the verdict's
+    PAUSE_ABORT_MESSAGE, RELEASE_ABORT_MESSAGE, RELEASE_NO_PAUSE_MESSAGE, pause_finish_reason)
 from sglang.srt.managers.fork_core import fork_touch
 from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
 logger = logging.getLogger(__name__)
-
-RELEASE_ABORT_MESSAGE = "Aborted: engine memory released during pause (mode={mode})."
-RELEASE_NO_PAUSE_MESSAGE = "Aborted: engine memory released without a pause."
-PAUSE_ABORT_MESSAGE = "Aborted by pause_generation(mode=abort)."
-
-
-def names_pause(message) -> bool:
-    """Whether an abort's message says a pause or a release ended the request (end cause "pause")."""
-    return any(m in str(message or "") for m in room_ledger.PAUSE_MARKERS)
-
-
-def pause_finish_reason(message: str = PAUSE_ABORT_MESSAGE) -> Dict[str, Any]:
-    """Upstream's abort answer (200, finish_reason abort with the message, no status) for an end the pause decides."""
-    return FINISH_ABORT(message, None).to_json()
 
 
 def end_prefill_rooms(scheduler, reqs: List[Any], reason: str) -> None:
@@ -42,50 +30,20 @@ def end_prefill_rooms(scheduler, reqs: List[Any], reason: str) -> None:
         room = req.bootstrap_room
         if sender is None or id(req) in held or room is None:
             continue
-        if room in mgr.request_status:
-            sender.clear()
-            mgr.failure_records.pop(room, None)  # one dict op: atomic
-        room_ledger.end_room(mgr, room, None, reason.format(room=room),
-                             fail=False, tell=False, remember=True, cancel=True)
-
-
-# Upstream's FINISH_ABORT() for a running request an AbortReq reached: it names no cause.
-BARE_ABORT_MESSAGE = FINISH_ABORT().message
+        room_ledger.end_room(mgr, room, None, reason.format(room=room), fail=False, tell=False, remember=True,
+                             cancel=True, clear=sender)
 
 
 def keep_abort_verdict(scheduler, recv_req) -> None:
     """A running request an abort reached answers the verdict it was marked with (room_ledger.before_abort_request),
     not upstream's bare FINISH_ABORT() ("Aborted"): the pause's or a release's message (each repeat of the
     abort-mode pause's abort_all sets the bare one again), or the client's ("Aborted by the client.", docs/aborts.md).
-    One the verdict marking did not see (decode's last batch, admitted as the abort landed) gets `recv_req`'s: the
-    pause's, or a client's (by rid, or a bare abort_all: the pause's own are named, tm_abort_request)."""
-    asked = _pause_message(recv_req)
+    Which answer: verdict.abort_answer."""
     for req in scheduler.collect_inflight_reqs():
-        verdict = getattr(req, room_ledger.REQUESTED_ABORT, None)
-        pending = req.to_finish
-        if not isinstance(pending, FINISH_ABORT):
-            continue
-        if verdict is None and pending.status_code is None and _matches(recv_req, req.rid):
-            if asked is not None:
-                verdict, cause = (asked, None), request_end_cause.PAUSE
-            elif pending.message == BARE_ABORT_MESSAGE:
-                message, status, cause = room_ledger.requested_verdict(recv_req)
-                verdict = (message, status)
-            if verdict is not None:
-                setattr(req, room_ledger.REQUESTED_ABORT, verdict)
-                request_end_cause.tag_req(req, cause)
-        if verdict is None or pending.message == verdict[0]:
-            continue
-        if names_pause(verdict[0]) or (pending.message == BARE_ABORT_MESSAGE and pending.status_code is None
-                                       and verdict[1] is None):
-            req.to_finish = FINISH_ABORT(verdict[0], verdict[1])
-
-
-def _pause_message(recv_req) -> "str | None":
-    """The message of an abort the pause or a release sent (no error status), or None."""
-    reason = getattr(recv_req, "finished_reason", None) or {}
-    message = reason.get("message")
-    return message if reason.get("status_code") is None and names_pause(message) else None
+        if isinstance(req.to_finish, FINISH_ABORT):
+            answer = verdict.abort_answer(req, recv_req, _matches(recv_req, req.rid))
+            if answer is not None:
+                req.to_finish = FINISH_ABORT(*answer)
 
 
 def pause_answer_kept(scheduler, abort_req, req, *args, **kwargs) -> None:
@@ -93,9 +51,8 @@ def pause_answer_kept(scheduler, abort_req, req, *args, **kwargs) -> None:
     message when a later bare abort_all (the abort-mode pause repeats it) answers it."""
     if abort_req.finished_reason is not None or pd_queues.role(scheduler) is None:
         return
-    verdict = getattr(req, room_ledger.REQUESTED_ABORT, None)
-    message = verdict[0] if verdict is not None and verdict[1] is None else getattr(req, room_ledger.PAUSE_ABORT, None)
-    if message is not None and names_pause(message):
+    message = verdict.kept_pause_answer(req)
+    if message is not None:
         abort_req.finished_reason = pause_finish_reason(message)
 
 
@@ -116,7 +73,7 @@ _why_lock = threading.Lock()
 
 def note_why(scheduler, recv_req) -> None:
     """Decode: the ABORT of each queued room an abort naming the pause or a release reaches carries its message."""
-    message = _pause_message(recv_req)
+    message = verdict.pause_message(getattr(recv_req, "finished_reason", None))
     if message is None:
         return
     until = time.monotonic() + WHY_TTL_S

@@ -1,0 +1,183 @@
+"""The verdict table (disaggregation/fork_ending/verdict.py): docs/layout.md shows the code's table; each row is
+what the verdict answers; no fork module but the verdict's compares message wording; no fork module sets a
+`fork_*` attribute on a request outside the one record."""
+
+from __future__ import annotations
+
+import ast
+from http import HTTPStatus
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+pytestmark = pytest.mark.unit
+
+from sglang.srt.disaggregation.fork_ending import verdict
+from sglang.srt.disaggregation.fork_ending.verdict import Cause
+
+ROOT = Path(__file__).resolve().parents[2]
+SRT = ROOT / "python" / "sglang" / "srt"
+VERDICT = SRT / "disaggregation" / "fork_ending" / "verdict.py"
+
+
+def fork_modules():
+    return sorted(p for p in SRT.glob("*/fork_*/*.py") if p != VERDICT)
+
+
+def test_the_doc_shows_the_code_table():
+    doc = (ROOT / "docs" / "layout.md").read_text()
+    start = doc.index("<!-- verdict table:")
+    body = doc[doc.index("\n", start) + 1:doc.index("<!-- end verdict table -->")].strip()
+    assert body == verdict.markdown(), "docs/layout.md's verdict table differs from verdict.markdown(): paste it"
+
+
+def _req(**fields):
+    req = SimpleNamespace(rid="r", to_finish=None, finished_reason=None)
+    for name, value in fields.items():
+        setattr(verdict.of(req), name, value)
+    return req
+
+
+LOST = f"{verdict.PEER_LOST_TAG}: decode peer 10.0.0.2:7000 lost (silent)"
+PEER_PAUSE = verdict.peer_reason("r", 5, "prefill", verdict.PAUSE_ABORT_MESSAGE)
+REJECTION = verdict.peer_reason("r", 5, "decode", verdict.rejected_by("decode's scheduler", "too long"))
+# (row, request record, the room's failure reason) -> (status, message, end cause tagged)
+CASES = [
+    (Cause.DEADLINE, _req(deadline=f"{verdict.DEADLINE_TAG}: late", pause=verdict.PAUSE_ABORT_MESSAGE), LOST,
+     (HTTPStatus.GATEWAY_TIMEOUT, f"{verdict.DEADLINE_TAG}: late", None)),
+    (Cause.PAUSE, _req(pause=verdict.PAUSE_ABORT_MESSAGE, requested=("SLA", 503)), LOST,
+     (None, verdict.PAUSE_ABORT_MESSAGE, verdict.PAUSE)),
+    (Cause.REQUESTED_ABORT, _req(requested=("SLA", HTTPStatus.SERVICE_UNAVAILABLE)), LOST,
+     (HTTPStatus.SERVICE_UNAVAILABLE, "SLA", None)),
+    (Cause.PEER_PAUSE, _req(), PEER_PAUSE, (None, verdict.PAUSE_ABORT_MESSAGE, verdict.PAUSE)),
+    (Cause.PEER_REJECTION, _req(), REJECTION, (None, "rejected by decode's scheduler (too long)", verdict.CLIENT_ABORT)),
+    (Cause.PEER_ABORT, _req(), "Aborted by AbortReq.", (None, verdict.CLIENT_ABORT_MESSAGE, verdict.CLIENT_ABORT)),
+    (Cause.PEER_DEADLINE, _req(), f"{verdict.DEADLINE_TAG}: x", (HTTPStatus.GATEWAY_TIMEOUT, None, verdict.TIMEOUT)),
+    (Cause.PAUSE_REASON, _req(), verdict.PAUSE_ABORT_MESSAGE + " (room 5)", (None, None, verdict.PAUSE)),
+    (Cause.LOST_PEER, _req(), LOST, (HTTPStatus.BAD_GATEWAY, None, None)),
+    (Cause.FAILURE, _req(), "Failed to send kv chunk", (500, None, None)),
+]
+
+
+def test_every_row_is_reached_in_table_order():
+    assert [c for c, *_ in CASES] == [row.cause for row in verdict.TABLE]
+
+
+@pytest.mark.parametrize("cause,req,reason,expected", CASES, ids=[c.name for c, *_ in CASES])
+def test_each_row_answers_as_the_table_says(cause, req, reason, expected):
+    assert verdict.find(req, reason) is cause
+    message, status, tagged = verdict.verdict(req, reason, 500)
+    want_status, want_message, want_tag = expected
+    assert (status, tagged) == (want_status, want_tag)
+    assert message == (reason if want_message is None else want_message)
+    assert status is None or isinstance(status, HTTPStatus) or cause is Cause.FAILURE
+
+
+# ----------------------------------------------------------------------------- the source checks
+
+
+def _wording():
+    """(name, value) of the verdict's wording constants: the texts the fork writes and the upstream texts it reads."""
+    out = []
+    for name in dir(verdict):
+        value = getattr(verdict, name)
+        if name.isupper() and (name.endswith(("_MESSAGE", "_TAG", "_REASON", "_MARKER", "_MARKERS", "_WHY"))
+                               or name.startswith("UPSTREAM_") or name == "REJECTED"):
+            for v in value.values() if isinstance(value, dict) else value if isinstance(value, tuple) else (value,):
+                if isinstance(v, str):
+                    out.append((name, v))
+    return out
+
+
+def _verdict_refs(tree: ast.Module):
+    """Names bound to verdict's wording in a module (`from ...verdict import X`), and its module aliases."""
+    wording = {name for name, _ in _wording()}
+    names, aliases = set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").endswith("fork_ending.verdict"):
+            names |= {a.asname or a.name for a in node.names if a.name in wording}
+        if isinstance(node, ast.ImportFrom) and (node.module or "").endswith("fork_ending"):
+            aliases |= {a.asname or a.name for a in node.names if a.name == "verdict"}
+    return names, aliases, wording
+
+
+def _names_wording(node, names, aliases, wording) -> bool:
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.Name) and sub.id in names:
+            return True
+        if (isinstance(sub, ast.Attribute) and sub.attr in wording and isinstance(sub.value, ast.Name)
+                and sub.value.id in aliases):
+            return True
+    return False
+
+
+def test_message_wording_is_compared_only_in_the_verdict_module():
+    """No fork module but verdict.py compares a text against the fork's or upstream's wording (`in`, `==`,
+    startswith/endswith, rsplit on it), nor spells that wording itself."""
+    found = []
+    # whole messages and tags (the markers are words a hook's target names too: compared, they are caught above)
+    spelled = [(n, v) for n, v in _wording() if len(v) >= 12 and not n.endswith(("_MARKER", "_MARKERS"))]
+    for path in fork_modules():
+        tree = ast.parse(path.read_text())
+        names, aliases, wording = _verdict_refs(tree)
+        docstrings = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)}
+        for node in ast.walk(tree):
+            compared = []
+            if isinstance(node, ast.Compare) and any(
+                    isinstance(op, (ast.In, ast.NotIn, ast.Eq, ast.NotEq)) for op in node.ops):
+                compared = [node.left, *node.comparators]
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                  and node.func.attr in ("startswith", "endswith", "rsplit", "split", "index", "find")):
+                compared = [node.func.value, *node.args]
+            if any(_names_wording(c, names, aliases, wording) for c in compared):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno} compares verdict wording")
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+                for name, value in spelled:
+                    if value in node.value:
+                        found.append(f"{path.relative_to(ROOT)}:{node.lineno} spells verdict.{name}")
+    assert not found, "\n".join(found)
+
+
+def test_no_fork_attribute_is_set_on_a_request_outside_the_record():
+    """A request (upstream's Req, `req` / `request` / `decode_req.req` in the fork's code) carries one attribute,
+    `verdict.ATTR` (the record): no module sets another on it (setattr, an assignment, its __dict__)."""
+    found = []
+
+    def is_request(node) -> bool:
+        return ((isinstance(node, ast.Name) and node.id in ("req", "request", "r"))
+                or (isinstance(node, ast.Attribute) and node.attr == "req"))
+
+    for path in fork_modules():
+        for node in ast.walk(ast.parse(path.read_text())):
+            where = f"{path.relative_to(ROOT)}:{getattr(node, 'lineno', '?')}"
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr"
+                    and node.args and is_request(node.args[0])):
+                found.append(f"{where} setattr on a request")
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+                node, (ast.AugAssign, ast.AnnAssign)) else []
+            for t in targets:
+                if isinstance(t, ast.Attribute) and is_request(t.value) and "fork" in t.attr:
+                    found.append(f"{where} sets {t.attr} on a request")
+                if (isinstance(t, ast.Subscript) and isinstance(t.value, ast.Attribute)
+                        and t.value.attr == "__dict__" and is_request(t.value.value)):
+                    found.append(f"{where} writes a request's __dict__")
+    assert not found, "\n".join(found)
+
+
+def test_only_the_ledger_records_or_drops_a_room_failure():
+    """Every room ends through RoomLedger.end (docs/layout.md "How a room ends"): no fork module but room_ledger
+    calls a kv manager's record_failure or pops its failure_records."""
+    ledger = SRT / "disaggregation" / "fork_ending" / "room_ledger.py"
+    found = []
+    for path in fork_modules():
+        if path == ledger:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+                continue
+            if node.func.attr == "record_failure" or (
+                    node.func.attr == "pop" and isinstance(node.func.value, ast.Attribute)
+                    and node.func.value.attr == "failure_records"):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno} {ast.unparse(node.func)}")
+    assert not found, "\n".join(found)
