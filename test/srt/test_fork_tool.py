@@ -468,7 +468,7 @@ def test_hooks_on_one_target_sit_together_in_wrap_order():
     assert order["managers.scheduler.Scheduler.send_abort_output"] == [
         "pd_pause:pause_answer_kept", "room_ledger:after_send_abort_output", "request_end_cause:before_send_abort_output"]
     assert order["managers.scheduler.Scheduler.abort_request"] == [
-        "pd_pause:abort_while_paused", "room_ledger:before_abort_request"]
+        "scheduler_pause:abort_while_paused", "room_ledger:before_abort_request"]
     assert order["disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager"] == [
         "room_ledger:on_manager_init", "chunk_failures:guard_transfer_worker", "chunk_failures:on_prefill_manager_init",
         "peer_liveness:on_prefill_manager_init", "fork_touch:check_at_start"]
