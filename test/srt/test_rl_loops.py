@@ -852,5 +852,5 @@ def test_framework_sequence_through_the_gateway_10_steps(cluster, checkpoints, r
     if loaded != "A":
         update(cluster, checkpoints, "A", "A", [])
     assert_idle(cluster, PD_ROLES, baseline=baseline)
-    print(f"framework replay ({pause_body}): {REPLAY_STEPS} steps in {elapsed:.1f} s, {len(log)} calls, "
-          f"{aborted} of {3 * REPLAY_STEPS} long requests aborted")
+    print(f"framework replay ({pause_body}): {step + 1} steps in {time.monotonic() - t0:.1f} s, {len(log)} calls, "
+          f"{aborted} of {3 * (step + 1)} long requests aborted")
