@@ -15,7 +15,7 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
-from testing.pd_cluster import HOST, generate, http_get, http_post_json, prompts, wait_until
+from testing.pd_cluster import HOST, generate, http_get, http_post_json, metric_sum, prompts, wait_until
 
 IDLE_TIMEOUT = 60.0
 END_CAUSES = "sglang:num_pd_request_end_causes_total"
@@ -294,6 +294,23 @@ def judge_partition_answers(results, peers: Mapping[str, str], answer_bound: flo
             assert "PD peer lost" in detail and any(p in detail for p in peers.values()), detail
         else:
             assert r["status"] == 504, (r["status"], detail)
+
+
+def wait_counter_rises(cluster, roles, name: str, before: Mapping[str, float], since: float, timeout: float,
+                       what: str) -> Dict[str, float]:
+    """Wait until the Prometheus counter `name` grew past `before[role]` on every one of `roles`; returns
+    {role: seconds after `since` it was first seen grown} (polled every 0.1 s). The partition tests' loss and
+    recovery timings."""
+    seen: Dict[str, float] = {}
+
+    def all_seen() -> bool:
+        for role in roles:
+            if role not in seen and metric_sum(cluster[role].metrics(), name) > before[role]:
+                seen[role] = time.monotonic() - since
+        return len(seen) == len(roles)
+
+    wait_until(all_seen, timeout, what, interval=0.1)
+    return seen
 
 
 # ----------------------------------------------------------------------------- counters

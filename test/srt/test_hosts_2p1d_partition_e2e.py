@@ -16,7 +16,8 @@ from collections import Counter
 
 import pytest
 
-from testing.pd_checks import ClosedLoop, assert_idle, delta, end_causes, judge_partition_answers
+from testing.pd_checks import (ClosedLoop, assert_idle, delta, end_causes, judge_partition_answers,
+                               wait_counter_rises)
 from testing.pd_cluster import metric_sum, wait_until
 
 pytestmark = pytest.mark.e2e  # its own 4 servers: 63 s on the 2-core box (104 s under other sessions' load)
@@ -72,15 +73,8 @@ def test_silent_partition_of_one_prefill_the_other_carries_the_load(cluster, pd_
         wait_until(lambda: loop.completed() >= 2 * CLIENTS, 90, "closed-loop completions before the cut")
         t_cut = time.monotonic()
         pd_hosts.cut("prefill2", "decode")
-        detected = {}
-
-        def both_lost():
-            for role in ("prefill2", "decode"):
-                if role not in detected and metric_sum(cluster[role].metrics(), LOSSES) > losses[role]:
-                    detected[role] = time.monotonic() - t_cut
-            return len(detected) == 2
-
-        wait_until(both_lost, DETECT_BOUND + 5, "prefill2 and decode to declare each other lost", interval=0.1)
+        detected = wait_counter_rises(cluster, ("prefill2", "decode"), LOSSES, losses, t_cut, DETECT_BOUND + 5,
+                                      "prefill2 and decode to declare each other lost")
         # the cut lasts until requests bound to the silent pair have ended and the other prefill has served more
         wait_until(lambda: sum(r["status"] != 200 for r in loop.results if r["t"] >= t_cut) >= CLIENTS
                    and sum(r["status"] == 200 for r in loop.results if r["t"] - r["latency"] >= t_cut) >= 2 * CLIENTS,
@@ -88,15 +82,8 @@ def test_silent_partition_of_one_prefill_the_other_carries_the_load(cluster, pd_
         during = [r for r in loop.results if r["t"] >= t_cut]
         t_heal = time.monotonic()
         pd_hosts.heal()
-        recovered = {}
-
-        def both_recovered():
-            for role in ("prefill2", "decode"):
-                if role not in recovered and metric_sum(cluster[role].metrics(), RECOVERIES) > recoveries[role]:
-                    recovered[role] = time.monotonic() - t_heal
-            return len(recovered) == 2
-
-        wait_until(both_recovered, RECOVER_BOUND + 10, "prefill2 and decode to count the recovery", interval=0.1)
+        recovered = wait_counter_rises(cluster, ("prefill2", "decode"), RECOVERIES, recoveries, t_heal,
+                                       RECOVER_BOUND + 10, "prefill2 and decode to count the recovery")
         t_back = time.monotonic()
         served_by_prefill2 = metric_sum(cluster["prefill2"].metrics(), PROMPT_TOKENS)
         # requests sent from now on: each one served, prefill2's share among them

@@ -13,7 +13,8 @@ import time
 
 import pytest
 
-from testing.pd_checks import ClosedLoop, assert_idle, cluster_end_causes, delta, judge_partition_answers
+from testing.pd_checks import (ClosedLoop, assert_idle, cluster_end_causes, delta, judge_partition_answers,
+                               wait_counter_rises)
 from testing.pd_cluster import generate, metric_sum, wait_until
 
 pytestmark = pytest.mark.e2e
@@ -66,15 +67,8 @@ def test_silent_partition_between_prefill_and_decode(cluster, pd_hosts):
 
         t_cut = time.monotonic()
         pd_hosts.cut("prefill", "decode")
-        detected = {}
-
-        def both_lost():
-            for role in PD_ROLES:
-                if role not in detected and metric_sum(cluster[role].metrics(), LOSSES) > losses[role]:
-                    detected[role] = time.monotonic() - t_cut
-            return len(detected) == len(PD_ROLES)
-
-        wait_until(both_lost, DETECT_BOUND + 5, "both sides to declare the other lost", interval=0.1)
+        detected = wait_counter_rises(cluster, PD_ROLES, LOSSES, losses, t_cut, DETECT_BOUND + 5,
+                                      "both sides to declare the other lost")
         # the link stays cut until the requests in flight at the cut and the next ones each client sent to the
         # silent peers have ended (prefill ends those no decode can take; decode's wait for the prefill ends at
         # its deadline, or when prefill's answer arrives after the heal)
