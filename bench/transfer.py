@@ -19,6 +19,10 @@ Per request, from upstream's own timing (the prefill server's Prometheus histogr
 KV bytes/s = bytes / transfer time. The limit: a Python socket sender in the prefill namespace and a receiver in the
 decode namespace moving the same number of bytes as the largest KV (4 MiB sends and receives), a few times.
 
+Idle pacing: the fork's schedulers pace their idle passes themselves (SGLANG_FORK_PD_IDLE_PACE, 1 ms); upstream's
+only with `--paced` (the release gate's probe plugin); side `fork-unpaced` is the fork with the knob at 0. The table
+says who paces each side.
+
 `--rate MBIT`: also everything again with the switch port towards decode shaped to that rate (tbf), the raw TCP
 limit measured through the same shaping.
 
