@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from sglang.srt.disaggregation.fork_ending import pd_queues
+from sglang.srt.disaggregation.fork_ending import pd_queues, verdict
 from sglang.srt.managers.fork_pause import engine_pause_state, pause_gate, pd_pause, scheduler_pause, tokenizer_pause
 from sglang.srt.managers.fork_pause.engine_pause_state import ALL_TAGS, EnginePauseState, PauseStateError
 
@@ -149,7 +149,7 @@ def test_unknown_mode_and_concurrent_call_are_rejected():
     s = EnginePauseState()
     with pytest.raises(PauseStateError, match="unknown mode 'sideways'.*running"):
         s.check("pause_generation", "sideways")
-    s.busy = "pause_generation"
+    s.begin("pause_generation", "abort")
     with pytest.raises(PauseStateError, match="pause_generation is in progress"):
         s.check("continue_generation")
     assert s.state == "running"
@@ -161,7 +161,7 @@ def test_pause_gate_opens_only_for_aborted_requests():
     tm.rid_to_state.update(waiting)
     assert not pause_gate.gate_open(tm, waiting)
     assert not pause_gate.gate_aborted(waiting)
-    waiting["b"]._fork_gate_abort = "Aborted by the client while the engine was paused (rid=b)."
+    verdict.of(waiting["b"]).gate_abort = "Aborted by the client while the engine was paused (rid=b)."
     assert pause_gate.gate_open(tm, waiting)
     # answered as upstream answers an abort: 200 body, finish_reason abort, the reason
     (out,) = pause_gate.gate_abort_answers(tm, SimpleNamespace(is_single=True), {"b": waiting["b"]})
@@ -233,8 +233,8 @@ def test_abort_pause_answers_once_every_answer_is_decided():
     async def scenario():
         lock = RWLock()
         running, gated, arriving = (SimpleNamespace(event=asyncio.Event()) for _ in range(3))
-        running.__dict__[pause_gate._AT_GATE] = False  # passed the gate (gate_open's mark)
-        gated.__dict__[pause_gate._AT_GATE] = True
+        verdict.of(running).at_gate = False  # passed the gate (gate_open's mark)
+        verdict.of(gated).at_gate = True
         # arriving: not at the gate yet (waits for the gate's lock the pause holds)
         tm = SimpleNamespace(rid_to_state={"run": running, "gate": gated, "new": arriving})
         for _ in range(2):  # the running request's handler; one writing a decided answer
@@ -278,7 +278,7 @@ def test_abort_pause_does_not_wait_for_a_health_probe_a_busy_scheduler_dropped()
         lock = RWLock()
         probe, running = SimpleNamespace(event=asyncio.Event()), SimpleNamespace(event=asyncio.Event())
         for state in (probe, running):
-            state.__dict__[pause_gate._AT_GATE] = False  # both passed the gate
+            verdict.of(state).at_gate = False  # both passed the gate
         tm = SimpleNamespace(rid_to_state={f"{HEALTH_CHECK_RID_PREFIX}_0f": probe, "rollout-1": running})
         for _ in range(2):  # the probe's handler and the running request's
             await lock.acquire_reader()
@@ -359,14 +359,15 @@ def test_the_abort_mode_pause_never_sends_a_bare_abort_all():
         tokenizer_manager._dispatch_to_scheduler(AbortReq(rid=rid, abort_all=abort_all))
 
     state = engine_pause_state.state_of(tm)
-    state.busy, state.busy_mode = "pause_generation", "abort"
+    state.begin("pause_generation", "abort")
     tm.is_pause = True
     for _ in range(3):  # upstream's repeats
         pause_gate.tm_abort_request(upstream_abort_request, tm, abort_all=True)
     assert [(r.abort_all, (r.finished_reason or {}).get("message")) for r in sent] == [
         (True, pd_pause.PAUSE_ABORT_MESSAGE)] * 3
     sent.clear()
-    state.busy, state.busy_mode, tm.is_pause = None, None, False
+    state.ended()
+    tm.is_pause = False
     pause_gate.tm_abort_request(upstream_abort_request, tm, abort_all=True)
     assert [(r.abort_all, r.finished_reason) for r in sent] == [(True, None)]
 
