@@ -380,8 +380,10 @@ REACH = {
     "RUNNING": [],
     "PAUSED": [("pause_generation", "retract", None)],
     "RELEASED": [("release_memory_occupation", None, ["weights", "kv_cache"])],
-    "RELEASED_IN_PAUSE": [("pause_generation", "retract", None), ("release_memory_occupation", None, ["weights", "kv_cache"])],
-    "PAUSED_WHILE_RELEASED": [("release_memory_occupation", None, ["weights", "kv_cache"]), ("pause_generation", "retract", None)],
+    "RELEASED_IN_PAUSE": [("pause_generation", "retract", None),
+                          ("release_memory_occupation", None, ["weights", "kv_cache"])],
+    "PAUSED_WHILE_RELEASED": [("release_memory_occupation", None, ["weights", "kv_cache"]),
+                              ("pause_generation", "retract", None)],
     "RESUMED": [("pause_generation", "retract", None), ("release_memory_occupation", None, ["weights", "kv_cache"]),
                 ("resume_memory_occupation", None, None)],
 }

@@ -40,7 +40,7 @@ class Phase(enum.Enum):
 
     RUNNING = ("running", "no pause, nothing released: serving")
     PAUSED = ("paused", "paused (a mode), nothing released")
-    RELEASED = ("released", "memory released, no pause: the release holds the gate (also after continue while released)")
+    RELEASED = ("released", "memory released, no pause: the release holds the gate (also after a continue)")
     RELEASED_IN_PAUSE = ("released", "paused, memory released during this pause")
     PAUSED_WHILE_RELEASED = ("released", "paused after a release without a pause, memory still released")
     RESUMED = ("resumed", "paused, everything released during this pause resumed")
@@ -52,10 +52,6 @@ class Phase(enum.Enum):
     @property
     def paused(self) -> bool:
         return self not in (Phase.RUNNING, Phase.RELEASED)
-
-    @property
-    def released(self) -> bool:
-        return self in (Phase.RELEASED, Phase.RELEASED_IN_PAUSE, Phase.PAUSED_WHILE_RELEASED)
 
 
 class Event(str, enum.Enum):
