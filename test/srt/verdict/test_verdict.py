@@ -16,7 +16,7 @@ pytestmark = pytest.mark.unit
 from sglang.srt.disaggregation.fork_ending import verdict
 from sglang.srt.disaggregation.fork_ending.verdict import Cause
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 SRT = ROOT / "python" / "sglang" / "srt"
 VERDICT = SRT / "disaggregation" / "fork_ending" / "verdict.py"
 
