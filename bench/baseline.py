@@ -164,18 +164,21 @@ def prepare(workdir: Path, python: str) -> Dict[str, object]:
         zf.extractall(site)
     standins = write_standins(workdir / "standins")
     probe = write_probe_plugin(workdir / "probe-plugin", workdir / "probe")
+    # the fork paces its own idle passes (idle_pacing): its side's probe only accounts, so no side is paced twice
+    accounting = write_probe_plugin(workdir / "probe-plugin-accounting", workdir / "probe", pace_s=0.0)
     return {
         "wheel": wheel,
         "version": lock.version,
         "fork_version": lock.fork_version,
         "pythonpath": [str(site), str(standins)],
         "probe": str(probe),
+        "probe_accounting": str(accounting),
         "probe_dir": str(workdir / "probe"),
     }
 
 
 def upstream_env(prepared: Dict[str, object], probe: bool = True) -> Dict[str, str]:
-    """Stock upstream first on PYTHONPATH; no plugin but the bench's probe."""
+    """Stock upstream first on PYTHONPATH; no plugin but the bench's probe (which paces its idle passes)."""
     paths: List[str] = list(prepared["pythonpath"])  # type: ignore[arg-type]
     if probe:
         paths.append(prepared["probe"])  # type: ignore[arg-type]
@@ -186,10 +189,11 @@ def fork_env(prepared: Dict[str, object], standins: bool, probe: bool = True) ->
     """The fork comes from the interpreter's site-packages; with standins, the same
     import stand-ins as the baseline are on its PYTHONPATH too (the fork does not
     need them, but then both sides see the same sgl_kernel/torchvision); with probe,
-    the bench's probe plugin, as on the upstream side."""
+    the bench's probe plugin, as on the upstream side, but only its pass accounting: the fork paces its idle
+    passes itself (disaggregation/fork_transfer/idle_pacing.py, `SGLANG_FORK_PD_IDLE_PACE`, 1 ms by default)."""
     paths: List[str] = list(prepared["pythonpath"])[1:] if standins else []  # type: ignore[arg-type]
     if probe:
-        paths.append(prepared["probe"])  # type: ignore[arg-type]
+        paths.append(prepared["probe_accounting"])  # type: ignore[arg-type]
     return {**SHARED_ENV, "PYTHONPATH": ":".join(paths)}
 
 
@@ -247,11 +251,13 @@ PACE_SECONDS = 0.001
 _PROBE = '''"""Bench-only plugin (bench/baseline.py), loaded by BOTH sides of the release gate
 (the same code on both, so whatever it costs, it costs both alike).
 
-1. Pacing. A PD scheduler with requests in its transfer queues but no batch to run
-   does not sleep: `Scheduler.on_idle` returns after `time.sleep(0)` and the loop
+1. Pacing (upstream's side; {pace_ms:g} ms here, 0 = none: the fork paces itself). A PD
+   scheduler with requests in its transfer queues but no batch to run does not sleep in
+   stock upstream: `Scheduler.on_idle` returns after `time.sleep(0)` and the loop
    polls again at once, for as long as a transfer or the next request takes in wall
-   time. This AROUND hook on `on_idle` sleeps {pace_ms:g} ms after such a pass (not
-   when the server is fully idle: upstream's idle sleeper handles that).
+   time. This AROUND hook on `on_idle` sleeps the pace after such a pass (not
+   when the server is fully idle: upstream's idle sleeper handles that), as the fork's
+   own idle pacing (idle_pacing.py) does.
 2. Pass accounting. A BEFORE hook on the method each scheduler loop calls once per
    pass (decode: process_decode_queue; prefill: get_next_disagg_prefill_batch_to_run)
    splits the scheduler thread's CPU time (time.thread_time) into passes that ran a
@@ -295,7 +301,7 @@ def paced_on_idle(original, scheduler, *args, **kwargs):
     result = original(scheduler, *args, **kwargs)
     if scheduler.is_fully_idle():
         _dump()
-    else:
+    elif PACE:
         time.sleep(PACE)
     return result
 
@@ -314,7 +320,7 @@ def register():
 
 
 def write_probe_plugin(folder: Path, out_dir: Path, pace_s: float = PACE_SECONDS) -> Path:
-    """The pacing + pass-accounting plugin (both sides), writing its totals to out_dir."""
+    """The pacing + pass-accounting plugin, writing its totals to out_dir (pace_s 0: accounting only)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     return _write_plugin(
         folder, PROBE_PLUGIN, _PROBE.format(pace=pace_s, pace_ms=pace_s * 1e3, out=str(out_dir))

@@ -692,7 +692,8 @@ def main(argv=None) -> int:
             f"Fork `{fork_version}` vs upstream `{prepared['version']}`, 1P1D + mini-lb on CPU, tiny Llama, "
             f"{args.requests} requests at concurrency {args.concurrency}, {args.max_new_tokens} output tokens, "
             f"median of {args.rounds} rounds ({'both sides loaded at once' if args.mode == 'together' else 'sides alternating'}); import stand-ins on {args.standins}; "
-            f"bench probe plugin on both sides (idle polling paced {baseline.PACE_SECONDS * 1e3:g} ms, passes accounted)"
+            f"bench probe plugin on both sides (passes accounted; idle polling paced {baseline.PACE_SECONDS * 1e3:g} ms: "
+            "upstream's by the probe, the fork's by its own idle pacing)"
             + (f"; fork slowed by {args.inject_slowdown_us:g} µs per decode loop (injected)" if args.inject_slowdown_us else "")
             + ".",
             f"Machine: {mach['nproc']} CPUs, {mach['cpu']}, {mach['mem_gb']} GB RAM, Linux {mach['kernel']}, "

@@ -19,6 +19,10 @@ Per request, from upstream's own timing (the prefill server's Prometheus histogr
 KV bytes/s = bytes / transfer time. The limit: a Python socket sender in the prefill namespace and a receiver in the
 decode namespace moving the same number of bytes as the largest KV (4 MiB sends and receives), a few times.
 
+Idle pacing: the fork's schedulers pace their idle passes themselves (SGLANG_FORK_PD_IDLE_PACE, 1 ms); upstream's
+only with `--paced` (the release gate's probe plugin); side `fork-unpaced` is the fork with the knob at 0. The table
+says who paces each side.
+
 `--rate MBIT`: also everything again with the switch port towards decode shaped to that rate (tbf), the raw TCP
 limit measured through the same shaping.
 
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import socket
 import statistics
@@ -47,7 +52,7 @@ from testing.pd_cluster import PDCluster, fork_python, http_post_json, start_all
 from testing.tiny_model import VOCAB_SIZE, WIDE_KV_BYTES_PER_TOKEN, ensure_tiny_model
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-SIDES = ("fork", "upstream")
+SIDES = ("fork", "upstream", "fork-unpaced")  # fork-unpaced: the fork with SGLANG_FORK_PD_IDLE_PACE=0
 LENGTHS = (400, 1000, 2000, 4000)
 CHUNK = 8192  # > the longest prompt: one prefill chunk, one transfer
 SERVER_ARGS = ("--max-total-tokens", "16384", "--max-running-requests", "4", "--chunked-prefill-size", str(CHUNK),
@@ -250,12 +255,12 @@ def _median(rows: List[Dict[str, float]], key: str) -> float:
 
 
 def table(results: Dict[str, Dict[tuple, List[Dict[str, float]]]], limits: Dict[str, float],
-          mooncake: Dict[str, float], links: Sequence[str]) -> str:
+          mooncake: Dict[str, float], links: Sequence[str], pacing: Mapping[str, str]) -> str:
     """Markdown: per link and prompt length, each side's median figures; KV bytes/s against the raw TCP limit and
-    against mooncake's TCP transport alone on the same link."""
-    lines = ["| link | prompt tokens | KV moved | side | TTFT (s) | prefill compute (s) | transfer (s) | KV MB/s | "
-             "of raw TCP | of mooncake alone | fork/upstream KV rate |",
-             "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    against mooncake's TCP transport alone on the same link; `pacing`: who paces each side's idle passes."""
+    lines = ["| link | prompt tokens | KV moved | side | idle passes paced by | TTFT (s) | prefill compute (s) | "
+             "transfer (s) | KV MB/s | of raw TCP | of mooncake alone | fork/upstream KV rate |",
+             "|---|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for link in links:
         lengths = sorted({n for side in results for (l, n) in results[side] if l == link})
         for n in lengths:
@@ -265,7 +270,8 @@ def table(results: Dict[str, Dict[tuple, List[Dict[str, float]]]], limits: Dict[
                 ratio = (f"{rates['fork'] / rates['upstream']:.2f}" if side == "fork" and "upstream" in rates
                          else "")
                 lines.append(
-                    f"| {link} | {n} | {_median(r, 'kv_bytes') / 2**20:.0f} MiB | {side} | {_median(r, 'ttft'):.2f} | "
+                    f"| {link} | {n} | {_median(r, 'kv_bytes') / 2**20:.0f} MiB | {side} | {pacing[side]} | "
+                    f"{_median(r, 'ttft'):.2f} | "
                     f"{_median(r, 'compute'):.2f} | {_median(r, 'transfer'):.3f} | {rates[side] / 1e6:.0f} | "
                     f"{rates[side] / limits[link]:.0%} | {rates[side] / mooncake[link]:.0%} | {ratio} |")
     lines.append("")
@@ -280,11 +286,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)), help="prompt lengths in tokens")
     parser.add_argument("--repeats", type=int, default=2, help="requests per length and side (default 2)")
-    parser.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES))
+    parser.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES[:2]),
+                        help="fork (paces its own idle passes), upstream, fork-unpaced (the fork with "
+                             "SGLANG_FORK_PD_IDLE_PACE=0); default fork upstream")
     parser.add_argument("--rate", type=int, default=0, help="also on a link shaped to RATE Mbit/s (tbf)")
     parser.add_argument("--paced", action="store_true",
-                        help="both sides load the release gate's probe plugin: a scheduler waiting on a transfer "
-                             "sleeps 1 ms per idle pass instead of spinning (bench/baseline.py)")
+                        help="upstream loads the release gate's probe plugin: a scheduler waiting on a transfer "
+                             "sleeps 1 ms per idle pass instead of spinning (bench/baseline.py), as the fork's own "
+                             "idle pacing does")
     parser.add_argument("--model-dir", default=str(REPO_ROOT / ".cache" / "tiny-llama-wide-kv"))
     parser.add_argument("--write-readme", action="store_true", help="write the table into README.md")
     parser.add_argument("--keep-logs", action="store_true")
@@ -316,8 +325,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     with work_dir("sglang-bench-transfer-", args.keep_logs) as work:
         model = str(ensure_tiny_model(args.model_dir, wide_kv=True))
         prepared = baseline.prepare(work, fork_python())
-        envs = {"fork": baseline.fork_env(prepared, standins=True, probe=args.paced),
+        # the fork paces its own idle passes (SGLANG_FORK_PD_IDLE_PACE, default 1 ms); upstream only with --paced
+        envs = {"fork": baseline.fork_env(prepared, standins=True, probe=False),
+                "fork-unpaced": {**baseline.fork_env(prepared, standins=True, probe=False),
+                                 "SGLANG_FORK_PD_IDLE_PACE": "0"},
                 "upstream": baseline.upstream_env(prepared, probe=args.paced)}
+        pace_ms = float(os.environ.get("SGLANG_FORK_PD_IDLE_PACE", "0.001")) * 1e3
+        pacing = {"fork": f"the fork itself ({pace_ms:g} ms)" if pace_ms else "nobody (pace 0)",
+                  "fork-unpaced": "nobody (pace 0)",
+                  "upstream": f"bench probe ({baseline.PACE_SECONDS * 1e3:g} ms)" if args.paced else "nobody"}
         lb_env = baseline.fork_env(prepared, standins=False, probe=False)
         with hosts_mod.TestHosts(("prefill", "decode", "lb")) as hosts:
             print(f"hosts on {hosts.subnet}: " + ", ".join(f"{r} {h.address}" for r, h in hosts.hosts.items()),
@@ -374,7 +390,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             finally:
                 for c in clusters.values():
                     c.teardown()
-        text = table(results, limits, mooncake, links)
+        text = table(results, limits, mooncake, links, pacing)
         print()
         print(text)
         print(f"\nwall time {time.monotonic() - t_start:.0f}s")

@@ -18,6 +18,7 @@ DEFAULTS = {  # the documented defaults (README, docs/): a changed default is a 
     "SGLANG_FORK_LOST_DECODE_HANDSHAKE_TIMEOUT": 5.0,
     "SGLANG_FORK_SESSION_PROBE_TIMEOUT": 5.0,
     "SGLANG_FORK_GLOO_TIMEOUT": 0.0,
+    "SGLANG_FORK_PD_IDLE_PACE": 0.001,
 }
 
 

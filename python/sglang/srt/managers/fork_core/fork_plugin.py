@@ -11,6 +11,7 @@ OURS = {name.rpartition(".")[2]: SRT + name for name in (
     "disaggregation.fork_ending.request_end_cause", "disaggregation.fork_ending.room_agreement",
     "disaggregation.fork_peers.peer_liveness",
     "disaggregation.fork_transfer.transfer_deadline", "disaggregation.fork_transfer.chunk_failures",
+    "disaggregation.fork_transfer.idle_pacing",
     "managers.fork_pause.pd_pause", "managers.fork_pause.scheduler_pause", "managers.fork_pause.queue_buffers",
     "managers.fork_pause.pause_gate", "managers.fork_pause.tokenizer_pause", "managers.fork_pause.resend_wait",
     "managers.fork_core.fork_touch", "managers.fork_report.pd_resource_report",
@@ -102,6 +103,8 @@ HOOKS: list[tuple[str, str, str]] = [_full(target, ref) + (kind,) for target, re
     ("managers.scheduler.Scheduler.abort_request", "scheduler_pause:abort_while_paused", AROUND),
     ("managers.scheduler.Scheduler.abort_request", "room_ledger:before_abort_request", BEFORE),
     ("managers.scheduler.Scheduler.continue_generation", "scheduler_pause:scheduler_continue_generation", AFTER),
+    # a PD server's idle pass waits up to SGLANG_FORK_PD_IDLE_PACE instead of spinning (docs/peer-liveness.md)
+    ("managers.scheduler.Scheduler.on_idle", "idle_pacing:paced_on_idle", AROUND),
     ("managers.scheduler.Scheduler.pause_generation", "scheduler_pause:scheduler_pause_generation", AROUND),
     ("managers.scheduler.Scheduler.process_batch_result", "request_end_cause:after_process_batch_result", AFTER),
     ("managers.scheduler.Scheduler.process_input_requests", "weight_epoch:after_process_input_requests", AFTER),

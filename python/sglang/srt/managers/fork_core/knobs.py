@@ -58,7 +58,8 @@ LOST_DECODE_HANDSHAKE_TIMEOUT = Seconds("SGLANG_FORK_LOST_DECODE_HANDSHAKE_TIMEO
                                         zero="turns the rule off")
 SESSION_PROBE_TIMEOUT = Seconds("SGLANG_FORK_SESSION_PROBE_TIMEOUT")  # chunk_failures.bounded_probe
 GLOO_TIMEOUT = Seconds("SGLANG_FORK_GLOO_TIMEOUT", zero="keeps upstream's 120 minutes")  # rank_agreement
-KNOBS = (TRANSFER_TIMEOUT, LOST_DECODE_HANDSHAKE_TIMEOUT, SESSION_PROBE_TIMEOUT, GLOO_TIMEOUT)
+PD_IDLE_PACE = Seconds("SGLANG_FORK_PD_IDLE_PACE", zero="turns pacing off")  # idle_pacing
+KNOBS = (TRANSFER_TIMEOUT, LOST_DECODE_HANDSHAKE_TIMEOUT, SESSION_PROBE_TIMEOUT, GLOO_TIMEOUT, PD_IDLE_PACE)
 
 
 def check() -> Dict[str, float]:
