@@ -13,6 +13,7 @@ order of the ranks' partial sums (see test_pause_greedy_e2e.py on bf16 ties).
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -114,7 +115,7 @@ def test_pause_update_continue_cycles_at_tp2_under_load(tp_deployment, tiny_mode
     cluster, _ = tp_deployment
     baseline = assert_idle(cluster, PD_ROLES)
     loop = ClosedLoop(cluster.url, 6, max_new_tokens=MAX_NEW, timeout=CALL_TIMEOUT_S).start()
-    refused = []
+    refused, calls = [], []  # calls: (seconds, cycle, role, path, wall-clock start) of each call, for a slow answer
     try:
         for cycle in range(4):
             done = loop.completed()
@@ -124,7 +125,9 @@ def test_pause_update_continue_cycles_at_tp2_under_load(tp_deployment, tiny_mode
                                                                 "flush_cache": mode == "abort"}),
                                   ("continue_generation", {})):
                 for role in PD_ROLES:
+                    started, at = time.monotonic(), time.strftime("%H:%M:%S")
                     status, body = http_post_json(f"{cluster[role].url}/{path}", payload, timeout=CALL_TIMEOUT_S)
+                    calls.append((round(time.monotonic() - started, 2), cycle, role, path, at))
                     if status != 200 or (isinstance(body, dict) and body.get("success") is False):
                         refused.append((cycle, role, path, status, body))
         done = loop.completed()
@@ -145,7 +148,7 @@ def test_pause_update_continue_cycles_at_tp2_under_load(tp_deployment, tiny_mode
         bad.append((r["status"], finish, str(r["error"])[:200]))
     assert not bad, bad[:5]
     slow = sorted(round(r["latency"], 1) for r in loop.results if r["latency"] > ANSWER_BOUND_S)
-    assert not slow, slow
+    assert not slow, (slow, "slowest calls:", sorted(calls, reverse=True)[:4])
     assert_idle(cluster, PD_ROLES, baseline=baseline)
 
 
