@@ -52,12 +52,19 @@ def _manager():
             self.failure_lock = threading.Lock()
             self.deferred_bootstrap = None
             self.told = []  # Failed statuses sent to decode: (room, reason)
+            self.causes = []  # the ledger's PEER_CAUSE messages sent to decode (frames)
 
         def _room_notify_targets(self, room):
             return [("127.0.0.1", 7000)]
 
         def send_kv_status_message(self, targets, bootstrap_room, status, failure_reason=None):
             self.told.append((bootstrap_room, failure_reason))
+
+        def _prefill_unique_rank(self):
+            return 0
+
+        def _send_multipart_locked(self, endpoint, frames, is_ipv6=False):  # the ledger's cause message, before
+            self.causes.append(frames)
 
     mgr = Manager()
     mgr.__dict__[ATTR] = RoomLedger(mgr)
