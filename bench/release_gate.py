@@ -34,11 +34,9 @@ import math
 import os
 import platform
 import re
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -49,6 +47,7 @@ import psutil
 
 from bench import baseline
 from bench.readme_block import write_block
+from bench.work_dir import work_dir
 from testing.pd_cluster import (
     PDCluster,
     Server,
@@ -619,9 +618,7 @@ def main(argv=None) -> int:
     load_before = loadavg()
     print(f"machine: nproc {mach['nproc']}, {mach['cpu']}, {mach['mem_gb']} GB, "
           f"python {mach['python']}; load average {load_before}", flush=True)
-    work = Path(tempfile.mkdtemp(prefix="sglang-bench-"))
-    ok = False
-    try:
+    with work_dir("sglang-bench-", args.keep_logs) as work:
         model = ensure_tiny_model(args.model_dir)
         prepared = baseline.prepare(work, fork_python())
         print(f"upstream baseline: {Path(prepared['wheel']).name} (sha256 per upstream.lock) "
@@ -723,13 +720,7 @@ def main(argv=None) -> int:
                 write_readme(hooks_block, HOOKS_BEGIN, HOOKS_END, "## Cost of each hook")
             print(f"wrote the figures to {README}")
         print(f"{outcome} ({time.monotonic() - t_start:.0f}s)")
-        ok = True
         return EXIT[outcome]
-    finally:
-        if args.keep_logs or not ok:
-            print(f"logs kept in {work}", file=sys.stderr)
-        else:
-            shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

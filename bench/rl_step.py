@@ -49,7 +49,6 @@ import argparse
 import shutil
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -60,6 +59,7 @@ import psutil
 from bench import baseline, cpu_window
 from bench.readme_block import write_block
 from bench.release_gate import loadavg, machine
+from bench.work_dir import work_dir
 from testing.pd_cluster import (
     PDCluster,
     fork_python,
@@ -371,9 +371,7 @@ def main(argv=None) -> int:
         Path(args.profile).mkdir(parents=True, exist_ok=True)
         PROFILE["dir"] = args.profile
     mach, load_before = machine(), loadavg()
-    work = Path(tempfile.mkdtemp(prefix="sglang-bench-rl-"))
-    ok = False
-    try:
+    with work_dir("sglang-bench-rl-", args.keep_logs) as work:
         model = str(ensure_tiny_model(args.model_dir))
         prepared = baseline.prepare(work, fork_python())
         up_env = baseline.upstream_env(prepared)
@@ -438,13 +436,7 @@ def main(argv=None) -> int:
         if args.write_readme:
             write_readme(block)
             print(f"wrote the table to {README}")
-        ok = True
         return 0
-    finally:
-        if args.keep_logs or not ok:
-            print(f"logs kept in {work}", file=sys.stderr)
-        else:
-            shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -31,18 +31,17 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import shutil
 import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence
 
 from bench import baseline, cpu_window
 from bench.readme_block import write_block
+from bench.work_dir import work_dir
 from testing import hosts as hosts_mod
 from testing.pd_cluster import PDCluster, fork_python, http_post_json, start_all
 from testing.tiny_model import VOCAB_SIZE, WIDE_KV_BYTES_PER_TOKEN, ensure_tiny_model
@@ -313,10 +312,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"bench-transfer: {why}", file=sys.stderr)
         return 2
     lengths = [int(x) for x in args.lengths.split(",")]
-    work = Path(tempfile.mkdtemp(prefix="sglang-bench-transfer-"))
-    ok = False
     t_start = time.monotonic()
-    try:
+    with work_dir("sglang-bench-transfer-", args.keep_logs) as work:
         model = str(ensure_tiny_model(args.model_dir, wide_kv=True))
         prepared = baseline.prepare(work, fork_python())
         envs = {"fork": baseline.fork_env(prepared, standins=True, probe=args.paced),
@@ -383,13 +380,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"\nwall time {time.monotonic() - t_start:.0f}s")
         if args.write_readme:
             write_block(REPO_ROOT / "README.md", README_BEGIN, README_END, text)
-        ok = True
         return 0
-    finally:
-        if args.keep_logs or not ok:
-            print(f"logs: {work}", file=sys.stderr)
-        else:
-            shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -19,8 +19,8 @@ window ended, answered after it began):
 - nothing else (no 4xx/5xx: none of these faults may cost a request an error), and
   no request open longer than `answer_bound_s`.
 
-Used by test/srt/test_room_ledger_e2e.py (bounded, through the mini LB),
-test/srt/test_gateway.py (bounded, through the Rust gateway) and `python -m
+Used by test/srt/verdict/test_room_ledger_e2e.py (bounded, through the mini LB),
+test/srt/gateway/test_gateway.py (bounded, through the Rust gateway) and `python -m
 testing.soak [--balancer router]` (longer runs against a fresh deployment).
 """
 

@@ -72,13 +72,15 @@ PAUSED_ABORT_REASON = UPSTREAM_ABORT_REASON + " while prefill was paused (room {
 
 # ----------------------------------------------------------------------------- the per-request record
 
-ATTR = "fork_state"  # the one attribute the fork sets on a request (upstream's Req, decode's DecodeRequest.req)
+ATTR = "fork_state"  # the one attribute the fork sets on a request (upstream's Req, decode's DecodeRequest.req,
+# the tokenizer's ReqState)
 
 
 @dataclass
 class ReqState:
-    """All the fork keeps on one request, each field written by the module named (scheduler thread) and read by the
-    verdict / the modules named. Created at first write (`of`); a request without one has none of them."""
+    """All the fork keeps on one request, each field written by the module named (scheduler thread; the gate's two
+    on the tokenizer's event loop) and read by the verdict / the modules named. Created at first write (`of`); a
+    request without one has none of them."""
 
     deadline: Optional[str] = None  # transfer_deadline: its message; the request is answered 504
     pause: Optional[str] = None  # pd_pause: the pause's or a release's message that ended it
@@ -89,6 +91,9 @@ class ReqState:
     handshake_wait_since: Optional[float] = None  # peer_liveness: first seen waiting for decode's handshake
     lost_decode: Optional[str] = None  # peer_liveness: the message ending it (no decode took it, its decode lost)
     told: Optional["Told"] = None  # room_ledger.prepare_abort_verdict: what the room's ender told of why (its ledger)
+    # On the tokenizer's request state (upstream's tokenizer_manager.ReqState), by pause_gate (tokenizer event loop):
+    at_gate: Optional[bool] = None  # waiting at the pause gate now (False: passed it; None: never reached it)
+    gate_abort: Optional[str] = None  # the answer of an abort that reached it while it waited at the gate
 
 
 def of(req: Any) -> ReqState:

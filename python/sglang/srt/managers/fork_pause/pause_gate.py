@@ -15,21 +15,19 @@ import time
 from typing import Any, Dict, List, Optional, Tuple
 
 from sglang.srt.constants import HEALTH_CHECK_RID_PREFIX
-from sglang.srt.disaggregation.fork_ending import room_ledger
+from sglang.srt.disaggregation.fork_ending import room_ledger, verdict
 from sglang.srt.managers.fork_pause import pd_pause
-from sglang.srt.managers.fork_pause.engine_pause_state import state_of
+from sglang.srt.managers.fork_pause.engine_pause_state import PAUSE, state_of
 from sglang.srt.managers.io_struct import AbortReq
 
 logger = logging.getLogger(__name__)
 
 ATTR = "fork_pause_gate"  # on the tokenizer manager: its PauseGate
-_MARK = "_fork_gate_abort"  # on a ReqState: the abort's message
-_AT_GATE = "_fork_at_gate"  # on a ReqState: waiting at the pause gate now (False: passed it)
 
 
 class PauseGate:
-    """The gate's marks on the tokenizer's request states (`_AT_GATE`: where each is; `_MARK`: an abort's answer)
-    and the closing / opening of upstream's gate."""
+    """The gate's marks on the tokenizer's request states, in each one's record (`verdict.of(state)`: `at_gate`,
+    where it is; `gate_abort`, an abort's answer), and the closing / opening of upstream's gate."""
 
     def __init__(self, tokenizer_manager: Any):
         self.tm = tokenizer_manager
@@ -38,7 +36,7 @@ class PauseGate:
         """Open when not paused, or for an aborted request (notes who waits)."""
         is_open = not self.tm.is_pause or gate_aborted(request_states)
         for state in request_states.values():
-            state.__dict__[_AT_GATE] = not is_open
+            verdict.of(state).at_gate = not is_open
         return is_open
 
     async def set(self, closed: Optional[bool] = None) -> None:
@@ -54,9 +52,9 @@ class PauseGate:
                  else "while the engine was paused")
         why = f"Aborted by {'abort_all' if abort_all else 'the client'} {where} (rid={{rid}})."
         hits = {state_rid: s for state_rid, s in list(self.tm.rid_to_state.items())
-                if (abort_all or state_rid == rid) and getattr(s, _MARK, None) is None}
+                if (abort_all or state_rid == rid) and verdict.peek(s).gate_abort is None}
         for state_rid, s in hits.items():
-            setattr(s, _MARK, why.format(rid=state_rid))
+            verdict.of(s).gate_abort = why.format(rid=state_rid)
         logger.info("pd_pause: abort while paused (rid=%r, all=%s): %s", rid, abort_all,
                     "waking the pause gate" if hits else "no request state")
         return bool(hits)
@@ -65,12 +63,13 @@ class PauseGate:
         """What generate_request yields for a request aborted at the gate (its states are dropped: nothing was sent
         to the scheduler). A batch ends whole: sub-requests not aborted by name get the same abort."""
         tm = self.tm
-        first = next(getattr(s, _MARK) for s in request_states.values() if getattr(s, _MARK, None) is not None)
+        first = next(verdict.peek(s).gate_abort for s in request_states.values()
+                     if verdict.peek(s).gate_abort is not None)
         outs = []
         for index, (rid, state) in enumerate(request_states.items()):
             if tm.rid_to_state.get(rid) is state:
                 del tm.rid_to_state[rid]
-            reason = {"type": "abort", "message": getattr(state, _MARK, None) or first, "status_code": None}
+            reason = {"type": "abort", "message": verdict.peek(state).gate_abort or first, "status_code": None}
             meta = {"id": rid, "finish_reason": reason, "prompt_tokens": 0, "completion_tokens": 0,
                     "cached_tokens": 0, "e2e_latency": 0.0}
             # upstream's answer to an abort that produced nothing
@@ -84,7 +83,7 @@ class PauseGate:
 
     def held(self) -> int:
         """Requests waiting at the gate now."""
-        return sum(1 for state in list(self.tm.rid_to_state.values()) if state.__dict__.get(_AT_GATE))
+        return sum(1 for state in list(self.tm.rid_to_state.values()) if verdict.peek(state).at_gate)
 
     def client_states(self) -> List[Tuple[str, Any]]:
         """(rid, state) of the requests in the tokenizer that a client sent: health probes aside (`/health`,
@@ -95,7 +94,7 @@ class PauseGate:
     def client_requests_running(self) -> List[str]:
         """Rids of requests a client sent that are still running: not a health probe (the scheduler ends one on
         release), not answered, not held at the pause gate (nothing of it reached the scheduler)."""
-        return [rid for rid, s in self.client_states() if not s.finished and not s.__dict__.get(_AT_GATE)]
+        return [rid for rid, s in self.client_states() if not s.finished and not verdict.peek(s).at_gate]
 
     async def client_requests_settled(self, timeout: float) -> List[str]:
         """Client requests still running after waiting up to `timeout` for them to end (bounded poll)."""
@@ -111,7 +110,7 @@ class PauseGate:
         scheduler drops a probe (upstream: "ongoing requests already carry health info"), so it is never answered;
         its /health(_generate) handler holds it, and the model-update reader lock, until its 1 s sleep ends, and
         the abort_all sent before the pause's answer ends it too if it did reach the scheduler."""
-        return [s for _, s in self.client_states() if s.__dict__.get(_AT_GATE) is False]
+        return [s for _, s in self.client_states() if verdict.peek(s).at_gate is False]
 
 
 def gate_of(tokenizer_manager) -> PauseGate:
@@ -129,9 +128,9 @@ def tm_abort_request(original, tokenizer_manager, rid: str = "", abort_all: bool
     abort_all a pause_generation repeats (as upstream: served after continue). The abort_all an abort-mode pause
     repeats goes out named (the pause's message, end cause pause) instead of upstream's bare one, so a bare
     abort_all is always a client's: the scheduler answers what it reaches as the client's (keep_abort_verdict)."""
-    state = state_of(tokenizer_manager)
-    pausing = abort_all and state.busy == "pause_generation"
-    if pausing and state.busy_mode == "abort":
+    call = state_of(tokenizer_manager).call
+    pausing = abort_all and call is not None and call.op == PAUSE
+    if pausing and call.mode == "abort":
         reason = pd_pause.pause_finish_reason()
         tokenizer_manager._dispatch_to_scheduler(AbortReq(abort_all=True, finished_reason=reason))
         return None
@@ -150,7 +149,7 @@ def gate_open(tokenizer_manager, request_states: Dict[str, Any]) -> bool:
 
 
 def gate_aborted(request_states: Dict[str, Any]) -> bool:
-    return any(getattr(s, _MARK, None) is not None for s in request_states.values())
+    return any(verdict.peek(s).gate_abort is not None for s in request_states.values())
 
 
 def gate_abort_answers(tokenizer_manager, obj: Any, request_states: Dict[str, Any]) -> List[Any]:

@@ -12,7 +12,7 @@ import asyncio
 import contextvars
 
 from sglang.srt.managers.fork_core import fork_touch
-from sglang.srt.managers.fork_pause.engine_pause_state import state_of
+from sglang.srt.managers.fork_pause.engine_pause_state import CONTINUE, PAUSE, RELEASE, RESUME, Effect, state_of
 from sglang.srt.managers.fork_pause.pause_gate import gate_of
 from sglang.srt.managers.fork_pause.resend_wait import resend_wait_of
 from sglang.srt.managers.io_struct import ContinueGenerationReqInput
@@ -23,52 +23,47 @@ RELEASE_SETTLE_S = 1.0
 
 
 def _guarded(op: str):
-    """AROUND the tokenizer manager's `op`: checked against the engine pause state first (a 409 changes nothing),
-    the gate closed by a release without a pause and opened by the resume that serves again."""
+    """AROUND the tokenizer manager's `op`: the engine pause state's row for it decides (a no-op answered at once,
+    a 409 changing nothing, a local transition, or upstream's call and then the transition); the gate is closed by
+    a release without a pause and opened by the resume that serves again."""
 
     async def around(original, tokenizer_manager, obj, *args, **kwargs):
         state, gate = state_of(tokenizer_manager), gate_of(tokenizer_manager)
-        mode = obj.mode if op == "pause_generation" else None
+        mode = obj.mode if op == PAUSE else None
         tags = getattr(obj, "tags", None)
-        if op == "continue_generation" and state.serving():
-            return None  # not paused: nothing to continue (upstream: a no-op too)
-        if op == "pause_generation" and state.mode is not None and mode == state.mode:
-            return None  # already paused in this mode: a no-op
+        if state.is_noop(op, mode):
+            return None  # continue while serving, a pause in the pause's mode (upstream: no-ops too)
         state.check(op, mode, tags)
-        if op == "release_memory_occupation" and state.mode is None:
-            # Only a release without a pause counts what is in flight; checked again after the wait (busy may change)
+        row = state.row(op, mode, tags)
+        if row.counts_in_flight:
+            # A release without a pause counts what is in flight; checked again after the wait (the state may move)
             state.check(op, mode, tags, await gate.client_requests_settled(RELEASE_SETTLE_S))
-            tokenizer_manager.is_pause = state.gate_closed_by_release = True  # hold new requests (no await since check)
-        if op == "resume_memory_occupation":
+            tokenizer_manager.is_pause = True  # hold new requests (no await since the check)
+        if op == RESUME:
             obj.tags = state.to_resume(state.resume_named(tags))
-        if op == "continue_generation" and state.released:
-            state.done(op)  # the scheduler stays paused (its memory is released) until that resume
+        if row.effect is Effect.LOCAL:
+            state.done(op)  # continue while released: the scheduler stays paused until the resume that serves again
             return None
-        state.busy, state.busy_mode = op, mode
+        state.begin(op, mode)
         try:
             result = None  # a resume of tags already resumed with kv_cache only is a no-op
-            if op != "resume_memory_occupation" or obj.tags:
-                pausing = _ABORT_PAUSE.set(tokenizer_manager if op == "pause_generation" else None)
+            if op != RESUME or obj.tags:
+                pausing = _ABORT_PAUSE.set(tokenizer_manager if op == PAUSE else None)
                 try:
                     result = await original(tokenizer_manager, obj, *args, **kwargs)
                 finally:
                     _ABORT_PAUSE.reset(pausing)
-            if op == "pause_generation" and mode == "abort":
+            if op == PAUSE and mode == "abort":
                 # Upstream ends every request in the tokenizer only: tell the scheduler, so it pauses too.
                 await tokenizer_manager._async_dispatch_to_scheduler(obj)
         except BaseException:
-            if op == "release_memory_occupation" and not state.released and state.mode is None:
-                state.gate_closed_by_release = False
+            if op == RELEASE and state.serving():  # nothing released, no pause: the gate this release closed opens
                 await gate.set(False)
             raise
         finally:
-            state.busy = state.busy_mode = None
-        state.done(op, mode, tags)
-        if op == "pause_generation":
-            state.gate_closed_by_release = False  # the pause owns the gate now
-        if state.gate_closed_by_release and state.serving():
+            state.ended()
+        if state.done(op, mode, tags).serves_again:
             # Everything resumed after a release without a pause: serve again (scheduler: a no-op unless retracted).
-            state.gate_closed_by_release = False
             await tokenizer_manager._async_dispatch_to_scheduler(ContinueGenerationReqInput(torch_empty_cache=False))
             await gate.set(False)
         return result
@@ -76,10 +71,10 @@ def _guarded(op: str):
     return around
 
 
-tm_pause_generation = _guarded("pause_generation")
-tm_continue_generation = _guarded("continue_generation")
-tm_release_memory_occupation = _guarded("release_memory_occupation")
-tm_resume_memory_occupation = _guarded("resume_memory_occupation")
+tm_pause_generation = _guarded(PAUSE)
+tm_continue_generation = _guarded(CONTINUE)
+tm_release_memory_occupation = _guarded(RELEASE)
+tm_resume_memory_occupation = _guarded(RESUME)
 
 
 # around_is_locked waits this long for every answer decided or the lock free (docs/pause-release-resume.md), not

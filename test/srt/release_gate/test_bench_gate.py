@@ -3,6 +3,7 @@ bounds, percentiles, the iteration count read from upstream's batch log lines, t
 README block, and the baseline's import stand-ins. Fast; starts no server (the bench
 itself is `make bench`, not part of the suite)."""
 
+import os
 import subprocess
 import sys
 
@@ -308,3 +309,30 @@ def test_hook_cost_runs_over_the_real_queues_at_small_counts():
     called = {r["stage"]: r["called"] for r in results if r["n"] == 40}
     assert called["transfer"] == {"sglang.srt.disaggregation.decode.DecodeTransferQueue.pop_transferred": 1,
                                   "sglang.srt.disaggregation.utils.poll_and_all_reduce": 1}
+
+
+def test_work_dir_is_removed_after_a_run_and_kept_when_it_failed_or_was_asked_for(tmp_path, monkeypatch, capsys):
+    """bench.work_dir (release_gate, rl_step, transfer): a run that reached its end (a return inside the block)
+    leaves nothing; one that raised, or --keep-logs, keeps the dir and names it on stderr."""
+    import tempfile
+
+    from bench.work_dir import work_dir
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+
+    def run(keep: bool, fail: bool) -> str:
+        with work_dir("sglang-bench-test-", keep) as work:
+            (work / "logs").mkdir()
+            if fail:
+                raise RuntimeError(str(work))
+            return str(work)
+
+    done = run(keep=False, fail=False)
+    assert done.startswith(str(tmp_path / "sglang-bench-test-")) and not os.path.exists(done)
+    assert capsys.readouterr().err == ""
+    kept = run(keep=True, fail=False)
+    assert os.path.isdir(os.path.join(kept, "logs")) and capsys.readouterr().err == f"logs kept in {kept}\n"
+    with pytest.raises(RuntimeError) as err:
+        run(keep=False, fail=True)
+    failed = str(err.value)
+    assert os.path.isdir(failed) and capsys.readouterr().err == f"logs kept in {failed}\n"

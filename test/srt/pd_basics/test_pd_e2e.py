@@ -35,7 +35,7 @@ MAX_NEW_TOKENS = 32
 # Generous for a 2-core machine (measured: ~2-12 s for the whole burst).
 BURST_DEADLINE_S = 90.0
 PD_ROLES = ("prefill", "decode")
-FORK_PLUGIN = Path(__file__).resolve().parents[2] / "python/sglang/srt/managers/fork_core/fork_plugin.py"
+FORK_PLUGIN = Path(__file__).resolve().parents[3] / "python/sglang/srt/managers/fork_core/fork_plugin.py"
 REPORT_HOOK = (
     "sglang.srt.managers.scheduler_components.internal_state."
     "SchedulerInternalStateController.get_internal_state"

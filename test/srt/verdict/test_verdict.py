@@ -16,7 +16,7 @@ pytestmark = pytest.mark.unit
 from sglang.srt.disaggregation.fork_ending import verdict
 from sglang.srt.disaggregation.fork_ending.verdict import Cause
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 SRT = ROOT / "python" / "sglang" / "srt"
 VERDICT = SRT / "disaggregation" / "fork_ending" / "verdict.py"
 
@@ -140,12 +140,13 @@ def test_message_wording_is_compared_only_in_the_verdict_module():
 
 
 def test_no_fork_attribute_is_set_on_a_request_outside_the_record():
-    """A request (upstream's Req, `req` / `request` / `decode_req.req` in the fork's code) carries one attribute,
-    `verdict.ATTR` (the record): no module sets another on it (setattr, an assignment, its __dict__)."""
+    """A request (upstream's Req, `req` / `request` / `decode_req.req` in the fork's code; the tokenizer's ReqState,
+    `s` / `state`) carries one attribute, `verdict.ATTR` (the record): no module sets another on it (setattr, an
+    assignment, its __dict__)."""
     found = []
 
     def is_request(node) -> bool:
-        return ((isinstance(node, ast.Name) and node.id in ("req", "request", "r"))
+        return ((isinstance(node, ast.Name) and node.id in ("req", "request", "r", "s", "state"))
                 or (isinstance(node, ast.Attribute) and node.attr == "req"))
 
     for path in fork_modules():

@@ -12,7 +12,7 @@ from fork_build.upstream import select_tag, upstream_wheel
 
 pytestmark = pytest.mark.unit
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ from fork_build.upstream import select_tag, upstream_wheel
 
 pytestmark = pytest.mark.unit
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 LOCK = read_lock(ROOT)
 SOURCES = ("pyproject.toml", "upstream.lock", "patches", "python", "build_backend")
 

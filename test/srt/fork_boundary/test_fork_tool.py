@@ -29,7 +29,7 @@ from fork_build.upstream import select_tag
 
 pytestmark = pytest.mark.unit
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 TOOL = ROOT / "tools" / "fork"
 LOCK = read_lock(ROOT)
 TAG = select_tag(LOCK)

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from sglang.srt.disaggregation.fork_ending import pd_queues
+from sglang.srt.disaggregation.fork_ending import pd_queues, verdict
 from sglang.srt.managers.fork_pause import engine_pause_state, pause_gate, pd_pause, scheduler_pause, tokenizer_pause
 from sglang.srt.managers.fork_pause.engine_pause_state import ALL_TAGS, EnginePauseState, PauseStateError
 
@@ -149,7 +149,7 @@ def test_unknown_mode_and_concurrent_call_are_rejected():
     s = EnginePauseState()
     with pytest.raises(PauseStateError, match="unknown mode 'sideways'.*running"):
         s.check("pause_generation", "sideways")
-    s.busy = "pause_generation"
+    s.begin("pause_generation", "abort")
     with pytest.raises(PauseStateError, match="pause_generation is in progress"):
         s.check("continue_generation")
     assert s.state == "running"
@@ -161,7 +161,7 @@ def test_pause_gate_opens_only_for_aborted_requests():
     tm.rid_to_state.update(waiting)
     assert not pause_gate.gate_open(tm, waiting)
     assert not pause_gate.gate_aborted(waiting)
-    waiting["b"]._fork_gate_abort = "Aborted by the client while the engine was paused (rid=b)."
+    verdict.of(waiting["b"]).gate_abort = "Aborted by the client while the engine was paused (rid=b)."
     assert pause_gate.gate_open(tm, waiting)
     # answered as upstream answers an abort: 200 body, finish_reason abort, the reason
     (out,) = pause_gate.gate_abort_answers(tm, SimpleNamespace(is_single=True), {"b": waiting["b"]})
@@ -233,8 +233,8 @@ def test_abort_pause_answers_once_every_answer_is_decided():
     async def scenario():
         lock = RWLock()
         running, gated, arriving = (SimpleNamespace(event=asyncio.Event()) for _ in range(3))
-        running.__dict__[pause_gate._AT_GATE] = False  # passed the gate (gate_open's mark)
-        gated.__dict__[pause_gate._AT_GATE] = True
+        verdict.of(running).at_gate = False  # passed the gate (gate_open's mark)
+        verdict.of(gated).at_gate = True
         # arriving: not at the gate yet (waits for the gate's lock the pause holds)
         tm = SimpleNamespace(rid_to_state={"run": running, "gate": gated, "new": arriving})
         for _ in range(2):  # the running request's handler; one writing a decided answer
@@ -278,7 +278,7 @@ def test_abort_pause_does_not_wait_for_a_health_probe_a_busy_scheduler_dropped()
         lock = RWLock()
         probe, running = SimpleNamespace(event=asyncio.Event()), SimpleNamespace(event=asyncio.Event())
         for state in (probe, running):
-            state.__dict__[pause_gate._AT_GATE] = False  # both passed the gate
+            verdict.of(state).at_gate = False  # both passed the gate
         tm = SimpleNamespace(rid_to_state={f"{HEALTH_CHECK_RID_PREFIX}_0f": probe, "rollout-1": running})
         for _ in range(2):  # the probe's handler and the running request's
             await lock.acquire_reader()
@@ -359,16 +359,212 @@ def test_the_abort_mode_pause_never_sends_a_bare_abort_all():
         tokenizer_manager._dispatch_to_scheduler(AbortReq(rid=rid, abort_all=abort_all))
 
     state = engine_pause_state.state_of(tm)
-    state.busy, state.busy_mode = "pause_generation", "abort"
+    state.begin("pause_generation", "abort")
     tm.is_pause = True
     for _ in range(3):  # upstream's repeats
         pause_gate.tm_abort_request(upstream_abort_request, tm, abort_all=True)
     assert [(r.abort_all, (r.finished_reason or {}).get("message")) for r in sent] == [
         (True, pd_pause.PAUSE_ABORT_MESSAGE)] * 3
     sent.clear()
-    state.busy, state.busy_mode, tm.is_pause = None, None, False
+    state.ended()
+    tm.is_pause = False
     pause_gate.tm_abort_request(upstream_abort_request, tm, abort_all=True)
     assert [(r.abort_all, r.finished_reason) for r in sent] == [(True, None)]
+
+
+# ----------------------------------------------------------------------------- every (state, call) pair
+
+# Each state reached from a fresh engine by calls the docs list (docs/pause-release-resume.md: "Engine state",
+# "Supported sequences"); the pause is in mode retract, the released tags are weights and kv_cache (cuda_graph not).
+REACH = {
+    "RUNNING": [],
+    "PAUSED": [("pause_generation", "retract", None)],
+    "RELEASED": [("release_memory_occupation", None, ["weights", "kv_cache"])],
+    "RELEASED_IN_PAUSE": [("pause_generation", "retract", None),
+                          ("release_memory_occupation", None, ["weights", "kv_cache"])],
+    "PAUSED_WHILE_RELEASED": [("release_memory_occupation", None, ["weights", "kv_cache"]),
+                              ("pause_generation", "retract", None)],
+    "RESUMED": [("pause_generation", "retract", None), ("release_memory_occupation", None, ["weights", "kv_cache"]),
+                ("resume_memory_occupation", None, None)],
+}
+CALLS = {
+    "pause (retract)": ("pause_generation", "retract", None),
+    "pause (in_place)": ("pause_generation", "in_place", None),
+    "continue": ("continue_generation", None, None),
+    "release [cuda_graph]": ("release_memory_occupation", None, ["cuda_graph"]),
+    "release [weights]": ("release_memory_occupation", None, ["weights"]),
+    "resume [weights]": ("resume_memory_occupation", None, ["weights"]),
+    "resume {}": ("resume_memory_occupation", None, None),
+}
+OTHER_MODE = "409 already paused in mode 'retract'; call continue_generation before pausing in another mode"
+# (state, call) -> (answer: 200 or the 409's words, upstream's call made, state after, its public name, gate reason).
+# Written from the docs' sequences, 409 table and "Per-tag state", not from the code.
+EXPECTED = {
+    ("RUNNING", "pause (retract)"): ("200", True, "PAUSED", "paused", "pause"),
+    ("RUNNING", "pause (in_place)"): ("200", True, "PAUSED", "paused", "pause"),
+    ("RUNNING", "continue"): ("200", False, "RUNNING", "running", None),  # no-op
+    ("RUNNING", "release [cuda_graph]"): ("200", True, "RELEASED", "released", "release"),
+    ("RUNNING", "release [weights]"): ("200", True, "RELEASED", "released", "release"),
+    ("RUNNING", "resume [weights]"): ("409 ['weights'] not released", False, "RUNNING", "running", None),
+    ("RUNNING", "resume {}"): ("409 nothing is released", False, "RUNNING", "running", None),
+
+    ("PAUSED", "pause (retract)"): ("200", False, "PAUSED", "paused", "pause"),  # same mode: no-op
+    ("PAUSED", "pause (in_place)"): (OTHER_MODE, False, "PAUSED", "paused", "pause"),
+    ("PAUSED", "continue"): ("200", True, "RUNNING", "running", None),
+    ("PAUSED", "release [cuda_graph]"): ("200", True, "RELEASED_IN_PAUSE", "released", "pause"),
+    ("PAUSED", "release [weights]"): ("200", True, "RELEASED_IN_PAUSE", "released", "pause"),
+    ("PAUSED", "resume [weights]"): ("409 ['weights'] not released", False, "PAUSED", "paused", "pause"),
+    ("PAUSED", "resume {}"): ("409 nothing is released", False, "PAUSED", "paused", "pause"),
+
+    ("RELEASED", "pause (retract)"): ("200", True, "PAUSED_WHILE_RELEASED", "released", "pause"),
+    ("RELEASED", "pause (in_place)"): ("200", True, "PAUSED_WHILE_RELEASED", "released", "pause"),
+    ("RELEASED", "continue"): ("200", False, "RELEASED", "released", "release"),  # requests stay held
+    ("RELEASED", "release [cuda_graph]"): ("200", True, "RELEASED", "released", "release"),
+    ("RELEASED", "release [weights]"): ("409 ['weights'] already released", False, "RELEASED", "released", "release"),
+    ("RELEASED", "resume [weights]"): ("200", True, "RELEASED", "released", "release"),  # kv_cache still released
+    ("RELEASED", "resume {}"): ("200", True, "RUNNING", "running", None),  # serves with no continue_generation
+
+    ("RELEASED_IN_PAUSE", "pause (retract)"): ("200", False, "RELEASED_IN_PAUSE", "released", "pause"),
+    ("RELEASED_IN_PAUSE", "pause (in_place)"): (OTHER_MODE, False, "RELEASED_IN_PAUSE", "released", "pause"),
+    ("RELEASED_IN_PAUSE", "continue"): ("200", False, "RELEASED", "released", "release"),  # the pause ends, held
+    ("RELEASED_IN_PAUSE", "release [cuda_graph]"): ("200", True, "RELEASED_IN_PAUSE", "released", "pause"),
+    ("RELEASED_IN_PAUSE", "release [weights]"): ("409 ['weights'] already released", False, "RELEASED_IN_PAUSE",
+                                                 "released", "pause"),
+    ("RELEASED_IN_PAUSE", "resume [weights]"): ("200", True, "RELEASED_IN_PAUSE", "released", "pause"),
+    ("RELEASED_IN_PAUSE", "resume {}"): ("200", True, "RESUMED", "resumed", "pause"),
+
+    ("PAUSED_WHILE_RELEASED", "pause (retract)"): ("200", False, "PAUSED_WHILE_RELEASED", "released", "pause"),
+    ("PAUSED_WHILE_RELEASED", "pause (in_place)"): (OTHER_MODE, False, "PAUSED_WHILE_RELEASED", "released", "pause"),
+    ("PAUSED_WHILE_RELEASED", "continue"): ("200", False, "RELEASED", "released", "release"),
+    ("PAUSED_WHILE_RELEASED", "release [cuda_graph]"): ("200", True, "RELEASED_IN_PAUSE", "released", "pause"),
+    ("PAUSED_WHILE_RELEASED", "release [weights]"): ("409 ['weights'] already released", False,
+                                                     "PAUSED_WHILE_RELEASED", "released", "pause"),
+    ("PAUSED_WHILE_RELEASED", "resume [weights]"): ("200", True, "PAUSED_WHILE_RELEASED", "released", "pause"),
+    # released before this pause: "resumed" names a pause whose own release was resumed
+    ("PAUSED_WHILE_RELEASED", "resume {}"): ("200", True, "PAUSED", "paused", "pause"),
+
+    ("RESUMED", "pause (retract)"): ("200", False, "RESUMED", "resumed", "pause"),
+    ("RESUMED", "pause (in_place)"): (OTHER_MODE, False, "RESUMED", "resumed", "pause"),
+    ("RESUMED", "continue"): ("200", True, "RUNNING", "running", None),
+    ("RESUMED", "release [cuda_graph]"): ("200", True, "RELEASED_IN_PAUSE", "released", "pause"),
+    ("RESUMED", "release [weights]"): ("200", True, "RELEASED_IN_PAUSE", "released", "pause"),
+    ("RESUMED", "resume [weights]"): ("409 ['weights'] not released", False, "RESUMED", "resumed", "pause"),
+    ("RESUMED", "resume {}"): ("409 nothing is released", False, "RESUMED", "resumed", "pause"),
+}
+
+
+def _engine():
+    """A tokenizer manager as the pause calls see it, with upstream's calls recorded (pause and continue set its
+    gate as upstream's do); `call` runs one through the fork's hook: (answer, upstream calls made)."""
+    import asyncio
+
+    from sglang.srt.managers import io_struct
+
+    tm = SimpleNamespace(rid_to_state={}, is_pause=False, is_pause_cond=asyncio.Condition(), upstream=[])
+
+    async def dispatch(obj):
+        tm.upstream.append(f"scheduler: {type(obj).__name__}")
+
+    tm._async_dispatch_to_scheduler = dispatch
+    objs = {"pause_generation": lambda mode, tags: io_struct.PauseGenerationReqInput(mode=mode),
+            "continue_generation": lambda mode, tags: io_struct.ContinueGenerationReqInput(),
+            "release_memory_occupation": lambda mode, tags: io_struct.ReleaseMemoryOccupationReqInput(tags=tags),
+            "resume_memory_occupation": lambda mode, tags: io_struct.ResumeMemoryOccupationReqInput(tags=tags)}
+
+    async def call(op, mode, tags):
+        async def original(tokenizer_manager, obj):
+            tm.upstream.append(op)
+            if op in ("pause_generation", "continue_generation"):
+                tm.is_pause = op == "pause_generation"
+
+        del tm.upstream[:]
+        hook = getattr(tokenizer_pause, f"tm_{op}")
+        try:
+            await hook(original, tm, objs[op](mode, tags))
+        except PauseStateError as err:
+            assert err.status_code == 409
+            return f"409 {err.detail}", list(tm.upstream)
+        return "200", list(tm.upstream)
+
+    return tm, call
+
+
+@pytest.mark.parametrize("pair", sorted(EXPECTED), ids=lambda p: f"{p[0]}-{p[1]}")
+def test_every_state_answers_every_call_as_the_docs_say(pair):
+    """Every (state, call) pair through the fork's hooks: the answer (200 or the 409's words, the state named),
+    whether upstream was called, the state after, its public name, why the pause gate is closed; a 409 changes
+    nothing; the resume that serves again after a release without a pause continues the scheduler."""
+    import asyncio
+
+    phase, name = pair
+    answer, calls_upstream, after, public, gate = EXPECTED[pair]
+
+    async def run():
+        tm, call = _engine()
+        for step in REACH[phase]:
+            assert (await call(*step))[0] == "200", step
+        state = engine_pause_state.state_of(tm)
+        assert state.phase.name == phase
+        before, named = state.as_dict(), state.named()
+        got, upstream = await call(*CALLS[name])
+        return tm, state, before, named, got, upstream
+
+    tm, state, before, named, got, upstream = asyncio.run(run())
+    if answer == "200":
+        assert got == "200", got
+    else:
+        why, _, hint = answer[len("409 "):].partition("; ")
+        assert got.startswith(f"409 {CALLS[name][0]} rejected: {why}; {named}"), got
+        assert hint in got and state.as_dict() == before, got  # nothing changed
+    assert any(c == CALLS[name][0] for c in upstream) is calls_upstream, upstream
+    assert (state.phase.name, state.state, state.gate_reason(), state.call) == (after, public, gate, None)
+    assert tm.is_pause is (gate is not None)
+    assert ("scheduler: ContinueGenerationReqInput" in upstream) is (pair == ("RELEASED", "resume {}"))
+
+
+def test_every_state_has_a_row_for_every_call_but_a_pause_in_another_mode():
+    """The walk above covers each state and each call; the transition table has a row for each pair it answers
+    200 and none for a pause in another mode (the only 409 a row's absence gives; the others are the tags')."""
+    table = engine_pause_state.TRANSITIONS
+    assert {p.name for p in engine_pause_state.Phase} == set(REACH)
+    assert {(s, c) for s in REACH for c in CALLS} == set(EXPECTED)
+    missing = {(p.name, e.name) for p in engine_pause_state.Phase for e in engine_pause_state.Event
+               if (p, e) not in table}
+    paused = {"PAUSED", "RELEASED_IN_PAUSE", "PAUSED_WHILE_RELEASED", "RESUMED"}
+    assert missing == ({(p, "PAUSE") for p in paused} | {(p, "PAUSE_AGAIN") for p in ("RUNNING", "RELEASED")}
+                       | {(p, "RESUME_SOME") for p in ("RUNNING", "PAUSED", "RESUMED")})
+
+
+def test_a_call_in_progress_refuses_every_other_change():
+    """While upstream runs a call (here a pause), every other call that would change something is a 409 naming it
+    and changes nothing; continue on a running engine stays upstream's no-op."""
+    import asyncio
+
+    from sglang.srt.managers.io_struct import PauseGenerationReqInput
+
+    async def run():
+        tm, call = _engine()
+        held = asyncio.get_running_loop().create_future()
+
+        async def slow_pause(tokenizer_manager, obj):
+            tokenizer_manager.is_pause = True
+            await held
+
+        pausing = asyncio.ensure_future(tokenizer_pause.tm_pause_generation(
+            slow_pause, tm, PauseGenerationReqInput(mode="retract")))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        state = engine_pause_state.state_of(tm)
+        assert (state.busy, state.gate_reason()) == ("pause_generation", "pause")
+        answers = {name: (await call(*args))[0] for name, args in CALLS.items()}
+        held.set_result(None)
+        await pausing
+        return state, answers
+
+    state, answers = asyncio.run(run())
+    busy = "409 {op} rejected: pause_generation is in progress (engine state: running)"
+    assert answers == {name: "200" if name == "continue" else busy.format(op=CALLS[name][0]) for name in CALLS}
+    assert (state.state, state.mode, state.call) == ("paused", "retract", None)
 
 
 # ----------------------------------------------------------------------------- release after a finished rollout
