@@ -171,6 +171,16 @@ class _Worker:
         with self.h.active():
             scheduler_pause.pause_of(self.h.scheduler).abort_all_and_drain(message)
 
+    def end_room(self, room: int, reason: str, cause: Optional[str] = None, message: Optional[str] = None) -> None:
+        """End the room through the ledger (`RoomLedger.end`, as the fork's modules do), its failure `reason` told to
+        the peer with the cause named `cause` (a verdict.Cause name, and its `message`), or without one (as a peer of
+        an older build or stock upstream tells it)."""
+        from sglang.srt.disaggregation.fork_ending import room_ledger, verdict
+
+        told = None if cause is None else verdict.Told(verdict.Cause[cause], message)
+        with self.h.active():
+            room_ledger.end_room(self.h.kv_manager, room, None, reason, told=told)
+
     def cancelled_rooms(self) -> Optional[int]:
         """Peer cancellations this side remembers (disaggregation.fork_ending.room_ledger)."""
         from sglang.srt.disaggregation.fork_ending import room_ledger

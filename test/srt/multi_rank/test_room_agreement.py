@@ -52,12 +52,19 @@ def _manager():
             self.failure_lock = threading.Lock()
             self.deferred_bootstrap = None
             self.told = []  # Failed statuses sent to decode: (room, reason)
+            self.causes = []  # the ledger's PEER_CAUSE messages sent to decode (frames)
 
         def _room_notify_targets(self, room):
             return [("127.0.0.1", 7000)]
 
         def send_kv_status_message(self, targets, bootstrap_room, status, failure_reason=None):
             self.told.append((bootstrap_room, failure_reason))
+
+        def _prefill_unique_rank(self):
+            return 0
+
+        def _send_multipart_locked(self, endpoint, frames, is_ipv6=False):  # the ledger's cause message, before
+            self.causes.append(frames)
 
     mgr = Manager()
     mgr.__dict__[ATTR] = RoomLedger(mgr)
@@ -178,3 +185,19 @@ def test_agreed_is_rank_0s_unless_a_higher_rank_outranks_it():
     one = agreed([Known(None, ("timeout", None), DEADLINE), Known(None, ("transport", None), "other")])
     assert (one.tag, one.late) == (("timeout", None), DEADLINE)  # rank order: rank 0 decides deadlines
     assert agreed([None, None]) == Known(None, None, None)
+
+
+def test_the_cause_told_with_a_reason_is_agreed_with_it():
+    """Every rank answers by, and tells decode, the cause that came with the agreed reason (the rank that chose it),
+    whatever the reason's text reads as; a told peer's abort ranks last as its text would."""
+    from sglang.srt.disaggregation.fork_ending.verdict import Cause, Told
+
+    paused = Told(Cause.PEER_PAUSE, "Aborted by pause_generation(mode=abort).")
+    echo = "PD request aborted on decode: bootstrap_room=11 was aborted by the decode peer."
+    one = agreed([Known("not an abort by its text", None, None, Told(Cause.PEER_ABORT)),
+                  Known(KV_FAILED, None, None)])
+    assert (one.reason, one.told) == (KV_FAILED, None)  # a told abort ranks last: the failed write wins, no cause
+    one = agreed([Known(echo, None, None, paused), Known(echo + " ", None, None)])
+    assert (one.reason, one.told) == (echo, paused)  # rank 0's reason, with its cause
+    one = agreed([None, Known(None, None, DEADLINE, None, Told(Cause.PEER_DEADLINE))])
+    assert (one.late, one.late_told) == (DEADLINE, Told(Cause.PEER_DEADLINE))

@@ -184,3 +184,54 @@ def test_abort_of_a_room_only_decode_handshake_created(pair):
         assert pair.prefill.call("room_entries", room) == []
         assert (pair.prefill.call("snapshot"), pair.decode.call("snapshot")) == pair.idle
     _served(pair)
+
+
+# A failure reason that names the pause (a peer's pause, by its text) told with another cause: the field decides.
+def _misleading(room):
+    from sglang.srt.disaggregation.fork_ending import verdict
+
+    return verdict.peer_reason("r", room, "prefill", verdict.PAUSE_ABORT_MESSAGE)
+
+
+def _ended_by_prefill(pair, cause):
+    """A request both sides hold, prefill's room waiting for its input; prefill ends it with `_misleading`'s reason
+    and `cause` (None: no cause frame, as a prefill of an older build or stock upstream); (decode's answer, the
+    seconds it took, decode's new end causes)."""
+    kept = pair.prefill.call("cancelled_rooms")  # an earlier test's cancellation stays until it expires
+    room = pair.submit(prompt_len=12)
+    pair.run_until(lambda: pair.prefill.call("kv_status", room) == "WaitingForInput", timeout=60)
+    causes = pair.decode.call("end_causes")
+    pair.prefill.call("end_room", room, _misleading(room), cause)
+    took = pair.run_until(lambda: pair.decode.call("final_reason", room) is not None
+                          and pair.prefill.call("final_reason", room) is not None, timeout=60)
+    after = pair.decode.call("end_causes")
+    new = {k: v - causes.get(k, 0) for k, v in after.items() if v != causes.get(k, 0)}
+    # decode keeps the pages until prefill acknowledges the drain of its ABORT (a tick or two)
+    pair.run_until(lambda: pair.decode.call("room_entries", room) == []
+                   and pair.decode.call("snapshot") == pair.idle[1], timeout=ANSWER_S)
+    assert pair.prefill.call("room_entries", room) == [] and pair.decode.call("room_entries", room) == []
+    assert_pair_idle(pair)
+    assert pair.prefill.call("cancelled_rooms") == kept
+    return room, pair.decode.call("final_reason", room), took, new
+
+
+def test_the_told_cause_decides_over_the_reason_text(pair):
+    """Prefill tells decode the cause as a field (its PEER_CAUSE message before the Failed status): a reason whose
+    text reads as the peer's pause but whose cause is the peer's abort is answered as a client abort."""
+    room, answer, took, causes = _ended_by_prefill(pair, "PEER_ABORT")
+    assert took < ANSWER_S, took
+    assert pair.decode.call("status", room) is None and answer["type"] == "abort", answer
+    assert answer["message"] == "Aborted by the client.", answer
+    assert [k for k in causes if "/client_abort/" in f"/{k}/"], causes
+    _served(pair)
+
+
+def test_without_a_cause_frame_the_reason_text_is_read(pair):
+    """A prefill that sends no cause (an older fork build, stock upstream): decode reads the reason's text as before,
+    here the peer's pause."""
+    room, answer, took, causes = _ended_by_prefill(pair, None)
+    assert took < ANSWER_S, took
+    assert pair.decode.call("status", room) is None and answer["type"] == "abort", answer
+    assert answer["message"] == "Aborted by pause_generation(mode=abort).", answer
+    assert [k for k in causes if "/pause/" in f"/{k}/"], causes
+    _served(pair)

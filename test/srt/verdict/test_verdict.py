@@ -182,3 +182,53 @@ def test_only_the_ledger_records_or_drops_a_room_failure():
                     and node.func.value.attr == "failure_records"):
                 found.append(f"{path.relative_to(ROOT)}:{node.lineno} {ast.unparse(node.func)}")
     assert not found, "\n".join(found)
+
+
+# ----------------------------------------------------------------------------- the cause as a field
+
+
+def test_a_told_cause_decides_over_misleading_text():
+    """The room's told cause (the record's `told`, moved there from the ledger) wins over a reason whose text reads as
+    another row: a reason naming the peer's pause, told as the peer's abort, is a client abort."""
+    req = _req(told=verdict.Told(Cause.PEER_ABORT))
+    assert verdict.find(req, PEER_PAUSE) is Cause.PEER_ABORT
+    assert verdict.verdict(req, PEER_PAUSE, 500) == (verdict.CLIENT_ABORT_MESSAGE, None, verdict.CLIENT_ABORT)
+    # the message of a told pause is the field's, whatever the text says
+    req = _req(told=verdict.Told(Cause.PEER_PAUSE, verdict.RELEASE_NO_PAUSE_MESSAGE))
+    assert verdict.verdict(req, "Failed to send kv chunk", 500) == (verdict.RELEASE_NO_PAUSE_MESSAGE, None, verdict.PAUSE)
+    # without a told cause, the same text is read as before (a peer of an older build, stock upstream)
+    assert verdict.verdict(_req(), PEER_PAUSE, 500) == (verdict.PAUSE_ABORT_MESSAGE, None, verdict.PAUSE)
+
+
+def test_the_cause_frames_round_trip_and_an_older_peer_falls_back():
+    from sglang.srt.disaggregation.common.conn import ABORT_TAG, AbortNotification
+    from sglang.srt.disaggregation.fork_ending import room_ledger
+
+    note = AbortNotification(room=7, decode_ip="10.0.0.2", decode_port=7000, generation=3)
+    upstreams = [ABORT_TAG, b"7", b"10.0.0.2", b"7000", b"3"]  # upstream's to_zmq (the fork's hook may wrap it)
+    frames = room_ledger.abort_frames(upstreams, verdict.PAUSE_ABORT_MESSAGE)
+    # stock upstream prefill: the fork's frames after the generation are not read
+    assert AbortNotification.from_zmq(frames) == note
+    ours, why, told = room_ledger.split_abort(frames)
+    assert (ours, why, told) == (upstreams, verdict.PAUSE_ABORT_MESSAGE,
+                                 verdict.Told(Cause.PEER_PAUSE, verdict.PAUSE_ABORT_MESSAGE))
+    assert room_ledger.split_abort(room_ledger.abort_frames(upstreams, None))[2] == verdict.Told(Cause.PEER_ABORT)
+    # an older fork build: the why, no cause; stock upstream: neither (the reason's text is read)
+    older = list(upstreams) + [room_ledger.WHY_FRAME, verdict.PAUSE_ABORT_MESSAGE.encode()]
+    assert room_ledger.split_abort(older) == (upstreams, verdict.PAUSE_ABORT_MESSAGE, None)
+    assert room_ledger.split_abort(upstreams) == (upstreams, None, None)
+    # a cause this build does not know, or one only this side's record holds: read as none
+    assert verdict.Told.from_frames([b"NEWER_CAUSE", b""]) is None
+    assert verdict.Told.from_frames([b"DEADLINE", b""]) is None
+
+
+def test_no_fork_attribute_is_set_on_a_receiver_or_request():
+    """`grep -rn "_fork_\\w* = "` over the fork's modules finds no attribute set on a request or a receiver: what
+    the fork keeps of one is in the request's record or the ledger's entry for it (pause_gate's mark on the
+    tokenizer's request states is its own)."""
+    import re
+
+    found = [f"{p.relative_to(ROOT)}:{n}: {line.strip()}"
+             for p in fork_modules() + [VERDICT] for n, line in enumerate(p.read_text().splitlines(), 1)
+             if re.search(r"\b(req|request|receiver|sender|decode_req)\w*\._fork_\w* = ", line)]
+    assert not found, "\n".join(found)

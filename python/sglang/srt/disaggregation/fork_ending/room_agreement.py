@@ -16,7 +16,7 @@ from typing import Any, List, NamedTuple, Optional, Sequence, Tuple
 
 from sglang.srt.disaggregation.fork_ending import request_end_cause as end_cause
 from sglang.srt.disaggregation.fork_ending.room_ledger import ledger_of
-from sglang.srt.disaggregation.fork_ending.verdict import reason_weight
+from sglang.srt.disaggregation.fork_ending.verdict import Told, reason_weight
 from sglang.srt.managers.fork_core.rank_agreement import gather, group_size
 from sglang.srt.managers.fork_core.fork_touch import upstream
 
@@ -27,11 +27,14 @@ COUNTS: Counter = Counter()  # "gathers": collectives made in this process; "roo
 
 class Known(NamedTuple):
     """What one rank knows of a failed room: its failure record, its end-cause tag (cause, peer), the reason a
-    late handshake for it is answered with."""
+    late handshake for it is answered with; the cause each of the two came with (the peer's frames, this side's
+    `end`), so every rank answers and tells the same one."""
 
     reason: Optional[str]
     tag: Optional[Tuple[str, Optional[str]]]
     late: Optional[str]
+    told: Optional[Told] = None
+    late_told: Optional[Told] = None
 
 
 def _room_of(poller: Any) -> Tuple[Any, Optional[int]]:
@@ -50,8 +53,9 @@ def known(poller: Any) -> Optional[Known]:
     with mgr.failure_lock:
         reason = mgr.failure_records.get(room)
     ledger = ledger_of(mgr)
-    late = None if ledger is None else ledger.late_answer(room)
-    found = Known(reason, end_cause.room_tag(mgr, room), late)
+    late, late_told = (None if ledger is None else ledger.late(room)) or (None, None)
+    told = None if ledger is None or reason is None else ledger.told_with(room)
+    found = Known(reason, end_cause.room_tag(mgr, room), late, told, late_told)
     return found if any(found) else None
 
 
@@ -59,11 +63,11 @@ def agreed(by_rank: Sequence[Optional[Known]]) -> Known:
     """One Known from every rank's (rank order), the same on every rank: the reason of the lowest rank among those
     of the strongest kind (`verdict.reason_weight`), the first tag and the first late answer in rank order (rank 0 decides
     deadlines)."""
-    reasons = [(reason_weight(k.reason), rank, k.reason) for rank, k in enumerate(by_rank) if k is not None and k.reason]
-    reason = min(reasons)[2] if reasons else None
+    reasons = [(reason_weight(k.reason, k.told), rank) for rank, k in enumerate(by_rank) if k is not None and k.reason]
+    chosen = by_rank[min(reasons)[1]] if reasons else None
     tag = next((k.tag for k in by_rank if k is not None and k.tag), None)
-    late = next((k.late for k in by_rank if k is not None and k.late), None)
-    return Known(reason, tag, late)
+    late = next((k for k in by_rank if k is not None and k.late), None)
+    return Known(chosen and chosen.reason, tag, late and late.late, chosen and chosen.told, late and late.late_told)
 
 
 def adopt(poller: Any, by_rank: Sequence[Optional[Known]]) -> None:
@@ -79,22 +83,24 @@ def adopt(poller: Any, by_rank: Sequence[Optional[Known]]) -> None:
     mgr, room = _room_of(poller)
     if mgr is None:
         return
-    reason, tag, late = agreed(by_rank)
+    reason, tag, late, told, late_told = agreed(by_rank)
     if tag is not None:
         end_cause.retag(mgr, room, *tag)
     ledger = ledger_of(mgr)
     if late is not None and ledger is not None:
-        ledger.remember(room, late)
+        ledger.remember(room, late, told=late_told)
     if reason:
         with mgr.failure_lock:  # only while the room exists (a cleared room's record would reach its next request)
             if room in mgr.request_status:
                 mgr.failure_records[room] = reason
+                if ledger is not None:  # the cause the agreed record came with, with it
+                    ledger.keep_told(room, told, reason)
     learned = mgr.request_status.get(room) not in (None, KVPoll.Failed)
     if learned and ledger is not None and upstream(mgr, "disaggregation_mode") == DisaggregationMode.PREFILL:
         # remembered (unless a late answer was agreed above): decode's handshake may reach this rank only after its
         # sender is cleared (decode TP 1 handshakes each prefill rank on its own socket), and would otherwise open
         # the room again with no sender to close it
-        ledger.end(room, None, reason or OTHER_RANK_REASON, fail=False, remember=late is None)
+        ledger.end(room, None, reason or OTHER_RANK_REASON, fail=False, remember=late is None, told=told if reason else None)
 
 
 def share_failures(pollers: Sequence[Any], polls: Sequence[int], group: Any) -> None:

@@ -8,14 +8,17 @@ from __future__ import annotations
 import logging
 import sys
 import threading
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from sglang.srt.disaggregation.fork_ending import pd_queues, request_end_cause as end_cause, verdict as table
 from sglang.srt.disaggregation.fork_ending.engine_clock import engine_clock
-from sglang.srt.disaggregation.fork_ending.teller import ENDED_ON_PREFILL, tell_prefill
-from sglang.srt.disaggregation.fork_ending.verdict import CANCEL_REASON, DECODE_ABORT_REASON, peer_reason, with_why
+from sglang.srt.disaggregation.fork_ending.teller import (CAUSE_FRAME, ENDED_ON_PREFILL, tell_prefill, told_frames,
+                                                          told_in)
+from sglang.srt.disaggregation.fork_ending.verdict import (CANCEL_REASON, DECODE_ABORT_REASON, Told, peer_reason,
+                                                           told_for, with_why)
 from sglang.srt.disaggregation.base import KVPoll
 from sglang.srt.environ import envs
 from sglang.srt.managers.fork_core import fork_touch
@@ -27,8 +30,14 @@ logger = logging.getLogger(__name__)
 ATTR = "fork_room_ledger"
 MAX_RECORDS = 65536
 NEVER = float("inf")
-# Decode appends [WHY_FRAME, message] to the ABORT of a room its pause or a release ended; prefill strips them.
+# Decode appends [WHY_FRAME, message] to the ABORT of a room its pause or a release ended (read by older fork builds),
+# then its cause (teller.CAUSE_FRAME, to every ABORT: `abort_frames`); prefill strips them before upstream's handler.
 WHY_FRAME = b"fork-why"
+# Prefill tells decode a room's cause as a message of its own, right before the Failed status (upstream's frame, left
+# as it is) on the same socket: [PEER_CAUSE, room, prefill rank, cause name, message] (`RoomLedger.end`). A decode of
+# an older build or stock upstream drops it as an unparsable status (mooncake logs a warning; nixl/mori: a tag mismatch).
+PEER_CAUSE = b"~fork-cause"
+FORK_FRAMES = (WHY_FRAME, CAUSE_FRAME)
 
 
 @dataclass
@@ -39,10 +48,12 @@ class Ended:
     answer: bool  # a late handshake for it is answered Failed with `reason`
     cancel: bool  # the peer ended it first: a sender created for it fails at once
     expiry: float  # engine clock; the cancellation (or a bare record) is dropped then
+    told: Optional[Told] = None  # the cause that goes with `reason` (told with a late answer; a cancel's, recorded)
 
 
 class RoomLedger:
-    """Per kv manager: drains owed by peers (decode), ended/cancelled/owned rooms (prefill)."""
+    """Per kv manager: drains owed by peers (decode), ended/cancelled/owned rooms (prefill), the cause each room's
+    failure came with (`told`, both sides), the receivers whose prefill was told early (decode)."""
 
     def __init__(self, mgr: Any):
         self.mgr = mgr
@@ -54,6 +65,15 @@ class RoomLedger:
         self.ttl_s = float(envs.SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT.get()
                            + envs.SGLANG_DISAGGREGATION_WAITING_TIMEOUT.get())
         self.peer_lost: Optional[Callable[[str], bool]] = None  # watch_peers: whether a peer is lost now
+        # room -> (the cause its failure record came with: the peer's frames, or this side's `end`; that record),
+        # under upstream's `failure_lock` with the record; the verdict hook moves it into the request's record
+        # (`take_told`)
+        self.told: "OrderedDict[int, Tuple[Told, str]]" = OrderedDict()
+        # (room, prefill rank) -> the cause a PEER_CAUSE message announced for that rank's next Failed status
+        # (decode's bootstrap thread alone)
+        self.announced: "OrderedDict[Tuple[int, int], Told]" = OrderedDict()
+        # decode: receivers ended before their prefill's rank endpoints were known, whose prefill was told (once)
+        self.told_early: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
     def watch_peers(self, lost: Callable[[str], bool]) -> None:
         """peer_liveness, when its monitor starts on this manager: `lost(addr)` says whether that peer is lost now.
@@ -62,10 +82,12 @@ class RoomLedger:
 
     def end(self, room: int, cause: Optional[str], reason: str, *, peer: Optional[str] = None, fail: bool = True,
             tell: bool = True, targets: Optional[list] = None, receiver: Any = None, remember: bool = False,
-            cancel: bool = False, clear: Any = None, mark: bool = True) -> None:
+            cancel: bool = False, clear: Any = None, mark: bool = True, told: Optional[Told] = None) -> None:
         """End `room` for `cause` (None: the request's own) with `reason` (docs/layout.md). `clear`: the room's
         sender, whose transfer state and failure record this side drops first (a request retired elsewhere).
-        `mark=False`: the failure is recorded, not marked (an upstream path about to fail the room reads it)."""
+        `mark=False`: the failure is recorded, not marked (an upstream path about to fail the room reads it).
+        `told`: the verdict's row for whoever reads `reason` (the request's record here, the peer when told): kept
+        with the record and the remembered room, and sent to decode before the Failed status (`PEER_CAUSE`)."""
         mgr = self.mgr
         if room is None:
             return
@@ -76,9 +98,10 @@ class RoomLedger:
             clear.clear()
             forget_failure(mgr, room)
         if remember or cancel:
-            self.remember(room, reason, answer=remember, cancel=cancel)
+            self.remember(room, reason, answer=remember, cancel=cancel, told=told)
         if fail and tables and room in upstream(mgr, "request_status"):
-            mgr.record_failure(room, reason)
+            with _attaching(told):  # around_record_failure keeps it with the record it writes
+                mgr.record_failure(room, reason)
             if mark:
                 mgr.update_status(room, KVPoll.Failed)
         if tell and receiver is not None:
@@ -86,20 +109,46 @@ class RoomLedger:
         elif tell and tables:
             if targets is None:
                 targets = upstream(mgr, "_room_notify_targets")(room)
+            if told is not None:
+                self.tell_cause(targets, room, told)
             upstream(mgr, "send_kv_status_message")(targets=targets, bootstrap_room=room, status=KVPoll.Failed,
                                                     failure_reason=reason)
 
-    def remember(self, room: int, reason: str, *, answer: bool = True, cancel: bool = False) -> None:
+    def tell_cause(self, targets: list, room: int, told: Told) -> None:
+        """Prefill: `told` to each of the room's decode endpoints, before the Failed status it goes with (one socket
+        per endpoint, so it arrives first). Every prefill rank that tells decode sends the same one (room_agreement
+        agrees on it first)."""
+        from sglang.srt.utils.network import NetworkAddress
+
+        if not targets:
+            return
+        send = upstream(self.mgr, "_send_multipart_locked")
+        frames = [PEER_CAUSE, str(room).encode("ascii"),
+                  str(upstream(self.mgr, "_prefill_unique_rank")()).encode("ascii"), *told.frames()]
+        for endpoint, port in targets:
+            address = NetworkAddress(endpoint, port)
+            try:
+                send(address.to_tcp(), frames, is_ipv6=address.is_ipv6)
+            except Exception as e:  # as upstream's status send: the status follows; its reason is read as text
+                logger.warning("room_ledger: could not tell %s room %s's cause: %r", address.to_host_port_str(), room, e)
+
+    def remember(self, room: int, reason: str, *, answer: bool = True, cancel: bool = False,
+                 told: Optional[Told] = None) -> None:
         now = engine_clock.now()
         with self.lock:
             old = self.ended.pop(room, None)
             if old is not None and old.expiry > now:
                 answer, cancel = answer or old.answer, cancel or old.cancel
-            self.ended[room] = Ended(reason, answer, cancel, now + self.ttl_s if cancel or not answer else NEVER)
+            self.ended[room] = Ended(reason, answer, cancel, now + self.ttl_s if cancel or not answer else NEVER, told)
             self._expire(now)
 
     def late_answer(self, room: int, pop: bool = False) -> Optional[str]:
         """The reason a late handshake for `room` is answered with, or None."""
+        answer = self.late(room, pop)
+        return None if answer is None else answer[0]
+
+    def late(self, room: int, pop: bool = False) -> Optional[Tuple[str, Optional[Told]]]:
+        """(reason, its cause) a late handshake for `room` is answered with, or None."""
         with self.lock:
             record = self.ended.get(room)
             if record is None or not record.answer or not record.reason:
@@ -107,22 +156,77 @@ class RoomLedger:
             if pop:  # answered once; still remembered as ended (the peer's ABORT cancels nothing)
                 record.answer = False
                 record.expiry = min(record.expiry, engine_clock.now() + self.ttl_s)
-            return record.reason
+            return record.reason, record.told
 
     def own(self, room: int) -> Optional[str]:
         """A sender now owns `room`: the reason to fail it if the peer cancelled it first."""
+        claimed = self.claim(room)
+        return None if claimed is None else claimed[0]
+
+    def claim(self, room: int) -> Optional[Tuple[str, Optional[Told]]]:
+        """`own`, with the cause the peer's cancellation came with."""
         now = engine_clock.now()
         with self.lock:
             self.owned.add(room)
             record = self.ended.get(room)
             if record is None:
                 return None
-            reason = record.reason if record.cancel and record.expiry > now else None
-            if reason is not None:
+            claimed = (record.reason, record.told) if record.cancel and record.expiry > now else None
+            if claimed is not None:
                 record.cancel = False
             if not record.answer:
                 del self.ended[room]  # consumed, or a new lifecycle (decode re-bootstraps rooms)
-            return reason
+            return claimed
+
+    # ------------------------------------------------------------------- the cause a room's failure came with
+
+    def keep_told(self, room: int, told: Optional[Told], reason: str = "") -> None:
+        """The room's failure record `reason` was just written with `told` (None: without a cause; a stale one
+        goes). Caller holds upstream's `failure_lock` (the record and its cause change together)."""
+        self.told.pop(room, None)
+        if told is not None:
+            self.told[room] = (told, reason)
+            while len(self.told) > MAX_RECORDS:
+                self.told.popitem(last=False)
+
+    def take_told(self, room: int, message: str) -> Optional[Told]:
+        """The cause `room`'s failure came with, handed to the request that answers it (once): only if `message` (the
+        answer upstream built around the popped record) holds that record, so a cause never outlives its record
+        (a room number used again, a record replaced meanwhile)."""
+        with upstream(self.mgr, "failure_lock"):
+            kept = self.told.get(room)
+            if kept is None or kept[1] not in message:
+                return None
+            del self.told[room]
+        return kept[0]
+
+    def told_with(self, room: int) -> Optional[Told]:
+        """The cause kept with `room`'s failure record now (room_agreement shares it), or None."""
+        with upstream(self.mgr, "failure_lock"):
+            kept = self.told.get(room)
+        return None if kept is None else kept[0]
+
+    def announce(self, room: int, rank: int, told: Optional[Told]) -> None:
+        """Decode, bootstrap thread: prefill rank `rank` announced `told` for its next Failed status of `room`."""
+        with self.lock:
+            self.announced.pop((room, rank), None)
+            if told is not None:
+                self.announced[(room, rank)] = told
+                while len(self.announced) > MAX_RECORDS:
+                    self.announced.popitem(last=False)
+
+    def announced_for(self, room: int, rank: int) -> Optional[Told]:
+        with self.lock:
+            return self.announced.pop((room, rank), None)
+
+    def told_prefill_early(self, receiver: Any) -> bool:
+        """Decode: whether `receiver`'s prefill is to be told now (the first call for it); the receiver's entry is
+        the ledger's (a weak set: it goes with the receiver)."""
+        with self.lock:
+            if receiver in self.told_early:
+                return False
+            self.told_early.add(receiver)
+            return True
 
     def disown(self, room: int, failed: bool) -> None:
         with self.lock:
@@ -130,13 +234,15 @@ class RoomLedger:
             if failed and room not in self.ended:  # decode's ABORT answering our Failed cancels nothing
                 self.ended[room] = Ended("", False, False, engine_clock.now() + self.ttl_s)
 
-    def note_abort(self, room: int, peer: str, why: Optional[str] = None) -> bool:
-        """The peer's ABORT for a room this side neither owns nor remembers: kept as a cancellation."""
+    def note_abort(self, room: int, peer: str, why: Optional[str] = None, told: Optional[Told] = None) -> bool:
+        """The peer's ABORT for a room this side neither owns nor remembers: kept as a cancellation (with `told`, the
+        cause its frames carried; None from a peer that sends none)."""
         with self.lock:
             self._expire(engine_clock.now())
             if room in self.owned or room in self.ended:
                 return False
-        self.remember(room, with_why(CANCEL_REASON.format(peer=peer, room=room), why), answer=False, cancel=True)
+        self.remember(room, with_why(CANCEL_REASON.format(peer=peer, room=room), why), answer=False, cancel=True,
+                      told=told)
         return True
 
     def drop_cancel(self, room: int) -> None:
@@ -203,10 +309,55 @@ def handles_aborts(mgr: Any) -> bool:
 
 
 def forget_failure(mgr: Any, room: int) -> None:
-    """Drop `room`'s failure record (upstream's table, under its failure lock): its request was retired."""
+    """Drop `room`'s failure record (upstream's table, under its failure lock) and its cause: its request was
+    retired."""
     if has_room_tables(mgr):
+        ledger = ledger_of(mgr)
         with upstream(mgr, "failure_lock"):
             upstream(mgr, "failure_records").pop(room, None)
+            if ledger is not None:
+                ledger.told.pop(room, None)
+
+
+# Decode's ledgers in this process (one per decode kv manager): a decode request's answer finds its room's cause here
+# (upstream's decode Req holds no reference to its receiver or manager).
+DECODE_LEDGERS: "weakref.WeakSet[RoomLedger]" = weakref.WeakSet()
+
+
+def told_for_req(req: Any, message: str) -> Optional[Told]:
+    """The cause `req`'s room's failure came with, taken from its ledger (prefill: its sender's manager; decode:
+    this process's decode ledgers) if `message` holds that failure, or None."""
+    room = upstream(req, "bootstrap_room")
+    if room is None:
+        return None
+    sender = upstream(req, "disagg_kv_sender")
+    if sender is not None:
+        ledger = ledger_of(upstream(sender, "kv_mgr"))
+        return None if ledger is None or not has_room_tables(ledger.mgr) else ledger.take_told(room, message)
+    for ledger in list(DECODE_LEDGERS):
+        told = ledger.take_told(room, message)
+        if told is not None:
+            return told
+    return None
+
+
+class _Attaching(threading.local):
+    told: Optional[Told] = None
+
+
+# The cause of the failure `record_failure` is writing on this thread (RoomLedger.end, decode's status handler).
+_attach = _Attaching()
+
+
+class _attaching:
+    def __init__(self, told: Optional[Told]):
+        self.told = told
+
+    def __enter__(self):
+        self.outer, _attach.told = _attach.told, self.told
+
+    def __exit__(self, *exc):
+        _attach.told = self.outer
 
 
 def ledger_of(mgr: Any) -> Optional[RoomLedger]:
@@ -240,6 +391,8 @@ def on_manager_init(mgr: Any, queue_: Any, *args: Any, **kwargs: Any) -> None:
     if has_room_tables(mgr) and upstream(mgr, "disaggregation_mode") == DisaggregationMode.PREFILL:
         fork_touch.swap(mgr, "_handle_abort_notification",
                         lambda original: lambda msg: _handle_abort(ledger, original, msg), by=__name__)
+    elif has_room_tables(mgr):
+        DECODE_LEDGERS.add(ledger)
 
 
 def _handle_abort(ledger: RoomLedger, original: Any, msg: List[bytes]) -> bool:
@@ -248,35 +401,60 @@ def _handle_abort(ledger: RoomLedger, original: Any, msg: List[bytes]) -> bool:
 
     mgr = ledger.mgr
     if msg and msg[0] == ABORT_TAG and len(msg) >= 4 and msg[2] == ENDED_ON_PREFILL:
-        _ended_on_prefill(ledger, int(msg[1].decode("ascii")), msg[3].decode("utf-8", "replace"))
+        _ended_on_prefill(ledger, int(msg[1].decode("ascii")), msg[3].decode("utf-8", "replace"), told_in(msg, 4))
         return True
-    why = None
-    if msg and msg[0] == ABORT_TAG and WHY_FRAME in msg[2:]:
-        at = msg.index(WHY_FRAME, 2)
-        why = b"".join(msg[at + 1:at + 2]).decode("utf-8", "replace") or None
-        msg = msg[:at]
+    why = told = None
+    if msg and msg[0] == ABORT_TAG:
+        msg, why, told = split_abort(msg)
     note = AbortNotification.from_zmq(msg) if msg and msg[0] == ABORT_TAG else None
     kept = False
     if note is not None:
         room = note.room
         peer = f"{note.decode_ip}:{note.decode_port}" if note.decode_ip else "(unknown)"
-        kept = ledger.note_abort(room, peer, why)
+        kept = ledger.note_abort(room, peer, why, told)
         if kept:  # decode's handshake may have created it, though no sender owns it
             _drop_unowned_room(mgr, room)
         if mgr.request_status.get(room) not in (None, KVPoll.Success):
             with mgr.failure_lock:  # re-checked: a room cleared meanwhile gets no record back
-                if room in mgr.request_status:
-                    mgr.failure_records.setdefault(room, with_why(DECODE_ABORT_REASON.format(room=room), why))
+                if room in mgr.request_status and room not in mgr.failure_records:
+                    mgr.failure_records[room] = with_why(DECODE_ABORT_REASON.format(room=room), why)
+                    ledger.keep_told(room, told, mgr.failure_records[room])
     handled = original(msg)
     if kept and note.room in mgr.request_status:
         ledger.drop_cancel(note.room)  # the sender appeared meanwhile; upstream failed it
     return handled
 
 
+def abort_frames(frames: List[bytes], why: Optional[str]) -> List[bytes]:
+    """Decode's ABORT (upstream's frames) with what the fork tells prefill: the pause's message `why` (WHY_FRAME, as
+    older fork builds read it) and the cause (teller.CAUSE_FRAME: `told_for(why)`), the same to every prefill rank.
+    Stock upstream prefill parses only its first five frames (room, return address, generation): an ABORT that has
+    all five is handled as if nothing followed; one without a generation or return address has a frame of ours read
+    as one, logs upstream's "Malformed ABORT message" warning and is handled as a room-only ABORT."""
+    extra = [WHY_FRAME, why.encode("utf-8")] if why else []
+    return list(frames) + extra + told_frames(told_for(why))
+
+
+def split_abort(msg: List[bytes]) -> Tuple[List[bytes], Optional[str], Optional[Told]]:
+    """(upstream's frames, the why, the cause) of decode's ABORT: the fork's frames follow upstream's (from the first
+    of `FORK_FRAMES` on); a peer that sends none (older fork build: no cause; stock upstream: neither) gives None."""
+    at = next((i for i, frame in enumerate(msg) if i >= 2 and frame in FORK_FRAMES), len(msg))
+    ours = msg[at:]
+    why = None
+    if WHY_FRAME in ours:
+        i = ours.index(WHY_FRAME)
+        why = b"".join(ours[i + 1:i + 2]).decode("utf-8", "replace") or None
+    return msg[:at], why, told_in(ours)
+
+
 def _drop_unowned_room(mgr: Any, room: int) -> None:
     """Drop what the bootstrap thread stored for a room no sender owns (nobody else would)."""
     for table in (mgr.request_status, mgr.transfer_infos, mgr.req_to_decode_prefix_len, mgr.failure_records):
         table.pop(room, None)  # one dict op: atomic
+    ledger = ledger_of(mgr)
+    if ledger is not None:
+        with mgr.failure_lock:
+            ledger.told.pop(room, None)
 
 
 def on_prefill_create_sender(result: Any, queue_: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
@@ -284,12 +462,13 @@ def on_prefill_create_sender(result: Any, queue_: Any, req: Any, *args: Any, **k
     mgr, ledger = queue_.kv_manager, ledger_of(queue_.kv_manager)
     if not result or ledger is None or req.bootstrap_room is None or not handles_aborts(mgr):
         return
-    reason = ledger.own(req.bootstrap_room)
-    if reason is not None:
+    claimed = ledger.claim(req.bootstrap_room)
+    if claimed is not None:
+        reason, told = claimed
         logger.info("room_ledger: %s (rid=%s)", reason, req.rid)
         # the ABORT handler may have dropped the room the sender had just opened
         mgr.request_status.setdefault(req.bootstrap_room, KVPoll.Bootstrapping)
-        ledger.end(req.bootstrap_room, None, reason, tell=False)
+        ledger.end(req.bootstrap_room, None, reason, tell=False, told=told)
 
 
 def on_sender_clear(result: Any, sender: Any, *args: Any, **kwargs: Any) -> None:
@@ -301,15 +480,16 @@ def around_update_status(original, mgr, bootstrap_room, status, *args, **kwargs)
     """AROUND CommonKVManager.update_status: a late handshake for an ended room is answered Failed."""
     ledger, current = ledger_of(mgr), mgr.request_status.get(bootstrap_room)
     late = status == KVPoll.WaitingForInput and ledger is not None and ledger.ended and current in (None, KVPoll.Failed)
-    reason = ledger.late_answer(bootstrap_room, pop=current is None) if late else None
-    if reason is None:
+    answer = ledger.late(bootstrap_room, pop=current is None) if late else None
+    if answer is None:
         return original(mgr, bootstrap_room, status, *args, **kwargs)
+    reason, told = answer
     targets = mgr._room_notify_targets(bootstrap_room)
     result = None if current is None else original(mgr, bootstrap_room, status, *args, **kwargs)
     if current is None:
         mgr.transfer_infos.pop(bootstrap_room, None)
         mgr.req_to_decode_prefix_len.pop(bootstrap_room, None)
-    ledger.end(bootstrap_room, None, reason, fail=False, targets=targets)
+    ledger.end(bootstrap_room, None, reason, fail=False, targets=targets, told=told)
     return result
 
 
@@ -329,7 +509,44 @@ def around_record_failure(original, mgr, bootstrap_room, failure_reason, *args, 
         return None
     if table.is_bare_abort(new) and getattr(_recompute, "reason", None):
         failure_reason = _recompute.reason  # the re-send's failure, not a client's abort
-    return original(mgr, bootstrap_room, failure_reason, *args, **kwargs)
+    ledger = ledger_of(mgr)
+    if ledger is None:
+        return original(mgr, bootstrap_room, failure_reason, *args, **kwargs)
+    # upstream's record_failure takes the failure lock itself: the old record's cause goes first (a reader meanwhile
+    # finds none and reads the text), the new record's cause is kept once it is written
+    with mgr.failure_lock:
+        ledger.keep_told(bootstrap_room, None)
+    result = original(mgr, bootstrap_room, failure_reason, *args, **kwargs)
+    with mgr.failure_lock:
+        if mgr.failure_records.get(bootstrap_room) == failure_reason:
+            ledger.keep_told(bootstrap_room, _attach.told, failure_reason)
+    return result
+
+
+def around_parse_kv_status_message(original, mgr, msg, *args, **kwargs):
+    """AROUND CommonKVManager.parse_kv_status_message (decode's bootstrap thread): prefill's `PEER_CAUSE` message is
+    the fork's, announcing the cause of that rank's next Failed status of the room; anything else is upstream's."""
+    if msg and msg[0] == PEER_CAUSE and len(msg) >= 5:
+        ledger = ledger_of(mgr)
+        try:
+            room, rank = int(msg[1].decode("ascii")), int(msg[2].decode("ascii"))
+        except ValueError:
+            logger.warning("room_ledger: dropping a malformed cause message %r", msg[:3])
+            return None
+        if ledger is not None:
+            ledger.announce(room, rank, Told.from_frames(msg[3:5]))
+        return None
+    return original(mgr, msg, *args, **kwargs)
+
+
+def around_apply_prefill_status(original, mgr, *args, bootstrap_room=None, status=None, prefill_rank=None, **kwargs):
+    """AROUND CommonKVManager.apply_prefill_status (decode's bootstrap thread): the cause prefill announced for this
+    Failed status is kept with the failure record it writes (around_record_failure); without one (a prefill of an
+    older build, stock upstream) the record's text is what the verdict reads."""
+    ledger = ledger_of(mgr)
+    told = ledger.announced_for(bootstrap_room, prefill_rank) if ledger is not None else None
+    with _attaching(told if status == KVPoll.Failed else None):
+        return original(mgr, *args, bootstrap_room=bootstrap_room, status=status, prefill_rank=prefill_rank, **kwargs)
 
 
 # The reason `_fail_prefill_recompute` is recording on this thread (decode's re-bootstrap pool).
@@ -350,7 +567,11 @@ def around_fail_prefill_recompute(original, mgr, kv_receiver, reason, *args, **k
 
 
 def prepare_abort_verdict(original, req, error_message, status_code=None, *args, **kwargs):
-    """AROUND `disaggregation.utils.prepare_abort`: the one verdict hook (verdict.TABLE)."""
+    """AROUND `disaggregation.utils.prepare_abort`: the one verdict hook (verdict.TABLE). The cause the room's
+    failure came with (its ledger) moves into the request's record first: the verdict reads it there."""
+    told = told_for_req(req, str(error_message or ""))
+    if told is not None:
+        table.of(req).told = told
     error_message, status_code, cause = table.verdict(req, error_message, status_code)
     if cause is not None:
         end_cause.tag_req(req, cause)
@@ -393,7 +614,8 @@ def before_abort_request(scheduler, recv_req, *args, **kwargs) -> None:
         kv_mgr = _kv_mgr(req) if role == "prefill" else None  # decode: none; the fake one cannot send
         room = req.bootstrap_room  # None: `end` ends nothing
         if has_room_tables(kv_mgr) and upstream(kv_mgr, "request_status").get(room) != KVPoll.Success:
-            end_room(kv_mgr, room, None, peer_reason(req.rid, room, "prefill", message), fail=False, remember=True)
+            end_room(kv_mgr, room, None, peer_reason(req.rid, room, "prefill", message), fail=False, remember=True,
+                     told=told_for(message))
 
 
 def counts_as_failure(scheduler, req, role: str, stage: Optional[str] = None, kv_mgr=None) -> bool:
@@ -441,7 +663,7 @@ def finish_transferred(scheduler, req) -> bool:
     end_cause.record_end(scheduler, req, "prefill", pd_queues.PREFILL_INFLIGHT, kv_mgr)
     if has_room_tables(kv_mgr):  # the fake backend has no peer
         reason = peer_reason(req.rid, req.bootstrap_room, "prefill", asked[0])
-        end_room(kv_mgr, req.bootstrap_room, None, reason, fail=False, remember=True)
+        end_room(kv_mgr, req.bootstrap_room, None, reason, fail=False, remember=True, told=told_for(asked[0]))
     return True
 
 
@@ -478,7 +700,10 @@ def ended_at_gate(role: Any, obj: Any, why: str) -> None:
     hosts, ports, rids = ((v if isinstance(v, list) else [v] * len(rooms))
                           for v in (obj.bootstrap_host, obj.bootstrap_port, obj.rid))
     for host, port, room, rid in zip(hosts, ports, rooms, rids):
-        tell_prefill(host, port, room, why, None if role == "decode" else peer_reason(rid, room, "prefill", why))
+        if role == "decode":  # decode's ABORT: its cause as every ABORT's (abort_frames)
+            tell_prefill(host, port, room, why)
+        else:
+            tell_prefill(host, port, room, why, peer_reason(rid, room, "prefill", why), told_for(why))
 
 
 def before_release_on_failure(tokenizer_manager: Any, request_states: Any, *args: Any, **kwargs: Any) -> None:
@@ -493,13 +718,15 @@ def before_release_on_failure(tokenizer_manager: Any, request_states: Any, *args
             ended_at_gate(role, state.obj, why)
 
 
-def _ended_on_prefill(ledger: "RoomLedger", room: int, reason: str) -> None:
-    """Bootstrap thread: answer decode's handshake for a room prefill ended, now or when it lands."""
+def _ended_on_prefill(ledger: "RoomLedger", room: int, reason: str, told: Optional[Told]) -> None:
+    """Bootstrap thread: answer decode's handshake for a room prefill ended, now or when it lands, with `reason` and
+    its cause `told` (the ENDED_ON_PREFILL frames')."""
     with ledger.lock:
         if room in ledger.owned:  # a live sender owns the number: not this request's room
             return
     targets = ledger.mgr._room_notify_targets(room)
-    ledger.end(room, None, reason, fail=False, tell=bool(targets), targets=targets, remember=not targets, cancel=True)
+    ledger.end(room, None, reason, fail=False, tell=bool(targets), targets=targets, remember=not targets, cancel=True,
+               told=told)
     if targets:
         _drop_unowned_room(ledger.mgr, room)
     logger.info("room_ledger: room %s ended on prefill before its scheduler saw it (%s); decode %s",
@@ -526,17 +753,15 @@ def after_ensure_abort_notified(result: Any, receiver: Any, *args: Any, **kwargs
     """AFTER `CommonKVReceiver.ensure_abort_notified` (decode): prefill is told of a room ended before its rank
     endpoints were known (once); a drain ack armed for the room is owed by that prefill (its loss settles it)."""
     addr = upstream(receiver, "bootstrap_addr")
+    mgr = receiver.kv_mgr
+    ledger = ledger_for(mgr)
     if not (receiver.abort_notified or getattr(receiver, "bootstrap_infos", None) is not None  # set lazily
-            or getattr(receiver, "_fork_told_prefill", False)
-            or not upstream(receiver, "_owns_bootstrap_room")):
-        receiver._fork_told_prefill = True
+            or not upstream(receiver, "_owns_bootstrap_room")) and ledger.told_prefill_early(receiver):
         host, _, port = str(addr).rpartition(":")
         tell_prefill(host.strip("[]"), int(port), receiver.bootstrap_room,
                      "ended on decode before prefill's info was fetched")
         return
-    mgr = receiver.kv_mgr
-    ledger = ledger_of(mgr)
-    lost = ledger.peer_lost if ledger is not None else None  # peer_liveness' monitor (RoomLedger.watch_peers)
+    lost = ledger.peer_lost  # peer_liveness' monitor (RoomLedger.watch_peers)
     generation, room = upstream(receiver, "_abort_generation"), receiver.bootstrap_room
     if lost is None or generation is None or room not in mgr._deferred_abort_ack_tracker:
         return

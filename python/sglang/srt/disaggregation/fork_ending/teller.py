@@ -11,14 +11,35 @@ import itertools
 import logging
 import queue
 import threading
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from sglang.srt.disaggregation.fork_ending.verdict import Told, told_for
 
 logger = logging.getLogger(__name__)
 
-# A prefill-side end sent to prefill's own bootstrap thread: [ABORT_TAG, room, mark, reason]. A manager without our
-# ABORT wrapper parses it as upstream's ABORT with a bad return address (logged) and only fails the room.
+# A prefill-side end sent to prefill's own bootstrap thread: [ABORT_TAG, room, mark, reason, CAUSE_FRAME, cause,
+# message]. A manager without our ABORT wrapper parses it as upstream's ABORT with a bad return address (logged) and
+# only fails the room.
 ENDED_ON_PREFILL = b"~fork-ended-on-prefill"
+# What the fork's frames tell the peer of why a room ended: [CAUSE_FRAME, the verdict.Cause's name, its message],
+# appended to the fork's own frames and to decode's ABORT (room_ledger.abort_frames). A receiver reads it as a field
+# (`told_in`); one of an older build ignores what follows its own frames.
+CAUSE_FRAME = b"fork-cause"
 MAX_QUEUED = 4096
+
+
+def told_frames(told: Told) -> List[bytes]:
+    return [CAUSE_FRAME, *told.frames()]
+
+
+def told_in(frames: Sequence[bytes], start: int = 0) -> Optional[Told]:
+    """The Told a message's frames carry after `CAUSE_FRAME` (at or after `start`), or None: a peer that sends none
+    (an older fork build, stock upstream) is read from its reason's text."""
+    frames = list(frames)
+    if CAUSE_FRAME not in frames[start:]:
+        return None
+    at = frames.index(CAUSE_FRAME, start)
+    return Told.from_frames(frames[at + 1:at + 3])
 
 
 class Teller:
@@ -26,15 +47,16 @@ class Teller:
     `_endpoints` (prefill bootstrap address -> its ranks' endpoints) belongs to the thread alone."""
 
     def __init__(self):
-        self._tells: "queue.Queue[Tuple[str, int, str, Optional[str]]]" = queue.Queue(maxsize=MAX_QUEUED)
+        self._tells: "queue.Queue[Tuple[str, int, str, Optional[str], Optional[Told]]]" = queue.Queue(maxsize=MAX_QUEUED)
         self._thread: Optional[threading.Thread] = None
         self._lock = threading.Lock()
         self._endpoints: Dict[str, List[dict]] = {}
 
     def tell(self, host: Optional[str], port: Optional[int], room: Optional[int], why: str,
-             reason: Optional[str] = None) -> None:
+             reason: Optional[str] = None, told: Optional[Told] = None) -> None:
         """Queue the tell that `room` ended before that side's scheduler saw it: `reason` None: decode's ABORT for
-        it; else prefill's own end of it (answered at decode's handshake)."""
+        it (its frames as decode's other ABORTs: room_ledger.abort_frames); else prefill's own end of it, `told` its
+        cause (answered at decode's handshake)."""
         if host is None or port is None or room is None:
             return
         with self._lock:
@@ -42,7 +64,7 @@ class Teller:
                 self._thread = threading.Thread(target=self._run, name="ForkRoomLedgerTeller", daemon=True)
                 self._thread.start()
         try:
-            self._tells.put_nowait((f"{host}:{port}", int(room), why, reason))
+            self._tells.put_nowait((f"{host}:{port}", int(room), why, reason, told))
         except queue.Full:
             logger.warning("room_ledger: cannot tell prefill %s:%s that room %s ended (queue full)", host, port, room)
 
@@ -50,12 +72,14 @@ class Teller:
         from sglang.srt.disaggregation.common.conn import ABORT_TAG, AbortNotification, CommonKVReceiver
 
         while True:
-            addr, room, why, reason = self._tells.get()
+            addr, room, why, reason, told = self._tells.get()
             try:
                 if addr not in self._endpoints:
                     self._endpoints[addr] = rank_endpoints(addr)
+                # one message, the same to every prefill rank (they agree on its cause)
                 message = (AbortNotification(room=room).to_zmq() if reason is None
-                           else [ABORT_TAG, str(room).encode("ascii"), ENDED_ON_PREFILL, reason.encode("utf-8")])
+                           else [ABORT_TAG, str(room).encode("ascii"), ENDED_ON_PREFILL, reason.encode("utf-8"),
+                                 *told_frames(told or told_for(why))])
                 for info in self._endpoints[addr]:
                     sock, lock = CommonKVReceiver._connect_to_bootstrap_server(info)
                     with lock:

@@ -5,9 +5,14 @@ counted as (`request_end_cause`), and which cause wins over which. Three things,
   why the row wins over those after it. docs/layout.md mirrors it (`markdown()`; a unit test compares the two).
 - `ReqState`: the one record the fork keeps on a request (`of(req)`, one attribute), written by the module each field
   names, read here.
-- every text the fork compares: its own messages and the tags its reasons open with, and the upstream texts it must
-  recognise (each naming its upstream source). No other fork module compares message wording: they ask the
-  predicates below (`tools/fork check`-style test: test_verdict.py).
+- `Told`: what the side that ended a room tells the other of why (the row its request answers by, and the message that
+  row reads), carried to the peer as frames of its own (room_ledger: decode's ABORT, prefill's cause message, the
+  teller's ENDED_ON_PREFILL), kept by the receiving ledger with the room's failure and moved into the request's
+  record by the verdict hook: the verdict reads it as a field, never out of the reason's text.
+- every text the fork compares, here alone: upstream's texts the fork must recognise and cannot get as a field (each
+  naming its upstream source), and the fork's own tags, read only as the fallback for a room no `Told` came with (a
+  peer that is an older fork build or stock upstream, or a failure this side recorded itself). No other fork module
+  compares message wording: they ask the predicates below (test_verdict.py checks it).
 
 Callers: room_ledger (`prepare_abort`'s verdict, the abort hooks, `record_failure`'s precedence), pd_pause (the answers
 of the pause and of aborts while paused), request_end_cause (the counted cause), room_agreement (which rank's reason),
@@ -85,6 +90,7 @@ class ReqState:
     stage: Optional[Tuple[str, float]] = None  # transfer_deadline: (stage, entered at, engine clock)
     handshake_wait_since: Optional[float] = None  # peer_liveness: first seen waiting for decode's handshake
     lost_decode: Optional[str] = None  # peer_liveness: the message ending it (no decode took it, its decode lost)
+    told: Optional["Told"] = None  # room_ledger.prepare_abort_verdict: what the room's ender told of why (its ledger)
     # On the tokenizer's request state (upstream's tokenizer_manager.ReqState), by pause_gate (tokenizer event loop):
     at_gate: Optional[bool] = None  # waiting at the pause gate now (False: passed it; None: never reached it)
     gate_abort: Optional[str] = None  # the answer of an abort that reached it while it waited at the gate
@@ -164,6 +170,32 @@ TABLE: Tuple[Row, ...] = (
     Row(Cause.FAILURE, "anything else", "the caller's (500)", "the reason", TRANSPORT, ""),
 )
 ROWS: Dict[Cause, Row] = {row.cause: row for row in TABLE}
+
+
+@dataclass(frozen=True)
+class Told:
+    """Why a room ended, as the side that ended it tells the other: the row the reader's request answers by (`TABLE`)
+    and the message that row answers with (the pause's, a rejection's; None: the row's own). On the wire: the cause's
+    enum name and the message, each a frame (`frames`, `from_frames`)."""
+
+    cause: Cause
+    message: Optional[str] = None
+
+    def frames(self) -> Tuple[bytes, bytes]:
+        return self.cause.name.encode("ascii"), (self.message or "").encode("utf-8")
+
+    @staticmethod
+    def from_frames(frames: Any) -> Optional["Told"]:
+        """The Told in (name, message) frames, or None (missing, or a cause this build does not know: the reason's
+        text is read then, as for a peer that sends none)."""
+        if len(frames) < 2:
+            return None
+        cause = Cause.__members__.get(frames[0].decode("ascii", "replace"))
+        return Told(cause, frames[1].decode("utf-8", "replace") or None) if cause in TOLD_CAUSES else None
+
+
+# The rows a peer can tell (the others are this side's own record's fields).
+TOLD_CAUSES = frozenset(Cause) - {Cause.DEADLINE, Cause.PAUSE, Cause.REQUESTED_ABORT}
 # Whichever row chose the message, one naming a deadline is answered as PEER_DEADLINE says (504, timeout) and one
 # naming the pause as PAUSE_REASON says (the abort answer, pause): an AbortReq's message can name them.
 
@@ -240,10 +272,27 @@ def rejected_by(where: str, detail: Optional[str] = None) -> str:
     return f"{REJECTED} {where}" + (f" ({detail})" if detail else "")
 
 
+def told_for(why: Optional[str] = None) -> Told:
+    """What the peer is told of a request this side ended, `why` being the message that ended it: the pause's or a
+    release's (its pause), a rejection (`rejected_by`), else an abort (answered as the client's)."""
+    if why and names_pause(why):
+        return Told(Cause.PEER_PAUSE, why)
+    if why and str(why).startswith(REJECTED):
+        return Told(Cause.PEER_REJECTION, why)
+    return Told(Cause.PEER_ABORT)
+
+
+def told_for_ended_room(reason: str) -> Told:
+    """What prefill tells decode with a room its pause path ended (pd_pause.end_prefill_rooms): an abort while
+    paused (`PAUSED_ABORT_REASON`) is the peer's abort; the pause's or a release's message, a room the pause ended."""
+    return Told(Cause.PEER_ABORT) if reason == PAUSED_ABORT_REASON else Told(Cause.PAUSE_REASON)
+
+
 def peer_reason(rid: Any, room: int, side: str, why: Optional[str] = None) -> str:
-    """What the peer is told of a request `side` ended (`why` only for a pause or rejection)."""
-    told_why = why and (names_pause(why) or str(why).startswith(REJECTED))
-    said = f"{PEER_WHY}{why}" if told_why else " was aborted."
+    """The failure reason the peer records for a request `side` ended (`why` only for a pause or rejection); its
+    cause travels next to it as `told_for(why)`; the text stays for logs and for peers that read no cause."""
+    told = told_for(why)
+    said = f"{PEER_WHY}{why}" if told.message else " was aborted."
     return f"{ABORT_TAG} on {side}: request {rid} (bootstrap_room={room}){said}"
 
 
@@ -257,7 +306,9 @@ def with_why(reason: str, why: Optional[str]) -> str:
 
 
 def find(req: Any, text: str) -> Cause:
-    """The row of `TABLE` that decides `req`'s answer, the room's failure reason being `text`."""
+    """The row of `TABLE` that decides `req`'s answer, the room's failure reason being `text`: the record's own
+    fields, then the cause the room's ender told (`ReqState.told`, a field), and only without one the text
+    (`from_text`)."""
     state = peek(req)
     if state.deadline is not None:
         return Cause.DEADLINE
@@ -265,6 +316,16 @@ def find(req: Any, text: str) -> Cause:
         return Cause.PAUSE
     if state.requested is not None:
         return Cause.REQUESTED_ABORT
+    if state.told is not None:
+        return state.told.cause
+    return from_text(text)
+
+
+def from_text(text: str) -> Cause:
+    """The row a failure reason's text names, for a room whose ender told no cause: upstream's own reasons (its bare
+    abort `UPSTREAM_ABORT_REASON`, decode's heartbeat `UPSTREAM_PREFILL_LOST`; anything else is a failure), and the
+    fork's tags as an older fork build or this side itself wrote them (`ABORT_TAG`, `PEER_WHY`, `DEADLINE_TAG`,
+    `PEER_LOST_TAG`, `PAUSE_MARKERS`)."""
     if names_abort(text):
         if names_pause(text):
             return Cause.PEER_PAUSE
@@ -281,6 +342,7 @@ def verdict(req: Any, error_message: Any, status_code: Any) -> Tuple[Any, Any, O
     text = str(error_message or "")
     state = peek(req)
     cause = find(req, text)
+    told = state.told if state.told is not None and state.told.cause is cause else None
     if cause is Cause.DEADLINE:
         return state.deadline, HTTPStatus.GATEWAY_TIMEOUT, None  # the room is tagged by transfer_deadline
     tagged = None
@@ -289,12 +351,17 @@ def verdict(req: Any, error_message: Any, status_code: Any) -> Tuple[Any, Any, O
     elif cause is Cause.REQUESTED_ABORT:
         message, status = state.requested
     elif cause is Cause.PEER_PAUSE:
-        message, status = text.rsplit(PEER_WHY, 1)[-1], None
+        message, status = _told_message(told, text), None
     elif cause is Cause.PEER_REJECTION:
-        message, status, tagged = text.rsplit(PEER_WHY, 1)[-1], None, CLIENT_ABORT
+        message, status, tagged = _told_message(told, text), None, CLIENT_ABORT
     elif cause is Cause.PEER_ABORT:
         message, status, tagged = CLIENT_ABORT_MESSAGE, None, CLIENT_ABORT
-    else:  # PEER_DEADLINE, PAUSE_REASON, LOST_PEER, FAILURE: the reason itself
+    elif told is not None:  # PEER_DEADLINE, PAUSE_REASON, LOST_PEER, FAILURE told: the reason, the row's status
+        message = error_message
+        status = {Cause.PEER_DEADLINE: HTTPStatus.GATEWAY_TIMEOUT, Cause.LOST_PEER: HTTPStatus.BAD_GATEWAY}.get(
+            cause, None if cause is Cause.PAUSE_REASON else status_code)
+        tagged = {Cause.PEER_DEADLINE: TIMEOUT, Cause.PAUSE_REASON: PAUSE}.get(cause)
+    else:  # PEER_DEADLINE, PAUSE_REASON, LOST_PEER, FAILURE read from the text: the reason itself
         message, status = error_message, lost_peer_status(text, status_code)
     # Whatever row chose it, a message naming a deadline answers 504 and one naming the pause the abort answer
     # (the rows PEER_DEADLINE and PAUSE_REASON); the first tag wins.
@@ -303,6 +370,13 @@ def verdict(req: Any, error_message: Any, status_code: Any) -> Tuple[Any, Any, O
     if names_pause(message):
         return message, None, tagged or PAUSE
     return message, status, tagged
+
+
+def _told_message(told: Optional[Told], text: str) -> str:
+    """The peer's message: told as a field, else (an older peer) what its reason says after `PEER_WHY`."""
+    if told is not None and told.message:
+        return told.message
+    return text.rsplit(PEER_WHY, 1)[-1]
 
 
 def lost_peer_status(error_message: Any, status_code: Any) -> Any:
@@ -316,12 +390,17 @@ def kept_over(current: Optional[str], new: str) -> bool:
     return bool(current) and (is_bare_abort(new) or is_lost_peer(current) and not is_lost_peer(new))
 
 
-def reason_weight(reason: str) -> int:
+PEER_ENDED = (Cause.PEER_PAUSE, Cause.PEER_REJECTION, Cause.PEER_ABORT)  # the peer ended the room: nothing failed
+
+
+def reason_weight(reason: str, told: Optional[Told] = None) -> int:
     """How a reason ranks against another rank's for the same room (lowest wins): a lost peer first, then a failure
     of this side (a failed write, a deadline), last the peer's abort of the room (upstream's bare abort reason, or
-    decode's ABORT echoing a failure another rank had already told it of)."""
-    if is_lost_peer(reason):
+    decode's ABORT echoing a failure another rank had already told it of). `told`: the cause that came with it."""
+    if told is not None and told.cause is Cause.LOST_PEER or is_lost_peer(reason):
         return 0
+    if told is not None:
+        return 2 if told.cause in PEER_ENDED else 1
     return 2 if names_abort(reason) else 1
 
 

@@ -37,7 +37,11 @@ HOOKS: list[tuple[str, str, str]] = [_full(target, ref) + (kind,) for target, re
      "peer_liveness:around_handle_node_failure", AROUND),
     ("disaggregation.common.conn.CommonKVManager._send_multipart_locked",
      "peer_liveness:around_send_multipart_locked", AROUND),
+    ("disaggregation.common.conn.CommonKVManager.apply_prefill_status", "room_ledger:around_apply_prefill_status",
+     AROUND),
     ("disaggregation.common.conn.CommonKVManager.conclude_transfer", "peer_liveness:around_conclude_transfer", AROUND),
+    ("disaggregation.common.conn.CommonKVManager.parse_kv_status_message",
+     "room_ledger:around_parse_kv_status_message", AROUND),
     ("disaggregation.common.conn.CommonKVManager.record_failure", "room_ledger:around_record_failure", AROUND),
     # peer_liveness' AFTER (inner): a lost prefill fetched again is back; transfer_deadline's AROUND (outer): the
     # scheduler takes a pool thread's fetched outcome

@@ -31,7 +31,7 @@ def end_prefill_rooms(scheduler, reqs: List[Any], reason: str) -> None:
         if sender is None or id(req) in held or room is None:
             continue
         room_ledger.end_room(mgr, room, None, reason.format(room=room), fail=False, tell=False, remember=True,
-                             cancel=True, clear=sender)
+                             cancel=True, clear=sender, told=verdict.told_for_ended_room(reason))
 
 
 def keep_abort_verdict(scheduler, recv_req) -> None:
@@ -62,7 +62,7 @@ def _matches(recv_req, rid: str) -> bool:
 
 # ----------------------------------------------------------------------------- why, to prefill
 
-# room -> (message, until) decode's ABORT of a room its pause or a release ended carries after room_ledger.WHY_FRAME
+# room -> (message, until) decode's ABORT of a room its pause or a release ended carries (room_ledger.abort_frames)
 # (docs/pause-release-resume.md): set by the scheduler, read by the thread sending the ABORT; only for WHY_TTL_S (a
 # room re-bootstrapped after a retract pause and aborted later by its client must not carry it).
 MAX_WHY_ROOMS = 4096
@@ -88,10 +88,9 @@ def note_why(scheduler, recv_req) -> None:
 
 
 def abort_notification_with_why(original, note, *args, **kwargs):
-    """AROUND AbortNotification.to_zmq (decode's ABORT): append the message of the pause that ended the room."""
+    """AROUND AbortNotification.to_zmq (decode's ABORT): the message of the pause that ended the room and the
+    cause prefill answers by (room_ledger.abort_frames: its pause, else an abort)."""
     frames = original(note, *args, **kwargs)
     with _why_lock:
         message, until = _why.get(note.room, (None, 0.0))
-    if message is None or time.monotonic() > until:
-        return frames
-    return list(frames) + [room_ledger.WHY_FRAME, message.encode("utf-8")]
+    return room_ledger.abort_frames(frames, message if message is not None and time.monotonic() <= until else None)
