@@ -26,6 +26,10 @@ ENV = {
     "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": str(HEARTBEAT),
     "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": str(MAX_FAILURE),
     "SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT": str(DEADLINE),
+    # as docs/peer-liveness.md advises where partitions are a concern: a KV write in flight at the cut is dropped
+    # once it has made no progress for about the loss detection time, instead of holding mooncake's connection to
+    # the decode past the heal (30 s by default: seen in a full run, served again 7.8 s after the heal)
+    "MC_TCP_PROGRESS_TIMEOUT_SEC": str(int(MAX_FAILURE * HEARTBEAT + 1)),
 }
 CONNECT_TIMEOUT = 1.0  # peer_liveness.CONNECT_TIMEOUT: what a silent heartbeat costs
 MARGIN = 3.0  # a busy 2-core machine: scheduler ticks, metric export
