@@ -86,8 +86,13 @@ def test_silent_partition_of_one_prefill_the_other_carries_the_load(cluster, pd_
         during = [r for r in loop.results if r["t"] >= t_cut]
         t_heal = time.monotonic()
         pd_hosts.heal()
+        # prefill2's KV writes in flight at the cut can hold mooncake's connection to decode past the heal, up to
+        # about the cut's length (TCP retransmits on a timer that doubled while cut; docs/peer-liveness.md): its
+        # probes wait for it. Decode, which writes nothing to prefill2, has no such wait.
+        cut_seconds = t_heal - t_cut
+        bounds = {"decode": RECOVER_BOUND, "prefill2": RECOVER_BOUND + cut_seconds}
         recovered = wait_counter_rises(cluster, ("prefill2", "decode"), RECOVERIES, recoveries, t_heal,
-                                       RECOVER_BOUND + 10, "prefill2 and decode to count the recovery")
+                                       max(bounds.values()) + 10, "prefill2 and decode to count the recovery")
         t_back = time.monotonic()
         served_by_prefill2 = metric_sum(cluster["prefill2"].metrics(), PROMPT_TOKENS)
         # requests sent from now on: each one served, prefill2's share among them
@@ -106,7 +111,7 @@ def test_silent_partition_of_one_prefill_the_other_carries_the_load(cluster, pd_
     for role, seconds in detected.items():
         assert seconds <= DETECT_BOUND, (role, seconds)
     for role, seconds in recovered.items():
-        assert seconds <= RECOVER_BOUND, (role, seconds)
+        assert seconds <= bounds[role], (role, seconds, bounds[role])
     assert all(r["status"] == 200 for r in loop.results if r["t"] - r["latency"] >= t_back), loop.summary()
     assert_idle(cluster, ROLES, baseline)
     # the silent pair counted the loss and the recovery once each; the first prefill lost nobody
