@@ -21,8 +21,9 @@ the client saw (`outputs`), what was counted (`counters`) and what is still held
 
 Also: `h.abort(rid)` (the real `Scheduler.abort_request`), `h.chunk_size` (chunked
 prefill), `h.hold_admission` (requests wait in the waiting queue), `h.during_forward`
-(act while a prefill batch runs), `h.run_until(pred)`, `h.room_state(room)`, `h.faults.notices_for(room)`,
-`DecodeHarness.finish(req)`, `kv_bytes(req)`.
+(act while a prefill batch runs), `h.add_held()` (a request whose transfer is held),
+`h.run_until(pred)`, `h.room_state(room)`, `h.faults.notices_for(room)`, `DecodeHarness.finish(req)`,
+`kv_bytes(req)`.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import contextlib
 import itertools
 from array import array
 from types import SimpleNamespace
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -247,6 +248,15 @@ class _Harness:
                 vocab_size=self.vocab_size,
                 **kwargs,
             )
+
+    def add_held(self, **req_kwargs: Any) -> Tuple[Req, int]:
+        """A fresh request (`make_req`'s arguments) added with its room's transfer held
+        (`faults.hold_transfer`), then one tick: on prefill it waits Transferring in the
+        inflight queue, on decode its metadata went out. Returns (request, room)."""
+        req = self.add(self.make_req(**req_kwargs))
+        self.faults.hold_transfer(req.bootstrap_room)
+        self.tick()
+        return req, req.bootstrap_room
 
     def abort(self, rid: str) -> None:
         """The real `Scheduler.abort_request` for one rid (a client abort)."""

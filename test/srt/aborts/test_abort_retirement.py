@@ -178,10 +178,7 @@ def test_prefill_abort_between_chunks(prefill):
 
 def test_prefill_inflight_abort(prefill):
     h = prefill
-    req = h.add(h.make_req())
-    room = req.bootstrap_room
-    h.faults.hold_transfer(room)
-    h.tick()
+    req, room = h.add_held()
     assert h.inflight == [req] and h.room_state(room) == "Transferring"
     h.abort(req.rid)
     h.faults.release(room)
@@ -196,10 +193,7 @@ def test_prefill_transfer_done_while_abort_pending_is_not_a_success(prefill):
     """The race: the abort is pending on the request (to_finish, as upstream's abort
     of a running request leaves it) when the poll reports Success."""
     h = prefill
-    req = h.add(h.make_req())
-    room = req.bootstrap_room
-    h.faults.hold_transfer(room)
-    h.tick()
+    req, room = h.add_held()
     req.to_finish = FINISH_ABORT()
     h.faults.release(room)
     h.tick()
@@ -232,9 +226,7 @@ def test_prefill_bad_aborts_are_harmless(prefill):
     h.abort(done.rid)  # finished
     assert h.outputs.status_code(done.rid) == 200
 
-    req = h.add(h.make_req())
-    h.faults.hold_transfer(req.bootstrap_room)
-    h.tick()
+    req, _ = h.add_held()
     h.abort(req.rid)
     h.abort(req.rid)  # twice before it is retired
     h.faults.release(req.bootstrap_room)
@@ -268,9 +260,7 @@ def test_decode_prealloc_abort(decode):
 
 def test_decode_transfer_abort(decode):
     h = decode
-    req = h.add(h.make_req())
-    room = req.bootstrap_room
-    h.faults.hold_transfer(room)
+    req, room = h.add_held()
     h.run_until(lambda: len(h.transfer_queue.queue) == 1)
     h.abort(req.rid)
     h.faults.release(room)
@@ -315,9 +305,7 @@ def test_decode_ends_a_room_prefills_pause_ended_as_a_pause_abort(decode, then_b
     from sglang.srt.managers.fork_pause import pd_pause
 
     h = decode
-    req = h.add(h.make_req())
-    room = req.bootstrap_room
-    h.faults.hold_transfer(room)
+    req, room = h.add_held()
     h.run_until(lambda: len(h.transfer_queue.queue) == 1)
     reasons = [verdict.peer_reason(req.rid, room, "prefill", pd_pause.PAUSE_ABORT_MESSAGE)]
     reasons += ["Aborted by AbortReq."] if then_bare else []
@@ -346,9 +334,7 @@ def test_deadline_expiry_counts_as_timeout(monkeypatch):
     with PrefillHarness(server_args={"disaggregation_transfer_timeout": 5.0}) as h:
         idle = h.snapshot()
         causes = dict(ec.COUNTS)
-        req = h.add(h.make_req())
-        h.faults.hold_transfer(req.bootstrap_room)
-        h.tick()
+        req, _ = h.add_held()
         now[0] += 6.0
         td.reset_scan_schedule()
         h.tick()
