@@ -61,8 +61,9 @@ def test_prefill_bootstrap_failed(prefill):
     h.assert_baseline(h.idle)
 
 
-def test_prefill_transfer_failed(prefill):
-    h = prefill
+def _transfer_failed(h):
+    """A held transfer turned Failed: the room Failed, a 500, one transfer failure
+    counted. Returns (request, room)."""
     req, room = h.add_held()
     assert h.snapshot().kv_held > 0
     failed_before = h.counters.counts["increment_transfer_failed_reqs"]
@@ -73,6 +74,12 @@ def test_prefill_transfer_failed(prefill):
     assert h.room_state(room) == "Failed"
     assert h.outputs.status_code(req.rid) == 500
     assert h.counters.counts["increment_transfer_failed_reqs"] == failed_before + 1
+    return req, room
+
+
+def test_prefill_transfer_failed(prefill):
+    h = prefill
+    req, room = _transfer_failed(h)
     assert "failure_exception" in [c.name for c in h.faults.calls_for(room)]
     h.assert_baseline(h.idle)
 
@@ -140,15 +147,7 @@ def test_decode_fake_transfer_without_host(decode):
 
 def test_decode_transfer_failed(decode):
     h = decode
-    req, room = h.add_held()
-    failed_before = h.counters.counts["increment_transfer_failed_reqs"]
-
-    h.faults.set(room, KVPoll.Failed)
-    h.tick()
-
-    assert h.room_state(room) == "Failed"
-    assert h.outputs.status_code(req.rid) == 500
-    assert h.counters.counts["increment_transfer_failed_reqs"] == failed_before + 1
+    _transfer_failed(h)
     assert h.waiting == []
     h.assert_baseline(h.idle)
 
