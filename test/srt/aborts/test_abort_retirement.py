@@ -67,6 +67,17 @@ def told_decode(h, room):
             and verdict.ABORT_TAG in (n.reason or "")]
 
 
+def assert_prefill_abort_sent_nothing(h, req, stage):
+    """Prefill's copy ended in `stage` before any KV chunk went out: answered as a client
+    abort, decode told once, counted once under `stage`, nothing left."""
+    room = req.bootstrap_room
+    assert_client_abort(h, req)
+    assert h.faults.calls_for(room, "send") == []  # KV never exposed to decode
+    assert len(told_decode(h, room)) == 1
+    assert_counted(h, "prefill", stage)
+    assert_room_gone(h, room)
+
+
 # ----------------------------------------------------------------------------- prefill
 
 
@@ -96,11 +107,7 @@ def test_prefill_bootstrap_queue_abort(prefill):
     h.abort(req.rid)
     h.faults.release(room)
     h.tick()
-    assert_client_abort(h, req)
-    assert h.faults.calls_for(room, "send") == []
-    assert len(told_decode(h, room)) == 1
-    assert_counted(h, "prefill", pd_queues.PREFILL_BOOTSTRAP)
-    assert_room_gone(h, room)
+    assert_prefill_abort_sent_nothing(h, req, pd_queues.PREFILL_BOOTSTRAP)
 
 
 def test_prefill_bootstrap_queue_pause_abort(prefill):
@@ -129,33 +136,23 @@ def test_prefill_waiting_queue_abort(prefill):
     h = prefill
     h.hold_admission = True
     req = h.add(h.make_req())
-    room = req.bootstrap_room
     h.tick()
     assert req in h.waiting
     h.abort(req.rid)
     h.hold_admission = False
     h.tick()
-    assert_client_abort(h, req)
-    assert h.faults.calls_for(room, "send") == []
-    assert len(told_decode(h, room)) == 1
-    assert_counted(h, "prefill", pd_queues.PREFILL_WAITING)
     # upstream: request_status (Failed) and failure_records kept the room forever
-    assert_room_gone(h, room)
+    assert_prefill_abort_sent_nothing(h, req, pd_queues.PREFILL_WAITING)
 
 
 def test_prefill_abort_while_batch_runs_sends_no_kv(prefill):
     h = prefill
     req = h.add(h.make_req(tokens=range(200, 212)))
-    room = req.bootstrap_room
     h.during_forward = lambda reqs: h.abort(req.rid) if req in reqs else None
     h.tick()
     h.during_forward = None
-    assert_client_abort(h, req)
     assert h.outputs.final(req.rid).output_ids == ()  # no token streamed
-    assert h.faults.calls_for(room, "send") == []  # KV never exposed to decode
-    assert len(told_decode(h, room)) == 1
-    assert_counted(h, "prefill", pd_queues.PREFILL_RUNNING)
-    assert_room_gone(h, room)
+    assert_prefill_abort_sent_nothing(h, req, pd_queues.PREFILL_RUNNING)
 
 
 def test_prefill_abort_between_chunks(prefill):
