@@ -102,14 +102,6 @@ class Leg(threading.Thread):
         self.conn.sock.shutdown(socket.SHUT_RDWR)
 
 
-def _metric(server, name: str, **labels) -> float:
-    want = [f'{k}="{v}"' for k, v in labels.items()]
-    return sum(
-        v for k, v in server.metrics().items()
-        if (k == name or k.startswith(name + "{")) and all(w in k for w in want)
-    )
-
-
 def _deferred(server) -> int:
     return server.resources()["transfer_rooms"]["_deferred_abort_ack_tracker"]
 
@@ -121,9 +113,10 @@ def test_prefill_killed_while_decode_awaits_drain_acks(cluster):
     warm = generate(cluster.url, "warm up", max_new_tokens=4)  # decode fetched prefill's info
     assert warm["status"] == 200, warm
     baseline = assert_idle(cluster, PD_ROLES)
-    losses = _metric(decode, LOSSES)
-    drained, timed_out = _metric(decode, RELEASES, outcome="drained"), _metric(decode, RELEASES, outcome="timeout")
-    aborts = _metric(decode, END_CAUSES, role="decode", cause="client_abort")
+    losses = metric_sum(decode.metrics(), LOSSES)
+    drained = metric_sum(decode.metrics(), RELEASES, outcome="drained")
+    timed_out = metric_sum(decode.metrics(), RELEASES, outcome="timeout")
+    aborts = metric_sum(decode.metrics(), END_CAUSES, role="decode", cause="client_abort")
 
     # prefill frozen: decode preallocates, tells prefill (the message waits in its
     # socket) and waits for KV that does not come; prefill cannot ack any drain
@@ -157,11 +150,11 @@ def test_prefill_killed_while_decode_awaits_drain_acks(cluster):
     idle_after = time.monotonic() - t_kill
     assert idle_after <= IDLE_AFTER_LOSS_S, idle_after
     assert http_get(decode.url + "/flush_cache")[0] == 200
-    assert _metric(decode, LOSSES) == losses + 1
+    assert metric_sum(decode.metrics(), LOSSES) == losses + 1
     # released as drained (on the lost peer's behalf), none by the 30 s timeout
-    assert _metric(decode, RELEASES, outcome="drained") == drained + n
-    assert _metric(decode, RELEASES, outcome="timeout") == timed_out
-    assert _metric(decode, END_CAUSES, role="decode", cause="client_abort") == aborts + n
+    assert metric_sum(decode.metrics(), RELEASES, outcome="drained") == drained + n
+    assert metric_sum(decode.metrics(), RELEASES, outcome="timeout") == timed_out
+    assert metric_sum(decode.metrics(), END_CAUSES, role="decode", cause="client_abort") == aborts + n
     assert "timed out after" not in decode.tail(200)
 
     prefill.start()
@@ -217,8 +210,8 @@ def _warm_baseline_counts(cluster):
     warm = generate(cluster.url, "warm up", max_new_tokens=4)
     assert warm["status"] == 200, warm
     baseline = assert_idle(cluster, PD_ROLES)
-    aborts = _metric(prefill, END_CAUSES, role="prefill", cause="client_abort")
-    return baseline, aborts, _metric(prefill, "sglang:num_bootstrap_failed_reqs_total")
+    aborts = metric_sum(prefill.metrics(), END_CAUSES, role="prefill", cause="client_abort")
+    return baseline, aborts, metric_sum(prefill.metrics(), "sglang:num_bootstrap_failed_reqs_total")
 
 
 def test_abort_at_decodes_gate_reaches_prefill_at_once(cluster):
@@ -251,8 +244,8 @@ def test_abort_at_decodes_gate_reaches_prefill_at_once(cluster):
             assert c.ended_at - t_abort <= 5.0, c.ended_at - t_abort
         assert_idle(cluster, ("prefill",), baseline, timeout=5)
         # prefill ended its copies as aborts (decode's end), not bootstrap failures
-        assert _metric(prefill, END_CAUSES, role="prefill", cause="client_abort") == aborts + n
-        assert _metric(prefill, "sglang:num_bootstrap_failed_reqs_total") == failed
+        assert metric_sum(prefill.metrics(), END_CAUSES, role="prefill", cause="client_abort") == aborts + n
+        assert metric_sum(prefill.metrics(), "sglang:num_bootstrap_failed_reqs_total") == failed
     finally:
         _call(decode, "continue_generation")
     assert_idle(cluster, PD_ROLES, baseline)
@@ -279,8 +272,8 @@ def test_request_decodes_scheduler_rejects_reaches_prefill_at_once(cluster):
     _prefill_copy_ends_at_once(prefill, leg, t0)
     assert_idle(cluster, PD_ROLES, baseline, timeout=5)
     # prefill ended its copy as decode's end (an abort), not as a bootstrap failure
-    assert _metric(prefill, END_CAUSES, role="prefill", cause="client_abort") == aborts + 1
-    assert _metric(prefill, "sglang:num_bootstrap_failed_reqs_total") == failed
+    assert metric_sum(prefill.metrics(), END_CAUSES, role="prefill", cause="client_abort") == aborts + 1
+    assert metric_sum(prefill.metrics(), "sglang:num_bootstrap_failed_reqs_total") == failed
     results = [generate(cluster.url, p, max_new_tokens=8) for p in prompts(2)]
     assert [r["status"] for r in results] == [200] * 2, [r["error"] for r in results]
 
@@ -347,7 +340,7 @@ def test_request_prefills_scheduler_rejects_reaches_decode_at_once(cluster):
     assert_idle(cluster, PD_ROLES, baseline, timeout=5)
     # decode ended its copy in its transfer queue as prefill's end (an abort), not a failure
     wait_end_causes(cluster, before, {("decode", "client_abort", "decode_transfer"): 1})
-    assert _metric(prefill, "sglang:num_bootstrap_failed_reqs_total") == failed
+    assert metric_sum(prefill.metrics(), "sglang:num_bootstrap_failed_reqs_total") == failed
     results = [generate(cluster.url, p, max_new_tokens=8) for p in prompts(2)]
     assert [r["status"] for r in results] == [200] * 2, [r["error"] for r in results]
 
@@ -377,8 +370,8 @@ def test_request_decodes_tokenizer_rejects_reaches_prefill_at_once(cluster):
     assert status == 400 and "context length" in str(reply), (status, reply)
     _prefill_copy_ends_at_once(prefill, leg, t0)
     assert_idle(cluster, PD_ROLES, baseline, timeout=5)
-    assert _metric(prefill, END_CAUSES, role="prefill", cause="client_abort") == aborts + 1
-    assert _metric(prefill, "sglang:num_bootstrap_failed_reqs_total") == failed
+    assert metric_sum(prefill.metrics(), END_CAUSES, role="prefill", cause="client_abort") == aborts + 1
+    assert metric_sum(prefill.metrics(), "sglang:num_bootstrap_failed_reqs_total") == failed
     results = [generate(cluster.url, p, max_new_tokens=8) for p in prompts(2)]
     assert [r["status"] for r in results] == [200] * 2, [r["error"] for r in results]
 
@@ -404,7 +397,7 @@ def test_request_prefills_tokenizer_rejects_reaches_decode_at_once(cluster):
     assert message.startswith("rejected by prefill's tokenizer") and "context length" in message, message
     assert_idle(cluster, PD_ROLES, baseline, timeout=5)
     wait_end_causes(cluster, before, {("decode", "client_abort", "decode_transfer"): 1})
-    assert _metric(prefill, "sglang:num_bootstrap_failed_reqs_total") == failed
+    assert metric_sum(prefill.metrics(), "sglang:num_bootstrap_failed_reqs_total") == failed
     results = [generate(cluster.url, p, max_new_tokens=8) for p in prompts(2)]
     assert [r["status"] for r in results] == [200] * 2, [r["error"] for r in results]
 
@@ -458,8 +451,8 @@ def test_decode_abort_while_prefills_gate_holds_the_copy(cluster):
     assert not p_leg.is_alive(), "prefill's leg hangs after continue"
     assert _abort_answer(p_leg), (p_leg.status, p_leg.body)
     assert_idle(cluster, PD_ROLES, baseline, timeout=5)
-    assert _metric(prefill, END_CAUSES, role="prefill", cause="client_abort") == aborts + 1
-    assert _metric(prefill, "sglang:num_bootstrap_failed_reqs_total") == failed
+    assert metric_sum(prefill.metrics(), END_CAUSES, role="prefill", cause="client_abort") == aborts + 1
+    assert metric_sum(prefill.metrics(), "sglang:num_bootstrap_failed_reqs_total") == failed
     results = [generate(cluster.url, p, max_new_tokens=8) for p in prompts(2)]
     assert [r["status"] for r in results] == [200] * 2, [r["error"] for r in results]
 
