@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from conftest import TP2, TP2_DECODE_TP1, topology_params, topology_pd
-from testing.pd_checks import Leg, assert_idle, end_causes, held, http_client_abort, leg_body
+from testing.pd_checks import Leg, assert_idle, assert_serves, end_causes, held, http_client_abort, leg_body
 from testing.pd_checks import delta as _delta
 from testing.pd_cluster import generate, http_post_json, metric_sum, prompts, wait_until
 
@@ -74,8 +74,7 @@ def _assert_aborted(leg: Leg, since: float, what: str) -> None:
 
 
 def _assert_serving(cluster, baseline) -> None:
-    results = [generate(cluster.url, p, max_new_tokens=8) for p in prompts(3)]
-    assert [r["status"] for r in results] == [200] * 3, results
+    results = assert_serves(cluster.url, 3)
     assert all(r["meta"]["finish_reason"]["type"] != "abort" for r in results), results
     assert_idle(cluster, PD_ROLES, baseline)
 

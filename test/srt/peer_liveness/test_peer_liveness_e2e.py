@@ -23,6 +23,7 @@ import pytest
 from conftest import LIVENESS_ARGS, LIVENESS_ENV, TP2, resume_frozen, shared_env, topology_params, topology_pd
 from testing.pd_checks import (
     assert_idle,
+    assert_serves,
     delta,
     end_causes,
     held,
@@ -86,8 +87,7 @@ def restart_a_killed_server(cluster):
 @pytest.fixture(scope="module")
 def control(cluster):
     """The 20 recovery prompts answered by the healthy deployment (greedy)."""
-    results = [generate(cluster.url, p, max_new_tokens=8) for p in prompts(N_AFTER)]
-    assert [r["status"] for r in results] == [200] * N_AFTER, [r["error"] for r in results]
+    results = assert_serves(cluster.url, N_AFTER)
     return [r["output_ids"] for r in results]
 
 
@@ -139,8 +139,7 @@ def _assert_named_5xx(legs, lost_role: str, t_gone: float, multi_rank: bool = Fa
 def _recover(cluster, control, survivor: str, baseline: dict, peers_before: dict) -> None:
     """20 requests through the load balancer: all 200, outputs equal the control run;
     then both sides idle and the survivor's per-peer tables as before the crash."""
-    results = [generate(cluster.url, p, max_new_tokens=8) for p in prompts(N_AFTER)]
-    assert [r["status"] for r in results] == [200] * N_AFTER, [r["error"] for r in results if r["status"] != 200]
+    results = assert_serves(cluster.url, N_AFTER)
     assert [r["output_ids"] for r in results] == control
     assert_idle(cluster, PD_ROLES, baseline)
     # per-peer tables as before the crash (upstream's heartbeat refills its entries

@@ -24,6 +24,7 @@ import pytest
 from conftest import resume_frozen, shared_env
 from testing.pd_checks import (
     assert_idle,
+    assert_serves,
     at_gate,
     bootstrap_queue,
     cluster_end_causes,
@@ -40,7 +41,6 @@ from testing.pd_cluster import (
     http_post_json,
     metric_sum,
     parse_prometheus,
-    prompts,
     wait_until,
 )
 
@@ -159,8 +159,7 @@ def test_prefill_killed_while_decode_awaits_drain_acks(cluster):
 
     prefill.start()
     prefill.wait_healthy()
-    results = [generate(cluster.url, p, max_new_tokens=8) for p in prompts(6)]
-    assert [r["status"] for r in results] == [200] * 6, [r["error"] for r in results]
+    assert_serves(cluster.url, 6)
     assert_idle(cluster, PD_ROLES, baseline)
 
 
@@ -249,8 +248,7 @@ def test_abort_at_decodes_gate_reaches_prefill_at_once(cluster):
     finally:
         _call(decode, "continue_generation")
     assert_idle(cluster, PD_ROLES, baseline)
-    results = [generate(cluster.url, p, max_new_tokens=8) for p in prompts(4)]
-    assert [r["status"] for r in results] == [200] * 4, [r["error"] for r in results]
+    assert_serves(cluster.url, 4)
 
 
 def test_request_decodes_scheduler_rejects_reaches_prefill_at_once(cluster):
@@ -274,8 +272,7 @@ def test_request_decodes_scheduler_rejects_reaches_prefill_at_once(cluster):
     # prefill ended its copy as decode's end (an abort), not as a bootstrap failure
     assert metric_sum(prefill.metrics(), END_CAUSES, role="prefill", cause="client_abort") == aborts + 1
     assert metric_sum(prefill.metrics(), "sglang:num_bootstrap_failed_reqs_total") == failed
-    results = [generate(cluster.url, p, max_new_tokens=8) for p in prompts(2)]
-    assert [r["status"] for r in results] == [200] * 2, [r["error"] for r in results]
+    assert_serves(cluster.url, 2)
 
 
 def _decode_transfer(server) -> int:
@@ -341,8 +338,7 @@ def test_request_prefills_scheduler_rejects_reaches_decode_at_once(cluster):
     # decode ended its copy in its transfer queue as prefill's end (an abort), not a failure
     wait_end_causes(cluster, before, {("decode", "client_abort", "decode_transfer"): 1})
     assert metric_sum(prefill.metrics(), "sglang:num_bootstrap_failed_reqs_total") == failed
-    results = [generate(cluster.url, p, max_new_tokens=8) for p in prompts(2)]
-    assert [r["status"] for r in results] == [200] * 2, [r["error"] for r in results]
+    assert_serves(cluster.url, 2)
 
 
 TOO_MANY_TOKENS = 4096  # beyond the tiny model's context (1024): the tokenizer's validation rejects it
@@ -372,8 +368,7 @@ def test_request_decodes_tokenizer_rejects_reaches_prefill_at_once(cluster):
     assert_idle(cluster, PD_ROLES, baseline, timeout=5)
     assert metric_sum(prefill.metrics(), END_CAUSES, role="prefill", cause="client_abort") == aborts + 1
     assert metric_sum(prefill.metrics(), "sglang:num_bootstrap_failed_reqs_total") == failed
-    results = [generate(cluster.url, p, max_new_tokens=8) for p in prompts(2)]
-    assert [r["status"] for r in results] == [200] * 2, [r["error"] for r in results]
+    assert_serves(cluster.url, 2)
 
 
 def test_request_prefills_tokenizer_rejects_reaches_decode_at_once(cluster):
@@ -398,8 +393,7 @@ def test_request_prefills_tokenizer_rejects_reaches_decode_at_once(cluster):
     assert_idle(cluster, PD_ROLES, baseline, timeout=5)
     wait_end_causes(cluster, before, {("decode", "client_abort", "decode_transfer"): 1})
     assert metric_sum(prefill.metrics(), "sglang:num_bootstrap_failed_reqs_total") == failed
-    results = [generate(cluster.url, p, max_new_tokens=8) for p in prompts(2)]
-    assert [r["status"] for r in results] == [200] * 2, [r["error"] for r in results]
+    assert_serves(cluster.url, 2)
 
 
 def test_abort_at_prefills_gate_reaches_decode_at_once(cluster):
@@ -423,8 +417,7 @@ def test_abort_at_prefills_gate_reaches_decode_at_once(cluster):
         _call(prefill, "continue_generation")
     assert_idle(cluster, PD_ROLES, baseline, timeout=5)
     wait_end_causes(cluster, before, {("decode", "client_abort", "decode_transfer"): 1})
-    results = [generate(cluster.url, p, max_new_tokens=8) for p in prompts(2)]
-    assert [r["status"] for r in results] == [200] * 2, [r["error"] for r in results]
+    assert_serves(cluster.url, 2)
 
 
 def test_decode_abort_while_prefills_gate_holds_the_copy(cluster):
@@ -453,8 +446,7 @@ def test_decode_abort_while_prefills_gate_holds_the_copy(cluster):
     assert_idle(cluster, PD_ROLES, baseline, timeout=5)
     assert metric_sum(prefill.metrics(), END_CAUSES, role="prefill", cause="client_abort") == aborts + 1
     assert metric_sum(prefill.metrics(), "sglang:num_bootstrap_failed_reqs_total") == failed
-    results = [generate(cluster.url, p, max_new_tokens=8) for p in prompts(2)]
-    assert [r["status"] for r in results] == [200] * 2, [r["error"] for r in results]
+    assert_serves(cluster.url, 2)
 
 
 SKEW_CYCLES = 6
@@ -515,5 +507,4 @@ def test_closed_loop_soak_mixing_faults_judges_every_answer(cluster):
     moved = delta(before, cluster_end_causes(cluster))
     errors = {k: v for k, v in moved.items() if k[1] in ("timeout", "peer_failure", "transport")}
     assert not errors, moved
-    results = [generate(cluster.url, p, max_new_tokens=8) for p in prompts(4)]
-    assert [r["status"] for r in results] == [200] * 4, [r["error"] for r in results]
+    assert_serves(cluster.url, 4)
