@@ -34,6 +34,7 @@ from testing.pd_checks import (
     post,
     skewed_abort_pause_cycles,
     wait_end_causes,
+    waiting_for_peer,
 )
 from testing.pd_cluster import (
     generate,
@@ -172,17 +173,20 @@ def _call(server, endpoint: str, body=None):
     return reply
 
 
-def _prefill_copy_ends_at_once(prefill, leg, t0) -> None:
-    """Prefill's copy, waiting for decode's handshake, was let go within about a second
-    of `t0` (it waited for its bootstrap timeout), answered as an abort."""
-    wait_until(lambda: bootstrap_queue(prefill) == 0, 5, "prefill's bootstrap queue to empty",
-               interval=0.05, on_timeout=lambda: str(prefill.resources()["queues"]))
+def _copy_ends_at_once(server, leg, t0) -> str:
+    """`server`'s copy, waiting for the other server (prefill: for decode's handshake, it
+    waited for its bootstrap timeout; decode: for prefill's KV, it waited for the transfer
+    deadline, 600 s), was let go within about a second of `t0`, answered as an abort.
+    Returns the abort's message."""
+    wait_until(lambda: waiting_for_peer(server) == 0, 5, f"{server.role} to let go of its copy",
+               interval=0.05, on_timeout=lambda: str(server.resources()["queues"]))
     emptied = time.monotonic() - t0
     leg.join(10)
-    assert not leg.is_alive(), "prefill's leg hangs"
+    assert not leg.is_alive(), f"{server.role}'s leg hangs"
     assert emptied <= 1.5, emptied  # "about a second" on two loaded cores
     assert leg.ended_at - t0 <= 5.0, leg.ended_at - t0
     assert _abort_answer(leg), (leg.status, leg.body)
+    return leg.body["meta_info"]["finish_reason"]["message"]
 
 
 def _gate_or_abort_answer(r) -> bool:
@@ -267,7 +271,7 @@ def test_request_decodes_scheduler_rejects_reaches_prefill_at_once(cluster):
     status, reply = http_post_json(decode.url + "/generate", dict(leg_body(cluster, room, "rejected by decode: hello", rid=rid),
                                                                    priority=1), timeout=30)
     assert status == 503 and "priority" in str(reply), (status, reply)
-    _prefill_copy_ends_at_once(prefill, leg, t0)
+    _copy_ends_at_once(prefill, leg, t0)
     assert_idle(cluster, PD_ROLES, baseline, timeout=5)
     # prefill ended its copy as decode's end (an abort), not as a bootstrap failure
     assert metric_sum(prefill.metrics(), END_CAUSES, role="prefill", cause="client_abort") == aborts + 1
@@ -300,22 +304,6 @@ def _legs_held_by_prefills_gate(cluster, tag: str, text: str):
     return rid, d_leg, p_leg
 
 
-def _decode_copy_ends_at_once(cluster, leg, t0) -> str:
-    """Decode's copy, waiting for prefill's KV, was let go within about a second of
-    `t0` (it waited for the transfer deadline, 600 s), answered as an abort. Returns
-    the abort's message."""
-    decode = cluster["decode"]
-    wait_until(lambda: _decode_transfer(decode) == 0, 5, "decode to let go of its copy",
-               interval=0.05, on_timeout=lambda: str(decode.resources()["queues"]))
-    emptied = time.monotonic() - t0
-    leg.join(10)
-    assert not leg.is_alive(), "decode's leg hangs"
-    assert emptied <= 1.5, emptied  # "about a second" on two loaded cores
-    assert leg.ended_at - t0 <= 5.0, leg.ended_at - t0
-    assert _abort_answer(leg), (leg.status, leg.body)
-    return leg.body["meta_info"]["finish_reason"]["message"]
-
-
 def test_request_prefills_scheduler_rejects_reaches_decode_at_once(cluster):
     """Hole 1's mirror, a rejection: prefill's scheduler rejects the request before its
     room exists there (a priority: 503) while decode's copy, its handshake sent, waits
@@ -332,7 +320,7 @@ def test_request_prefills_scheduler_rejects_reaches_decode_at_once(cluster):
     t0 = time.monotonic()
     status, reply = http_post_json(prefill.url + "/generate", dict(body, priority=1), timeout=30)
     assert status == 503 and "priority" in str(reply), (status, reply)
-    message = _decode_copy_ends_at_once(cluster, leg, t0)
+    message = _copy_ends_at_once(decode, leg, t0)
     assert message.startswith("rejected by prefill's scheduler") and "priority" in message, message
     assert_idle(cluster, PD_ROLES, baseline, timeout=5)
     # decode ended its copy in its transfer queue as prefill's end (an abort), not a failure
@@ -364,7 +352,7 @@ def test_request_decodes_tokenizer_rejects_reaches_prefill_at_once(cluster):
     t0 = time.monotonic()
     status, reply = http_post_json(cluster["decode"].url + "/generate", _too_long(body), timeout=30)
     assert status == 400 and "context length" in str(reply), (status, reply)
-    _prefill_copy_ends_at_once(prefill, leg, t0)
+    _copy_ends_at_once(prefill, leg, t0)
     assert_idle(cluster, PD_ROLES, baseline, timeout=5)
     assert metric_sum(prefill.metrics(), END_CAUSES, role="prefill", cause="client_abort") == aborts + 1
     assert metric_sum(prefill.metrics(), "sglang:num_bootstrap_failed_reqs_total") == failed
@@ -388,7 +376,7 @@ def test_request_prefills_tokenizer_rejects_reaches_decode_at_once(cluster):
     t0 = time.monotonic()
     status, reply = http_post_json(prefill.url + "/generate", _too_long(body), timeout=30)
     assert status == 400 and "context length" in str(reply), (status, reply)
-    message = _decode_copy_ends_at_once(cluster, leg, t0)
+    message = _copy_ends_at_once(decode, leg, t0)
     assert message.startswith("rejected by prefill's tokenizer") and "context length" in message, message
     assert_idle(cluster, PD_ROLES, baseline, timeout=5)
     wait_end_causes(cluster, before, {("decode", "client_abort", "decode_transfer"): 1})
@@ -411,7 +399,7 @@ def test_abort_at_prefills_gate_reaches_decode_at_once(cluster):
         assert http_post_json(prefill.url + "/abort_request", {"rid": rid}, timeout=10)[0] == 200
         p_leg.join(5)
         assert _abort_answer(p_leg), (p_leg.status, p_leg.body)
-        _decode_copy_ends_at_once(cluster, d_leg, t0)
+        _copy_ends_at_once(cluster["decode"], d_leg, t0)
         assert at_gate(prefill) == 0
     finally:
         _call(prefill, "continue_generation")
