@@ -255,28 +255,40 @@ def test_abort_at_decodes_gate_reaches_prefill_at_once(cluster):
     assert_serves(cluster.url, 4)
 
 
-def test_request_decodes_scheduler_rejects_reaches_prefill_at_once(cluster):
-    """Hole 1, a rejection: decode's scheduler rejects the request before its room
-    exists (a priority while priority scheduling is off: 503). Prefill's copy, waiting
-    for decode's handshake, ends within about a second as decode's end (an abort), not
-    after its bootstrap timeout."""
-    prefill, decode = cluster["prefill"], cluster["decode"]
+def _priority(body: dict) -> dict:
+    """The request with a priority while priority scheduling is off: a scheduler rejects it (503)."""
+    return dict(body, priority=1)
+
+
+def _decode_rejects(cluster, rid_tag: str, text: str, reject, want_status: int, word: str) -> None:
+    """Prefill's copy waits for decode's handshake; decode rejects the request before
+    its room exists (`reject(body)` answered `want_status`, naming `word`). Prefill's copy
+    ends within about a second as decode's end (an abort, not a bootstrap failure),
+    nothing is held, serving goes on."""
+    prefill = cluster["prefill"]
     baseline, aborts, failed = _warm_baseline_counts(cluster)
     room = random.getrandbits(62)
-    rid = f"rejected-{room}"
-    leg = Leg(prefill.url, leg_body(cluster, room, "rejected by decode: hello", rid=rid))
+    body = leg_body(cluster, room, text, rid=f"{rid_tag}-{room}")
+    leg = Leg(prefill.url, body)
     leg.start()
     wait_until(lambda: bootstrap_queue(prefill) == 1, 30, "prefill's copy waiting for decode's handshake")
     t0 = time.monotonic()
-    status, reply = http_post_json(decode.url + "/generate", dict(leg_body(cluster, room, "rejected by decode: hello", rid=rid),
-                                                                   priority=1), timeout=30)
-    assert status == 503 and "priority" in str(reply), (status, reply)
+    status, reply = http_post_json(cluster["decode"].url + "/generate", reject(body), timeout=30)
+    assert status == want_status and word in str(reply), (status, reply)
     _copy_ends_at_once(prefill, leg, t0)
     assert_idle(cluster, PD_ROLES, baseline, timeout=5)
     # prefill ended its copy as decode's end (an abort), not as a bootstrap failure
     assert metric_sum(prefill.metrics(), END_CAUSES, role="prefill", cause="client_abort") == aborts + 1
     assert metric_sum(prefill.metrics(), "sglang:num_bootstrap_failed_reqs_total") == failed
     assert_serves(cluster.url, 2)
+
+
+def test_request_decodes_scheduler_rejects_reaches_prefill_at_once(cluster):
+    """Hole 1, a rejection: decode's scheduler rejects the request before its room
+    exists (a priority while priority scheduling is off: 503). Prefill's copy, waiting
+    for decode's handshake, ends within about a second as decode's end (an abort), not
+    after its bootstrap timeout."""
+    _decode_rejects(cluster, "rejected", "rejected by decode: hello", _priority, 503, "priority")
 
 
 def _decode_transfer(server) -> int:
@@ -304,29 +316,38 @@ def _legs_held_by_prefills_gate(cluster, tag: str, text: str):
     return rid, d_leg, p_leg
 
 
-def test_request_prefills_scheduler_rejects_reaches_decode_at_once(cluster):
-    """Hole 1's mirror, a rejection: prefill's scheduler rejects the request before its
-    room exists there (a priority: 503) while decode's copy, its handshake sent, waits
-    for prefill's KV. Decode's copy ends within about a second, as an abort."""
+def _prefill_rejects(cluster, rid_tag: str, text: str, reject, want_status: int, word: str, says: str) -> None:
+    """Decode's copy, its handshake sent, waits for prefill's KV; prefill rejects the
+    request before its room exists there (`reject(body)` answered `want_status`, naming
+    `word`). Decode's copy ends within about a second as an abort whose message starts
+    with `says` and names `word`, counted in decode's transfer queue as prefill's end (an
+    abort, not a failure); nothing is held, serving goes on."""
     prefill, decode = cluster["prefill"], cluster["decode"]
     baseline, _, failed = _warm_baseline_counts(cluster)
     before = cluster_end_causes(cluster)
     room = random.getrandbits(62)
-    rid = f"rejected-on-prefill-{room}"
-    body = leg_body(cluster, room, "rejected by prefill: hello", rid=rid)
+    body = leg_body(cluster, room, text, rid=f"{rid_tag}-{room}")
     leg = Leg(decode.url, body)
     leg.start()
     wait_until(lambda: _decode_transfer(decode) == 1, 30, "decode's copy waiting for prefill's KV")
     t0 = time.monotonic()
-    status, reply = http_post_json(prefill.url + "/generate", dict(body, priority=1), timeout=30)
-    assert status == 503 and "priority" in str(reply), (status, reply)
+    status, reply = http_post_json(prefill.url + "/generate", reject(body), timeout=30)
+    assert status == want_status and word in str(reply), (status, reply)
     message = _copy_ends_at_once(decode, leg, t0)
-    assert message.startswith("rejected by prefill's scheduler") and "priority" in message, message
+    assert message.startswith(says) and word in message, message
     assert_idle(cluster, PD_ROLES, baseline, timeout=5)
     # decode ended its copy in its transfer queue as prefill's end (an abort), not a failure
     wait_end_causes(cluster, before, {("decode", "client_abort", "decode_transfer"): 1})
     assert metric_sum(prefill.metrics(), "sglang:num_bootstrap_failed_reqs_total") == failed
     assert_serves(cluster.url, 2)
+
+
+def test_request_prefills_scheduler_rejects_reaches_decode_at_once(cluster):
+    """Hole 1's mirror, a rejection: prefill's scheduler rejects the request before its
+    room exists there (a priority: 503) while decode's copy, its handshake sent, waits
+    for prefill's KV. Decode's copy ends within about a second, as an abort."""
+    _prefill_rejects(cluster, "rejected-on-prefill", "rejected by prefill: hello", _priority, 503, "priority",
+                     says="rejected by prefill's scheduler")
 
 
 TOO_MANY_TOKENS = 4096  # beyond the tiny model's context (1024): the tokenizer's validation rejects it
@@ -341,22 +362,8 @@ def test_request_decodes_tokenizer_rejects_reaches_prefill_at_once(cluster):
     request (its validation: more tokens than the context; 400) while prefill's copy
     waits for decode's handshake. Prefill's copy ends within about a second as decode's
     end (an abort), not after its bootstrap timeout."""
-    prefill = cluster["prefill"]
-    baseline, aborts, failed = _warm_baseline_counts(cluster)
-    room = random.getrandbits(62)
-    rid = f"tokenizer-rejected-{room}"
-    body = leg_body(cluster, room, "rejected by decode's tokenizer: hello", rid=rid)
-    leg = Leg(prefill.url, body)
-    leg.start()
-    wait_until(lambda: bootstrap_queue(prefill) == 1, 30, "prefill's copy waiting for decode's handshake")
-    t0 = time.monotonic()
-    status, reply = http_post_json(cluster["decode"].url + "/generate", _too_long(body), timeout=30)
-    assert status == 400 and "context length" in str(reply), (status, reply)
-    _copy_ends_at_once(prefill, leg, t0)
-    assert_idle(cluster, PD_ROLES, baseline, timeout=5)
-    assert metric_sum(prefill.metrics(), END_CAUSES, role="prefill", cause="client_abort") == aborts + 1
-    assert metric_sum(prefill.metrics(), "sglang:num_bootstrap_failed_reqs_total") == failed
-    assert_serves(cluster.url, 2)
+    _decode_rejects(cluster, "tokenizer-rejected", "rejected by decode's tokenizer: hello", _too_long, 400,
+                    "context length")
 
 
 def test_request_prefills_tokenizer_rejects_reaches_decode_at_once(cluster):
@@ -364,24 +371,8 @@ def test_request_prefills_tokenizer_rejects_reaches_decode_at_once(cluster):
     rejects the request (more tokens than the context; 400) while decode's copy, its
     handshake sent, waits for prefill's KV. Decode's copy ends within about a second,
     as an abort naming the rejection (it waited for the transfer deadline, 600 s)."""
-    prefill, decode = cluster["prefill"], cluster["decode"]
-    baseline, _, failed = _warm_baseline_counts(cluster)
-    before = cluster_end_causes(cluster)
-    room = random.getrandbits(62)
-    rid = f"tokenizer-rejected-on-prefill-{room}"
-    body = leg_body(cluster, room, "rejected by prefill's tokenizer: hello", rid=rid)
-    leg = Leg(decode.url, body)
-    leg.start()
-    wait_until(lambda: _decode_transfer(decode) == 1, 30, "decode's copy waiting for prefill's KV")
-    t0 = time.monotonic()
-    status, reply = http_post_json(prefill.url + "/generate", _too_long(body), timeout=30)
-    assert status == 400 and "context length" in str(reply), (status, reply)
-    message = _copy_ends_at_once(decode, leg, t0)
-    assert message.startswith("rejected by prefill's tokenizer") and "context length" in message, message
-    assert_idle(cluster, PD_ROLES, baseline, timeout=5)
-    wait_end_causes(cluster, before, {("decode", "client_abort", "decode_transfer"): 1})
-    assert metric_sum(prefill.metrics(), "sglang:num_bootstrap_failed_reqs_total") == failed
-    assert_serves(cluster.url, 2)
+    _prefill_rejects(cluster, "tokenizer-rejected-on-prefill", "rejected by prefill's tokenizer: hello", _too_long,
+                     400, "context length", says="rejected by prefill's tokenizer")
 
 
 def test_abort_at_prefills_gate_reaches_decode_at_once(cluster):
