@@ -300,6 +300,16 @@ def _abort_answer(leg) -> bool:
     return leg.status == 200 and leg.body["meta_info"]["finish_reason"]["type"] == "abort"
 
 
+def _abort_leg(server, rid: str, leg) -> float:
+    """/abort_request for `rid` at `server`, whose own leg `leg` is then answered as an
+    abort (within its 5 s join). Returns when the abort was sent."""
+    t0 = time.monotonic()
+    assert http_post_json(server.url + "/abort_request", {"rid": rid}, timeout=10)[0] == 200
+    leg.join(5)
+    assert _abort_answer(leg), (leg.status, leg.body)
+    return t0
+
+
 def _legs_held_by_prefills_gate(cluster, tag: str, text: str):
     """Prefill paused: one request's two legs sent straight to the servers, until
     decode's copy waits for KV and prefill's at prefill's pause gate. Returns
@@ -386,10 +396,7 @@ def test_abort_at_prefills_gate_reaches_decode_at_once(cluster):
     _call(prefill, "pause_generation", {"mode": "abort"})
     try:
         rid, d_leg, p_leg = _legs_held_by_prefills_gate(cluster, "prefill-gate", "ended at prefill's gate")
-        t0 = time.monotonic()
-        assert http_post_json(prefill.url + "/abort_request", {"rid": rid}, timeout=10)[0] == 200
-        p_leg.join(5)
-        assert _abort_answer(p_leg), (p_leg.status, p_leg.body)
+        t0 = _abort_leg(prefill, rid, p_leg)
         _copy_ends_at_once(cluster["decode"], d_leg, t0)
         assert at_gate(prefill) == 0
     finally:
@@ -409,10 +416,7 @@ def test_decode_abort_while_prefills_gate_holds_the_copy(cluster):
     _call(prefill, "pause_generation", {"mode": "abort"})
     try:
         rid, d_leg, p_leg = _legs_held_by_prefills_gate(cluster, "decode-ends-first", "ended on decode first")
-        t0 = time.monotonic()
-        assert http_post_json(decode.url + "/abort_request", {"rid": rid}, timeout=10)[0] == 200
-        d_leg.join(5)
-        assert _abort_answer(d_leg), (d_leg.status, d_leg.body)
+        t0 = _abort_leg(decode, rid, d_leg)
         # prefill holds only the request at its gate: decode's handshake is dropped
         assert_idle(cluster, PD_ROLES, {"prefill": dict(baseline["prefill"], pause_gate_held=1),
                                         "decode": baseline["decode"]}, timeout=5)
