@@ -217,6 +217,13 @@ def _warm_baseline_counts(cluster):
     return baseline, aborts, metric_sum(prefill.metrics(), "sglang:num_bootstrap_failed_reqs_total")
 
 
+def _assert_prefill_ended_as_aborts(prefill, aborts: float, failed: float, n: int) -> None:
+    """Prefill ended `n` copies as decode's end: `n` client aborts counted since `aborts`
+    (its count then), none as a bootstrap failure (still `failed`)."""
+    assert metric_sum(prefill.metrics(), END_CAUSES, role="prefill", cause="client_abort") == aborts + n
+    assert metric_sum(prefill.metrics(), "sglang:num_bootstrap_failed_reqs_total") == failed
+
+
 def test_abort_at_decodes_gate_reaches_prefill_at_once(cluster):
     """Hole 1: decode paused (abort mode), prefill serving. A request reaches both;
     prefill's copy waits for decode's handshake, decode's copy waits at its pause gate.
@@ -247,8 +254,7 @@ def test_abort_at_decodes_gate_reaches_prefill_at_once(cluster):
             assert c.ended_at - t_abort <= 5.0, c.ended_at - t_abort
         assert_idle(cluster, ("prefill",), baseline, timeout=5)
         # prefill ended its copies as aborts (decode's end), not bootstrap failures
-        assert metric_sum(prefill.metrics(), END_CAUSES, role="prefill", cause="client_abort") == aborts + n
-        assert metric_sum(prefill.metrics(), "sglang:num_bootstrap_failed_reqs_total") == failed
+        _assert_prefill_ended_as_aborts(prefill, aborts, failed, n)
     finally:
         _call(decode, "continue_generation")
     assert_idle(cluster, PD_ROLES, baseline)
@@ -278,8 +284,7 @@ def _decode_rejects(cluster, rid_tag: str, text: str, reject, want_status: int, 
     _copy_ends_at_once(prefill, leg, t0)
     assert_idle(cluster, PD_ROLES, baseline, timeout=5)
     # prefill ended its copy as decode's end (an abort), not as a bootstrap failure
-    assert metric_sum(prefill.metrics(), END_CAUSES, role="prefill", cause="client_abort") == aborts + 1
-    assert metric_sum(prefill.metrics(), "sglang:num_bootstrap_failed_reqs_total") == failed
+    _assert_prefill_ended_as_aborts(prefill, aborts, failed, 1)
     assert_serves(cluster.url, 2)
 
 
@@ -427,8 +432,7 @@ def test_decode_abort_while_prefills_gate_holds_the_copy(cluster):
     assert not p_leg.is_alive(), "prefill's leg hangs after continue"
     assert _abort_answer(p_leg), (p_leg.status, p_leg.body)
     assert_idle(cluster, PD_ROLES, baseline, timeout=5)
-    assert metric_sum(prefill.metrics(), END_CAUSES, role="prefill", cause="client_abort") == aborts + 1
-    assert metric_sum(prefill.metrics(), "sglang:num_bootstrap_failed_reqs_total") == failed
+    _assert_prefill_ended_as_aborts(prefill, aborts, failed, 1)
     assert_serves(cluster.url, 2)
 
 
