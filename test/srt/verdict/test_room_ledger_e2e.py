@@ -103,6 +103,13 @@ class Leg(threading.Thread):
         self.conn.sock.shutdown(socket.SHUT_RDWR)
 
 
+def _warm_baseline(cluster) -> dict:
+    """One request served (decode knows prefill), then both servers idle: the baseline."""
+    warm = generate(cluster.url, "warm up", max_new_tokens=4)
+    assert warm["status"] == 200, warm
+    return assert_idle(cluster, PD_ROLES)
+
+
 def _deferred(server) -> int:
     return server.resources()["transfer_rooms"]["_deferred_abort_ack_tracker"]
 
@@ -111,9 +118,7 @@ def test_prefill_killed_while_decode_awaits_drain_acks(cluster):
     """Hole 2: rooms decode aborted (waiting for prefill's drain ack) when prefill dies
     are settled by the loss: decode idle within detection + 2 s, not 30 s."""
     prefill, decode = cluster["prefill"], cluster["decode"]
-    warm = generate(cluster.url, "warm up", max_new_tokens=4)  # decode fetched prefill's info
-    assert warm["status"] == 200, warm
-    baseline = assert_idle(cluster, PD_ROLES)
+    baseline = _warm_baseline(cluster)  # decode fetched prefill's info
     losses = metric_sum(decode.metrics(), LOSSES)
     drained = metric_sum(decode.metrics(), RELEASES, outcome="drained")
     timed_out = metric_sum(decode.metrics(), RELEASES, outcome="timeout")
@@ -210,9 +215,7 @@ def _warm_baseline_counts(cluster):
     """Warm up; the idle baseline and prefill's client-abort / bootstrap-failure counts
     before a hole-1 case (it ends prefill's copies as aborts, never as failures)."""
     prefill = cluster["prefill"]
-    warm = generate(cluster.url, "warm up", max_new_tokens=4)
-    assert warm["status"] == 200, warm
-    baseline = assert_idle(cluster, PD_ROLES)
+    baseline = _warm_baseline(cluster)
     aborts = metric_sum(prefill.metrics(), END_CAUSES, role="prefill", cause="client_abort")
     return baseline, aborts, metric_sum(prefill.metrics(), "sglang:num_bootstrap_failed_reqs_total")
 
@@ -451,9 +454,7 @@ def test_skewed_abort_pause_cycles_leave_nothing_waiting(cluster, first):
     within a second of the other's end; every answer is a completion or upstream's
     abort answer."""
     prefill, decode = cluster["prefill"], cluster["decode"]
-    warm = generate(cluster.url, "warm up", max_new_tokens=4)
-    assert warm["status"] == 200, warm
-    baseline = assert_idle(cluster, PD_ROLES)
+    baseline = _warm_baseline(cluster)
     results = skewed_abort_pause_cycles(prefill, decode, cluster.url, SKEW_CYCLES, SKEW_CLIENTS, UNANSWERED_S,
                                         first=first)
     wrong = [(r["status"], r["error"]) for r in results if not is_completion_or_abort_answer(r)]
@@ -478,9 +479,7 @@ def test_closed_loop_soak_mixing_faults_judges_every_answer(cluster):
     open after 30 s; nothing held afterwards and serving goes on."""
     from testing.soak import Soak, schedule
 
-    warm = generate(cluster.url, "warm up", max_new_tokens=4)
-    assert warm["status"] == 200, warm
-    baseline = assert_idle(cluster, PD_ROLES)
+    baseline = _warm_baseline(cluster)
     before = cluster_end_causes(cluster)
     soak = Soak(cluster, clients=SOAK_CLIENTS, seed=13)
     report = soak.run(schedule(SOAK_ROUNDS, seed=13))
