@@ -269,22 +269,35 @@ def _priority(body: dict) -> dict:
     return dict(body, priority=1)
 
 
-def _decode_rejects(cluster, rid_tag: str, text: str, reject, want_status: int, word: str) -> None:
-    """Prefill's copy waits for decode's handshake; decode rejects the request before
-    its room exists (`reject(body)` answered `want_status`, naming `word`). Prefill's copy
-    ends within about a second as decode's end (an abort, not a bootstrap failure),
-    nothing is held, serving goes on."""
-    prefill = cluster["prefill"]
-    baseline, aborts, failed = _warm_baseline_counts(cluster)
+def _other_rejects(cluster, waiter: str, rid_tag: str, text: str, reject, want_status: int, word: str) -> str:
+    """`waiter`'s copy of a request waits for the other server (prefill's for decode's
+    handshake; decode's, its handshake sent, for prefill's KV); the other server rejects
+    the request before its room exists there (`reject(body)` answered `want_status`,
+    naming `word`); `waiter`'s copy is let go at once (_copy_ends_at_once). Returns the
+    abort's message."""
+    server = cluster[waiter]
+    other = cluster["decode" if waiter == "prefill" else "prefill"]
     room = random.getrandbits(62)
     body = leg_body(cluster, room, text, rid=f"{rid_tag}-{room}")
-    leg = Leg(prefill.url, body)
+    leg = Leg(server.url, body)
     leg.start()
-    wait_until(lambda: bootstrap_queue(prefill) == 1, 30, "prefill's copy waiting for decode's handshake")
+    if waiter == "prefill":
+        wait_until(lambda: bootstrap_queue(server) == 1, 30, "prefill's copy waiting for decode's handshake")
+    else:
+        wait_until(lambda: _decode_transfer(server) == 1, 30, "decode's copy waiting for prefill's KV")
     t0 = time.monotonic()
-    status, reply = http_post_json(cluster["decode"].url + "/generate", reject(body), timeout=30)
+    status, reply = http_post_json(other.url + "/generate", reject(body), timeout=30)
     assert status == want_status and word in str(reply), (status, reply)
-    _copy_ends_at_once(prefill, leg, t0)
+    return _copy_ends_at_once(server, leg, t0)
+
+
+def _decode_rejects(cluster, rid_tag: str, text: str, reject, want_status: int, word: str) -> None:
+    """Prefill's copy waits for decode's handshake; decode rejects the request
+    (`_other_rejects`). Prefill's copy ends within about a second as decode's end (an
+    abort, not a bootstrap failure), nothing is held, serving goes on."""
+    prefill = cluster["prefill"]
+    baseline, aborts, failed = _warm_baseline_counts(cluster)
+    _other_rejects(cluster, "prefill", rid_tag, text, reject, want_status, word)
     assert_idle(cluster, PD_ROLES, baseline, timeout=5)
     # prefill ended its copy as decode's end (an abort), not as a bootstrap failure
     _assert_prefill_ended_as_aborts(prefill, aborts, failed, 1)
@@ -336,22 +349,13 @@ def _legs_held_by_prefills_gate(cluster, tag: str, text: str):
 
 def _prefill_rejects(cluster, rid_tag: str, text: str, reject, want_status: int, word: str, says: str) -> None:
     """Decode's copy, its handshake sent, waits for prefill's KV; prefill rejects the
-    request before its room exists there (`reject(body)` answered `want_status`, naming
-    `word`). Decode's copy ends within about a second as an abort whose message starts
-    with `says` and names `word`, counted in decode's transfer queue as prefill's end (an
-    abort, not a failure); nothing is held, serving goes on."""
-    prefill, decode = cluster["prefill"], cluster["decode"]
+    request (`_other_rejects`). Decode's copy ends within about a second as an abort whose
+    message starts with `says` and names `word`, counted in decode's transfer queue as
+    prefill's end (an abort, not a failure); nothing is held, serving goes on."""
+    prefill = cluster["prefill"]
     baseline, _, failed = _warm_baseline_counts(cluster)
     before = cluster_end_causes(cluster)
-    room = random.getrandbits(62)
-    body = leg_body(cluster, room, text, rid=f"{rid_tag}-{room}")
-    leg = Leg(decode.url, body)
-    leg.start()
-    wait_until(lambda: _decode_transfer(decode) == 1, 30, "decode's copy waiting for prefill's KV")
-    t0 = time.monotonic()
-    status, reply = http_post_json(prefill.url + "/generate", reject(body), timeout=30)
-    assert status == want_status and word in str(reply), (status, reply)
-    message = _copy_ends_at_once(decode, leg, t0)
+    message = _other_rejects(cluster, "decode", rid_tag, text, reject, want_status, word)
     assert message.startswith(says) and word in message, message
     assert_idle(cluster, PD_ROLES, baseline, timeout=5)
     # decode ended its copy in its transfer queue as prefill's end (an abort), not a failure
