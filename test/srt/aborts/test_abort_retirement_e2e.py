@@ -79,6 +79,19 @@ def _assert_serving(cluster, baseline) -> None:
     assert_idle(cluster, PD_ROLES, baseline)
 
 
+def _assert_each_leg_one_abort(cluster, before, baseline, aborted: tuple, other: str) -> None:
+    """After a matrix case: nothing held; the leg aborted in `aborted` (role, stage)
+    counted once there as a client abort, the `other` role's leg once as a client abort
+    in whatever stage it ended; no failure counted; serving goes on."""
+    assert_idle(cluster, PD_ROLES, baseline)
+    delta = _delta(before, _counts(cluster))
+    role, stage = aborted
+    assert delta.pop((role, "client_abort", stage)) == 1, delta
+    assert sum(v for k, v in delta.items() if k[0] == other and k[1] == "client_abort") == 1, delta
+    assert not [k for k in delta if k[1] in FAILURE_COUNTERS], delta
+    _assert_serving(cluster, baseline)
+
+
 def _room() -> int:
     return random.randint(1, 2**62)
 
@@ -106,12 +119,7 @@ def test_abort_in_prefill_bootstrap_then_late_decode_leg(cluster):
     d_leg.start()
     _assert_aborted(d_leg, t1, "late decode leg")
     assert d_leg.out["body"]["output_ids"] == []
-    assert_idle(cluster, PD_ROLES, baseline)
-    delta = _delta(before, _counts(cluster))
-    assert delta.pop(("prefill", "client_abort", "prefill_bootstrap")) == 1, delta
-    assert sum(v for k, v in delta.items() if k[0] == "decode" and k[1] == "client_abort") == 1, delta
-    assert not [k for k in delta if k[1] in FAILURE_COUNTERS], delta
-    _assert_serving(cluster, baseline)
+    _assert_each_leg_one_abort(cluster, before, baseline, ("prefill", "prefill_bootstrap"), "decode")
 
 
 def test_abort_in_decode_transfer_then_late_prefill_leg(cluster):
@@ -133,12 +141,7 @@ def test_abort_in_decode_transfer_then_late_prefill_leg(cluster):
     t1 = time.monotonic()
     p_leg.start()
     _assert_aborted(p_leg, t1, "late prefill leg")
-    assert_idle(cluster, PD_ROLES, baseline)
-    delta = _delta(before, _counts(cluster))
-    assert delta.pop(("decode", "client_abort", "decode_transfer")) == 1, delta
-    assert sum(v for k, v in delta.items() if k[0] == "prefill" and k[1] == "client_abort") == 1, delta
-    assert not [k for k in delta if k[1] in FAILURE_COUNTERS], delta
-    _assert_serving(cluster, baseline)
+    _assert_each_leg_one_abort(cluster, before, baseline, ("decode", "decode_transfer"), "prefill")
 
 
 def test_abort_inflight_on_prefill_while_decode_frozen(cluster):
@@ -180,12 +183,7 @@ def test_abort_inflight_on_prefill_while_decode_frozen(cluster):
     t1 = time.monotonic()
     _assert_aborted(d_leg, t1, "decode leg")
     assert d_leg.out["body"]["output_ids"] == []
-    assert_idle(cluster, PD_ROLES, baseline)
-    delta = _delta(before, _counts(cluster))
-    assert delta.pop(("prefill", "client_abort", "prefill_inflight")) == 1, delta
-    assert sum(v for k, v in delta.items() if k[0] == "decode" and k[1] == "client_abort") == 1, delta
-    assert not [k for k in delta if k[1] in FAILURE_COUNTERS], delta
-    _assert_serving(cluster, baseline)
+    _assert_each_leg_one_abort(cluster, before, baseline, ("prefill", "prefill_inflight"), "decode")
 
 
 def test_abort_running_decode_through_the_lb_and_bad_aborts(cluster):
