@@ -73,6 +73,16 @@ def _assert_aborted(leg: Leg, since: float, what: str) -> None:
     assert leg.out["ended"] - since <= ANSWER_S, (what, leg.out["ended"] - since)
 
 
+def _start_case(cluster, tag: str, text: str) -> tuple:
+    """A matrix case's start: both servers idle (the baseline), the counters then, and one
+    request's legs' body (a fresh rid `ab-<tag>-...` and room). Returns (baseline, before,
+    rid, body)."""
+    baseline = assert_idle(cluster, PD_ROLES)
+    before = _counts(cluster)
+    rid = f"ab-{tag}-{uuid.uuid4().hex}"
+    return baseline, before, rid, leg_body(cluster, _room(), text, rid=rid)
+
+
 def _leg_held(server, body: dict, queue: str, timeout: float, what: str) -> Leg:
     """One leg sent to `server`, held until its `queue` (fork_pd_resources) holds it."""
     leg = Leg(server.url, body)
@@ -124,11 +134,8 @@ def _room() -> int:
 
 
 def test_abort_in_prefill_bootstrap_then_late_decode_leg(cluster):
-    baseline = assert_idle(cluster, PD_ROLES)
     prefill, decode = cluster["prefill"], cluster["decode"]
-    before = _counts(cluster)
-    rid, room = f"ab-boot-{uuid.uuid4().hex}", _room()
-    body = leg_body(cluster, room, "the quick brown fox", rid=rid)
+    baseline, before, rid, body = _start_case(cluster, "boot", "the quick brown fox")
     p_leg = _leg_held(prefill, body, "prefill_bootstrap", 30, "prefill leg queued")
     _abort_answered(prefill, rid, p_leg, "prefill leg")
 
@@ -140,11 +147,8 @@ def test_abort_in_prefill_bootstrap_then_late_decode_leg(cluster):
 
 
 def test_abort_in_decode_transfer_then_late_prefill_leg(cluster):
-    baseline = assert_idle(cluster, PD_ROLES)
     prefill, decode = cluster["prefill"], cluster["decode"]
-    before = _counts(cluster)
-    rid, room = f"ab-dtr-{uuid.uuid4().hex}", _room()
-    body = leg_body(cluster, room, "hello world paris london", rid=rid)
+    baseline, before, rid, body = _start_case(cluster, "dtr", "hello world paris london")
     d_leg = _leg_held(decode, body, "decode_transfer", 30, "decode handshake")
     assert held(decode.resources())["kv_held"] > 0
     _abort_answered(decode, rid, d_leg, "decode leg")
@@ -158,11 +162,8 @@ def test_abort_inflight_on_prefill_while_decode_frozen(cluster):
     """Decode handshakes, then freezes: prefill's transfer cannot finish. The abort
     on prefill answers and releases prefill now; decode, once resumed, ends the
     request as an abort without generating a token (prefill told it)."""
-    baseline = assert_idle(cluster, PD_ROLES)
     prefill, decode = cluster["prefill"], cluster["decode"]
-    before = _counts(cluster)
-    rid, room = f"ab-infl-{uuid.uuid4().hex}", _room()
-    body = leg_body(cluster, room, "the lazy dog " * 60, rid=rid)  # several 64-token chunks
+    baseline, before, rid, body = _start_case(cluster, "infl", "the lazy dog " * 60)  # several 64-token chunks
     d_leg = _leg_held(decode, body, "decode_transfer", 30, "decode handshake")
     decode.freeze()
     try:
