@@ -83,6 +83,14 @@ def _tick_decode_into_transfer(pair) -> None:
         pair.decode.call("tick")
 
 
+def _both_legs_in_transfer(pair) -> int:
+    """The same request on both sides (`pair.submit`), decode ticked into its transfer
+    queue (its metadata sent); prefill has not run it yet. Returns the room."""
+    room = pair.submit(prompt_len=12)
+    _tick_decode_into_transfer(pair)
+    return room
+
+
 def _wait_idle_and_clean(pair, room):
     wait_pair_idle(pair)
     assert set(pair.prefill.call("room_entries", room)) <= TOMBSTONES
@@ -90,11 +98,8 @@ def _wait_idle_and_clean(pair, room):
 
 
 def test_prefill_abort_frees_decode_preallocation_at_once(pair, before):
-    room = pair.new_room()
-    pair.prefill.call("add", room, 12)
-    pair.decode.call("add", room, 12)
     # decode preallocates and sends its metadata; prefill has not run the request yet
-    _tick_decode_into_transfer(pair)
+    room = _both_legs_in_transfer(pair)
     assert pair.decode.call("snapshot")["kv_held"] > 0
     pair.prefill.call("abort", room)
     _told_at_once(pair, pair.prefill, pair.decode, room)
@@ -110,10 +115,7 @@ def test_prefill_abort_frees_decode_preallocation_at_once(pair, before):
 
 
 def test_decode_abort_frees_prefill_at_once(pair, before):
-    room = pair.new_room()
-    pair.prefill.call("add", room, 12)
-    pair.decode.call("add", room, 12)
-    _tick_decode_into_transfer(pair)
+    room = _both_legs_in_transfer(pair)
     pair.decode.call("abort", room)
     _told_at_once(pair, pair.decode, pair.prefill, room)
     pair.run_until(lambda: _ended(pair.decode, room), timeout=30)
@@ -244,10 +246,7 @@ def test_decode_pause_abort_tells_prefill_why(pair, before):
     client abort -- over real mooncake, told at once."""
     from sglang.srt.managers.fork_pause import pd_pause
 
-    room = pair.new_room()
-    pair.prefill.call("add", room, 12)
-    pair.decode.call("add", room, 12)
-    _tick_decode_into_transfer(pair)
+    room = _both_legs_in_transfer(pair)
     pair.decode.call("end_queued", pd_pause.PAUSE_ABORT_MESSAGE)
     assert _pause_answer(pair.decode.call("final_reason", room)), pair.decode.call("final_reason", room)
     wait_until(lambda: pair.prefill.call("kv_status", room) == "Failed", TRANSIT_S,
@@ -292,10 +291,7 @@ def test_a_failed_retract_rebootstrap_ends_as_its_failure_never_as_a_client_abor
     by the client." where nobody aborted; the room-ledger soak in CI). The room turns Failed already naming the
     re-send; the client gets the error, prefill is told, nothing is counted as a client abort."""
     reason = "PD retract rebootstrap /generate failed for rid=x (status=400)."
-    room = pair.new_room()
-    pair.prefill.call("add", room, 12)
-    pair.decode.call("add", room, 12)
-    _tick_decode_into_transfer(pair)
+    room = _both_legs_in_transfer(pair)
     assert pair.decode.call("fail_rebootstrap", room, reason) == reason  # what a poll at that moment reads
     pair.run_until(lambda: _ended(pair.decode, room), timeout=30)
     final = pair.decode.call("final_reason", room)
