@@ -97,6 +97,17 @@ def _wait_idle_and_clean(pair, room):
     assert pair.decode.call("room_entries", room) == []
 
 
+def _assert_each_side_ended_once(pair, before, room, cause: str) -> None:
+    """Each side answered the room once and counted it once under `cause` (prefill in
+    its bootstrap queue, decode in its transfer queue), no failure counted; both idle,
+    the room gone."""
+    assert pair.prefill.call("finals", room) == pair.decode.call("finals", room) == 1
+    _assert_no_failure_counted(pair, before)
+    assert pair_new_causes(pair.prefill, before["prefill"][1]) == {f"prefill/{cause}/prefill_bootstrap": 1}
+    assert pair_new_causes(pair.decode, before["decode"][1]) == {f"decode/{cause}/decode_transfer": 1}
+    _wait_idle_and_clean(pair, room)
+
+
 def test_prefill_abort_frees_decode_preallocation_at_once(pair, before):
     # decode preallocates and sends its metadata; prefill has not run the request yet
     room = _both_legs_in_transfer(pair)
@@ -107,11 +118,7 @@ def test_prefill_abort_frees_decode_preallocation_at_once(pair, before):
     assert _client_abort(pair.prefill, room), pair.prefill.call("final_reason", room)
     assert _client_abort(pair.decode, room), pair.decode.call("final_reason", room)
     assert pair.decode.call("output_ids", room) == []  # no token generated
-    assert pair.prefill.call("finals", room) == pair.decode.call("finals", room) == 1
-    _assert_no_failure_counted(pair, before)
-    assert pair_new_causes(pair.prefill, before["prefill"][1]) == {"prefill/client_abort/prefill_bootstrap": 1}
-    assert pair_new_causes(pair.decode, before["decode"][1]) == {"decode/client_abort/decode_transfer": 1}
-    _wait_idle_and_clean(pair, room)
+    _assert_each_side_ended_once(pair, before, room, "client_abort")
 
 
 def test_decode_abort_frees_prefill_at_once(pair, before):
@@ -122,11 +129,7 @@ def test_decode_abort_frees_prefill_at_once(pair, before):
     assert _client_abort(pair.decode, room), pair.decode.call("final_reason", room)
     # prefill hears decode's ABORT: an abort there, not "failed for an unknown reason"
     assert _client_abort(pair.prefill, room), pair.prefill.call("final_reason", room)
-    assert pair.prefill.call("finals", room) == pair.decode.call("finals", room) == 1
-    _assert_no_failure_counted(pair, before)
-    assert pair_new_causes(pair.prefill, before["prefill"][1]) == {"prefill/client_abort/prefill_bootstrap": 1}
-    assert pair_new_causes(pair.decode, before["decode"][1]) == {"decode/client_abort/decode_transfer": 1}
-    _wait_idle_and_clean(pair, room)
+    _assert_each_side_ended_once(pair, before, room, "client_abort")
 
 
 def test_late_handshake_after_prefill_abort_is_refused(pair, before):
@@ -253,11 +256,7 @@ def test_decode_pause_abort_tells_prefill_why(pair, before):
                "prefill to hear decode's ABORT", interval=0.01)
     pair.ticks_until(pair.prefill, lambda: _ended(pair.prefill, room), END_TICKS)
     assert _pause_answer(pair.prefill.call("final_reason", room)), pair.prefill.call("final_reason", room)
-    assert pair.prefill.call("finals", room) == pair.decode.call("finals", room) == 1
-    _assert_no_failure_counted(pair, before)
-    assert pair_new_causes(pair.prefill, before["prefill"][1]) == {"prefill/pause/prefill_bootstrap": 1}
-    assert pair_new_causes(pair.decode, before["decode"][1]) == {"decode/pause/decode_transfer": 1}
-    _wait_idle_and_clean(pair, room)
+    _assert_each_side_ended_once(pair, before, room, "pause")
 
 
 def test_decode_pause_abort_before_prefill_leg_tells_it_why(pair, before):
