@@ -30,6 +30,7 @@ from testing.pd_checks import (
     leg_body,
     stable_peer_tables,
     start_legs,
+    wait_end_causes,
 )
 from testing.pd_cluster import generate, metric_sum, prompts, wait_until
 
@@ -186,8 +187,7 @@ def test_decode_killed_in_flight_then_restarted(cluster, control):
     _assert_named_5xx(prefill_legs, "decode", t_gone, cluster.multi_rank)
     # each prefill leg counted once, by the cause its answer names, in its stage
     expected = {("prefill", c, "prefill_inflight"): n for c, n in _lost_by_cause(prefill_legs).items()}
-    wait_until(lambda: delta(causes, _causes(prefill)) == expected, 10, "end causes counted",
-               on_timeout=lambda: f"{delta(causes, _causes(prefill))} != {expected}")
+    wait_end_causes(cluster, causes, expected, roles=("prefill",))
     # prefill gave everything back and forgot the dead incarnation, decode still down
     assert_idle(cluster, ("prefill",), baseline, timeout=10)
     def forgotten():
@@ -249,8 +249,7 @@ def test_decode_rank_lost_by_one_prefill_rank_alone(cluster, control):
         assert not [leg for leg in prefill_legs if leg.is_alive()], "a request hangs"
         _assert_named_5xx(prefill_legs, "decode", t_gone, multi_rank=True)
         expected = {("prefill", c, "prefill_inflight"): n for c, n in _lost_by_cause(prefill_legs).items()}
-        wait_until(lambda: delta(causes, _causes(prefill)) == expected, 10, "end causes counted",
-                   on_timeout=lambda: f"{delta(causes, _causes(prefill))} != {expected}")
+        wait_end_causes(cluster, causes, expected, roles=("prefill",))
         # prefill rank 1's monitor loses its peer (a failed write may have answered first); rank 0's does not
         wait_until(lambda: _count(prefill, LOSSES) > losses, DETECT_BOUND, "prefill rank 1 to count the loss")
         assert _count(prefill, LOSSES) == losses + 1
@@ -295,8 +294,7 @@ def test_prefill_killed_in_flight_then_restarted(cluster, control):
     _assert_named_5xx(decode_legs, "prefill", t_gone, cluster.multi_rank)
     assert f"prefill peer {addr} lost" in json.dumps(decode_legs[0].response)
     expected = {("decode", "peer_failure", "decode_transfer"): N_INFLIGHT}
-    wait_until(lambda: delta(causes, _causes(decode)) == expected, 10, "end causes counted",
-               on_timeout=lambda: f"{delta(causes, _causes(decode))} != {expected}")
+    wait_end_causes(cluster, causes, expected, roles=("decode",))
     assert_idle(cluster, ("decode",), baseline, timeout=10)
     assert _peers(decode)["prefill_info_table"] == 0
     assert _peers(decode)["connection_pool"] == 0
