@@ -96,6 +96,14 @@ def _causes(server) -> dict:
     return end_causes(server.metrics())
 
 
+def _before_the_fault(cluster, survivor: str) -> tuple:
+    """Both servers idle (the baseline), then the survivor's per-peer tables, its loss and
+    recovery counts and its end causes. Returns (baseline, peers, losses, recoveries, causes)."""
+    baseline = assert_idle(cluster, PD_ROLES)
+    server = cluster[survivor]
+    return baseline, _peers(server), _count(server, LOSSES), _count(server, RECOVERIES), _causes(server)
+
+
 def _lost_by_cause(legs) -> dict:
     """What the end-cause counter must have counted for these legs: a 502 is a peer
     failure, a 500 (the write that revealed the loss) a transport failure."""
@@ -165,12 +173,9 @@ def _in_flight_to_frozen_decode(cluster, label: str):
 
 
 def test_decode_killed_in_flight_then_restarted(cluster, control):
-    baseline = assert_idle(cluster, PD_ROLES)
     prefill, decode = cluster["prefill"], cluster["decode"]
-    peers_before = _peers(prefill)
+    baseline, peers_before, losses, recoveries, causes = _before_the_fault(cluster, "prefill")
     assert peers_before["decode_kv_args_table"] == 1, peers_before
-    losses, recoveries = _count(prefill, LOSSES), _count(prefill, RECOVERIES)
-    causes = _causes(prefill)
 
     decode_legs, prefill_legs = _in_flight_to_frozen_decode(cluster, "in flight")
     t_kill = time.monotonic()
@@ -231,11 +236,8 @@ def test_decode_rank_lost_by_one_prefill_rank_alone(cluster, control):
     Then decode is taken down and restarted: nothing held on any prefill rank, and serving goes on."""
     if not cluster.multi_rank:
         pytest.skip("one rank per server: no rank to lose alone")
-    baseline = assert_idle(cluster, PD_ROLES)
     prefill, decode = cluster["prefill"], cluster["decode"]
-    peers_before = _peers(prefill)
-    losses, recoveries = _count(prefill, LOSSES), _count(prefill, RECOVERIES)
-    causes = _causes(prefill)
+    baseline, peers_before, losses, recoveries, causes = _before_the_fault(cluster, "prefill")
 
     try:
         decode_legs, prefill_legs = _in_flight_to_frozen_decode(cluster, "rank lost")
@@ -269,12 +271,9 @@ def test_decode_rank_lost_by_one_prefill_rank_alone(cluster, control):
 
 
 def test_prefill_killed_in_flight_then_restarted(cluster, control):
-    baseline = assert_idle(cluster, PD_ROLES)
     prefill, decode = cluster["prefill"], cluster["decode"]
-    peers_before = _peers(decode)
+    baseline, peers_before, losses, recoveries, causes = _before_the_fault(cluster, "decode")
     assert peers_before["prefill_info_table"] == 1, peers_before
-    losses, recoveries = _count(decode, LOSSES), _count(decode, RECOVERIES)
-    causes = _causes(decode)
 
     # decode legs only: decode preallocates, tells prefill, and waits for the KV
     rooms = random.sample(range(1, 2**62), N_INFLIGHT)
@@ -352,11 +351,8 @@ KILLS_MULTI_RANK = 2  # a TP=2 server takes 1-2 min to start on 2 cores
 
 
 def test_decode_killed_and_restarted_repeatedly_under_traffic(cluster, control):
-    baseline = assert_idle(cluster, PD_ROLES)
     prefill, decode = cluster["prefill"], cluster["decode"]
-    peers_before = _peers(prefill)
-    losses, recoveries = _count(prefill, LOSSES), _count(prefill, RECOVERIES)
-    causes = _causes(prefill)
+    baseline, peers_before, losses, recoveries, causes = _before_the_fault(cluster, "prefill")
     kills = KILLS_MULTI_RANK if cluster.multi_rank else KILLS
     traffic = Traffic(cluster.url)
     traffic.start()
