@@ -73,10 +73,7 @@ def test_prefill_waiting_queue(prefill_h):
 
 def test_prefill_inflight_queue(prefill_h):
     h = prefill_h
-    req = h.make_req()
-    h.faults.hold_transfer(req.bootstrap_room)  # KV on the wire
-    h.add(req)
-    h.tick()
+    req, _ = h.add_held()  # KV on the wire
     _abort_while_paused(h, req, "inflight queue", lambda: req in h.inflight)
 
 
@@ -92,9 +89,6 @@ def test_decode_prealloc_queue(decode_h):
 
 def test_decode_transfer_queue(decode_h):
     h = decode_h
-    req = h.make_req()
-    h.faults.hold_transfer(req.bootstrap_room)
-    h.add(req)
-    h.tick()
+    req, _ = h.add_held()
     _abort_while_paused(
         h, req, "transfer queue", lambda: any(e.req is req for e in h.transfer_queue.queue))
