@@ -200,6 +200,8 @@ class _Harness:
                 processed_tokens_counter=0,
             )
             self._build(req_slots=req_slots, max_context_len=max_context_len, page_size=page_size)
+            self.kv_manager = self.queue.kv_manager
+            self._attach_faults()
 
     # -- lifecycle --
     @contextlib.contextmanager
@@ -220,6 +222,11 @@ class _Harness:
         self.close()
 
     # -- requests --
+    @property
+    def waiting(self) -> List[Req]:
+        """The scheduler's waiting queue."""
+        return self.scheduler.waiting_queue
+
     def make_req(
         self,
         rid: Optional[str] = None,
@@ -341,11 +348,23 @@ class _Harness:
         return found
 
     # -- per side --
+    def _radix_cache(self, *, disable: bool, page_size: int) -> RadixCache:
+        """The side's radix cache over its req-to-token pool and KV allocator (`disable`:
+        decode runs without one by default)."""
+        return RadixCache(
+            CacheInitParams(
+                disable=disable, req_to_token_pool=self.req_to_token_pool,
+                token_to_kv_pool_allocator=self.allocator, page_size=page_size,
+            )
+        )
+
     def _attach_faults(self) -> None:
         if self.transfer_backend == TransferBackend.FAKE:
             self.kv_manager.faults = self.faults
 
     def _build(self, *, req_slots: int, max_context_len: int, page_size: int) -> None:
+        """The side's pools, radix cache and PD queue(s); sets `self.queue` (the queue
+        whose kv_manager the harness scripts). Called once, from __init__."""
         raise NotImplementedError
 
     def _tick(self) -> None:
@@ -385,12 +404,7 @@ class PrefillHarness(_Harness):
         self.req_to_token_pool = ReqToTokenPool(
             size=req_slots, max_context_len=max_context_len, device="cpu", enable_memory_saver=False
         )
-        self.tree_cache = RadixCache(
-            CacheInitParams(
-                disable=False, req_to_token_pool=self.req_to_token_pool,
-                token_to_kv_pool_allocator=self.allocator, page_size=page_size,
-            )
-        )
+        self.tree_cache = self._radix_cache(disable=False, page_size=page_size)
         s.__dict__.update(
             req_to_token_pool=self.req_to_token_pool,
             tree_cache=self.tree_cache,
@@ -415,14 +429,8 @@ class PrefillHarness(_Harness):
             transfer_backend=self.transfer_backend,
         )
         s.disagg_prefill_bootstrap_queue = self.queue
-        self.kv_manager = self.queue.kv_manager
-        self._attach_faults()
 
     # convenient views of the scheduler's queues
-    @property
-    def waiting(self) -> List[Req]:
-        return self.scheduler.waiting_queue
-
     @property
     def inflight(self) -> List[Req]:
         return self.scheduler.disagg_prefill_inflight_queue
@@ -540,12 +548,7 @@ class DecodeHarness(_Harness):
             enable_memory_saver=False, pre_alloc_size=req_slots,
         )
         # Decode runs without a radix cache by default (disaggregation_decode_enable_radix_cache).
-        self.tree_cache = RadixCache(
-            CacheInitParams(
-                disable=True, req_to_token_pool=self.req_to_token_pool,
-                token_to_kv_pool_allocator=self.allocator, page_size=page_size,
-            )
-        )
+        self.tree_cache = self._radix_cache(disable=True, page_size=page_size)
         s.__dict__.update(
             req_to_token_pool=self.req_to_token_pool,
             tree_cache=self.tree_cache,
@@ -568,12 +571,6 @@ class DecodeHarness(_Harness):
         )
         s.disagg_decode_prealloc_queue = self.queue
         s.disagg_decode_transfer_queue = self.transfer_queue
-        self.kv_manager = self.queue.kv_manager
-        self._attach_faults()
-
-    @property
-    def waiting(self) -> List[Req]:
-        return self.scheduler.waiting_queue
 
     def add(self, req: Req) -> Req:
         """What `Scheduler._add_request_to_queue` does in DECODE mode."""
