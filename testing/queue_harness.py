@@ -21,8 +21,9 @@ the client saw (`outputs`), what was counted (`counters`) and what is still held
 
 Also: `h.abort(rid)` (the real `Scheduler.abort_request`), `h.chunk_size` (chunked
 prefill), `h.hold_admission` (requests wait in the waiting queue), `h.during_forward`
-(act while a prefill batch runs), `h.add_held()` (a request whose transfer is held),
-`h.run_until(pred)`, `h.room_state(room)`, `h.faults.notices_for(room)`, `DecodeHarness.finish(req)`,
+(act while a prefill batch runs), `h.add_held()` / `h.add_bootstrapping()` (a request
+whose transfer is held / whose peer is not there yet), `h.run_until(pred)`,
+`h.room_state(room)`, `h.faults.notices_for(room)`, `DecodeHarness.finish(req)`,
 `kv_bytes(req)`.
 """
 
@@ -262,6 +263,15 @@ class _Harness:
         inflight queue, on decode its metadata went out. Returns (request, room)."""
         req = self.add(self.make_req(**req_kwargs))
         self.faults.hold_transfer(req.bootstrap_room)
+        self.tick()
+        return req, req.bootstrap_room
+
+    def add_bootstrapping(self, **req_kwargs: Any) -> Tuple[Req, int]:
+        """A fresh request (`make_req`'s arguments) added while its room stays
+        Bootstrapping (the peer not there yet), then one tick: it waits in prefill's
+        bootstrap queue or decode's prealloc queue. Returns (request, room)."""
+        req = self.add(self.make_req(**req_kwargs))
+        self.faults.set(req.bootstrap_room, KVPoll.Bootstrapping)
         self.tick()
         return req, req.bootstrap_room
 

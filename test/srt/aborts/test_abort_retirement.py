@@ -99,10 +99,7 @@ def _assert_ended_as_pause(h, req, key) -> None:
 
 def test_prefill_bootstrap_queue_abort(prefill):
     h = prefill
-    req = h.add(h.make_req())
-    room = req.bootstrap_room
-    h.faults.set(room, KVPoll.Bootstrapping)  # decode's handshake not there yet
-    h.tick()
+    req, room = h.add_bootstrapping()  # decode's handshake not there yet
     assert req in h.queue.queue
     h.abort(req.rid)
     h.faults.release(room)
@@ -118,10 +115,7 @@ def test_prefill_bootstrap_queue_pause_abort(prefill):
     from sglang.srt.managers.io_struct import AbortReq
 
     h = prefill
-    req = h.add(h.make_req())
-    room = req.bootstrap_room
-    h.faults.set(room, KVPoll.Bootstrapping)
-    h.tick()
+    req, room = h.add_bootstrapping()
     with h.active():
         h.scheduler.abort_request(AbortReq(abort_all=True, finished_reason=pd_pause.pause_finish_reason()))
     h.faults.release(room)
@@ -241,10 +235,7 @@ def test_prefill_bad_aborts_are_harmless(prefill):
 
 def test_decode_prealloc_abort(decode):
     h = decode
-    req = h.add(h.make_req())
-    room = req.bootstrap_room
-    h.faults.set(room, KVPoll.Bootstrapping)
-    h.tick()
+    req, room = h.add_bootstrapping()
     h.abort(req.rid)
     h.faults.release(room)
     h.tick()
