@@ -24,7 +24,7 @@ import pytest
 
 from conftest import TP2, topology_params, topology_pd
 from testing.pd_checks import Leg, assert_idle, call, cluster_end_causes, leg_body, wait_end_causes
-from testing.pd_cluster import generate, prompts, wait_until
+from testing.pd_cluster import generate, metric_sum, prompts, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -51,7 +51,7 @@ def cluster(deployments, request):
 
 
 def _stage_count(metrics: dict) -> float:
-    return sum(v for k, v in metrics.items() if k.startswith(COUNTER + "{") and f'stage="{STAGE}"' in k)
+    return metric_sum(metrics, COUNTER, stage=STAGE)
 
 
 def _occupier(prefill, seed: int = 0) -> Leg:
