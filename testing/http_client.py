@@ -66,10 +66,13 @@ def parse_prometheus(text: str) -> Dict[str, float]:
     return out
 
 
-def metric_sum(metrics: Mapping[str, float], name: str) -> float:
-    """Sum of every sample of `name` over all label sets."""
+def metric_sum(metrics: Mapping[str, float], name: str, **labels: str) -> float:
+    """Sum of every sample of `name` over all label sets (those with every one of
+    `labels`, label=value, when given)."""
+    want = [f'{k}="{v}"' for k, v in labels.items()]
     return sum(
-        v for k, v in metrics.items() if k == name or k.startswith(name + "{")
+        v for k, v in metrics.items()
+        if (k == name or k.startswith(name + "{")) and all(w in k for w in want)
     )
 
 

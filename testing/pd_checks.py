@@ -1,7 +1,8 @@
 """What the fork's tests assert, written once: nothing held (a server's resource report
-back to its baseline), a client abort's answer, a leg of a PD request sent by the test
-itself, a control call on one or both servers, closed-loop clients, the end-cause
-counter by role/cause/stage, the answers of a partition test, and a mooncake pair back to idle.
+back to its baseline), serving goes on, a client abort's answer, a leg of a PD request
+sent by the test itself, a control call on one or both servers, closed-loop clients, the
+end-cause counter by role/cause/stage, the answers of a partition test, and a mooncake
+pair back to idle.
 
 The one home of these helpers: test/srt imports them from here (never through conftest).
 """
@@ -170,6 +171,15 @@ def start_legs(url: str, bodies) -> list:
     for leg in legs:
         leg.start()
     return legs
+
+
+def assert_serves(url: str, n: int, max_new_tokens: int = 8) -> list:
+    """Serving goes on: `n` greedy requests (`prompts(n)`) sent to `url` one after another
+    (a burst on two loaded cores can itself be slow), each answered 200. Returns the
+    answers (generate's dicts) for the caller's further checks."""
+    results = [generate(url, p, max_new_tokens=max_new_tokens) for p in prompts(n)]
+    assert [r["status"] for r in results] == [200] * n, [r["error"] for r in results if r["status"] != 200]
+    return results
 
 
 # ----------------------------------------------------------------------------- control calls

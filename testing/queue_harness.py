@@ -21,8 +21,10 @@ the client saw (`outputs`), what was counted (`counters`) and what is still held
 
 Also: `h.abort(rid)` (the real `Scheduler.abort_request`), `h.chunk_size` (chunked
 prefill), `h.hold_admission` (requests wait in the waiting queue), `h.during_forward`
-(act while a prefill batch runs), `h.run_until(pred)`, `h.room_state(room)`, `h.faults.notices_for(room)`,
-`DecodeHarness.finish(req)`, `kv_bytes(req)`.
+(act while a prefill batch runs), `h.add_held()` / `h.add_bootstrapping()` (a request
+whose transfer is held / whose peer is not there yet), `h.run_until(pred)`,
+`h.room_state(room)`, `h.faults.notices_for(room)`, `DecodeHarness.finish(req)`,
+`kv_bytes(req)`.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import contextlib
 import itertools
 from array import array
 from types import SimpleNamespace
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -199,6 +201,8 @@ class _Harness:
                 processed_tokens_counter=0,
             )
             self._build(req_slots=req_slots, max_context_len=max_context_len, page_size=page_size)
+            self.kv_manager = self.queue.kv_manager
+            self._attach_faults()
 
     # -- lifecycle --
     @contextlib.contextmanager
@@ -219,6 +223,11 @@ class _Harness:
         self.close()
 
     # -- requests --
+    @property
+    def waiting(self) -> List[Req]:
+        """The scheduler's waiting queue."""
+        return self.scheduler.waiting_queue
+
     def make_req(
         self,
         rid: Optional[str] = None,
@@ -247,6 +256,24 @@ class _Harness:
                 vocab_size=self.vocab_size,
                 **kwargs,
             )
+
+    def add_held(self, **req_kwargs: Any) -> Tuple[Req, int]:
+        """A fresh request (`make_req`'s arguments) added with its room's transfer held
+        (`faults.hold_transfer`), then one tick: on prefill it waits Transferring in the
+        inflight queue, on decode its metadata went out. Returns (request, room)."""
+        req = self.add(self.make_req(**req_kwargs))
+        self.faults.hold_transfer(req.bootstrap_room)
+        self.tick()
+        return req, req.bootstrap_room
+
+    def add_bootstrapping(self, **req_kwargs: Any) -> Tuple[Req, int]:
+        """A fresh request (`make_req`'s arguments) added while its room stays
+        Bootstrapping (the peer not there yet), then one tick: it waits in prefill's
+        bootstrap queue or decode's prealloc queue. Returns (request, room)."""
+        req = self.add(self.make_req(**req_kwargs))
+        self.faults.set(req.bootstrap_room, KVPoll.Bootstrapping)
+        self.tick()
+        return req, req.bootstrap_room
 
     def abort(self, rid: str) -> None:
         """The real `Scheduler.abort_request` for one rid (a client abort)."""
@@ -331,11 +358,23 @@ class _Harness:
         return found
 
     # -- per side --
+    def _radix_cache(self, *, disable: bool, page_size: int) -> RadixCache:
+        """The side's radix cache over its req-to-token pool and KV allocator (`disable`:
+        decode runs without one by default)."""
+        return RadixCache(
+            CacheInitParams(
+                disable=disable, req_to_token_pool=self.req_to_token_pool,
+                token_to_kv_pool_allocator=self.allocator, page_size=page_size,
+            )
+        )
+
     def _attach_faults(self) -> None:
         if self.transfer_backend == TransferBackend.FAKE:
             self.kv_manager.faults = self.faults
 
     def _build(self, *, req_slots: int, max_context_len: int, page_size: int) -> None:
+        """The side's pools, radix cache and PD queue(s); sets `self.queue` (the queue
+        whose kv_manager the harness scripts). Called once, from __init__."""
         raise NotImplementedError
 
     def _tick(self) -> None:
@@ -375,12 +414,7 @@ class PrefillHarness(_Harness):
         self.req_to_token_pool = ReqToTokenPool(
             size=req_slots, max_context_len=max_context_len, device="cpu", enable_memory_saver=False
         )
-        self.tree_cache = RadixCache(
-            CacheInitParams(
-                disable=False, req_to_token_pool=self.req_to_token_pool,
-                token_to_kv_pool_allocator=self.allocator, page_size=page_size,
-            )
-        )
+        self.tree_cache = self._radix_cache(disable=False, page_size=page_size)
         s.__dict__.update(
             req_to_token_pool=self.req_to_token_pool,
             tree_cache=self.tree_cache,
@@ -405,14 +439,8 @@ class PrefillHarness(_Harness):
             transfer_backend=self.transfer_backend,
         )
         s.disagg_prefill_bootstrap_queue = self.queue
-        self.kv_manager = self.queue.kv_manager
-        self._attach_faults()
 
     # convenient views of the scheduler's queues
-    @property
-    def waiting(self) -> List[Req]:
-        return self.scheduler.waiting_queue
-
     @property
     def inflight(self) -> List[Req]:
         return self.scheduler.disagg_prefill_inflight_queue
@@ -530,12 +558,7 @@ class DecodeHarness(_Harness):
             enable_memory_saver=False, pre_alloc_size=req_slots,
         )
         # Decode runs without a radix cache by default (disaggregation_decode_enable_radix_cache).
-        self.tree_cache = RadixCache(
-            CacheInitParams(
-                disable=True, req_to_token_pool=self.req_to_token_pool,
-                token_to_kv_pool_allocator=self.allocator, page_size=page_size,
-            )
-        )
+        self.tree_cache = self._radix_cache(disable=True, page_size=page_size)
         s.__dict__.update(
             req_to_token_pool=self.req_to_token_pool,
             tree_cache=self.tree_cache,
@@ -558,12 +581,6 @@ class DecodeHarness(_Harness):
         )
         s.disagg_decode_prealloc_queue = self.queue
         s.disagg_decode_transfer_queue = self.transfer_queue
-        self.kv_manager = self.queue.kv_manager
-        self._attach_faults()
-
-    @property
-    def waiting(self) -> List[Req]:
-        return self.scheduler.waiting_queue
 
     def add(self, req: Req) -> Req:
         """What `Scheduler._add_request_to_queue` does in DECODE mode."""

@@ -67,6 +67,17 @@ def told_decode(h, room):
             and verdict.ABORT_TAG in (n.reason or "")]
 
 
+def assert_prefill_abort_sent_nothing(h, req, stage):
+    """Prefill's copy ended in `stage` before any KV chunk went out: answered as a client
+    abort, decode told once, counted once under `stage`, nothing left."""
+    room = req.bootstrap_room
+    assert_client_abort(h, req)
+    assert h.faults.calls_for(room, "send") == []  # KV never exposed to decode
+    assert len(told_decode(h, room)) == 1
+    assert_counted(h, "prefill", stage)
+    assert_room_gone(h, room)
+
+
 # ----------------------------------------------------------------------------- prefill
 
 
@@ -88,19 +99,12 @@ def _assert_ended_as_pause(h, req, key) -> None:
 
 def test_prefill_bootstrap_queue_abort(prefill):
     h = prefill
-    req = h.add(h.make_req())
-    room = req.bootstrap_room
-    h.faults.set(room, KVPoll.Bootstrapping)  # decode's handshake not there yet
-    h.tick()
+    req, room = h.add_bootstrapping()  # decode's handshake not there yet
     assert req in h.queue.queue
     h.abort(req.rid)
     h.faults.release(room)
     h.tick()
-    assert_client_abort(h, req)
-    assert h.faults.calls_for(room, "send") == []
-    assert len(told_decode(h, room)) == 1
-    assert_counted(h, "prefill", pd_queues.PREFILL_BOOTSTRAP)
-    assert_room_gone(h, room)
+    assert_prefill_abort_sent_nothing(h, req, pd_queues.PREFILL_BOOTSTRAP)
 
 
 def test_prefill_bootstrap_queue_pause_abort(prefill):
@@ -111,10 +115,7 @@ def test_prefill_bootstrap_queue_pause_abort(prefill):
     from sglang.srt.managers.io_struct import AbortReq
 
     h = prefill
-    req = h.add(h.make_req())
-    room = req.bootstrap_room
-    h.faults.set(room, KVPoll.Bootstrapping)
-    h.tick()
+    req, room = h.add_bootstrapping()
     with h.active():
         h.scheduler.abort_request(AbortReq(abort_all=True, finished_reason=pd_pause.pause_finish_reason()))
     h.faults.release(room)
@@ -129,33 +130,23 @@ def test_prefill_waiting_queue_abort(prefill):
     h = prefill
     h.hold_admission = True
     req = h.add(h.make_req())
-    room = req.bootstrap_room
     h.tick()
     assert req in h.waiting
     h.abort(req.rid)
     h.hold_admission = False
     h.tick()
-    assert_client_abort(h, req)
-    assert h.faults.calls_for(room, "send") == []
-    assert len(told_decode(h, room)) == 1
-    assert_counted(h, "prefill", pd_queues.PREFILL_WAITING)
     # upstream: request_status (Failed) and failure_records kept the room forever
-    assert_room_gone(h, room)
+    assert_prefill_abort_sent_nothing(h, req, pd_queues.PREFILL_WAITING)
 
 
 def test_prefill_abort_while_batch_runs_sends_no_kv(prefill):
     h = prefill
     req = h.add(h.make_req(tokens=range(200, 212)))
-    room = req.bootstrap_room
     h.during_forward = lambda reqs: h.abort(req.rid) if req in reqs else None
     h.tick()
     h.during_forward = None
-    assert_client_abort(h, req)
     assert h.outputs.final(req.rid).output_ids == ()  # no token streamed
-    assert h.faults.calls_for(room, "send") == []  # KV never exposed to decode
-    assert len(told_decode(h, room)) == 1
-    assert_counted(h, "prefill", pd_queues.PREFILL_RUNNING)
-    assert_room_gone(h, room)
+    assert_prefill_abort_sent_nothing(h, req, pd_queues.PREFILL_RUNNING)
 
 
 def test_prefill_abort_between_chunks(prefill):
@@ -178,10 +169,7 @@ def test_prefill_abort_between_chunks(prefill):
 
 def test_prefill_inflight_abort(prefill):
     h = prefill
-    req = h.add(h.make_req())
-    room = req.bootstrap_room
-    h.faults.hold_transfer(room)
-    h.tick()
+    req, room = h.add_held()
     assert h.inflight == [req] and h.room_state(room) == "Transferring"
     h.abort(req.rid)
     h.faults.release(room)
@@ -196,10 +184,7 @@ def test_prefill_transfer_done_while_abort_pending_is_not_a_success(prefill):
     """The race: the abort is pending on the request (to_finish, as upstream's abort
     of a running request leaves it) when the poll reports Success."""
     h = prefill
-    req = h.add(h.make_req())
-    room = req.bootstrap_room
-    h.faults.hold_transfer(room)
-    h.tick()
+    req, room = h.add_held()
     req.to_finish = FINISH_ABORT()
     h.faults.release(room)
     h.tick()
@@ -232,9 +217,7 @@ def test_prefill_bad_aborts_are_harmless(prefill):
     h.abort(done.rid)  # finished
     assert h.outputs.status_code(done.rid) == 200
 
-    req = h.add(h.make_req())
-    h.faults.hold_transfer(req.bootstrap_room)
-    h.tick()
+    req, _ = h.add_held()
     h.abort(req.rid)
     h.abort(req.rid)  # twice before it is retired
     h.faults.release(req.bootstrap_room)
@@ -252,10 +235,7 @@ def test_prefill_bad_aborts_are_harmless(prefill):
 
 def test_decode_prealloc_abort(decode):
     h = decode
-    req = h.add(h.make_req())
-    room = req.bootstrap_room
-    h.faults.set(room, KVPoll.Bootstrapping)
-    h.tick()
+    req, room = h.add_bootstrapping()
     h.abort(req.rid)
     h.faults.release(room)
     h.tick()
@@ -268,9 +248,7 @@ def test_decode_prealloc_abort(decode):
 
 def test_decode_transfer_abort(decode):
     h = decode
-    req = h.add(h.make_req())
-    room = req.bootstrap_room
-    h.faults.hold_transfer(room)
+    req, room = h.add_held()
     h.run_until(lambda: len(h.transfer_queue.queue) == 1)
     h.abort(req.rid)
     h.faults.release(room)
@@ -315,9 +293,7 @@ def test_decode_ends_a_room_prefills_pause_ended_as_a_pause_abort(decode, then_b
     from sglang.srt.managers.fork_pause import pd_pause
 
     h = decode
-    req = h.add(h.make_req())
-    room = req.bootstrap_room
-    h.faults.hold_transfer(room)
+    req, room = h.add_held()
     h.run_until(lambda: len(h.transfer_queue.queue) == 1)
     reasons = [verdict.peer_reason(req.rid, room, "prefill", pd_pause.PAUSE_ABORT_MESSAGE)]
     reasons += ["Aborted by AbortReq."] if then_bare else []
@@ -346,9 +322,7 @@ def test_deadline_expiry_counts_as_timeout(monkeypatch):
     with PrefillHarness(server_args={"disaggregation_transfer_timeout": 5.0}) as h:
         idle = h.snapshot()
         causes = dict(ec.COUNTS)
-        req = h.add(h.make_req())
-        h.faults.hold_transfer(req.bootstrap_room)
-        h.tick()
+        req, _ = h.add_held()
         now[0] += 6.0
         td.reset_scan_schedule()
         h.tick()

@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from conftest import TP2, TP2_DECODE_TP1, topology_params, topology_pd
-from testing.pd_checks import Leg, assert_idle, end_causes, held, http_client_abort, leg_body
+from testing.pd_checks import Leg, assert_idle, assert_serves, end_causes, held, http_client_abort, leg_body
 from testing.pd_checks import delta as _delta
 from testing.pd_cluster import generate, http_post_json, metric_sum, prompts, wait_until
 
@@ -73,11 +73,57 @@ def _assert_aborted(leg: Leg, since: float, what: str) -> None:
     assert leg.out["ended"] - since <= ANSWER_S, (what, leg.out["ended"] - since)
 
 
+def _start_case(cluster, tag: str, text: str) -> tuple:
+    """A matrix case's start: both servers idle (the baseline), the counters then, and one
+    request's legs' body (a fresh rid `ab-<tag>-...` and room). Returns (baseline, before,
+    rid, body)."""
+    baseline = assert_idle(cluster, PD_ROLES)
+    before = _counts(cluster)
+    rid = f"ab-{tag}-{uuid.uuid4().hex}"
+    return baseline, before, rid, leg_body(cluster, _room(), text, rid=rid)
+
+
+def _leg_held(server, body: dict, queue: str, timeout: float, what: str) -> Leg:
+    """One leg sent to `server`, held until its `queue` (fork_pd_resources) holds it."""
+    leg = Leg(server.url, body)
+    leg.start()
+    wait_until(lambda: server.resources()["queues"][queue] == 1, timeout, what)
+    return leg
+
+
+def _abort_answered(server, rid: str, leg: Leg, what: str) -> None:
+    """/abort_request for `rid` at `server`: accepted, and `leg` answered as a client abort within ANSWER_S."""
+    t0 = time.monotonic()
+    assert _abort(server, rid)[0] == 200
+    _assert_aborted(leg, t0, what)
+
+
+def _late_leg_aborted(server, body: dict, what: str) -> Leg:
+    """A leg that reaches `server` after the other leg's abort: answered as a client abort within ANSWER_S."""
+    leg = Leg(server.url, body)
+    t1 = time.monotonic()
+    leg.start()
+    _assert_aborted(leg, t1, what)
+    return leg
+
+
 def _assert_serving(cluster, baseline) -> None:
-    results = [generate(cluster.url, p, max_new_tokens=8) for p in prompts(3)]
-    assert [r["status"] for r in results] == [200] * 3, results
+    results = assert_serves(cluster.url, 3)
     assert all(r["meta"]["finish_reason"]["type"] != "abort" for r in results), results
     assert_idle(cluster, PD_ROLES, baseline)
+
+
+def _assert_each_leg_one_abort(cluster, before, baseline, aborted: tuple, other: str) -> None:
+    """After a matrix case: nothing held; the leg aborted in `aborted` (role, stage)
+    counted once there as a client abort, the `other` role's leg once as a client abort
+    in whatever stage it ended; no failure counted; serving goes on."""
+    assert_idle(cluster, PD_ROLES, baseline)
+    delta = _delta(before, _counts(cluster))
+    role, stage = aborted
+    assert delta.pop((role, "client_abort", stage)) == 1, delta
+    assert sum(v for k, v in delta.items() if k[0] == other and k[1] == "client_abort") == 1, delta
+    assert not [k for k in delta if k[1] in FAILURE_COUNTERS], delta
+    _assert_serving(cluster, baseline)
 
 
 def _room() -> int:
@@ -88,80 +134,41 @@ def _room() -> int:
 
 
 def test_abort_in_prefill_bootstrap_then_late_decode_leg(cluster):
-    baseline = assert_idle(cluster, PD_ROLES)
     prefill, decode = cluster["prefill"], cluster["decode"]
-    before = _counts(cluster)
-    rid, room = f"ab-boot-{uuid.uuid4().hex}", _room()
-    body = leg_body(cluster, room, "the quick brown fox", rid=rid)
-    p_leg = Leg(prefill.url, body)
-    p_leg.start()
-    wait_until(lambda: prefill.resources()["queues"]["prefill_bootstrap"] == 1, 30, "prefill leg queued")
-    t0 = time.monotonic()
-    assert _abort(prefill, rid)[0] == 200
-    _assert_aborted(p_leg, t0, "prefill leg")
+    baseline, before, rid, body = _start_case(cluster, "boot", "the quick brown fox")
+    p_leg = _leg_held(prefill, body, "prefill_bootstrap", 30, "prefill leg queued")
+    _abort_answered(prefill, rid, p_leg, "prefill leg")
 
     # decode's leg arrives after prefill ended the room: answered at once, not after
     # decode's own 300 s bootstrap timer; prefill does not re-create the room
-    d_leg = Leg(decode.url, body)
-    t1 = time.monotonic()
-    d_leg.start()
-    _assert_aborted(d_leg, t1, "late decode leg")
+    d_leg = _late_leg_aborted(decode, body, "late decode leg")
     assert d_leg.out["body"]["output_ids"] == []
-    assert_idle(cluster, PD_ROLES, baseline)
-    delta = _delta(before, _counts(cluster))
-    assert delta.pop(("prefill", "client_abort", "prefill_bootstrap")) == 1, delta
-    assert sum(v for k, v in delta.items() if k[0] == "decode" and k[1] == "client_abort") == 1, delta
-    assert not [k for k in delta if k[1] in FAILURE_COUNTERS], delta
-    _assert_serving(cluster, baseline)
+    _assert_each_leg_one_abort(cluster, before, baseline, ("prefill", "prefill_bootstrap"), "decode")
 
 
 def test_abort_in_decode_transfer_then_late_prefill_leg(cluster):
-    baseline = assert_idle(cluster, PD_ROLES)
     prefill, decode = cluster["prefill"], cluster["decode"]
-    before = _counts(cluster)
-    rid, room = f"ab-dtr-{uuid.uuid4().hex}", _room()
-    body = leg_body(cluster, room, "hello world paris london", rid=rid)
-    d_leg = Leg(decode.url, body)
-    d_leg.start()
-    wait_until(lambda: decode.resources()["queues"]["decode_transfer"] == 1, 30, "decode handshake")
+    baseline, before, rid, body = _start_case(cluster, "dtr", "hello world paris london")
+    d_leg = _leg_held(decode, body, "decode_transfer", 30, "decode handshake")
     assert held(decode.resources())["kv_held"] > 0
-    t0 = time.monotonic()
-    assert _abort(decode, rid)[0] == 200
-    _assert_aborted(d_leg, t0, "decode leg")
+    _abort_answered(decode, rid, d_leg, "decode leg")
     assert d_leg.out["body"]["output_ids"] == []
 
-    p_leg = Leg(prefill.url, body)  # prefill's leg comes late: ends at once, sends nothing
-    t1 = time.monotonic()
-    p_leg.start()
-    _assert_aborted(p_leg, t1, "late prefill leg")
-    assert_idle(cluster, PD_ROLES, baseline)
-    delta = _delta(before, _counts(cluster))
-    assert delta.pop(("decode", "client_abort", "decode_transfer")) == 1, delta
-    assert sum(v for k, v in delta.items() if k[0] == "prefill" and k[1] == "client_abort") == 1, delta
-    assert not [k for k in delta if k[1] in FAILURE_COUNTERS], delta
-    _assert_serving(cluster, baseline)
+    _late_leg_aborted(prefill, body, "late prefill leg")  # prefill's leg comes late: ends at once, sends nothing
+    _assert_each_leg_one_abort(cluster, before, baseline, ("decode", "decode_transfer"), "prefill")
 
 
 def test_abort_inflight_on_prefill_while_decode_frozen(cluster):
     """Decode handshakes, then freezes: prefill's transfer cannot finish. The abort
     on prefill answers and releases prefill now; decode, once resumed, ends the
     request as an abort without generating a token (prefill told it)."""
-    baseline = assert_idle(cluster, PD_ROLES)
     prefill, decode = cluster["prefill"], cluster["decode"]
-    before = _counts(cluster)
-    rid, room = f"ab-infl-{uuid.uuid4().hex}", _room()
-    body = leg_body(cluster, room, "the lazy dog " * 60, rid=rid)  # several 64-token chunks
-    d_leg = Leg(decode.url, body)
-    d_leg.start()
-    wait_until(lambda: decode.resources()["queues"]["decode_transfer"] == 1, 30, "decode handshake")
+    baseline, before, rid, body = _start_case(cluster, "infl", "the lazy dog " * 60)  # several 64-token chunks
+    d_leg = _leg_held(decode, body, "decode_transfer", 30, "decode handshake")
     decode.freeze()
     try:
-        p_leg = Leg(prefill.url, body)
-        p_leg.start()
-        wait_until(lambda: prefill.resources()["queues"]["prefill_inflight"] == 1, 60, "prefill inflight")
-        t0 = time.monotonic()
-        assert _abort(prefill, rid)[0] == 200
-        _assert_aborted(p_leg, t0, "prefill leg")
+        p_leg = _leg_held(prefill, body, "prefill_inflight", 60, "prefill inflight")
+        _abort_answered(prefill, rid, p_leg, "prefill leg")
         # KV, slots, metadata slot and room tables come back while decode is frozen;
         # only the transfer engine's count of the chunk still on the wire to the
         # frozen peer (`_staging_outstanding`) waits for the write to end.
@@ -181,12 +188,7 @@ def test_abort_inflight_on_prefill_while_decode_frozen(cluster):
     t1 = time.monotonic()
     _assert_aborted(d_leg, t1, "decode leg")
     assert d_leg.out["body"]["output_ids"] == []
-    assert_idle(cluster, PD_ROLES, baseline)
-    delta = _delta(before, _counts(cluster))
-    assert delta.pop(("prefill", "client_abort", "prefill_inflight")) == 1, delta
-    assert sum(v for k, v in delta.items() if k[0] == "decode" and k[1] == "client_abort") == 1, delta
-    assert not [k for k in delta if k[1] in FAILURE_COUNTERS], delta
-    _assert_serving(cluster, baseline)
+    _assert_each_leg_one_abort(cluster, before, baseline, ("prefill", "prefill_inflight"), "decode")
 
 
 def test_abort_running_decode_through_the_lb_and_bad_aborts(cluster):

@@ -83,18 +83,34 @@ def _tick_decode_into_transfer(pair) -> None:
         pair.decode.call("tick")
 
 
+def _both_legs_in_transfer(pair) -> int:
+    """The same request on both sides (`pair.submit`), decode ticked into its transfer
+    queue (its metadata sent); prefill has not run it yet. Returns the room."""
+    room = pair.submit(prompt_len=12)
+    _tick_decode_into_transfer(pair)
+    return room
+
+
 def _wait_idle_and_clean(pair, room):
     wait_pair_idle(pair)
     assert set(pair.prefill.call("room_entries", room)) <= TOMBSTONES
     assert pair.decode.call("room_entries", room) == []
 
 
+def _assert_each_side_ended_once(pair, before, room, cause: str) -> None:
+    """Each side answered the room once and counted it once under `cause` (prefill in
+    its bootstrap queue, decode in its transfer queue), no failure counted; both idle,
+    the room gone."""
+    assert pair.prefill.call("finals", room) == pair.decode.call("finals", room) == 1
+    _assert_no_failure_counted(pair, before)
+    assert pair_new_causes(pair.prefill, before["prefill"][1]) == {f"prefill/{cause}/prefill_bootstrap": 1}
+    assert pair_new_causes(pair.decode, before["decode"][1]) == {f"decode/{cause}/decode_transfer": 1}
+    _wait_idle_and_clean(pair, room)
+
+
 def test_prefill_abort_frees_decode_preallocation_at_once(pair, before):
-    room = pair.new_room()
-    pair.prefill.call("add", room, 12)
-    pair.decode.call("add", room, 12)
     # decode preallocates and sends its metadata; prefill has not run the request yet
-    _tick_decode_into_transfer(pair)
+    room = _both_legs_in_transfer(pair)
     assert pair.decode.call("snapshot")["kv_held"] > 0
     pair.prefill.call("abort", room)
     _told_at_once(pair, pair.prefill, pair.decode, room)
@@ -102,29 +118,18 @@ def test_prefill_abort_frees_decode_preallocation_at_once(pair, before):
     assert _client_abort(pair.prefill, room), pair.prefill.call("final_reason", room)
     assert _client_abort(pair.decode, room), pair.decode.call("final_reason", room)
     assert pair.decode.call("output_ids", room) == []  # no token generated
-    assert pair.prefill.call("finals", room) == pair.decode.call("finals", room) == 1
-    _assert_no_failure_counted(pair, before)
-    assert pair_new_causes(pair.prefill, before["prefill"][1]) == {"prefill/client_abort/prefill_bootstrap": 1}
-    assert pair_new_causes(pair.decode, before["decode"][1]) == {"decode/client_abort/decode_transfer": 1}
-    _wait_idle_and_clean(pair, room)
+    _assert_each_side_ended_once(pair, before, room, "client_abort")
 
 
 def test_decode_abort_frees_prefill_at_once(pair, before):
-    room = pair.new_room()
-    pair.prefill.call("add", room, 12)
-    pair.decode.call("add", room, 12)
-    _tick_decode_into_transfer(pair)
+    room = _both_legs_in_transfer(pair)
     pair.decode.call("abort", room)
     _told_at_once(pair, pair.decode, pair.prefill, room)
     pair.run_until(lambda: _ended(pair.decode, room), timeout=30)
     assert _client_abort(pair.decode, room), pair.decode.call("final_reason", room)
     # prefill hears decode's ABORT: an abort there, not "failed for an unknown reason"
     assert _client_abort(pair.prefill, room), pair.prefill.call("final_reason", room)
-    assert pair.prefill.call("finals", room) == pair.decode.call("finals", room) == 1
-    _assert_no_failure_counted(pair, before)
-    assert pair_new_causes(pair.prefill, before["prefill"][1]) == {"prefill/client_abort/prefill_bootstrap": 1}
-    assert pair_new_causes(pair.decode, before["decode"][1]) == {"decode/client_abort/decode_transfer": 1}
-    _wait_idle_and_clean(pair, room)
+    _assert_each_side_ended_once(pair, before, room, "client_abort")
 
 
 def test_late_handshake_after_prefill_abort_is_refused(pair, before):
@@ -200,11 +205,7 @@ def test_prefill_leg_after_decode_abort_ends_at_once(pair, before):
     # prefill remembers decode's ABORT: the leg ends on its first polls
     wait_until(lambda: pair.prefill.call("kv_status", room) == "Failed" or _ended(pair.prefill, room), TRANSIT_S,
                "prefill to hear of the room", interval=0.01)
-    pair.ticks_until(pair.prefill, lambda: _ended(pair.prefill, room), END_TICKS)
-    assert _client_abort(pair.prefill, room), pair.prefill.call("final_reason", room)
-    assert pair.prefill.call("sends", room) == 0
-    _assert_no_failure_counted(pair, before)
-    _wait_idle_and_clean(pair, room)
+    _late_prefill_leg_ends(pair, before, room, is_client_abort)
     assert set(pair.prefill.call("room_entries", room)) <= TOMBSTONES
 
 
@@ -222,12 +223,19 @@ def test_decode_abort_before_prefill_leg_registered(pair, before):
     wait_until(lambda: pair.prefill.call("cancelled_rooms") == 1, TRANSIT_S,
                "prefill to remember decode's abort", interval=0.01)
     pair.prefill.call("add", room, 12)
+    _late_prefill_leg_ends(pair, before, room, is_client_abort)
+    assert set(pair.prefill.call("room_entries", room)) <= TOMBSTONES
+
+
+def _late_prefill_leg_ends(pair, before, room, answered) -> None:
+    """Prefill's leg, added after decode ended the room, ends within END_TICKS of
+    prefill's ticks, answered as `answered(final reason)` holds, having sent no KV; no
+    failure counted; both idle, the room gone."""
     pair.ticks_until(pair.prefill, lambda: _ended(pair.prefill, room), END_TICKS)
-    assert _client_abort(pair.prefill, room), pair.prefill.call("final_reason", room)
+    assert answered(pair.prefill.call("final_reason", room)), pair.prefill.call("final_reason", room)
     assert pair.prefill.call("sends", room) == 0
     _assert_no_failure_counted(pair, before)
     _wait_idle_and_clean(pair, room)
-    assert set(pair.prefill.call("room_entries", room)) <= TOMBSTONES
 
 
 def _pause_answer(reason) -> bool:
@@ -244,21 +252,14 @@ def test_decode_pause_abort_tells_prefill_why(pair, before):
     client abort -- over real mooncake, told at once."""
     from sglang.srt.managers.fork_pause import pd_pause
 
-    room = pair.new_room()
-    pair.prefill.call("add", room, 12)
-    pair.decode.call("add", room, 12)
-    _tick_decode_into_transfer(pair)
+    room = _both_legs_in_transfer(pair)
     pair.decode.call("end_queued", pd_pause.PAUSE_ABORT_MESSAGE)
     assert _pause_answer(pair.decode.call("final_reason", room)), pair.decode.call("final_reason", room)
     wait_until(lambda: pair.prefill.call("kv_status", room) == "Failed", TRANSIT_S,
                "prefill to hear decode's ABORT", interval=0.01)
     pair.ticks_until(pair.prefill, lambda: _ended(pair.prefill, room), END_TICKS)
     assert _pause_answer(pair.prefill.call("final_reason", room)), pair.prefill.call("final_reason", room)
-    assert pair.prefill.call("finals", room) == pair.decode.call("finals", room) == 1
-    _assert_no_failure_counted(pair, before)
-    assert pair_new_causes(pair.prefill, before["prefill"][1]) == {"prefill/pause/prefill_bootstrap": 1}
-    assert pair_new_causes(pair.decode, before["decode"][1]) == {"decode/pause/decode_transfer": 1}
-    _wait_idle_and_clean(pair, room)
+    _assert_each_side_ended_once(pair, before, room, "pause")
 
 
 def test_decode_pause_abort_before_prefill_leg_tells_it_why(pair, before):
@@ -277,12 +278,8 @@ def test_decode_pause_abort_before_prefill_leg_tells_it_why(pair, before):
                or pair.prefill.call("kv_status", room) == "Failed", TRANSIT_S,
                "prefill to hear decode's abort", interval=0.01)
     pair.prefill.call("add", room, 12)  # the leg, after prefill's gate opened
-    pair.ticks_until(pair.prefill, lambda: _ended(pair.prefill, room), END_TICKS)
-    assert _pause_answer(pair.prefill.call("final_reason", room)), pair.prefill.call("final_reason", room)
-    assert pair.prefill.call("sends", room) == 0
-    _assert_no_failure_counted(pair, before)
+    _late_prefill_leg_ends(pair, before, room, _pause_answer)
     assert pair_new_causes(pair.prefill, before["prefill"][1]) == {"prefill/pause/prefill_bootstrap": 1}
-    _wait_idle_and_clean(pair, room)
 
 
 def test_a_failed_retract_rebootstrap_ends_as_its_failure_never_as_a_client_abort(pair, before):
@@ -292,10 +289,7 @@ def test_a_failed_retract_rebootstrap_ends_as_its_failure_never_as_a_client_abor
     by the client." where nobody aborted; the room-ledger soak in CI). The room turns Failed already naming the
     re-send; the client gets the error, prefill is told, nothing is counted as a client abort."""
     reason = "PD retract rebootstrap /generate failed for rid=x (status=400)."
-    room = pair.new_room()
-    pair.prefill.call("add", room, 12)
-    pair.decode.call("add", room, 12)
-    _tick_decode_into_transfer(pair)
+    room = _both_legs_in_transfer(pair)
     assert pair.decode.call("fail_rebootstrap", room, reason) == reason  # what a poll at that moment reads
     pair.run_until(lambda: _ended(pair.decode, room), timeout=30)
     final = pair.decode.call("final_reason", room)

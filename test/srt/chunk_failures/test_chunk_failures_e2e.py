@@ -77,11 +77,7 @@ def deployment(deployments, shared_single, request):
 
 
 def _chunk_failures(cluster, role, kind):
-    metrics = cluster.metrics(role)
-    return sum(
-        v for k, v in metrics.items()
-        if k.startswith(CHUNK_FAILURES + "{") and f'kind="{kind}"' in k and f'role="{role}"' in k
-    )
+    return metric_sum(cluster.metrics(role), CHUNK_FAILURES, kind=kind, role=role)
 
 
 def _counters(cluster, kind):

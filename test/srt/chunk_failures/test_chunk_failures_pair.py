@@ -17,7 +17,7 @@ import time
 import pytest
 
 from testing.pd_checks import assert_pair_idle as _assert_idle
-from testing.pd_checks import pair_fixture
+from testing.pd_checks import assert_pair_serves, pair_fixture
 from testing.pd_checks import wait_pair_idle as _wait_idle
 
 pytestmark = pytest.mark.pair
@@ -145,13 +145,7 @@ def test_one_failed_chunk_fails_only_its_room(pair, kind):
 
     # the decode session was not taken out: it answers, so only that room failed
     assert _settled_blacklist(pair) == []
-    room = pair.submit(prompt_len=9, rid=f"after-{kind}")
-    pair.run_until(
-        lambda: pair.decode.call("transferred", room) and pair.prefill.call("status", room) == 200,
-        timeout=60,
-    )
-    assert pair.decode.call("kv_bytes", room) == pair.prefill.call("kv_sent", room)
-    pair.decode.call("finish", room)
+    assert_pair_serves(pair, [pair.submit(prompt_len=9, rid=f"after-{kind}")])
     _assert_idle(pair)
 
 
@@ -184,11 +178,5 @@ def test_session_out_while_peer_dead_back_when_it_answers(pair):
     t0 = time.monotonic()
     assert _settled_blacklist(pair, timeout=15, want=others) == others
     assert time.monotonic() - t0 < 10
-    room = pair.submit(prompt_len=10, rid="after-resume")
-    pair.run_until(
-        lambda: pair.decode.call("transferred", room) and pair.prefill.call("status", room) == 200,
-        timeout=60,
-    )
-    assert pair.decode.call("kv_bytes", room) == pair.prefill.call("kv_sent", room)
-    pair.decode.call("finish", room)
+    assert_pair_serves(pair, [pair.submit(prompt_len=10, rid="after-resume")])
     _assert_idle(pair)

@@ -152,6 +152,23 @@ def test_decode_killed_removed_restarted_registered_serves_within_15s(gateway_de
     assert_idle(cluster, PD_ROLES)
 
 
+def _charged(gateway) -> tuple:
+    """What the gateway has counted against each engine, from one metrics read:
+    (failures, circuit opens), each by role."""
+    metrics = gateway.metrics()
+    return gateway.failures(metrics), gateway.circuit_opens(metrics)
+
+
+def _assert_nothing_charged(gateway, before: tuple) -> None:
+    """Since `before` (`_charged` then): no failure counted against either engine, no
+    circuit opened; both circuits closed now."""
+    failures, opens = _charged(gateway)
+    for role in PD_ROLES:
+        assert failures[role] == before[0][role], role
+        assert opens[role] == before[1][role], role
+    assert gateway.circuit_states() == {"prefill": 0.0, "decode": 0.0}
+
+
 PAUSE_CYCLES = 3
 PAUSE_CLIENTS = 8
 # An RL client waits on each answer: none may take longer, pause or not.
@@ -166,8 +183,7 @@ def test_rl_pause_cycles_never_open_a_circuit(gateway_deployment, tiny_model):
     under 10 s, and the gateway never counts a failure against either engine."""
     cluster, _, _ = gateway_deployment
     assert_idle(cluster, PD_ROLES)
-    opened = cluster.gateway.circuit_opens()
-    failures_before = cluster.gateway.failures()
+    charged = _charged(cluster.gateway)
     calls = []
     loop = ClosedLoop(cluster.url, PAUSE_CLIENTS, timeout=60, ignore_eos=True).start()
     try:
@@ -198,12 +214,7 @@ def test_rl_pause_cycles_never_open_a_circuit(gateway_deployment, tiny_model):
     slow = [round(r["latency"], 1) for r in loop.results if r["latency"] > PAUSE_ANSWER_BOUND_S]
     assert not slow, slow
     # What was counted: no failure against either engine, no circuit opened.
-    metrics = cluster.gateway.metrics()
-    failures, opens = cluster.gateway.failures(metrics), cluster.gateway.circuit_opens(metrics)
-    for role in PD_ROLES:
-        assert failures[role] == failures_before[role], role
-        assert opens[role] == opened[role], role
-    assert cluster.gateway.circuit_states() == {"prefill": 0.0, "decode": 0.0}
+    _assert_nothing_charged(cluster.gateway, charged)
     # What is left held: nothing.
     assert_idle(cluster, PD_ROLES)
 
@@ -225,20 +236,14 @@ def test_skewed_pause_windows_through_the_gateway_leave_nothing_waiting(gateway_
 
     cluster, _, _ = gateway_deployment
     baseline = assert_idle(cluster, PD_ROLES)
-    opened = cluster.gateway.circuit_opens()
-    failures_before = cluster.gateway.failures()
+    charged = _charged(cluster.gateway)
     results = skewed_abort_pause_cycles(cluster["prefill"], cluster["decode"], cluster.url,
                                         SKEW_CYCLES, SKEW_CLIENTS, first=first)
     wrong = [(r["status"], str(r["error"])[:150]) for r in results if not is_completion_or_abort_answer(r)]
     assert not wrong, wrong
     finishes = Counter(r["meta"]["finish_reason"]["type"] for r in results)
     assert finishes["abort"] >= SKEW_CYCLES and sum(finishes.values()) - finishes["abort"] >= SKEW_CYCLES, finishes
-    metrics = cluster.gateway.metrics()
-    failures, opens = cluster.gateway.failures(metrics), cluster.gateway.circuit_opens(metrics)
-    for role in PD_ROLES:
-        assert failures[role] == failures_before[role], role
-        assert opens[role] == opened[role], role
-    assert cluster.gateway.circuit_states() == {"prefill": 0.0, "decode": 0.0}
+    _assert_nothing_charged(cluster.gateway, charged)
     assert_idle(cluster, PD_ROLES, baseline)
 
 

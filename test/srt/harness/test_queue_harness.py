@@ -24,10 +24,8 @@ def decode(decode_h):
 
 def test_prefill_happy_path(prefill):
     h = prefill
-    req = h.add(h.make_req(tokens=range(100, 110)))  # not in the radix cache yet
-    room = req.bootstrap_room
-    h.faults.hold_transfer(room)  # stop at Transferring to look at the held state
-    h.tick()
+    # not in the radix cache yet; held at Transferring to look at the held state
+    req, room = h.add_held(tokens=range(100, 110))
 
     assert [c.name for c in h.faults.calls_for(room)] == ["init", "send"]
     send = h.faults.calls_for(room, "send")[0]
@@ -63,12 +61,10 @@ def test_prefill_bootstrap_failed(prefill):
     h.assert_baseline(h.idle)
 
 
-def test_prefill_transfer_failed(prefill):
-    h = prefill
-    req = h.add(h.make_req())
-    room = req.bootstrap_room
-    h.faults.hold_transfer(room)
-    h.tick()
+def _transfer_failed(h):
+    """A held transfer turned Failed: the room Failed, a 500, one transfer failure
+    counted. Returns (request, room)."""
+    req, room = h.add_held()
     assert h.snapshot().kv_held > 0
     failed_before = h.counters.counts["increment_transfer_failed_reqs"]
 
@@ -78,6 +74,12 @@ def test_prefill_transfer_failed(prefill):
     assert h.room_state(room) == "Failed"
     assert h.outputs.status_code(req.rid) == 500
     assert h.counters.counts["increment_transfer_failed_reqs"] == failed_before + 1
+    return req, room
+
+
+def test_prefill_transfer_failed(prefill):
+    h = prefill
+    req, room = _transfer_failed(h)
     assert "failure_exception" in [c.name for c in h.faults.calls_for(room)]
     h.assert_baseline(h.idle)
 
@@ -106,10 +108,7 @@ def test_prefill_chunk_failure_tells_decode(prefill, kind):
 
 def test_decode_happy_path(decode):
     h = decode
-    req = h.add(h.make_req(prompt_len=12))
-    room = req.bootstrap_room
-    h.faults.hold_transfer(room)
-    h.tick()
+    req, room = h.add_held(prompt_len=12)
 
     calls = h.faults.calls_for(room)
     assert [c.name for c in calls] == ["init", "send_metadata"]
@@ -148,28 +147,14 @@ def test_decode_fake_transfer_without_host(decode):
 
 def test_decode_transfer_failed(decode):
     h = decode
-    req = h.add(h.make_req())
-    room = req.bootstrap_room
-    h.faults.hold_transfer(room)
-    h.tick()
-    failed_before = h.counters.counts["increment_transfer_failed_reqs"]
-
-    h.faults.set(room, KVPoll.Failed)
-    h.tick()
-
-    assert h.room_state(room) == "Failed"
-    assert h.outputs.status_code(req.rid) == 500
-    assert h.counters.counts["increment_transfer_failed_reqs"] == failed_before + 1
+    _transfer_failed(h)
     assert h.waiting == []
     h.assert_baseline(h.idle)
 
 
 def test_decode_abort_tells_prefill(decode):
     h = decode
-    req = h.add(h.make_req())
-    room = req.bootstrap_room
-    h.faults.hold_transfer(room)
-    h.tick()
+    req, room = h.add_held()
 
     h.abort(req.rid)  # the real Scheduler.abort_request
     h.tick()

@@ -12,7 +12,7 @@ import contextlib
 import pytest
 
 from testing.pd_checks import is_client_abort
-from testing.queue_harness import DecodeHarness, KVPoll
+from testing.queue_harness import DecodeHarness
 
 pytestmark = pytest.mark.unit
 
@@ -53,10 +53,7 @@ def _abort_while_paused(h, req, place: str, held_place):
 
 def test_prefill_bootstrap_queue(prefill_h):
     h = prefill_h
-    req = h.make_req()
-    h.faults.set(req.bootstrap_room, KVPoll.Bootstrapping)  # decode not there yet
-    h.add(req)
-    h.tick()
+    req, _ = h.add_bootstrapping()  # decode not there yet
     _abort_while_paused(h, req, "bootstrap queue", lambda: req in h.queue.queue)
 
 
@@ -73,28 +70,19 @@ def test_prefill_waiting_queue(prefill_h):
 
 def test_prefill_inflight_queue(prefill_h):
     h = prefill_h
-    req = h.make_req()
-    h.faults.hold_transfer(req.bootstrap_room)  # KV on the wire
-    h.add(req)
-    h.tick()
+    req, _ = h.add_held()  # KV on the wire
     _abort_while_paused(h, req, "inflight queue", lambda: req in h.inflight)
 
 
 def test_decode_prealloc_queue(decode_h):
     h = decode_h
-    req = h.make_req()
-    h.faults.set(req.bootstrap_room, KVPoll.Bootstrapping)  # prefill not there yet
-    h.add(req)
-    h.tick()
+    req, _ = h.add_bootstrapping()  # prefill not there yet
     _abort_while_paused(
         h, req, "prealloc queue", lambda: any(e.req is req for e in h.queue.queue))
 
 
 def test_decode_transfer_queue(decode_h):
     h = decode_h
-    req = h.make_req()
-    h.faults.hold_transfer(req.bootstrap_room)
-    h.add(req)
-    h.tick()
+    req, _ = h.add_held()
     _abort_while_paused(
         h, req, "transfer queue", lambda: any(e.req is req for e in h.transfer_queue.queue))

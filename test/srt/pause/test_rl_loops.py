@@ -60,17 +60,16 @@ def checkpoints(tiny_model):
 
 
 @pytest.fixture(scope="module")
-def pd_deployment(checkpoints, shared_deployments, shared_pd, shared_single):
-    """The shared default 1P1D and control server (conftest), which serve checkpoint A;
+def pd_deployment(checkpoints, shared_deployments, pd_deployment):
+    """conftest's shared default 1P1D and control server, which serve checkpoint A;
     both are handed back serving A (the claims check it when the module ends)."""
     assert checkpoints["A"] == shared_deployments.model
-    shared_deployments.take(shared_pd, shared_single)
-    return shared_pd.deployment, shared_single.deployment
+    return pd_deployment
 
 
 @pytest.fixture(scope="module")
-def cluster(pd_deployment) -> PDCluster:
-    return pd_deployment[0]
+def cluster(pd_cluster) -> PDCluster:
+    return pd_cluster
 
 
 @pytest.fixture(scope="module")

@@ -23,12 +23,14 @@ import pytest
 from conftest import LIVENESS_ARGS, LIVENESS_ENV, TP2, resume_frozen, shared_env, topology_params, topology_pd
 from testing.pd_checks import (
     assert_idle,
+    assert_serves,
     delta,
     end_causes,
     held,
     leg_body,
     stable_peer_tables,
     start_legs,
+    wait_end_causes,
 )
 from testing.pd_cluster import generate, metric_sum, prompts, wait_until
 
@@ -86,13 +88,20 @@ def restart_a_killed_server(cluster):
 @pytest.fixture(scope="module")
 def control(cluster):
     """The 20 recovery prompts answered by the healthy deployment (greedy)."""
-    results = [generate(cluster.url, p, max_new_tokens=8) for p in prompts(N_AFTER)]
-    assert [r["status"] for r in results] == [200] * N_AFTER, [r["error"] for r in results]
+    results = assert_serves(cluster.url, N_AFTER)
     return [r["output_ids"] for r in results]
 
 
 def _causes(server) -> dict:
     return end_causes(server.metrics())
+
+
+def _before_the_fault(cluster, survivor: str) -> tuple:
+    """Both servers idle (the baseline), then the survivor's per-peer tables, its loss and
+    recovery counts and its end causes. Returns (baseline, peers, losses, recoveries, causes)."""
+    baseline = assert_idle(cluster, PD_ROLES)
+    server = cluster[survivor]
+    return baseline, _peers(server), _count(server, LOSSES), _count(server, RECOVERIES), _causes(server)
 
 
 def _lost_by_cause(legs) -> dict:
@@ -139,8 +148,7 @@ def _assert_named_5xx(legs, lost_role: str, t_gone: float, multi_rank: bool = Fa
 def _recover(cluster, control, survivor: str, baseline: dict, peers_before: dict) -> None:
     """20 requests through the load balancer: all 200, outputs equal the control run;
     then both sides idle and the survivor's per-peer tables as before the crash."""
-    results = [generate(cluster.url, p, max_new_tokens=8) for p in prompts(N_AFTER)]
-    assert [r["status"] for r in results] == [200] * N_AFTER, [r["error"] for r in results if r["status"] != 200]
+    results = assert_serves(cluster.url, N_AFTER)
     assert [r["output_ids"] for r in results] == control
     assert_idle(cluster, PD_ROLES, baseline)
     # per-peer tables as before the crash (upstream's heartbeat refills its entries
@@ -165,12 +173,9 @@ def _in_flight_to_frozen_decode(cluster, label: str):
 
 
 def test_decode_killed_in_flight_then_restarted(cluster, control):
-    baseline = assert_idle(cluster, PD_ROLES)
     prefill, decode = cluster["prefill"], cluster["decode"]
-    peers_before = _peers(prefill)
+    baseline, peers_before, losses, recoveries, causes = _before_the_fault(cluster, "prefill")
     assert peers_before["decode_kv_args_table"] == 1, peers_before
-    losses, recoveries = _count(prefill, LOSSES), _count(prefill, RECOVERIES)
-    causes = _causes(prefill)
 
     decode_legs, prefill_legs = _in_flight_to_frozen_decode(cluster, "in flight")
     t_kill = time.monotonic()
@@ -187,8 +192,7 @@ def test_decode_killed_in_flight_then_restarted(cluster, control):
     _assert_named_5xx(prefill_legs, "decode", t_gone, cluster.multi_rank)
     # each prefill leg counted once, by the cause its answer names, in its stage
     expected = {("prefill", c, "prefill_inflight"): n for c, n in _lost_by_cause(prefill_legs).items()}
-    wait_until(lambda: delta(causes, _causes(prefill)) == expected, 10, "end causes counted",
-               on_timeout=lambda: f"{delta(causes, _causes(prefill))} != {expected}")
+    wait_end_causes(cluster, causes, expected, roles=("prefill",))
     # prefill gave everything back and forgot the dead incarnation, decode still down
     assert_idle(cluster, ("prefill",), baseline, timeout=10)
     def forgotten():
@@ -232,11 +236,8 @@ def test_decode_rank_lost_by_one_prefill_rank_alone(cluster, control):
     Then decode is taken down and restarted: nothing held on any prefill rank, and serving goes on."""
     if not cluster.multi_rank:
         pytest.skip("one rank per server: no rank to lose alone")
-    baseline = assert_idle(cluster, PD_ROLES)
     prefill, decode = cluster["prefill"], cluster["decode"]
-    peers_before = _peers(prefill)
-    losses, recoveries = _count(prefill, LOSSES), _count(prefill, RECOVERIES)
-    causes = _causes(prefill)
+    baseline, peers_before, losses, recoveries, causes = _before_the_fault(cluster, "prefill")
 
     try:
         decode_legs, prefill_legs = _in_flight_to_frozen_decode(cluster, "rank lost")
@@ -250,8 +251,7 @@ def test_decode_rank_lost_by_one_prefill_rank_alone(cluster, control):
         assert not [leg for leg in prefill_legs if leg.is_alive()], "a request hangs"
         _assert_named_5xx(prefill_legs, "decode", t_gone, multi_rank=True)
         expected = {("prefill", c, "prefill_inflight"): n for c, n in _lost_by_cause(prefill_legs).items()}
-        wait_until(lambda: delta(causes, _causes(prefill)) == expected, 10, "end causes counted",
-                   on_timeout=lambda: f"{delta(causes, _causes(prefill))} != {expected}")
+        wait_end_causes(cluster, causes, expected, roles=("prefill",))
         # prefill rank 1's monitor loses its peer (a failed write may have answered first); rank 0's does not
         wait_until(lambda: _count(prefill, LOSSES) > losses, DETECT_BOUND, "prefill rank 1 to count the loss")
         assert _count(prefill, LOSSES) == losses + 1
@@ -271,12 +271,9 @@ def test_decode_rank_lost_by_one_prefill_rank_alone(cluster, control):
 
 
 def test_prefill_killed_in_flight_then_restarted(cluster, control):
-    baseline = assert_idle(cluster, PD_ROLES)
     prefill, decode = cluster["prefill"], cluster["decode"]
-    peers_before = _peers(decode)
+    baseline, peers_before, losses, recoveries, causes = _before_the_fault(cluster, "decode")
     assert peers_before["prefill_info_table"] == 1, peers_before
-    losses, recoveries = _count(decode, LOSSES), _count(decode, RECOVERIES)
-    causes = _causes(decode)
 
     # decode legs only: decode preallocates, tells prefill, and waits for the KV
     rooms = random.sample(range(1, 2**62), N_INFLIGHT)
@@ -296,8 +293,7 @@ def test_prefill_killed_in_flight_then_restarted(cluster, control):
     _assert_named_5xx(decode_legs, "prefill", t_gone, cluster.multi_rank)
     assert f"prefill peer {addr} lost" in json.dumps(decode_legs[0].response)
     expected = {("decode", "peer_failure", "decode_transfer"): N_INFLIGHT}
-    wait_until(lambda: delta(causes, _causes(decode)) == expected, 10, "end causes counted",
-               on_timeout=lambda: f"{delta(causes, _causes(decode))} != {expected}")
+    wait_end_causes(cluster, causes, expected, roles=("decode",))
     assert_idle(cluster, ("decode",), baseline, timeout=10)
     assert _peers(decode)["prefill_info_table"] == 0
     assert _peers(decode)["connection_pool"] == 0
@@ -355,11 +351,8 @@ KILLS_MULTI_RANK = 2  # a TP=2 server takes 1-2 min to start on 2 cores
 
 
 def test_decode_killed_and_restarted_repeatedly_under_traffic(cluster, control):
-    baseline = assert_idle(cluster, PD_ROLES)
     prefill, decode = cluster["prefill"], cluster["decode"]
-    peers_before = _peers(prefill)
-    losses, recoveries = _count(prefill, LOSSES), _count(prefill, RECOVERIES)
-    causes = _causes(prefill)
+    baseline, peers_before, losses, recoveries, causes = _before_the_fault(cluster, "prefill")
     kills = KILLS_MULTI_RANK if cluster.multi_rank else KILLS
     traffic = Traffic(cluster.url)
     traffic.start()

@@ -23,14 +23,22 @@ import psutil
 import pytest
 
 from conftest import TP2, TP2_DECODE_TP1, topology_params, topology_pd
-from testing.pd_checks import Leg, assert_idle, cluster_end_causes, delta, held, leg_body, wait_end_causes
+from testing.pd_checks import (
+    Leg,
+    assert_idle,
+    assert_serves,
+    cluster_end_causes,
+    delta,
+    held,
+    leg_body,
+    wait_end_causes,
+)
 from testing.pd_cluster import (
     HOST,
     fork_python,
     free_ports,
-    generate,
     http_post_json,
-    prompts,
+    metric_sum,
     wait_until,
 )
 
@@ -73,7 +81,7 @@ def _post(url: str, payload: dict, out: dict, timeout: float = 120.0) -> None:
 
 
 def _stage_count(metrics: dict, stage: str) -> float:
-    return sum(v for k, v in metrics.items() if k.startswith(COUNTER + "{") and f'stage="{stage}"' in k)
+    return metric_sum(metrics, COUNTER, stage=stage)
 
 
 def _generate_body(text: str) -> dict:
@@ -82,8 +90,7 @@ def _generate_body(text: str) -> dict:
 
 def _serving(cluster, baseline, n: int = 20) -> None:
     # one after another: a 20-request burst on 2 CPU cores can itself outlast 3 s
-    results = [generate(cluster.url, p, max_new_tokens=8) for p in prompts(n)]
-    assert [r["status"] for r in results] == [200] * n, [r["error"] for r in results if r["status"] != 200]
+    assert_serves(cluster.url, n)
     assert_idle(cluster, PD_ROLES, baseline)
 
 

@@ -24,6 +24,7 @@ import pytest
 from conftest import resume_frozen, shared_env
 from testing.pd_checks import (
     assert_idle,
+    assert_serves,
     at_gate,
     bootstrap_queue,
     cluster_end_causes,
@@ -33,6 +34,7 @@ from testing.pd_checks import (
     post,
     skewed_abort_pause_cycles,
     wait_end_causes,
+    waiting_for_peer,
 )
 from testing.pd_cluster import (
     generate,
@@ -40,7 +42,6 @@ from testing.pd_cluster import (
     http_post_json,
     metric_sum,
     parse_prometheus,
-    prompts,
     wait_until,
 )
 
@@ -102,12 +103,11 @@ class Leg(threading.Thread):
         self.conn.sock.shutdown(socket.SHUT_RDWR)
 
 
-def _metric(server, name: str, **labels) -> float:
-    want = [f'{k}="{v}"' for k, v in labels.items()]
-    return sum(
-        v for k, v in server.metrics().items()
-        if (k == name or k.startswith(name + "{")) and all(w in k for w in want)
-    )
+def _warm_baseline(cluster) -> dict:
+    """One request served (decode knows prefill), then both servers idle: the baseline."""
+    warm = generate(cluster.url, "warm up", max_new_tokens=4)
+    assert warm["status"] == 200, warm
+    return assert_idle(cluster, PD_ROLES)
 
 
 def _deferred(server) -> int:
@@ -118,12 +118,11 @@ def test_prefill_killed_while_decode_awaits_drain_acks(cluster):
     """Hole 2: rooms decode aborted (waiting for prefill's drain ack) when prefill dies
     are settled by the loss: decode idle within detection + 2 s, not 30 s."""
     prefill, decode = cluster["prefill"], cluster["decode"]
-    warm = generate(cluster.url, "warm up", max_new_tokens=4)  # decode fetched prefill's info
-    assert warm["status"] == 200, warm
-    baseline = assert_idle(cluster, PD_ROLES)
-    losses = _metric(decode, LOSSES)
-    drained, timed_out = _metric(decode, RELEASES, outcome="drained"), _metric(decode, RELEASES, outcome="timeout")
-    aborts = _metric(decode, END_CAUSES, role="decode", cause="client_abort")
+    baseline = _warm_baseline(cluster)  # decode fetched prefill's info
+    losses = metric_sum(decode.metrics(), LOSSES)
+    drained = metric_sum(decode.metrics(), RELEASES, outcome="drained")
+    timed_out = metric_sum(decode.metrics(), RELEASES, outcome="timeout")
+    aborts = metric_sum(decode.metrics(), END_CAUSES, role="decode", cause="client_abort")
 
     # prefill frozen: decode preallocates, tells prefill (the message waits in its
     # socket) and waits for KV that does not come; prefill cannot ack any drain
@@ -157,17 +156,16 @@ def test_prefill_killed_while_decode_awaits_drain_acks(cluster):
     idle_after = time.monotonic() - t_kill
     assert idle_after <= IDLE_AFTER_LOSS_S, idle_after
     assert http_get(decode.url + "/flush_cache")[0] == 200
-    assert _metric(decode, LOSSES) == losses + 1
+    assert metric_sum(decode.metrics(), LOSSES) == losses + 1
     # released as drained (on the lost peer's behalf), none by the 30 s timeout
-    assert _metric(decode, RELEASES, outcome="drained") == drained + n
-    assert _metric(decode, RELEASES, outcome="timeout") == timed_out
-    assert _metric(decode, END_CAUSES, role="decode", cause="client_abort") == aborts + n
+    assert metric_sum(decode.metrics(), RELEASES, outcome="drained") == drained + n
+    assert metric_sum(decode.metrics(), RELEASES, outcome="timeout") == timed_out
+    assert metric_sum(decode.metrics(), END_CAUSES, role="decode", cause="client_abort") == aborts + n
     assert "timed out after" not in decode.tail(200)
 
     prefill.start()
     prefill.wait_healthy()
-    results = [generate(cluster.url, p, max_new_tokens=8) for p in prompts(6)]
-    assert [r["status"] for r in results] == [200] * 6, [r["error"] for r in results]
+    assert_serves(cluster.url, 6)
     assert_idle(cluster, PD_ROLES, baseline)
 
 
@@ -180,17 +178,20 @@ def _call(server, endpoint: str, body=None):
     return reply
 
 
-def _prefill_copy_ends_at_once(prefill, leg, t0) -> None:
-    """Prefill's copy, waiting for decode's handshake, was let go within about a second
-    of `t0` (it waited for its bootstrap timeout), answered as an abort."""
-    wait_until(lambda: bootstrap_queue(prefill) == 0, 5, "prefill's bootstrap queue to empty",
-               interval=0.05, on_timeout=lambda: str(prefill.resources()["queues"]))
+def _copy_ends_at_once(server, leg, t0) -> str:
+    """`server`'s copy, waiting for the other server (prefill: for decode's handshake, it
+    waited for its bootstrap timeout; decode: for prefill's KV, it waited for the transfer
+    deadline, 600 s), was let go within about a second of `t0`, answered as an abort.
+    Returns the abort's message."""
+    wait_until(lambda: waiting_for_peer(server) == 0, 5, f"{server.role} to let go of its copy",
+               interval=0.05, on_timeout=lambda: str(server.resources()["queues"]))
     emptied = time.monotonic() - t0
     leg.join(10)
-    assert not leg.is_alive(), "prefill's leg hangs"
+    assert not leg.is_alive(), f"{server.role}'s leg hangs"
     assert emptied <= 1.5, emptied  # "about a second" on two loaded cores
     assert leg.ended_at - t0 <= 5.0, leg.ended_at - t0
     assert _abort_answer(leg), (leg.status, leg.body)
+    return leg.body["meta_info"]["finish_reason"]["message"]
 
 
 def _gate_or_abort_answer(r) -> bool:
@@ -214,11 +215,16 @@ def _warm_baseline_counts(cluster):
     """Warm up; the idle baseline and prefill's client-abort / bootstrap-failure counts
     before a hole-1 case (it ends prefill's copies as aborts, never as failures)."""
     prefill = cluster["prefill"]
-    warm = generate(cluster.url, "warm up", max_new_tokens=4)
-    assert warm["status"] == 200, warm
-    baseline = assert_idle(cluster, PD_ROLES)
-    aborts = _metric(prefill, END_CAUSES, role="prefill", cause="client_abort")
-    return baseline, aborts, _metric(prefill, "sglang:num_bootstrap_failed_reqs_total")
+    baseline = _warm_baseline(cluster)
+    aborts = metric_sum(prefill.metrics(), END_CAUSES, role="prefill", cause="client_abort")
+    return baseline, aborts, metric_sum(prefill.metrics(), "sglang:num_bootstrap_failed_reqs_total")
+
+
+def _assert_prefill_ended_as_aborts(prefill, aborts: float, failed: float, n: int) -> None:
+    """Prefill ended `n` copies as decode's end: `n` client aborts counted since `aborts`
+    (its count then), none as a bootstrap failure (still `failed`)."""
+    assert metric_sum(prefill.metrics(), END_CAUSES, role="prefill", cause="client_abort") == aborts + n
+    assert metric_sum(prefill.metrics(), "sglang:num_bootstrap_failed_reqs_total") == failed
 
 
 def test_abort_at_decodes_gate_reaches_prefill_at_once(cluster):
@@ -251,13 +257,51 @@ def test_abort_at_decodes_gate_reaches_prefill_at_once(cluster):
             assert c.ended_at - t_abort <= 5.0, c.ended_at - t_abort
         assert_idle(cluster, ("prefill",), baseline, timeout=5)
         # prefill ended its copies as aborts (decode's end), not bootstrap failures
-        assert _metric(prefill, END_CAUSES, role="prefill", cause="client_abort") == aborts + n
-        assert _metric(prefill, "sglang:num_bootstrap_failed_reqs_total") == failed
+        _assert_prefill_ended_as_aborts(prefill, aborts, failed, n)
     finally:
         _call(decode, "continue_generation")
     assert_idle(cluster, PD_ROLES, baseline)
-    results = [generate(cluster.url, p, max_new_tokens=8) for p in prompts(4)]
-    assert [r["status"] for r in results] == [200] * 4, [r["error"] for r in results]
+    assert_serves(cluster.url, 4)
+
+
+def _priority(body: dict) -> dict:
+    """The request with a priority while priority scheduling is off: a scheduler rejects it (503)."""
+    return dict(body, priority=1)
+
+
+def _other_rejects(cluster, waiter: str, rid_tag: str, text: str, reject, want_status: int, word: str) -> str:
+    """`waiter`'s copy of a request waits for the other server (prefill's for decode's
+    handshake; decode's, its handshake sent, for prefill's KV); the other server rejects
+    the request before its room exists there (`reject(body)` answered `want_status`,
+    naming `word`); `waiter`'s copy is let go at once (_copy_ends_at_once). Returns the
+    abort's message."""
+    server = cluster[waiter]
+    other = cluster["decode" if waiter == "prefill" else "prefill"]
+    room = random.getrandbits(62)
+    body = leg_body(cluster, room, text, rid=f"{rid_tag}-{room}")
+    leg = Leg(server.url, body)
+    leg.start()
+    if waiter == "prefill":
+        wait_until(lambda: bootstrap_queue(server) == 1, 30, "prefill's copy waiting for decode's handshake")
+    else:
+        wait_until(lambda: _decode_transfer(server) == 1, 30, "decode's copy waiting for prefill's KV")
+    t0 = time.monotonic()
+    status, reply = http_post_json(other.url + "/generate", reject(body), timeout=30)
+    assert status == want_status and word in str(reply), (status, reply)
+    return _copy_ends_at_once(server, leg, t0)
+
+
+def _decode_rejects(cluster, rid_tag: str, text: str, reject, want_status: int, word: str) -> None:
+    """Prefill's copy waits for decode's handshake; decode rejects the request
+    (`_other_rejects`). Prefill's copy ends within about a second as decode's end (an
+    abort, not a bootstrap failure), nothing is held, serving goes on."""
+    prefill = cluster["prefill"]
+    baseline, aborts, failed = _warm_baseline_counts(cluster)
+    _other_rejects(cluster, "prefill", rid_tag, text, reject, want_status, word)
+    assert_idle(cluster, PD_ROLES, baseline, timeout=5)
+    # prefill ended its copy as decode's end (an abort), not as a bootstrap failure
+    _assert_prefill_ended_as_aborts(prefill, aborts, failed, 1)
+    assert_serves(cluster.url, 2)
 
 
 def test_request_decodes_scheduler_rejects_reaches_prefill_at_once(cluster):
@@ -265,24 +309,7 @@ def test_request_decodes_scheduler_rejects_reaches_prefill_at_once(cluster):
     exists (a priority while priority scheduling is off: 503). Prefill's copy, waiting
     for decode's handshake, ends within about a second as decode's end (an abort), not
     after its bootstrap timeout."""
-    prefill, decode = cluster["prefill"], cluster["decode"]
-    baseline, aborts, failed = _warm_baseline_counts(cluster)
-    room = random.getrandbits(62)
-    rid = f"rejected-{room}"
-    leg = Leg(prefill.url, leg_body(cluster, room, "rejected by decode: hello", rid=rid))
-    leg.start()
-    wait_until(lambda: bootstrap_queue(prefill) == 1, 30, "prefill's copy waiting for decode's handshake")
-    t0 = time.monotonic()
-    status, reply = http_post_json(decode.url + "/generate", dict(leg_body(cluster, room, "rejected by decode: hello", rid=rid),
-                                                                   priority=1), timeout=30)
-    assert status == 503 and "priority" in str(reply), (status, reply)
-    _prefill_copy_ends_at_once(prefill, leg, t0)
-    assert_idle(cluster, PD_ROLES, baseline, timeout=5)
-    # prefill ended its copy as decode's end (an abort), not as a bootstrap failure
-    assert _metric(prefill, END_CAUSES, role="prefill", cause="client_abort") == aborts + 1
-    assert _metric(prefill, "sglang:num_bootstrap_failed_reqs_total") == failed
-    results = [generate(cluster.url, p, max_new_tokens=8) for p in prompts(2)]
-    assert [r["status"] for r in results] == [200] * 2, [r["error"] for r in results]
+    _decode_rejects(cluster, "rejected", "rejected by decode: hello", _priority, 503, "priority")
 
 
 def _decode_transfer(server) -> int:
@@ -292,6 +319,16 @@ def _decode_transfer(server) -> int:
 def _abort_answer(leg) -> bool:
     """upstream's abort answer: 200, finish_reason abort."""
     return leg.status == 200 and leg.body["meta_info"]["finish_reason"]["type"] == "abort"
+
+
+def _abort_leg(server, rid: str, leg) -> float:
+    """/abort_request for `rid` at `server`, whose own leg `leg` is then answered as an
+    abort (within its 5 s join). Returns when the abort was sent."""
+    t0 = time.monotonic()
+    assert http_post_json(server.url + "/abort_request", {"rid": rid}, timeout=10)[0] == 200
+    leg.join(5)
+    assert _abort_answer(leg), (leg.status, leg.body)
+    return t0
 
 
 def _legs_held_by_prefills_gate(cluster, tag: str, text: str):
@@ -310,46 +347,29 @@ def _legs_held_by_prefills_gate(cluster, tag: str, text: str):
     return rid, d_leg, p_leg
 
 
-def _decode_copy_ends_at_once(cluster, leg, t0) -> str:
-    """Decode's copy, waiting for prefill's KV, was let go within about a second of
-    `t0` (it waited for the transfer deadline, 600 s), answered as an abort. Returns
-    the abort's message."""
-    decode = cluster["decode"]
-    wait_until(lambda: _decode_transfer(decode) == 0, 5, "decode to let go of its copy",
-               interval=0.05, on_timeout=lambda: str(decode.resources()["queues"]))
-    emptied = time.monotonic() - t0
-    leg.join(10)
-    assert not leg.is_alive(), "decode's leg hangs"
-    assert emptied <= 1.5, emptied  # "about a second" on two loaded cores
-    assert leg.ended_at - t0 <= 5.0, leg.ended_at - t0
-    assert _abort_answer(leg), (leg.status, leg.body)
-    return leg.body["meta_info"]["finish_reason"]["message"]
+def _prefill_rejects(cluster, rid_tag: str, text: str, reject, want_status: int, word: str, says: str) -> None:
+    """Decode's copy, its handshake sent, waits for prefill's KV; prefill rejects the
+    request (`_other_rejects`). Decode's copy ends within about a second as an abort whose
+    message starts with `says` and names `word`, counted in decode's transfer queue as
+    prefill's end (an abort, not a failure); nothing is held, serving goes on."""
+    prefill = cluster["prefill"]
+    baseline, _, failed = _warm_baseline_counts(cluster)
+    before = cluster_end_causes(cluster)
+    message = _other_rejects(cluster, "decode", rid_tag, text, reject, want_status, word)
+    assert message.startswith(says) and word in message, message
+    assert_idle(cluster, PD_ROLES, baseline, timeout=5)
+    # decode ended its copy in its transfer queue as prefill's end (an abort), not a failure
+    wait_end_causes(cluster, before, {("decode", "client_abort", "decode_transfer"): 1})
+    assert metric_sum(prefill.metrics(), "sglang:num_bootstrap_failed_reqs_total") == failed
+    assert_serves(cluster.url, 2)
 
 
 def test_request_prefills_scheduler_rejects_reaches_decode_at_once(cluster):
     """Hole 1's mirror, a rejection: prefill's scheduler rejects the request before its
     room exists there (a priority: 503) while decode's copy, its handshake sent, waits
     for prefill's KV. Decode's copy ends within about a second, as an abort."""
-    prefill, decode = cluster["prefill"], cluster["decode"]
-    baseline, _, failed = _warm_baseline_counts(cluster)
-    before = cluster_end_causes(cluster)
-    room = random.getrandbits(62)
-    rid = f"rejected-on-prefill-{room}"
-    body = leg_body(cluster, room, "rejected by prefill: hello", rid=rid)
-    leg = Leg(decode.url, body)
-    leg.start()
-    wait_until(lambda: _decode_transfer(decode) == 1, 30, "decode's copy waiting for prefill's KV")
-    t0 = time.monotonic()
-    status, reply = http_post_json(prefill.url + "/generate", dict(body, priority=1), timeout=30)
-    assert status == 503 and "priority" in str(reply), (status, reply)
-    message = _decode_copy_ends_at_once(cluster, leg, t0)
-    assert message.startswith("rejected by prefill's scheduler") and "priority" in message, message
-    assert_idle(cluster, PD_ROLES, baseline, timeout=5)
-    # decode ended its copy in its transfer queue as prefill's end (an abort), not a failure
-    wait_end_causes(cluster, before, {("decode", "client_abort", "decode_transfer"): 1})
-    assert _metric(prefill, "sglang:num_bootstrap_failed_reqs_total") == failed
-    results = [generate(cluster.url, p, max_new_tokens=8) for p in prompts(2)]
-    assert [r["status"] for r in results] == [200] * 2, [r["error"] for r in results]
+    _prefill_rejects(cluster, "rejected-on-prefill", "rejected by prefill: hello", _priority, 503, "priority",
+                     says="rejected by prefill's scheduler")
 
 
 TOO_MANY_TOKENS = 4096  # beyond the tiny model's context (1024): the tokenizer's validation rejects it
@@ -364,23 +384,8 @@ def test_request_decodes_tokenizer_rejects_reaches_prefill_at_once(cluster):
     request (its validation: more tokens than the context; 400) while prefill's copy
     waits for decode's handshake. Prefill's copy ends within about a second as decode's
     end (an abort), not after its bootstrap timeout."""
-    prefill = cluster["prefill"]
-    baseline, aborts, failed = _warm_baseline_counts(cluster)
-    room = random.getrandbits(62)
-    rid = f"tokenizer-rejected-{room}"
-    body = leg_body(cluster, room, "rejected by decode's tokenizer: hello", rid=rid)
-    leg = Leg(prefill.url, body)
-    leg.start()
-    wait_until(lambda: bootstrap_queue(prefill) == 1, 30, "prefill's copy waiting for decode's handshake")
-    t0 = time.monotonic()
-    status, reply = http_post_json(cluster["decode"].url + "/generate", _too_long(body), timeout=30)
-    assert status == 400 and "context length" in str(reply), (status, reply)
-    _prefill_copy_ends_at_once(prefill, leg, t0)
-    assert_idle(cluster, PD_ROLES, baseline, timeout=5)
-    assert _metric(prefill, END_CAUSES, role="prefill", cause="client_abort") == aborts + 1
-    assert _metric(prefill, "sglang:num_bootstrap_failed_reqs_total") == failed
-    results = [generate(cluster.url, p, max_new_tokens=8) for p in prompts(2)]
-    assert [r["status"] for r in results] == [200] * 2, [r["error"] for r in results]
+    _decode_rejects(cluster, "tokenizer-rejected", "rejected by decode's tokenizer: hello", _too_long, 400,
+                    "context length")
 
 
 def test_request_prefills_tokenizer_rejects_reaches_decode_at_once(cluster):
@@ -388,25 +393,8 @@ def test_request_prefills_tokenizer_rejects_reaches_decode_at_once(cluster):
     rejects the request (more tokens than the context; 400) while decode's copy, its
     handshake sent, waits for prefill's KV. Decode's copy ends within about a second,
     as an abort naming the rejection (it waited for the transfer deadline, 600 s)."""
-    prefill, decode = cluster["prefill"], cluster["decode"]
-    baseline, _, failed = _warm_baseline_counts(cluster)
-    before = cluster_end_causes(cluster)
-    room = random.getrandbits(62)
-    rid = f"tokenizer-rejected-on-prefill-{room}"
-    body = leg_body(cluster, room, "rejected by prefill's tokenizer: hello", rid=rid)
-    leg = Leg(decode.url, body)
-    leg.start()
-    wait_until(lambda: _decode_transfer(decode) == 1, 30, "decode's copy waiting for prefill's KV")
-    t0 = time.monotonic()
-    status, reply = http_post_json(prefill.url + "/generate", _too_long(body), timeout=30)
-    assert status == 400 and "context length" in str(reply), (status, reply)
-    message = _decode_copy_ends_at_once(cluster, leg, t0)
-    assert message.startswith("rejected by prefill's tokenizer") and "context length" in message, message
-    assert_idle(cluster, PD_ROLES, baseline, timeout=5)
-    wait_end_causes(cluster, before, {("decode", "client_abort", "decode_transfer"): 1})
-    assert _metric(prefill, "sglang:num_bootstrap_failed_reqs_total") == failed
-    results = [generate(cluster.url, p, max_new_tokens=8) for p in prompts(2)]
-    assert [r["status"] for r in results] == [200] * 2, [r["error"] for r in results]
+    _prefill_rejects(cluster, "tokenizer-rejected-on-prefill", "rejected by prefill's tokenizer: hello", _too_long,
+                     400, "context length", says="rejected by prefill's tokenizer")
 
 
 def test_abort_at_prefills_gate_reaches_decode_at_once(cluster):
@@ -420,18 +408,14 @@ def test_abort_at_prefills_gate_reaches_decode_at_once(cluster):
     _call(prefill, "pause_generation", {"mode": "abort"})
     try:
         rid, d_leg, p_leg = _legs_held_by_prefills_gate(cluster, "prefill-gate", "ended at prefill's gate")
-        t0 = time.monotonic()
-        assert http_post_json(prefill.url + "/abort_request", {"rid": rid}, timeout=10)[0] == 200
-        p_leg.join(5)
-        assert _abort_answer(p_leg), (p_leg.status, p_leg.body)
-        _decode_copy_ends_at_once(cluster, d_leg, t0)
+        t0 = _abort_leg(prefill, rid, p_leg)
+        _copy_ends_at_once(cluster["decode"], d_leg, t0)
         assert at_gate(prefill) == 0
     finally:
         _call(prefill, "continue_generation")
     assert_idle(cluster, PD_ROLES, baseline, timeout=5)
     wait_end_causes(cluster, before, {("decode", "client_abort", "decode_transfer"): 1})
-    results = [generate(cluster.url, p, max_new_tokens=8) for p in prompts(2)]
-    assert [r["status"] for r in results] == [200] * 2, [r["error"] for r in results]
+    assert_serves(cluster.url, 2)
 
 
 def test_decode_abort_while_prefills_gate_holds_the_copy(cluster):
@@ -444,10 +428,7 @@ def test_decode_abort_while_prefills_gate_holds_the_copy(cluster):
     _call(prefill, "pause_generation", {"mode": "abort"})
     try:
         rid, d_leg, p_leg = _legs_held_by_prefills_gate(cluster, "decode-ends-first", "ended on decode first")
-        t0 = time.monotonic()
-        assert http_post_json(decode.url + "/abort_request", {"rid": rid}, timeout=10)[0] == 200
-        d_leg.join(5)
-        assert _abort_answer(d_leg), (d_leg.status, d_leg.body)
+        t0 = _abort_leg(decode, rid, d_leg)
         # prefill holds only the request at its gate: decode's handshake is dropped
         assert_idle(cluster, PD_ROLES, {"prefill": dict(baseline["prefill"], pause_gate_held=1),
                                         "decode": baseline["decode"]}, timeout=5)
@@ -458,10 +439,8 @@ def test_decode_abort_while_prefills_gate_holds_the_copy(cluster):
     assert not p_leg.is_alive(), "prefill's leg hangs after continue"
     assert _abort_answer(p_leg), (p_leg.status, p_leg.body)
     assert_idle(cluster, PD_ROLES, baseline, timeout=5)
-    assert _metric(prefill, END_CAUSES, role="prefill", cause="client_abort") == aborts + 1
-    assert _metric(prefill, "sglang:num_bootstrap_failed_reqs_total") == failed
-    results = [generate(cluster.url, p, max_new_tokens=8) for p in prompts(2)]
-    assert [r["status"] for r in results] == [200] * 2, [r["error"] for r in results]
+    _assert_prefill_ended_as_aborts(prefill, aborts, failed, 1)
+    assert_serves(cluster.url, 2)
 
 
 SKEW_CYCLES = 6
@@ -479,9 +458,7 @@ def test_skewed_abort_pause_cycles_leave_nothing_waiting(cluster, first):
     within a second of the other's end; every answer is a completion or upstream's
     abort answer."""
     prefill, decode = cluster["prefill"], cluster["decode"]
-    warm = generate(cluster.url, "warm up", max_new_tokens=4)
-    assert warm["status"] == 200, warm
-    baseline = assert_idle(cluster, PD_ROLES)
+    baseline = _warm_baseline(cluster)
     results = skewed_abort_pause_cycles(prefill, decode, cluster.url, SKEW_CYCLES, SKEW_CLIENTS, UNANSWERED_S,
                                         first=first)
     wrong = [(r["status"], r["error"]) for r in results if not is_completion_or_abort_answer(r)]
@@ -506,9 +483,7 @@ def test_closed_loop_soak_mixing_faults_judges_every_answer(cluster):
     open after 30 s; nothing held afterwards and serving goes on."""
     from testing.soak import Soak, schedule
 
-    warm = generate(cluster.url, "warm up", max_new_tokens=4)
-    assert warm["status"] == 200, warm
-    baseline = assert_idle(cluster, PD_ROLES)
+    baseline = _warm_baseline(cluster)
     before = cluster_end_causes(cluster)
     soak = Soak(cluster, clients=SOAK_CLIENTS, seed=13)
     report = soak.run(schedule(SOAK_ROUNDS, seed=13))
@@ -522,5 +497,4 @@ def test_closed_loop_soak_mixing_faults_judges_every_answer(cluster):
     moved = delta(before, cluster_end_causes(cluster))
     errors = {k: v for k, v in moved.items() if k[1] in ("timeout", "peer_failure", "transport")}
     assert not errors, moved
-    results = [generate(cluster.url, p, max_new_tokens=8) for p in prompts(4)]
-    assert [r["status"] for r in results] == [200] * 4, [r["error"] for r in results]
+    assert_serves(cluster.url, 4)
