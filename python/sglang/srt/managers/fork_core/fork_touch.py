@@ -115,9 +115,10 @@ def swaps_applied(obj: Any, role: Optional[str] = None) -> Dict[str, bool]:
 
 def check_at_start(mgr: Any, queue: Any, *args: Any, **kwargs: Any) -> None:
     """AFTER each PD queue's `_init_kv_manager` (the last registered): stop the scheduler naming any swap SWAPS
-    declares for this manager that is not in place."""
+    declares for this manager (or its transfer engine) that is not in place."""
     role = "prefill" if type(queue).__name__.startswith("Prefill") else "decode"
-    missing = [t for t, ok in swaps_applied(mgr, role).items() if not ok]
+    owners = (mgr, getattr(mgr, "engine", None))  # the manager's swaps, its engine's (paced_write)
+    missing = [t for obj in owners for t, ok in swaps_applied(obj, role).items() if not ok]
     if missing:
         raise UpstreamChanged(f"fork swaps declared in fork_plugin.SWAPS were not made on this {role} kv manager "
                               f"({_qualname(type(mgr))}): {', '.join(missing)}")
