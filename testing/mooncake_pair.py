@@ -331,6 +331,12 @@ class _Worker:
 
         return fork_touch.swaps_applied(self.h.kv_manager, self.role)
 
+    def engine_swaps_applied(self) -> dict:
+        """fork_plugin.SWAPS made on this side's transfer engine (paced_write), each still in place."""
+        from sglang.srt.managers.fork_core import fork_touch
+
+        return fork_touch.swaps_applied(self.h.kv_manager.engine, self.role)
+
     def break_transfer_engine_once(self) -> None:
         """The next mooncake batch transfer raises in the transfer worker's thread (as
         an unexpected error in a send path does), killing upstream's worker loop."""
