@@ -232,9 +232,9 @@ pair = pair_fixture(kv_tokens=2048, req_slots=4, metadata_slots=4, max_context_l
 def test_sglang_send_path_writes_through_the_paced_write(pair):
     """Upstream's prefill manager, built as the fork builds it: its engine's write is swapped (fork_touch checks it at
     start too), and a request's KV lands byte-identical."""
-    assert pair.prefill.call("engine_swaps_applied") == {
+    assert pair.prefill.call("swaps_applied")[
         "sglang.srt.distributed.device_communicators.mooncake_transfer_engine.MooncakeTransferEngine"
-        ".batch_transfer_sync <- sglang.srt.disaggregation.fork_transfer.paced_write:on_prefill_manager_init": True}
+        ".batch_transfer_sync <- sglang.srt.disaggregation.fork_transfer.paced_write:on_prefill_manager_init"] is True
     room = pair.submit(prompt_len=40)
     pair.run_until(lambda: pair.decode.call("transferred", room) and pair.prefill.call("status", room) == 200,
                    timeout=60)
