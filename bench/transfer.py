@@ -21,7 +21,8 @@ decode namespace moving the same number of bytes as the largest KV (4 MiB sends 
 
 Idle pacing: the fork's schedulers pace their idle passes themselves (SGLANG_FORK_PD_IDLE_PACE, 1 ms); upstream's
 only with `--paced` (the release gate's probe plugin); side `fork-unpaced` is the fork with the knob at 0. The table
-says who paces each side.
+says who paces each side. The fork's KV write waits with sleeps (SGLANG_FORK_KV_WRITE_POLL); side `fork-syncwrite` is
+the fork with mooncake's synchronous write (the knob at 0), as upstream writes.
 
 `--rate MBIT`: also everything again with the switch port towards decode shaped to that rate (tbf), the raw TCP
 limit measured through the same shaping.
@@ -52,7 +53,8 @@ from testing.pd_cluster import PDCluster, fork_python, http_post_json, start_all
 from testing.tiny_model import VOCAB_SIZE, WIDE_KV_BYTES_PER_TOKEN, ensure_tiny_model
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-SIDES = ("fork", "upstream", "fork-unpaced")  # fork-unpaced: the fork with SGLANG_FORK_PD_IDLE_PACE=0
+# fork-unpaced: the fork with SGLANG_FORK_PD_IDLE_PACE=0; fork-syncwrite: with SGLANG_FORK_KV_WRITE_POLL=0
+SIDES = ("fork", "upstream", "fork-unpaced", "fork-syncwrite")
 LENGTHS = (400, 1000, 2000, 4000)
 CHUNK = 8192  # > the longest prompt: one prefill chunk, one transfer
 SERVER_ARGS = ("--max-total-tokens", "16384", "--max-running-requests", "4", "--chunked-prefill-size", str(CHUNK),
@@ -288,7 +290,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--repeats", type=int, default=2, help="requests per length and side (default 2)")
     parser.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES[:2]),
                         help="fork (paces its own idle passes), upstream, fork-unpaced (the fork with "
-                             "SGLANG_FORK_PD_IDLE_PACE=0); default fork upstream")
+                             "SGLANG_FORK_PD_IDLE_PACE=0), fork-syncwrite (the fork with mooncake's synchronous "
+                             "write: SGLANG_FORK_KV_WRITE_POLL=0); default fork upstream")
     parser.add_argument("--rate", type=int, default=0, help="also on a link shaped to RATE Mbit/s (tbf)")
     parser.add_argument("--paced", action="store_true",
                         help="upstream loads the release gate's probe plugin: a scheduler waiting on a transfer "
@@ -329,10 +332,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         envs = {"fork": baseline.fork_env(prepared, standins=True, probe=False),
                 "fork-unpaced": {**baseline.fork_env(prepared, standins=True, probe=False),
                                  "SGLANG_FORK_PD_IDLE_PACE": "0"},
+                "fork-syncwrite": {**baseline.fork_env(prepared, standins=True, probe=False),
+                                   "SGLANG_FORK_KV_WRITE_POLL": "0"},
                 "upstream": baseline.upstream_env(prepared, probe=args.paced)}
         pace_ms = float(os.environ.get("SGLANG_FORK_PD_IDLE_PACE", "0.001")) * 1e3
         pacing = {"fork": f"the fork itself ({pace_ms:g} ms)" if pace_ms else "nobody (pace 0)",
                   "fork-unpaced": "nobody (pace 0)",
+                  "fork-syncwrite": f"the fork itself ({pace_ms:g} ms), synchronous write" if pace_ms
+                  else "nobody (pace 0), synchronous write",
                   "upstream": f"bench probe ({baseline.PACE_SECONDS * 1e3:g} ms)" if args.paced else "nobody"}
         lb_env = baseline.fork_env(prepared, standins=False, probe=False)
         with hosts_mod.TestHosts(("prefill", "decode", "lb")) as hosts:
