@@ -83,8 +83,8 @@ class PacedWrite:
                  lengths: List[int]) -> int:
         if not self.paced or not buffers or not len(buffers) == len(peer_buffer_addresses) == len(lengths):
             return self.original(session_id, buffers, peer_buffer_addresses, lengths)
-        self._sweep_leftovers()
         try:
+            self._sweep_leftovers()
             ret, logged = self._write(session_id, buffers, peer_buffer_addresses, lengths)
         except Exception:  # upstream: whatever mooncake raises is a failed write
             ret, logged = -1, False
