@@ -204,6 +204,8 @@ def test_frozen_peer_ends_on_mooncakes_bound_without_spinning(sink, source):
     paced, upstream = engine(POLL), engine(None)
     args = (sink.session, *_scattered(src, sink.base)[:3])
     bound = MC_TIMEOUT_S + SINK_BYTES * 1e-9
+    for write in (paced.batch_transfer_sync, upstream.batch_transfer_sync):  # both sessions open, as in a server
+        assert write(*args) == 0  # (opening a frozen peer's segment waits for mooncake's handshake timeout, ~60 s)
     os.kill(sink.proc.pid, signal.SIGSTOP)
     try:
         results = {name: _timed(lambda w=w: w(*args))

@@ -18,7 +18,9 @@ or when the wall-clock bound passed (mooncake's own: `MC_TRANSFER_TIMEOUT` secon
 nanosecond a byte), with the other blocks possibly still running (as upstream's -1 leaves its batch running: the
 fork's `_poison_unsettled_send` and chunk_failures take it from there); any exception from mooncake is -1; the same
 debug line on a failure. Where a block cannot be submitted, the blocks left go through upstream's synchronous write,
-which answers -1 for a bad segment and drops it from mooncake's cache as before. Mismatched or empty lists, a knob of 0
+which answers -1 for a bad segment and drops it from mooncake's cache as before; but where the failed submit waited on
+the peer (its segment could not be opened: a handshake that timed out), -1 at once, as upstream's write answers after
+that same wait (asking upstream's write would wait for a second handshake). Mismatched or empty lists, a knob of 0
 and a mooncake without the per-block calls take upstream's write unchanged. mooncake's TCP transport timeouts still
 end a stuck block (it reports FAILED). Transfers left running by a failed write are checked again (never waited for)
 at the start of the next write on the same engine, so the ones that end are freed.
@@ -49,6 +51,10 @@ MOONCAKE_ENGINE = "sglang.srt.distributed.device_communicators.mooncake_transfer
 
 # What `transfer_submit_write` returns when nothing was submitted (0; -1 as an unsigned batch id in some releases)
 _NOT_SUBMITTED = (0, -1, (1 << 64) - 1)
+# A submit that failed after this long waited on the peer: mooncake opens a session's segment (a handshake with the
+# peer) on its first write, and an open that fails takes its handshake timeout (about 60 s with a frozen peer).
+# Upstream's write would open (and wait) again: the write answers -1 at once instead.
+SLOW_SUBMIT_S = 1.0
 _DONE, _RUNNING = 1, 0  # `transfer_check_status`: 1 completed (freed), 0 running, -1 failed (freed), -2 timed out
 
 
@@ -98,8 +104,12 @@ class PacedWrite:
         deadline = time.monotonic() + self.timeout_s + sum(lengths) * 1e-9
         pending: List[int] = []
         for i, (buffer, peer, length) in enumerate(zip(buffers, peers, lengths)):
+            submitted = time.monotonic()
             batch_id = self._submit(session_id, buffer, peer, length)
             if batch_id in _NOT_SUBMITTED:
+                if time.monotonic() - submitted > SLOW_SUBMIT_S:  # it waited on the peer: opening its segment failed
+                    self._leave(pending)
+                    return -1, False
                 rest = self.original(session_id, buffers[i:], peers[i:], lengths[i:])
                 if rest != 0:
                     self._leave(pending)
