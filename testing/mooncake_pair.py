@@ -192,7 +192,8 @@ class _Worker:
         ledger's memory of ended rooms), or None."""
         from sglang.srt.disaggregation.fork_ending import room_ledger
 
-        return room_ledger.ledger_of(self.h.kv_manager).late_answer(room)
+        answer = room_ledger.ledger_of(self.h.kv_manager).late(room)
+        return None if answer is None else answer[0]
 
     def status(self, room: int) -> Optional[int]:
         return self.h.outputs.status_code(self.reqs[room].rid)

@@ -280,6 +280,33 @@ class ClosedLoop:
         return Counter((r["status"], r["finish"] or str(r["error"])[:90]) for r in self.results)
 
 
+# The test-hosts partition tests' deployment and bounds (each bound is what its mechanism allows plus MARGIN).
+PARTITION_HEARTBEAT = 2.0  # upstream's floor
+PARTITION_MAX_FAILURE = 2
+PARTITION_DEADLINE = 15.0  # the transfer deadline: what cannot be observed ends by then (504)
+PARTITION_ENV = {
+    "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": str(PARTITION_HEARTBEAT),
+    "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": str(PARTITION_MAX_FAILURE),
+    "SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT": str(PARTITION_DEADLINE),
+    # as docs/peer-liveness.md advises where partitions are a concern: a KV write in flight at the cut is dropped
+    # once it has made no progress for about the loss detection time, instead of holding mooncake's connection to
+    # the decode past the heal (30 s by default)
+    "MC_TCP_PROGRESS_TIMEOUT_SEC": str(int(PARTITION_MAX_FAILURE * PARTITION_HEARTBEAT + 1)),
+}
+PARTITION_CONNECT_TIMEOUT = 1.0  # peer_liveness.CONNECT_TIMEOUT: what a silent heartbeat costs
+PARTITION_MARGIN = 3.0  # a busy 2-core machine: scheduler ticks, metric export
+# declared lost on the MAX_FAILURE-th silent heartbeat, the first within one interval of the cut
+PARTITION_DETECT_BOUND = PARTITION_MAX_FAILURE * PARTITION_HEARTBEAT + PARTITION_CONNECT_TIMEOUT + PARTITION_MARGIN
+PARTITION_PROBE_READ_RETRY = 1.2  # chunk_failures.probe_session: a read refused once is retried after a 1 s cooldown
+# served again: the first tick after the heal sees the link answer (within an interval, after at most one silent
+# connect), and the transfer engine probe it starts then (a new one: not one started during the cut) lets it in
+PARTITION_RECOVER_BOUND = (PARTITION_HEARTBEAT + PARTITION_CONNECT_TIMEOUT + PARTITION_PROBE_READ_RETRY
+                           + PARTITION_MARGIN)
+# no client waits past its deadline: one per stage (docs/transfer-deadline.md), and a request waits in at most two
+# (decode's handshake and preallocation, then its transfer)
+PARTITION_ANSWER_BOUND = 2 * PARTITION_DEADLINE + PARTITION_MARGIN
+
+
 def judge_partition_answers(results, peers: Mapping[str, str], answer_bound: float) -> None:
     """Every answer of a partition test (ClosedLoop results, ignore_eos; or generate's with "finish" set): a
     completion run to max_new_tokens, a 502 "PD peer lost" naming one of `peers` (role -> address), or a 504 (its

@@ -106,9 +106,9 @@ def _rank(rank: int, store: str, out) -> None:
                                    13: S.Bootstrapping, 14: S.Transferring, 15: S.Bootstrapping})
         if rank == 1:
             ledger.note_abort(15, "127.0.0.1:7000")
-        cancelled = ledger.own(15)  # on_prefill_create_sender
+        cancelled = ledger.claim(15)  # on_prefill_create_sender
         if cancelled is not None:
-            ledger.end(15, None, cancelled, tell=False)
+            ledger.end(15, None, cancelled[0], tell=False)
         if rank == 1:
             mgr.failure_records[11] = KV_FAILED
             room_ledger.end_room(mgr, 12, end_cause.PEER_FAILURE, LOST, peer="127.0.0.1:7001", tell=False)
@@ -122,7 +122,7 @@ def _rank(rank: int, store: str, out) -> None:
             "records": {r: mgr.failure_records.get(r) for r in (11, 12, 13, 14, 15)},
             "tags": {r: end_cause.room_tag(mgr, r) for r in (11, 12, 13, 14, 15)},
             "status_12": int(verdict.lost_peer_status(mgr.failure_records.get(12), 500)),
-            "late_13": ledger.late_answer(13),
+            "late_13": (ledger.late(13) or (None,))[0],
             # a rank that learned a room's failure from the other tells its own decode peers
             "told_at_poll": sorted(mgr.told),
         }

@@ -18,28 +18,15 @@ import pytest
 
 from testing.pd_checks import (ClosedLoop, assert_idle, delta, end_causes, judge_partition_answers,
                                wait_counter_rises)
+from testing.pd_checks import (PARTITION_ANSWER_BOUND as ANSWER_BOUND, PARTITION_DEADLINE as DEADLINE,
+                               PARTITION_DETECT_BOUND as DETECT_BOUND, PARTITION_ENV as ENV,
+                               PARTITION_RECOVER_BOUND as RECOVER_BOUND)
 from testing.pd_cluster import metric_sum, wait_until
 
 pytestmark = pytest.mark.e2e  # its own 4 servers: 63 s on the 2-core box (104 s under other sessions' load)
 
 HOST_ROLES = ("prefill", "prefill2", "decode", "lb")  # the pd_hosts fixture makes these hosts
 ROLES = ("prefill", "prefill2", "decode")
-HEARTBEAT = 2.0  # upstream's floor
-MAX_FAILURE = 2
-DEADLINE = 15.0
-ENV = {
-    "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": str(HEARTBEAT),
-    "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": str(MAX_FAILURE),
-    "SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT": str(DEADLINE),
-}
-CONNECT_TIMEOUT = 1.0  # peer_liveness.CONNECT_TIMEOUT: what a silent heartbeat costs
-MARGIN = 3.0  # a busy 2-core machine
-DETECT_BOUND = MAX_FAILURE * HEARTBEAT + CONNECT_TIMEOUT + MARGIN  # the MAX_FAILURE-th silent heartbeat
-PROBE_READ_RETRY = 1.2  # chunk_failures.probe_session: a read refused once is retried after mooncake's 1 s cooldown
-# recovery: the first tick after the heal sees the link answer (within an interval, after at most one silent connect),
-# and the transfer-engine probe it starts then lets the peer back in (as in test_hosts_partition_e2e.py)
-RECOVER_BOUND = HEARTBEAT + CONNECT_TIMEOUT + PROBE_READ_RETRY + MARGIN
-ANSWER_BOUND = 2 * DEADLINE + MARGIN  # a request waits in at most two stages, one deadline each
 CLIENTS = 4
 LOSSES = "sglang:num_pd_peer_losses_total"
 RECOVERIES = "sglang:num_pd_peer_recoveries_total"
@@ -82,8 +69,13 @@ def test_silent_partition_of_one_prefill_the_other_carries_the_load(cluster, pd_
         during = [r for r in loop.results if r["t"] >= t_cut]
         t_heal = time.monotonic()
         pd_hosts.heal()
+        # prefill2's KV writes in flight at the cut can hold mooncake's connection to decode past the heal, up to
+        # about the cut's length (TCP retransmits on a timer that doubled while cut; docs/peer-liveness.md): its
+        # probes wait for it. Decode, which writes nothing to prefill2, has no such wait.
+        cut_seconds = t_heal - t_cut
+        bounds = {"decode": RECOVER_BOUND, "prefill2": RECOVER_BOUND + cut_seconds}
         recovered = wait_counter_rises(cluster, ("prefill2", "decode"), RECOVERIES, recoveries, t_heal,
-                                       RECOVER_BOUND + 10, "prefill2 and decode to count the recovery")
+                                       max(bounds.values()) + 10, "prefill2 and decode to count the recovery")
         t_back = time.monotonic()
         served_by_prefill2 = metric_sum(cluster["prefill2"].metrics(), PROMPT_TOKENS)
         # requests sent from now on: each one served, prefill2's share among them
@@ -102,7 +94,7 @@ def test_silent_partition_of_one_prefill_the_other_carries_the_load(cluster, pd_
     for role, seconds in detected.items():
         assert seconds <= DETECT_BOUND, (role, seconds)
     for role, seconds in recovered.items():
-        assert seconds <= RECOVER_BOUND, (role, seconds)
+        assert seconds <= bounds[role], (role, seconds, bounds[role])
     assert all(r["status"] == 200 for r in loop.results if r["t"] - r["latency"] >= t_back), loop.summary()
     assert_idle(cluster, ROLES, baseline)
     # the silent pair counted the loss and the recovery once each; the first prefill lost nobody

@@ -15,29 +15,13 @@ import pytest
 
 from testing.pd_checks import (ClosedLoop, assert_idle, cluster_end_causes, delta, judge_partition_answers,
                                wait_counter_rises)
+from testing.pd_checks import (PARTITION_ANSWER_BOUND as ANSWER_BOUND, PARTITION_DEADLINE as DEADLINE,
+                               PARTITION_DETECT_BOUND as DETECT_BOUND, PARTITION_ENV as ENV,
+                               PARTITION_RECOVER_BOUND as RECOVER_BOUND)
 from testing.pd_cluster import generate, metric_sum, wait_until
 
 pytestmark = pytest.mark.e2e
 
-HEARTBEAT = 2.0  # upstream's floor
-MAX_FAILURE = 2
-DEADLINE = 15.0  # the transfer deadline: what cannot be observed ends by then (504)
-ENV = {
-    "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": str(HEARTBEAT),
-    "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": str(MAX_FAILURE),
-    "SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT": str(DEADLINE),
-}
-CONNECT_TIMEOUT = 1.0  # peer_liveness.CONNECT_TIMEOUT: what a silent heartbeat costs
-MARGIN = 3.0  # a busy 2-core machine: scheduler ticks, metric export
-# declared lost on the MAX_FAILURE-th silent heartbeat, the first within one interval of the cut
-DETECT_BOUND = MAX_FAILURE * HEARTBEAT + CONNECT_TIMEOUT + MARGIN
-PROBE_READ_RETRY = 1.2  # chunk_failures.probe_session: a read refused once is retried after mooncake's 1 s cooldown
-# served again: the first tick after the heal sees the link answer (within an interval, after at most one silent
-# connect), and the transfer engine probe it starts then (a new one: not one started during the cut) lets it in
-RECOVER_BOUND = HEARTBEAT + CONNECT_TIMEOUT + PROBE_READ_RETRY + MARGIN
-# no client waits past its deadline: one per stage (docs/transfer-deadline.md), and a request waits in at most two
-# (decode's handshake and preallocation, then its transfer)
-ANSWER_BOUND = 2 * DEADLINE + MARGIN
 CLIENTS = 4
 LOSSES = "sglang:num_pd_peer_losses_total"
 RECOVERIES = "sglang:num_pd_peer_recoveries_total"

@@ -142,11 +142,6 @@ class RoomLedger:
             self.ended[room] = Ended(reason, answer, cancel, now + self.ttl_s if cancel or not answer else NEVER, told)
             self._expire(now)
 
-    def late_answer(self, room: int, pop: bool = False) -> Optional[str]:
-        """The reason a late handshake for `room` is answered with, or None."""
-        answer = self.late(room, pop)
-        return None if answer is None else answer[0]
-
     def late(self, room: int, pop: bool = False) -> Optional[Tuple[str, Optional[Told]]]:
         """(reason, its cause) a late handshake for `room` is answered with, or None."""
         with self.lock:
@@ -158,13 +153,8 @@ class RoomLedger:
                 record.expiry = min(record.expiry, engine_clock.now() + self.ttl_s)
             return record.reason, record.told
 
-    def own(self, room: int) -> Optional[str]:
-        """A sender now owns `room`: the reason to fail it if the peer cancelled it first."""
-        claimed = self.claim(room)
-        return None if claimed is None else claimed[0]
-
     def claim(self, room: int) -> Optional[Tuple[str, Optional[Told]]]:
-        """`own`, with the cause the peer's cancellation came with."""
+        """A sender now owns `room`: (the reason to fail it, the cause) if the peer cancelled it first, else None."""
         now = engine_clock.now()
         with self.lock:
             self.owned.add(room)
@@ -316,7 +306,7 @@ def forget_failure(mgr: Any, room: int) -> None:
         with upstream(mgr, "failure_lock"):
             upstream(mgr, "failure_records").pop(room, None)
             if ledger is not None:
-                ledger.told.pop(room, None)
+                ledger.keep_told(room, None)
 
 
 # Decode's ledgers in this process (one per decode kv manager): a decode request's answer finds its room's cause here
@@ -454,7 +444,7 @@ def _drop_unowned_room(mgr: Any, room: int) -> None:
     ledger = ledger_of(mgr)
     if ledger is not None:
         with mgr.failure_lock:
-            ledger.told.pop(room, None)
+            ledger.keep_told(room, None)
 
 
 def on_prefill_create_sender(result: Any, queue_: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
