@@ -34,7 +34,7 @@ bench-deadline: venv
 bench-rl: venv
 	$(VPY) -m bench.rl_step $(ARGS)
 # KV moved prefill -> decode over mooncake TCP between test hosts, fork vs upstream, against raw TCP
-# (~3 min; root). ARGS: --rate MBIT, --paced, --repeats N, --write-readme (bench/README.md).
+# (~3 min; root). ARGS: --rate MBIT, --paced, --repeats N, --sides ..., --limits-only POLLS, --write-readme (bench/README.md).
 bench-transfer: venv
 	$(VPY) -m bench.transfer $(ARGS)
 

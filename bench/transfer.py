@@ -21,7 +21,8 @@ decode namespace moving the same number of bytes as the largest KV (4 MiB sends 
 
 Idle pacing: the fork's schedulers pace their idle passes themselves (SGLANG_FORK_PD_IDLE_PACE, 1 ms); upstream's
 only with `--paced` (the release gate's probe plugin); side `fork-unpaced` is the fork with the knob at 0. The table
-says who paces each side.
+says who paces each side. The fork's KV write waits with sleeps (SGLANG_FORK_KV_WRITE_POLL); side `fork-syncwrite` is
+the fork with mooncake's synchronous write (the knob at 0), as upstream writes.
 
 `--rate MBIT`: also everything again with the switch port towards decode shaped to that rate (tbf), the raw TCP
 limit measured through the same shaping.
@@ -52,7 +53,8 @@ from testing.pd_cluster import PDCluster, fork_python, http_post_json, start_all
 from testing.tiny_model import VOCAB_SIZE, WIDE_KV_BYTES_PER_TOKEN, ensure_tiny_model
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-SIDES = ("fork", "upstream", "fork-unpaced")  # fork-unpaced: the fork with SGLANG_FORK_PD_IDLE_PACE=0
+# fork-unpaced: the fork with SGLANG_FORK_PD_IDLE_PACE=0; fork-syncwrite: with SGLANG_FORK_KV_WRITE_POLL=0
+SIDES = ("fork", "upstream", "fork-unpaced", "fork-syncwrite")
 LENGTHS = (400, 1000, 2000, 4000)
 CHUNK = 8192  # > the longest prompt: one prefill chunk, one transfer
 SERVER_ARGS = ("--max-total-tokens", "16384", "--max-running-requests", "4", "--chunked-prefill-size", str(CHUNK),
@@ -152,29 +154,48 @@ def mc_sink(hostname: str, nbytes: int) -> None:
     del buf
 
 
-def mc_source(hostname: str, session: str, peer_addr: int, nbytes: int, blocks: int, repeats: int) -> None:
-    """Write `nbytes` into the peer's buffer as `blocks` contiguous blocks in one batch_transfer_sync_write (what
-    sglang's mooncake sender does with one chunk's KV: a block per layer and K/V); print each run's bytes/s."""
+def mc_source(hostname: str, session: str, peer_addr: int, nbytes: int, blocks: int, repeats: int,
+              polls: Sequence[float] = (0.0,)) -> None:
+    """Write `nbytes` into the peer's buffer as `blocks` contiguous blocks in one write (what sglang's mooncake sender
+    does with one chunk's KV: a block per layer and K/V), `repeats` rounds in which each wait of `polls` takes its
+    turn; print each wait's bytes/s per round. A poll of 0: mooncake's synchronous `batch_transfer_sync_write`
+    (upstream's sender); > 0: the fork's paced write (fork_transfer.paced_write: a transfer per block, status checks
+    `poll` seconds apart)."""
+    from types import SimpleNamespace
+
+    from sglang.srt.disaggregation.fork_transfer.paced_write import PacedWrite, mooncake_timeout_s
+
     engine = _mc_engine(hostname)
     buf, ptr = _mc_buffer(engine, nbytes)  # held: the engine reads it
+    writes = {poll: PacedWrite(SimpleNamespace(engine=engine), engine.batch_transfer_sync_write, poll,
+                               mooncake_timeout_s()) if poll > 0 else engine.batch_transfer_sync_write
+              for poll in polls}
     size = nbytes // blocks
-    rates = []
-    for _ in range(repeats + 1):  # the first one opens the connection
-        t0 = time.perf_counter()
-        ret = engine.batch_transfer_sync_write(session, [ptr + i * size for i in range(blocks)],
-                                               [peer_addr + i * size for i in range(blocks)], [size] * blocks)
-        took = time.perf_counter() - t0
-        if ret < 0:
-            raise RuntimeError(f"batch_transfer_sync_write -> {ret}")
-        rates.append(size * blocks / took)
+    rates: Dict[float, List[float]] = {poll: [] for poll in polls}
+    cores: Dict[float, List[float]] = {poll: [] for poll in polls}  # the source process's CPU-s per second of write
+    for round_ in range(repeats + 1):  # the first round opens the connection
+        for poll, write in writes.items():
+            t0, c0 = time.perf_counter(), time.process_time()
+            ret = write(session, [ptr + i * size for i in range(blocks)],
+                        [peer_addr + i * size for i in range(blocks)], [size] * blocks)
+            took, cpu = time.perf_counter() - t0, time.process_time() - c0
+            if ret < 0:
+                raise RuntimeError(f"mooncake write (poll {poll}) -> {ret}")
+            if round_:
+                rates[poll].append(size * blocks / took)
+                cores[poll].append(cpu / took)
     del buf
-    print(json.dumps(rates[1:]), flush=True)
+    print(json.dumps({"rates": {str(p): r for p, r in rates.items()}, "cores": {str(p): c for p, c in cores.items()}}),
+          flush=True)
 
 
 def raw_mooncake(hosts: hosts_mod.TestHosts, src: str, dst: str, nbytes: int, blocks: int = 8,
-                 repeats: int = 3) -> List[float]:
-    """Bytes/s of mooncake's TCP transport alone (no sglang) from host `src` to host `dst`: one batch write of
-    `nbytes` in `blocks` blocks, `repeats` times after a first one."""
+                 repeats: int = 3, polls: Sequence[float] = (0.0,),
+                 cores: Optional[Dict[float, List[float]]] = None) -> Dict[float, List[float]]:
+    """Bytes/s of mooncake's TCP transport alone (no sglang) from host `src` to host `dst`, per wait of `polls` (0:
+    mooncake's synchronous write, > 0: the fork's paced write with that poll): one write of `nbytes` in `blocks`
+    blocks, `repeats` rounds after a first one, the waits taking turns within a round. `cores`, if given, gets the
+    writing process's CPU-s per second of each write, per wait."""
     sink = subprocess.Popen(hosts[dst].exec_argv([fork_python(), "-m", "bench.transfer", "--mc-sink",
                                                   hosts[dst].address, str(nbytes)]),
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT)
@@ -182,14 +203,18 @@ def raw_mooncake(hosts: hosts_mod.TestHosts, src: str, dst: str, nbytes: int, bl
         peer = json.loads(sink.stdout.readline())
         out = subprocess.run(hosts[src].exec_argv([fork_python(), "-m", "bench.transfer", "--mc-source",
                                                    hosts[src].address, peer["session"], str(peer["addr"]),
-                                                   str(nbytes), str(blocks), str(repeats)]),
+                                                   str(nbytes), str(blocks), str(repeats),
+                                                   "--mc-polls", ",".join(map(str, polls))]),
                              timeout=300, cwd=REPO_ROOT, capture_output=True, text=True)
         if out.returncode != 0:
             raise RuntimeError(f"mooncake source failed: {out.stderr[-2000:]}")
     finally:
         sink.stdin.close()
         sink.wait(timeout=60)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    if cores is not None:
+        cores.update({float(poll): c for poll, c in got["cores"].items()})
+    return {float(poll): r for poll, r in got["rates"].items()}
 
 
 # ----------------------------------------------------------------------------- one request
@@ -255,9 +280,11 @@ def _median(rows: List[Dict[str, float]], key: str) -> float:
 
 
 def table(results: Dict[str, Dict[tuple, List[Dict[str, float]]]], limits: Dict[str, float],
-          mooncake: Dict[str, float], links: Sequence[str], pacing: Mapping[str, str]) -> str:
+          mooncake: Dict[str, float], mooncake_paced: Dict[str, float], links: Sequence[str],
+          pacing: Mapping[str, str], write_poll: float) -> str:
     """Markdown: per link and prompt length, each side's median figures; KV bytes/s against the raw TCP limit and
-    against mooncake's TCP transport alone on the same link; `pacing`: who paces each side's idle passes."""
+    against mooncake's TCP transport alone (synchronous write) on the same link; `pacing`: who paces each side's
+    idle passes; the footnote also gives mooncake alone with the fork's paced write (`write_poll`)."""
     lines = ["| link | prompt tokens | KV moved | side | idle passes paced by | TTFT (s) | prefill compute (s) | "
              "transfer (s) | KV MB/s | of raw TCP | of mooncake alone | fork/upstream KV rate |",
              "|---|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|"]
@@ -276,10 +303,29 @@ def table(results: Dict[str, Dict[tuple, List[Dict[str, float]]]], limits: Dict[
                     f"{rates[side] / limits[link]:.0%} | {rates[side] / mooncake[link]:.0%} | {ratio} |")
     lines.append("")
     lines.append("Raw TCP on the same link (one Python socket stream, prefill host to decode host, 4 MiB writes), and "
-                 "mooncake's TCP transport alone (one batch write of 8 blocks, as sglang sends one chunk's KV): "
-                 + "; ".join(f"{link} {limits[link] / 1e6:.0f} MB/s and {mooncake[link] / 1e6:.0f} MB/s"
-                             for link in links) + " (medians).")
+                 "mooncake's TCP transport alone (one write of 8 blocks, as sglang sends one chunk's KV; mooncake's "
+                 f"synchronous batch write, then the fork's paced write, polling every {write_poll * 1e3:g} ms): "
+                 + "; ".join(f"{link} {limits[link] / 1e6:.0f} MB/s, {mooncake[link] / 1e6:.0f} MB/s and "
+                             f"{mooncake_paced[link] / 1e6:.0f} MB/s" for link in links) + " (medians).")
     return "\n".join(lines)
+
+
+def limits_only(nbytes: int, polls: Sequence[float], repeats: int, blocks: int) -> int:
+    """`--limits-only`: raw TCP and mooncake alone per wait on one link between two fresh test hosts, printed."""
+    with hosts_mod.TestHosts(("prefill", "decode")) as hosts:
+        tcp = raw_tcp(hosts, "prefill", "decode", nbytes)
+        cores: Dict[float, List[float]] = {}
+        mc = raw_mooncake(hosts, "prefill", "decode", nbytes, blocks=blocks, repeats=repeats, polls=polls,
+                          cores=cores)
+    limit = statistics.median(tcp)
+    print(f"{nbytes / 2**20:.0f} MiB in {blocks} blocks; raw TCP {[round(r / 1e6) for r in tcp]} MB/s (median "
+          f"{limit / 1e6:.0f})")
+    for poll, rates in mc.items():
+        wait = f"paced, poll {poll * 1e3:g} ms" if poll > 0 else "synchronous write"
+        print(f"mooncake alone, {wait}: median {statistics.median(rates) / 1e6:.0f} MB/s "
+              f"({statistics.median(rates) / limit:.0%} of raw TCP), rounds {[round(r / 1e6) for r in rates]}; "
+              f"writing process {statistics.median(cores[poll]):.2f} cores (median)")
+    return 0
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -288,7 +334,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--repeats", type=int, default=2, help="requests per length and side (default 2)")
     parser.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES[:2]),
                         help="fork (paces its own idle passes), upstream, fork-unpaced (the fork with "
-                             "SGLANG_FORK_PD_IDLE_PACE=0); default fork upstream")
+                             "SGLANG_FORK_PD_IDLE_PACE=0), fork-syncwrite (the fork with mooncake's synchronous "
+                             "write: SGLANG_FORK_KV_WRITE_POLL=0); default fork upstream")
     parser.add_argument("--rate", type=int, default=0, help="also on a link shaped to RATE Mbit/s (tbf)")
     parser.add_argument("--paced", action="store_true",
                         help="upstream loads the release gate's probe plugin: a scheduler waiting on a transfer "
@@ -302,13 +349,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--mc-sink", nargs=2, metavar=("HOST", "BYTES"), help=argparse.SUPPRESS)
     parser.add_argument("--mc-source", nargs=6, metavar=("HOST", "SESSION", "ADDR", "BYTES", "BLOCKS", "REPEATS"),
                         help=argparse.SUPPRESS)
+    parser.add_argument("--mc-polls", default="0", help=argparse.SUPPRESS)
+    parser.add_argument("--limits-only", metavar="POLLS",
+                        help="no servers: only the link's limits, mooncake alone once per wait of POLLS (seconds, "
+                             "comma-separated; 0 its synchronous write), as many bytes as the longest prompt's KV, "
+                             "--repeats rounds (to tune SGLANG_FORK_KV_WRITE_POLL)")
+    parser.add_argument("--blocks", type=int, default=8, help="mooncake alone: blocks per write (default 8)")
     args = parser.parse_args(argv)
     if args.mc_sink:
         mc_sink(args.mc_sink[0], int(args.mc_sink[1]))
         return 0
     if args.mc_source:
         host, session, *nums = args.mc_source
-        mc_source(host, session, *(int(x) for x in nums))
+        mc_source(host, session, *(int(x) for x in nums), polls=[float(x) for x in args.mc_polls.split(",")])
         return 0
     if args.tcp_sink:
         tcp_sink(*args.tcp_sink)
@@ -322,6 +375,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     lengths = [int(x) for x in args.lengths.split(",")]
     t_start = time.monotonic()
+    if args.limits_only:
+        return limits_only(max(lengths) * WIDE_KV_BYTES_PER_TOKEN, [float(x) for x in args.limits_only.split(",")],
+                           args.repeats, args.blocks)
     with work_dir("sglang-bench-transfer-", args.keep_logs) as work:
         model = str(ensure_tiny_model(args.model_dir, wide_kv=True))
         prepared = baseline.prepare(work, fork_python())
@@ -329,10 +385,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         envs = {"fork": baseline.fork_env(prepared, standins=True, probe=False),
                 "fork-unpaced": {**baseline.fork_env(prepared, standins=True, probe=False),
                                  "SGLANG_FORK_PD_IDLE_PACE": "0"},
+                "fork-syncwrite": {**baseline.fork_env(prepared, standins=True, probe=False),
+                                   "SGLANG_FORK_KV_WRITE_POLL": "0"},
                 "upstream": baseline.upstream_env(prepared, probe=args.paced)}
         pace_ms = float(os.environ.get("SGLANG_FORK_PD_IDLE_PACE", "0.001")) * 1e3
+        write_poll = float(os.environ.get("SGLANG_FORK_KV_WRITE_POLL", "0.0005")) or 0.0005  # mooncake alone, paced
         pacing = {"fork": f"the fork itself ({pace_ms:g} ms)" if pace_ms else "nobody (pace 0)",
                   "fork-unpaced": "nobody (pace 0)",
+                  "fork-syncwrite": f"the fork itself ({pace_ms:g} ms), synchronous write" if pace_ms
+                  else "nobody (pace 0), synchronous write",
                   "upstream": f"bench probe ({baseline.PACE_SECONDS * 1e3:g} ms)" if args.paced else "nobody"}
         lb_env = baseline.fork_env(prepared, standins=False, probe=False)
         with hosts_mod.TestHosts(("prefill", "decode", "lb")) as hosts:
@@ -343,10 +404,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             limits: Dict[str, float] = {}
             rates = raw_tcp(hosts, "prefill", "decode", nbytes)
             limits["veth"] = statistics.median(rates)
-            mc = raw_mooncake(hosts, "prefill", "decode", nbytes)
-            mooncake: Dict[str, float] = {"veth": statistics.median(mc)}
+            mc = raw_mooncake(hosts, "prefill", "decode", nbytes, polls=(0.0, write_poll))
+            mooncake: Dict[str, float] = {"veth": statistics.median(mc[0.0])}
+            mooncake_paced: Dict[str, float] = {"veth": statistics.median(mc[write_poll])}
             print(f"raw TCP prefill -> decode: {[round(r / 1e6) for r in rates]} MB/s; mooncake alone "
-                  f"{[round(r / 1e6) for r in mc]} MB/s", flush=True)
+                  f"{[round(r / 1e6) for r in mc[0.0]]} MB/s, paced {[round(r / 1e6) for r in mc[write_poll]]} MB/s",
+                  flush=True)
             clusters = {
                 name: PDCluster(model, hosts=hosts.hosts, prefill_env=envs[name], decode_env=envs[name],
                                 lb_env=lb_env, prefill_args=(*baseline.SHARED_ARGS, *SERVER_ARGS),
@@ -367,10 +430,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         hosts.shape("decode", args.rate * 1_000_000, src="prefill")
                         rates = raw_tcp(hosts, "prefill", "decode", nbytes, repeats=1)
                         limits[link] = statistics.median(rates)
-                        mc = raw_mooncake(hosts, "prefill", "decode", nbytes, repeats=1)
-                        mooncake[link] = statistics.median(mc)
+                        mc = raw_mooncake(hosts, "prefill", "decode", nbytes, repeats=1, polls=(0.0, write_poll))
+                        mooncake[link] = statistics.median(mc[0.0])
+                        mooncake_paced[link] = statistics.median(mc[write_poll])
                         print(f"raw TCP on {link}: {[round(r / 1e6) for r in rates]} MB/s; mooncake alone "
-                              f"{[round(r / 1e6) for r in mc]} MB/s", flush=True)
+                              f"{[round(r / 1e6) for r in mc[0.0]]} MB/s, paced "
+                              f"{[round(r / 1e6) for r in mc[write_poll]]} MB/s", flush=True)
                     try:
                         for n in lengths:
                             for repeat in range(args.repeats):
@@ -390,7 +455,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             finally:
                 for c in clusters.values():
                     c.teardown()
-        text = table(results, limits, mooncake, links, pacing)
+        text = table(results, limits, mooncake, mooncake_paced, links, pacing, write_poll)
         print()
         print(text)
         print(f"\nwall time {time.monotonic() - t_start:.0f}s")

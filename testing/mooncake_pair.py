@@ -327,10 +327,10 @@ class _Worker:
         return {"/".join(k): v for k, v in COUNTS.items()}
 
     def swaps_applied(self) -> dict:
-        """fork_plugin.SWAPS made on this side's kv manager, each still in place."""
+        """fork_plugin.SWAPS made on this side's kv manager and its transfer engine, each still in place."""
         from sglang.srt.managers.fork_core import fork_touch
 
-        return fork_touch.swaps_applied(self.h.kv_manager, self.role)
+        return fork_touch.manager_swaps_applied(self.h.kv_manager, self.role)
 
     def break_transfer_engine_once(self) -> None:
         """The next mooncake batch transfer raises in the transfer worker's thread (as

@@ -471,7 +471,8 @@ def test_hooks_on_one_target_sit_together_in_wrap_order():
         "scheduler_pause:abort_while_paused", "room_ledger:before_abort_request"]
     assert order["disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager"] == [
         "room_ledger:on_manager_init", "chunk_failures:guard_transfer_worker", "chunk_failures:on_prefill_manager_init",
-        "peer_liveness:on_prefill_manager_init", "fork_touch:check_at_start"]
+        "peer_liveness:on_prefill_manager_init", "paced_write:on_prefill_manager_init",
+        "fork_touch:check_at_start"]
     assert order["disaggregation.decode.DecodePreallocQueue._init_kv_manager"] == [
         "room_ledger:on_manager_init", "peer_liveness:on_decode_manager_init", "fork_touch:check_at_start"]
     assert order["disaggregation.prefill.PrefillBootstrapQueue.pop_bootstrapped"] == [

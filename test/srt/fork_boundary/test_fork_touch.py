@@ -25,6 +25,8 @@ SWAPPED = {  # "target <- the hook that makes the swap"
     f"{MOONCAKE}.failed_sessions <- {D}.fork_transfer.chunk_failures:on_prefill_manager_init",
     f"{MOONCAKE}._send_probe <- {D}.fork_transfer.chunk_failures:on_prefill_manager_init",
     f"{MOONCAKE}.transfer_worker <- {D}.fork_transfer.chunk_failures:guard_transfer_worker",
+    "sglang.srt.distributed.device_communicators.mooncake_transfer_engine.MooncakeTransferEngine.batch_transfer_sync"
+    f" <- {D}.fork_transfer.paced_write:on_prefill_manager_init",
 }
 SIZES = dict(kv_tokens=512, req_slots=4, metadata_slots=4, max_context_len=64)
 

@@ -19,6 +19,7 @@ DEFAULTS = {  # the documented defaults (README, docs/): a changed default is a 
     "SGLANG_FORK_SESSION_PROBE_TIMEOUT": 5.0,
     "SGLANG_FORK_GLOO_TIMEOUT": 0.0,
     "SGLANG_FORK_PD_IDLE_PACE": 0.001,
+    "SGLANG_FORK_KV_WRITE_POLL": 0.0005,
 }
 
 

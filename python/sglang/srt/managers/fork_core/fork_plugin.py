@@ -11,7 +11,7 @@ OURS = {name.rpartition(".")[2]: SRT + name for name in (
     "disaggregation.fork_ending.request_end_cause", "disaggregation.fork_ending.room_agreement",
     "disaggregation.fork_peers.peer_liveness",
     "disaggregation.fork_transfer.transfer_deadline", "disaggregation.fork_transfer.chunk_failures",
-    "disaggregation.fork_transfer.idle_pacing",
+    "disaggregation.fork_transfer.idle_pacing", "disaggregation.fork_transfer.paced_write",
     "managers.fork_pause.pd_pause", "managers.fork_pause.scheduler_pause", "managers.fork_pause.queue_buffers",
     "managers.fork_pause.pause_gate", "managers.fork_pause.tokenizer_pause", "managers.fork_pause.resend_wait",
     "managers.fork_core.fork_touch", "managers.fork_report.pd_resource_report",
@@ -77,6 +77,7 @@ HOOKS: list[tuple[str, str, str]] = [_full(target, ref) + (kind,) for target, re
     ("disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager", "chunk_failures:guard_transfer_worker", BEFORE),
     ("disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager", "chunk_failures:on_prefill_manager_init", AFTER),
     ("disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager", "peer_liveness:on_prefill_manager_init", AFTER),
+    ("disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager", "paced_write:on_prefill_manager_init", AFTER),
     ("disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager", "fork_touch:check_at_start", AFTER),
     ("disaggregation.prefill.PrefillBootstrapQueue.add", "chunk_failures:on_prefill_add", AFTER),
     ("disaggregation.prefill.PrefillBootstrapQueue.create_sender", "room_ledger:on_prefill_create_sender", AFTER),
@@ -156,6 +157,9 @@ SWAPS: list[tuple[str, str, str, str]] = [_full(target, ref) + (kind, role) for 
      "chunk_failures:on_prefill_manager_init", "instance", "prefill"),
     ("disaggregation.mooncake.conn.MooncakeKVManager.transfer_worker",
      "chunk_failures:guard_transfer_worker", "class", "prefill"),
+    # a KV write that sleeps between status checks instead of spinning on mooncake's synchronous batch write
+    ("distributed.device_communicators.mooncake_transfer_engine.MooncakeTransferEngine.batch_transfer_sync",
+     "paced_write:on_prefill_manager_init", "instance", "prefill"),
 ]]
 
 

@@ -113,11 +113,16 @@ def swaps_applied(obj: Any, role: Optional[str] = None) -> Dict[str, bool]:
     return out
 
 
+def manager_swaps_applied(mgr: Any, role: Optional[str] = None) -> Dict[str, bool]:
+    """`swaps_applied` of a kv manager and of its transfer engine (paced_write swaps the engine's write)."""
+    return {**swaps_applied(mgr, role), **swaps_applied(getattr(mgr, "engine", None), role)}
+
+
 def check_at_start(mgr: Any, queue: Any, *args: Any, **kwargs: Any) -> None:
     """AFTER each PD queue's `_init_kv_manager` (the last registered): stop the scheduler naming any swap SWAPS
-    declares for this manager that is not in place."""
+    declares for this manager (or its transfer engine) that is not in place."""
     role = "prefill" if type(queue).__name__.startswith("Prefill") else "decode"
-    missing = [t for t, ok in swaps_applied(mgr, role).items() if not ok]
+    missing = [t for t, ok in manager_swaps_applied(mgr, role).items() if not ok]
     if missing:
         raise UpstreamChanged(f"fork swaps declared in fork_plugin.SWAPS were not made on this {role} kv manager "
                               f"({_qualname(type(mgr))}): {', '.join(missing)}")

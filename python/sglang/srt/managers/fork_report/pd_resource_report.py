@@ -65,8 +65,8 @@ def build_report(scheduler) -> Dict[str, Any]:
         "queues": pd_queues.lengths(scheduler),
         "transfer_rooms": None if kv_manager is None else _room_tables(kv_manager),
         "hooks_applied": hooks_applied(),
-        # fork_plugin.SWAPS made on this scheduler's kv manager, each still in place
-        "swaps_applied": fork_touch.swaps_applied(kv_manager, mode.value),
+        # fork_plugin.SWAPS made on this scheduler's kv manager (and its transfer engine), each still in place
+        "swaps_applied": fork_touch.manager_swaps_applied(kv_manager, mode.value),
         "pause": scheduler_pause.report(scheduler),
         # the prefix cache's weight epoch (None before the first weight update)
         "weight_epoch": weight_epoch.report(scheduler),
