@@ -480,10 +480,11 @@ def decode_h():
 
 # The production Rust gateway (sglang-router, its defaults) with self-registered
 # engines, a mini LB over the same engines and a plain control server.
-@pytest.fixture(scope="module", params=topology_params(TP2))
+@pytest.fixture(scope="module", params=topology_params(TP2, TP2_DECODE_TP1))
 def gateway_deployment(deployments, shared_single, request):
     """(PDCluster(balancer="router"), MiniLB over its engines, a SingleServer): TP=1 beside
-    the shared control server; TP=2 on both servers beside its own float32 control."""
+    the shared control server; multi-rank (TP 2 on both servers, or prefill TP 2 with decode TP 1) beside its
+    own float32 control."""
     from testing.pd_cluster import MiniLB
 
     topology = request.param

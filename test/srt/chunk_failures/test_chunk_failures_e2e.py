@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from conftest import FP32, TP2, topology_params
+from conftest import FP32, TP2, TP2_DECODE_TP1, topology_params
 from testing.pd_checks import Leg, assert_idle, cluster_end_causes, leg_body, wait_end_causes
 from testing.pd_cluster import PDCluster, SingleServer, generate, generate_concurrently, metric_sum, prompts, wait_until
 
@@ -57,10 +57,11 @@ FAILED_REQS = "sglang:num_transfer_failed_reqs_total"
 CHUNK_FAILURES = "sglang:num_transfer_chunk_failures_total"
 
 
-@pytest.fixture(scope="module", params=topology_params(TP2))
+@pytest.fixture(scope="module", params=topology_params(TP2, TP2_DECODE_TP1))
 def deployment(deployments, shared_single, request):
-    """(1P1D behind the mini LB, a plain control server): TP=1 beside the shared control; TP=2 on both
-    servers beside its own float32 control. The fault switch fails the write on every prefill rank."""
+    """(1P1D behind the mini LB, a plain control server): TP=1 beside the shared control; multi-rank
+    (TP 2 on both servers, or prefill TP 2 with decode TP 1) beside its own float32 control.
+    The fault switch fails the write on every prefill rank."""
     env = dict(prefill_env={"SGLANG_TEST_DISAGG_FAIL_CHUNKS": FAULTS, **RELEASE_ENV, **PROBE_ENV, **HEARTBEAT_ENV},
                decode_env=RELEASE_ENV)
     if not request.param.multi_rank:

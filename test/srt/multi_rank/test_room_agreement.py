@@ -12,7 +12,7 @@ import pytest
 
 from sglang.srt.disaggregation.fork_ending.room_agreement import Known, agreed
 from sglang.srt.disaggregation.fork_ending.room_ledger import CANCEL_REASON
-from testing.gloo_ranks import run_ranks
+from testing.gloo_ranks import apply_fork_hooks, run_ranks
 
 pytestmark = pytest.mark.pair
 
@@ -20,18 +20,6 @@ WORLD = 2
 KV_FAILED = "Failed to send kv chunk of bootstrap_room 11 to 127.0.0.1:7000"
 LOST = "PD peer lost: decode peer 127.0.0.1:7001 lost (refused)"
 DEADLINE = "PD transfer deadline exceeded: request r13 (bootstrap_room=13) spent 10.1s in stage prefill_bootstrap"
-
-
-def _apply_poll_hooks() -> None:
-    """The fork's hook table entries on upstream's poll functions, applied as the plugin applies them."""
-    from sglang.srt.managers.fork_core import fork_plugin
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    for target, ref, kind in fork_plugin.HOOKS:
-        if target.startswith("sglang.srt.disaggregation.utils.poll_and_all_reduce"):
-            module, fn = ref.split(":")
-            HookRegistry.register(target, getattr(__import__(module, fromlist=[fn]), fn), HookType[kind])
-    HookRegistry.apply_hooks()
 
 
 def _manager():
@@ -92,7 +80,7 @@ def _rank(rank: int, store: str, out) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
     try:
         group = dist.new_group([0, 1], backend="gloo")
-        _apply_poll_hooks()
+        apply_fork_hooks("sglang.srt.disaggregation.utils.poll_and_all_reduce")
         mgr = _manager()
         ledger = room_ledger.ledger_of(mgr)
         S = KVPoll

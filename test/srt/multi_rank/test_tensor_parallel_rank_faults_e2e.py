@@ -3,7 +3,7 @@ still agree. Each case: one answer, with the status and end cause a TP=1 deploym
 its bound; every rank of both servers idle after (the resource report's `other_ranks`); serving continues. No hang:
 a rank stuck in a collective fails after the deployment's short gloo timeout (testing.pd_cluster.TEST_GLOO_TIMEOUT_S).
 
-- a chunk write failed on prefill rank 1 alone: 500 naming the write (TP=1: test_chunk_failures_e2e), counted as a
+- a chunk write failed on prefill rank 1 alone, or on rank 0 (the answering rank) alone: 500 naming the write (TP=1: test_chunk_failures_e2e), counted as a
   transport end on every rank of both servers (rooms ended on one rank reach the others with their reason:
   disaggregation/fork_ending/room_agreement);
 - prefill rank 1's transfer worker stalled: a short stall only delays the answer (200, the same tokens); one past
@@ -35,7 +35,8 @@ MAX_NEW = 12
 DEADLINE_S = 10.0  # prefill's transfer deadline; decode's is far (its stage starts earlier: prefill's decides)
 STALL_S = 3.0  # rank 1's worker reports a write this late: within the deadline
 FREEZE_S = 25.0  # ... and this late: past it
-FAULTS = ("kv@1:rid=tpr-fail-kv-,"
+FAULTS = ("kv@0:rid=tpr-fail-kv-rank0-,"
+          "kv@1:rid=tpr-fail-kv-rank1-,"
           f"kv+delay={STALL_S:g}@1:rid=tpr-stall-,"
           f"kv+delay={FREEZE_S:g}@1:rid=tpr-freeze-")
 # decode holds a failed room's pages until prefill acks a drain or this passes (upstream: 30 s)
@@ -106,7 +107,8 @@ def plain(cluster):
     return {t: r["output_ids"] for t, r in zip(texts, out)}
 
 
-def test_chunk_failure_on_rank_1_alone_answers_as_at_tp1(cluster, plain):
+@pytest.mark.parametrize("rank", [1, 0])
+def test_chunk_failure_on_one_rank_alone_answers_as_at_tp1(cluster, plain, rank):
     baseline = assert_idle(cluster, PD_ROLES)
     for role in PD_ROLES:
         assert len(cluster.resources(role)["other_ranks"]) == 1, role
@@ -115,7 +117,7 @@ def test_chunk_failure_on_rank_1_alone_answers_as_at_tp1(cluster, plain):
     results = {}
 
     def run(i):
-        rid = "tpr-fail-kv-0" if i == 0 else f"tpr-ok-burst-{i}"
+        rid = f"tpr-fail-kv-rank{rank}-0" if i == 0 else f"tpr-ok-burst-{i}"
         results[i] = generate(cluster.url, texts[i], max_new_tokens=MAX_NEW, timeout=CALL_TIMEOUT_S, rid=rid)
 
     threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(texts))]
@@ -124,7 +126,7 @@ def test_chunk_failure_on_rank_1_alone_answers_as_at_tp1(cluster, plain):
     for t in threads:
         t.join(CALL_TIMEOUT_S + 10)
     bad = results[0]
-    # the answering rank names the write that failed on rank 1 (upstream: "unknown reason from another rank")
+    # the answering rank names the write that failed (on rank 1 alone, upstream: "unknown reason from another rank")
     assert bad["status"] == 500 and KV_WRITE_FAILED in str(bad["error"]), bad
     for i in range(1, len(texts)):
         assert results[i]["status"] == 200 and results[i]["output_ids"] == plain[texts[i]], (i, results[i])

@@ -14,7 +14,7 @@ from functools import partial
 
 import pytest
 
-from conftest import TP2, topology_params, topology_pd
+from conftest import TP2, TP2_DECODE_TP1, topology_params, topology_pd
 from testing.pd_checks import abort_gate_until_let_go, assert_idle, at_gate, call, held, on_both, requests_held, waiting_for_peer
 from testing.pd_cluster import (
     PDCluster,
@@ -41,11 +41,11 @@ LONG_PAUSE_S = 2.0
 RELEASE_MESSAGE = "engine memory released during pause"
 
 
-@pytest.fixture(scope="module", params=topology_params(TP2))
+@pytest.fixture(scope="module", params=topology_params(TP2, TP2_DECODE_TP1))
 def cluster(shared_pd, deployments, request) -> PDCluster:
     """TP=1: the shared default 1P1D (conftest.shared_pd) behind the mini LB: taken idle,
-    running and serving, and left so (checked when the module ends). TP=2 on both
-    servers: the module's own, behind the Rust gateway."""
+    running and serving, and left so (checked when the module ends). Multi-rank
+    (TP 2 on both servers, or prefill TP 2 with decode TP 1): the module's own, behind the Rust gateway."""
     if request.param.multi_rank:
         yield from topology_pd(deployments, request.param, balancer="router")
     else:

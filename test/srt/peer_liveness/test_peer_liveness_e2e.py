@@ -20,7 +20,8 @@ import time
 import psutil
 import pytest
 
-from conftest import LIVENESS_ARGS, LIVENESS_ENV, TP2, resume_frozen, shared_env, topology_params, topology_pd
+from conftest import (LIVENESS_ARGS, LIVENESS_ENV, TP2, TP2_DECODE_TP1, resume_frozen, shared_env, topology_params,
+                      topology_pd)
 from testing.pd_checks import (
     assert_idle,
     assert_serves,
@@ -56,10 +57,10 @@ RECOVERIES = "sglang:num_pd_peer_recoveries_total"
 PD_ROLES = ("prefill", "decode")
 
 
-@pytest.fixture(scope="module", params=topology_params(TP2))
+@pytest.fixture(scope="module", params=topology_params(TP2, TP2_DECODE_TP1))
 def cluster(shared_liveness, deployments, request):
-    """TP=1: the shared peer-liveness 1P1D (conftest), running with ENV; TP=2 on both servers: the module's
-    own with the same env and args. The mini LB in front."""
+    """TP=1: the shared peer-liveness 1P1D (conftest), running with ENV; multi-rank (TP 2 on both servers, or
+    prefill TP 2 with decode TP 1): the module's own with the same env and args. The mini LB in front."""
     if request.param.multi_rank:
         yield from topology_pd(deployments, request.param, prefill_env=LIVENESS_ENV, decode_env=LIVENESS_ENV,
                                prefill_args=LIVENESS_ARGS, decode_args=LIVENESS_ARGS)
@@ -234,8 +235,8 @@ def test_decode_rank_lost_by_one_prefill_rank_alone(cluster, control):
     peer: every prefill leg is answered as when the whole decode dies (502 naming the lost decode rank, or 500 naming
     the write that failed to it), each counted once by the cause its answer names, one loss counted (rank 1's).
     Then decode is taken down and restarted: nothing held on any prefill rank, and serving goes on."""
-    if not cluster.multi_rank:
-        pytest.skip("one rank per server: no rank to lose alone")
+    if cluster.tp["decode"] < 2:
+        pytest.skip("one decode rank: no rank to lose alone")
     prefill, decode = cluster["prefill"], cluster["decode"]
     baseline, peers_before, losses, recoveries, causes = _before_the_fault(cluster, "prefill")
 

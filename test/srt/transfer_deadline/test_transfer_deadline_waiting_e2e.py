@@ -22,7 +22,7 @@ import time
 
 import pytest
 
-from conftest import TP2, topology_params, topology_pd
+from conftest import TP2, TP2_DECODE_TP1, topology_params, topology_pd
 from testing.pd_checks import Leg, assert_idle, assert_serves, call, cluster_end_causes, leg_body, wait_end_causes
 from testing.pd_cluster import metric_sum, wait_until
 
@@ -37,9 +37,9 @@ OCCUPIER_TOKENS = 4000
 PD_ROLES = ("prefill", "decode")
 
 
-@pytest.fixture(scope="module", params=topology_params(TP2))
+@pytest.fixture(scope="module", params=topology_params(TP2, TP2_DECODE_TP1))
 def cluster(deployments, request):
-    """TP=1, and TP=2 on both servers (the module plays the load balancer)."""
+    """TP=1, TP 2 on both servers, and prefill TP 2 with decode TP 1 (the module plays the load balancer)."""
     yield from topology_pd(
         deployments, request.param,
         prefill_env={"SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT": str(DEADLINE),
