@@ -204,6 +204,14 @@ class _Worker:
         status = self.h.kv_manager.request_status.get(room)
         return None if status is None else _kv_poll_name(status)
 
+    def told(self, room: int) -> Optional[str]:
+        """The name of the cause the room's ender told this side (verdict.Cause, the request's record `told`, which
+        the verdict read before any text), or None: none came with the room's failure."""
+        from sglang.srt.disaggregation.fork_ending import verdict
+
+        told = verdict.peek(self.reqs[room]).told
+        return None if told is None else told.cause.name
+
     def final_reason(self, room: int) -> Optional[dict]:
         """The finished_reason the client got (None while unfinished)."""
         final = self.h.outputs.final(self.reqs[room].rid)

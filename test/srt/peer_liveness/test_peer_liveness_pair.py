@@ -256,6 +256,7 @@ def test_decode_lost_while_frozen_is_served_again_once_it_runs(frozen_pair):
     for room in rooms:
         assert pair.decode.call("status", room) == 502, pair.decode.call("final_reason", room)
         assert f"PD peer lost: decode peer {peer} lost" in pair.decode.call("reason", room)
+        assert pair.decode.call("told", room) == "LOST_PEER"  # a field, not read from the text
     # served again, without a restart, and neither side keeps anything of the loss
     _serve_new_requests(pair)
     deadline = time.monotonic() + 20

@@ -69,9 +69,10 @@ def test_silent_partition_of_one_prefill_the_other_carries_the_load(cluster, pd_
         during = [r for r in loop.results if r["t"] >= t_cut]
         t_heal = time.monotonic()
         pd_hosts.heal()
-        # prefill2's KV writes in flight at the cut can hold mooncake's connection to decode past the heal, up to
-        # about the cut's length (TCP retransmits on a timer that doubled while cut; docs/peer-liveness.md): its
-        # probes wait for it. Decode, which writes nothing to prefill2, has no such wait.
+        # a KV write prefill2 had in flight at the cut makes mooncake reconnect to decode during the cut; every
+        # transfer to decode (its probe's read too) waits for that connect's next SYN, up to about the cut's length
+        # after the heal (the SYN timer doubles while cut; docs/peer-liveness.md). Decode, which writes nothing to
+        # prefill2, has no such wait.
         cut_seconds = t_heal - t_cut
         bounds = {"decode": RECOVER_BOUND, "prefill2": RECOVER_BOUND + cut_seconds}
         recovered = wait_counter_rises(cluster, ("prefill2", "decode"), RECOVERIES, recoveries, t_heal,

@@ -78,6 +78,8 @@ def test_late_handshake_after_prefill_deadline_is_refused(pair):
     assert took < DEADLINE - 0.5, took  # told by prefill, not by its own deadline
     assert pair.decode.call("status", room) == 504
     assert "prefill_bootstrap" in pair.decode.call("reason", room)
+    # the cause came as a field with prefill's answer (its deadline, remembered with the room), not read from the text
+    assert pair.decode.call("told", room) == "PEER_DEADLINE"
     pair.run_until(lambda: _idle(pair), timeout=30)
     # upstream: request_status/transfer_infos re-created on prefill and never cleared
     assert pair.prefill.call("room_entries", room) == []

@@ -53,6 +53,7 @@ def loss_message(role_lost: str, peer: str, why: str) -> str:
 
 
 abort_status = verdict.lost_peer_status  # the verdict's 502 (row LOST_PEER)
+LOST = verdict.Told(verdict.Cause.LOST_PEER)  # the cause told with every room this module ends (a field, not TAG)
 
 
 def heartbeat_settings() -> Tuple[float, int]:
@@ -233,7 +234,7 @@ class PeerMonitor:
             # remembered: a held-out decode's queued handshake for it, delivered once the link is back, is
             # answered Failed instead of opening the room again (nothing would close it)
             room_ledger.end_room(mgr, room, request_end_cause.PEER_FAILURE, reason, peer=peer, targets=targets,
-                                 remember=keep)
+                                 remember=keep, told=LOST)
         with self.lock:
             self.lost.setdefault(host, []).append(peer)
         if not keep:
@@ -571,4 +572,4 @@ def before_pop_bootstrapped(queue, *args, **kwargs):
         logger.warning(text)
         # remembered: the handshake a silent decode queued for it may still arrive once the link is back
         room_ledger.end_room(kv_mgr, req.bootstrap_room, request_end_cause.PEER_FAILURE, text, peer=lost[0],
-                             remember=True)
+                             remember=True, told=LOST)

@@ -27,6 +27,9 @@ logger = logging.getLogger(__name__)
 
 # Per request (verdict.ReqState): `stage` (stage, entered_at on engine_clock), `deadline` (its message).
 TAG = verdict.DEADLINE_TAG  # opens every deadline message, the room's failure reason at the peer too
+# What prefill tells decode with a room its deadline ended (a field: decode answers 504 without reading TAG); decode's
+# own deadline reaches prefill as its receiver's ABORT, whose frames carry the cause prefill answers (the peer's abort).
+TOLD = verdict.Told(verdict.Cause.PEER_DEADLINE)
 # A queue is scanned at most every deadline/SCAN_DIVISOR s (capped): why in docs/transfer-deadline.md ("Cost").
 SCAN_DIVISOR = 50
 MAX_SCAN_INTERVAL = 1.0
@@ -61,7 +64,8 @@ def _expire(scheduler, stage: str, queue: Sequence[Any], side: str, keep=None) -
         logger.warning(text)
         if room_ledger.has_room_tables(fork_touch.upstream(endpoint, "kv_mgr")):  # the peer told; prefill: a late handshake fails too
             room_ledger.end_room(endpoint.kv_mgr, req.bootstrap_room, request_end_cause.TIMEOUT, text,
-                                 remember=side == "prefill", receiver=endpoint if side == "decode" else None)
+                                 remember=side == "prefill", receiver=endpoint if side == "decode" else None,
+                                 told=TOLD if side == "prefill" else None)
             if fork_touch.upstream(endpoint, "conclude_state") == KVPoll.Success:
                 # this rank's part is done, another rank's is not (or decode's metadata has not landed): the poll
                 # returns the endpoint's cached Success, so fail it here (its record stays the deadline's)
