@@ -278,7 +278,7 @@ def _skewed_cycles(cluster, control, mode, first, cycles):
             # or KV while the other copies wait at `second`'s pause gate; `second`
             # aborts those (abort_all: a client or gateway giving up): `first` must
             # hear of it at once, whatever the pause order
-            ended_at_gate = _end_at_gate(cluster, first, second, after, cycle)
+            ended_at_gate = _end_at_gate(cluster, first, second, (late, after), cycle)
             gate_ends.append(ended_at_gate)
         else:
             _poll(lambda: requests_held(cluster) > 0, 2.0)
@@ -299,13 +299,16 @@ def _skewed_cycles(cluster, control, mode, first, cycles):
 GATE_END_TOLD_S = 1.5  # the issue's "within a second" of the end, with a margin for 2 loaded cores
 
 
-def _end_at_gate(cluster, first, second, burst, cycle) -> int:
-    """`burst` was sent while `first` runs and `second` is paused: wait until each of
-    its copies on `first` waits for `second` (the others are at `second`'s gate), abort
-    everything on `second`, and assert `first` let go of those copies within
-    GATE_END_TOLD_S. Returns how many copies were waiting."""
+def _end_at_gate(cluster, first, second, bursts, cycle) -> int:
+    """`bursts` (the one that met the first pause and the one sent while `first` runs and
+    `second` is paused): wait until each of their open requests has its copy on `first`
+    waiting for `second` and its other copy at `second`'s gate, abort everything on
+    `second`, and assert `first` let go of those copies within GATE_END_TOLD_S. Returns
+    how many copies were waiting. Both bursts count: the earlier one's copies held at the
+    gate must not stand in for the later one's still on their way to it (an abort that
+    missed them leaves their copies on `first` waiting until `second` continues)."""
     def all_waiting():
-        open_now = sum(1 for e in burst.ended if e is None)
+        open_now = sum(1 for burst in bursts for e in burst.ended if e is None)
         waiting = waiting_for_peer(cluster[first])
         # and `second`'s tokenizer holds their other copies (the balancer may still be
         # sending them): the abort must meet every one of them at the gate
