@@ -363,11 +363,11 @@ _concluding = _Concluding()
 
 
 class concluding:
-    """Around upstream's `conclude_transfer` of `room` (prefill; peer_liveness' hook, for a write to a session it
-    blacklisted): the Failed status it sends carries the cause kept with the failure record it sends (`tell_cause`,
-    from `around_update_status`: upstream marks the room Failed only once it has decided to send, so a cleared room,
-    which it returns from unconcluded, is told nothing and no told cause waits on decode for a status that never
-    comes)."""
+    """Around upstream's `conclude_transfer` of `room` (prefill's transfer worker; peer_liveness' hook, for a write
+    to a session upstream blacklisted): the Failed status it sends carries the cause kept with the record it sends
+    (`tell_cause`, from `around_update_status`: upstream marks the room Failed only once it has decided to send, so a
+    cleared room, which it returns from unconcluded, is told nothing and no told cause waits on decode for a status
+    that never comes)."""
 
     def __init__(self, room: int, targets: Optional[list]):
         self.room, self.targets = room, targets
