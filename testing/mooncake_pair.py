@@ -249,6 +249,16 @@ class _Worker:
             mgr.session_failures[session_id] += 1
             mgr.failed_sessions.add(session_id)
 
+    def blacklist_session(self, session_id: str, out: bool = True) -> None:
+        """Prefill: put a session straight into the blacklist (`out`), as a failed write whose probe got no answer
+        would (the peer monitor's way in, no probe), or take it out as upstream's probe loop does once it answers."""
+        mgr = self.h.kv_manager
+        with mgr.session_lock:
+            if out:
+                set.add(mgr.failed_sessions, session_id)
+            else:
+                mgr._unblacklist_session(session_id)
+
     def transferred(self, room: int) -> bool:
         return self.reqs[room] in self.h.waiting
 

@@ -22,13 +22,14 @@ LOST = "PD peer lost: decode peer 127.0.0.1:7001 lost (refused)"
 DEADLINE = "PD transfer deadline exceeded: request r13 (bootstrap_room=13) spent 10.1s in stage prefill_bootstrap"
 
 
-def _manager():
-    """A prefill kv manager's room tables and upstream's own methods over them (no transfer engine)."""
+def _manager(*bases):
+    """A prefill kv manager's room tables and upstream's own methods over them (no transfer engine); `bases`: the
+    upstream class it passes for (its __init__ not run)."""
     from sglang.srt.disaggregation.common.conn import CommonKVManager
     from sglang.srt.disaggregation.fork_ending.room_ledger import ATTR, RoomLedger
     from sglang.srt.disaggregation.utils import DisaggregationMode
 
-    class Manager:
+    class Manager(*bases):
         record_failure = CommonKVManager.record_failure
         update_status = CommonKVManager.update_status
         disaggregation_mode = DisaggregationMode.PREFILL
@@ -41,18 +42,21 @@ def _manager():
             self.deferred_bootstrap = None
             self.told = []  # Failed statuses sent to decode: (room, reason)
             self.causes = []  # the ledger's PEER_CAUSE messages sent to decode (frames)
+            self.wire = []  # both, in the order sent: ("cause", room, cause name) / ("status", room, reason)
 
         def _room_notify_targets(self, room):
             return [("127.0.0.1", 7000)]
 
         def send_kv_status_message(self, targets, bootstrap_room, status, failure_reason=None):
             self.told.append((bootstrap_room, failure_reason))
+            self.wire.append(("status", bootstrap_room, failure_reason))
 
         def _prefill_unique_rank(self):
             return 0
 
         def _send_multipart_locked(self, endpoint, frames, is_ipv6=False):  # the ledger's cause message, before
             self.causes.append(frames)
+            self.wire.append(("cause", int(frames[1]), frames[3].decode()))
 
     mgr = Manager()
     mgr.__dict__[ATTR] = RoomLedger(mgr)
@@ -189,3 +193,71 @@ def test_the_cause_told_with_a_reason_is_agreed_with_it():
     assert (one.reason, one.told) == (echo, paused)  # rank 0's reason, with its cause
     one = agreed([None, Known(None, None, DEADLINE, None, Told(Cause.PEER_DEADLINE))])
     assert (one.late, one.late_told) == (DEADLINE, Told(Cause.PEER_DEADLINE))
+
+
+SESSION = "127.0.0.1:16000"  # rank 0's decode session, blacklisted (a failed write whose probe got no answer)
+DEAD = f"Decode instance could be dead, remote mooncake session {SESSION} is not alive"  # upstream's reason
+REWORDED = (f"PD peer lost: decode peer 127.0.0.1:7000 lost (a KV write failed and its transfer session {SESSION} "
+            "does not answer a probe)")
+
+
+def _rank_blacklisted(rank: int, store: str, out) -> None:
+    import types
+
+    import torch.distributed as dist
+
+    from sglang.srt.disaggregation import utils
+    from sglang.srt.disaggregation.base import KVPoll as S
+    from sglang.srt.disaggregation.fork_ending import room_ledger
+    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
+    try:
+        group = dist.new_group([0, 1], backend="gloo")
+        for target in ("sglang.srt.disaggregation.utils.poll_and_all_reduce",
+                       "sglang.srt.disaggregation.common.conn.CommonKVManager.conclude_transfer",
+                       "sglang.srt.disaggregation.common.conn.CommonKVManager.record_failure",
+                       "sglang.srt.disaggregation.common.conn.CommonKVManager.update_status"):
+            apply_fork_hooks(target)
+        mgr = _manager(MooncakeKVManager)
+        mgr.failed_sessions = {SESSION} if rank == 0 else set()
+        ledger = room_ledger.ledger_of(mgr)
+        # room 21: rank 0's transfer worker meets the blacklisted session; rank 1 still transferring
+        # room 22: rank 0's sender cleared meanwhile (upstream's clear pops request_status first): nothing concluded
+        # room 23: rank 0 had recorded a failed write first: upstream sends that record, with the cause it came with
+        info = types.SimpleNamespace(endpoint="127.0.0.1", dst_port=7000)
+        mgr.request_status.update({21: S.Transferring, 23: S.Transferring})
+        mgr.transfer_infos.update({21: {SESSION: info}, 23: {SESSION: info}})
+        if rank == 0:
+            mgr.transfer_infos[22] = {SESSION: info}
+            mgr.failure_records[23] = KV_FAILED
+            for room in (21, 22, 23):
+                mgr.conclude_failure(bootstrap_room=room, failure_reason=DEAD)
+        seen = {"concluded": list(mgr.wire)}
+        mgr.wire.clear()
+        utils.poll_and_all_reduce([Poller(mgr, r) for r in (21, 23)], group)
+        told = {r: ledger.told_with(r) for r in (21, 22, 23)}
+        seen.update(at_poll=list(mgr.wire), records={r: mgr.failure_records.get(r) for r in (21, 22, 23)},
+                    told={r: t and t.cause.name for r, t in told.items()})
+        out.put((rank, seen))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_write_to_a_blacklisted_session_tells_every_decode_its_peer_lost():
+    """peer_liveness rewords upstream's reason for a write to a blacklisted session to name the lost decode: the
+    rank that concluded tells LOST_PEER as a field right before its Failed status, keeps it with its record, and the
+    rank that learns the failure from it tells its own decode peers the same; a room cleared before its conclusion
+    is told nothing (no cause left waiting for a status that never comes); a room whose first record was another
+    failure is sent that record without the loss's cause."""
+    results = run_ranks(_rank_blacklisted, WORLD, timeout=180)
+    assert results[0]["concluded"] == [("cause", 21, "LOST_PEER"), ("status", 21, REWORDED),
+                                       ("status", 23, KV_FAILED)], results[0]
+    assert results[0]["at_poll"] == [], results[0]
+    assert results[1]["concluded"] == [], results[1]
+    # rank 1 learned both failures at the poll: it tells its decode peers what rank 0 told its own
+    assert results[1]["at_poll"] == [("cause", 21, "LOST_PEER"), ("status", 21, REWORDED),
+                                     ("status", 23, KV_FAILED)], results[1]
+    for rank in range(WORLD):
+        assert results[rank]["records"] == {21: REWORDED, 22: None, 23: KV_FAILED}, (rank, results[rank])
+        assert results[rank]["told"] == {21: "LOST_PEER", 22: None, 23: None}, (rank, results[rank])

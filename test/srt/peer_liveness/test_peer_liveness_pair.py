@@ -43,6 +43,14 @@ FROZEN_ENV = {**ENV, "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT":
 frozen_pair = pair_fixture(scope="function", prefill_env=FROZEN_ENV, decode_env=FROZEN_ENV, **SIZES)
 
 
+# a session blacklisted while its decode answers: neither the monitor (it declares a session lost once it sees it
+# blacklisted at two ticks: a whole interval) nor upstream's probe loop (off) acts within the test
+QUIET_HEARTBEAT = 60.0
+BLACKLIST_ENV = {**FROZEN_ENV, "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": str(QUIET_HEARTBEAT),
+                 "SGLANG_ENABLE_FAILED_SESSION_PROBE": "false"}
+blacklist_pair = pair_fixture(scope="function", prefill_env=BLACKLIST_ENV, decode_env=BLACKLIST_ENV, **SIZES)
+
+
 def _decode_handshakes(pair, n: int) -> list:
     """n requests added on decode only: decode preallocates and hands prefill its pages
     (prefill's rooms are bound to this decode), then waits for the KV."""
@@ -269,4 +277,58 @@ def test_decode_lost_while_frozen_is_served_again_once_it_runs(frozen_pair):
     _wait_equal(lambda: stable_peer_tables(pair.prefill.call("peers")), stable_peer_tables(peers), HEARTBEAT + 5)
     assert pair.decode.call("session_id") == session  # the same process and session
     assert pair_new_causes(pair.decode, d_causes) == {"decode/peer_failure/decode_transfer": N}
+    assert pair_new_causes(pair.prefill, p_causes) == ended  # the served requests ended nothing
+
+
+def test_write_to_blacklisted_session_tells_decode_its_peer_lost(blacklist_pair):
+    """A chunk bound to a decode session upstream has blacklisted (a failed write whose probe got no answer) fails
+    its room with upstream's dead-session reason, which prefill rewords to name the lost peer; decode is told the
+    cause as a field (LOST_PEER, not read from the text) and answers the same 502 as prefill. Both sides count a
+    peer failure, hold nothing afterwards, and serve once the session is back."""
+    pair = blacklist_pair
+    _serve_new_requests(pair)
+    p_idle, d_idle = pair.prefill.call("snapshot"), pair.decode.call("snapshot")
+    p_causes, d_causes = pair.prefill.call("end_causes"), pair.decode.call("end_causes")
+    session = pair.decode.call("session_id")
+    rooms = _decode_handshakes(pair, N)
+
+    pair.prefill.call("blacklist_session", session)
+    t0 = time.monotonic()
+    try:
+        for room in rooms:
+            pair.prefill.call("add", room, 12, None)
+        # the transfer worker meets the blacklisted session at the room's first chunk (a few ticks; a loaded box)
+        assert _tick_until_all_ended(pair.prefill, rooms, 20) <= 20
+        reasons = {room: pair.prefill.call("reason", room) for room in rooms}
+        peer = reasons[rooms[0]].split("decode peer ")[1].split(" ")[0]
+        lost = (f"PD peer lost: decode peer {peer} lost (a KV write failed and its transfer session {session} does "
+                "not answer a probe)")
+        for room in rooms:
+            assert pair.prefill.call("status", room) == 502, reasons[room]
+            assert lost in reasons[room], reasons[room]
+        # decode: the status prefill sent after the cause; the same answer, the cause read from the field
+        _tick_until_all_ended(pair.decode, rooms, 20)
+        for room in rooms:
+            assert pair.decode.call("status", room) == 502, pair.decode.call("final_reason", room)
+            assert lost in pair.decode.call("reason", room), pair.decode.call("reason", room)
+        assert [pair.decode.call("told", room) for room in rooms] == ["LOST_PEER"] * N  # a field, not the text
+        assert [pair.prefill.call("told", room) for room in rooms] == ["LOST_PEER"] * N  # kept with the record
+        # the write path ended them, not the monitor (no loss declared)
+        assert pair.prefill.call("peer_counts") == {} and time.monotonic() - t0 < QUIET_HEARTBEAT
+    finally:
+        pair.prefill.call("blacklist_session", session, False)
+
+    ended = pair_new_causes(pair.prefill, p_causes)
+    assert {k.rsplit("/", 1)[0] for k in ended} == {"prefill/peer_failure"}, ended
+    assert all(k.rsplit("/", 1)[1] in STAGES for k in ended) and sum(ended.values()) == N, ended
+    assert pair_new_causes(pair.decode, d_causes) == {"decode/peer_failure/decode_transfer": N}
+    # nothing held on either side (decode's pages: prefill's drain ack or the 3 s deferred release)
+    deadline = time.monotonic() + 30
+    while (pair.prefill.call("snapshot"), pair.decode.call("snapshot")) != (p_idle, d_idle):
+        assert time.monotonic() < deadline, (pair.prefill.call("snapshot"), pair.decode.call("snapshot"))
+        pair.decode.call("tick")
+        pair.prefill.call("tick")
+    for room in rooms:
+        assert _room_entries(pair.decode, room) == [] and _room_entries(pair.prefill, room) == []
+    _serve_new_requests(pair)
     assert pair_new_causes(pair.prefill, p_causes) == ended  # the served requests ended nothing

@@ -191,10 +191,13 @@ class RoomLedger:
         return kept[0]
 
     def told_with(self, room: int) -> Optional[Told]:
-        """The cause kept with `room`'s failure record now (room_agreement shares it), or None."""
+        """The cause kept with `room`'s failure record now (room_agreement shares it; a Failed status prefill's
+        `conclude_transfer` sends carries it), or None: none, or one kept with a record popped or replaced since."""
         with upstream(self.mgr, "failure_lock"):
             kept = self.told.get(room)
-        return None if kept is None else kept[0]
+            if kept is None or upstream(self.mgr, "failure_records").get(room) != kept[1]:
+                return None
+        return kept[0]
 
     def announce(self, room: int, rank: int, told: Optional[Told]) -> None:
         """Decode, bootstrap thread: prefill rank `rank` announced `told` for its next Failed status of `room`."""
@@ -350,6 +353,33 @@ class _attaching:
         _attach.told = self.outer
 
 
+class _Concluding(threading.local):
+    room: Optional[int] = None
+    targets: Optional[list] = None
+
+
+# The room upstream's `conclude_transfer` may fail on this thread (prefill's transfer worker), and its targets.
+_concluding = _Concluding()
+
+
+class concluding:
+    """Around upstream's `conclude_transfer` of `room` (prefill's transfer worker; peer_liveness' hook, for a write
+    to a session upstream blacklisted): the Failed status it sends carries the cause kept with the record it sends
+    (`tell_cause`, from `around_update_status`: upstream marks the room Failed only once it has decided to send, so a
+    cleared room, which it returns from unconcluded, is told nothing and no told cause waits on decode for a status
+    that never comes)."""
+
+    def __init__(self, room: int, targets: Optional[list]):
+        self.room, self.targets = room, targets
+
+    def __enter__(self):
+        self.outer = (_concluding.room, _concluding.targets)
+        _concluding.room, _concluding.targets = self.room, self.targets
+
+    def __exit__(self, *exc):
+        _concluding.room, _concluding.targets = self.outer
+
+
 def ledger_of(mgr: Any) -> Optional[RoomLedger]:
     return getattr(mgr, "__dict__", {}).get(ATTR)
 
@@ -467,8 +497,15 @@ def on_sender_clear(result: Any, sender: Any, *args: Any, **kwargs: Any) -> None
 
 
 def around_update_status(original, mgr, bootstrap_room, status, *args, **kwargs):
-    """AROUND CommonKVManager.update_status: a late handshake for an ended room is answered Failed."""
+    """AROUND CommonKVManager.update_status: a late handshake for an ended room is answered Failed; a room a
+    `concluding` conclusion fails has the cause kept with its record told first (its Failed status follows)."""
     ledger, current = ledger_of(mgr), mgr.request_status.get(bootstrap_room)
+    if status == KVPoll.Failed and ledger is not None and _concluding.room == bootstrap_room:
+        told, targets = ledger.told_with(bootstrap_room), _concluding.targets
+        _concluding.room = None  # once
+        if told is not None:
+            ledger.tell_cause(mgr._room_notify_targets(bootstrap_room) if targets is None else targets,
+                              bootstrap_room, told)
     late = status == KVPoll.WaitingForInput and ledger is not None and ledger.ended and current in (None, KVPoll.Failed)
     answer = ledger.late(bootstrap_room, pop=current is None) if late else None
     if answer is None:

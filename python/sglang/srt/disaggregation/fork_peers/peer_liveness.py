@@ -504,6 +504,16 @@ def around_conclude_transfer(original, mgr, *args, bootstrap_room=None, status=N
                 request_end_cause.tag(mgr, bootstrap_room, request_end_cause.PEER_FAILURE, peer)
                 failure_reason = loss_message("decode", peer, f"a KV write failed and its transfer session {session} "
                                               "does not answer a probe")
+                # recorded here with its cause (LOST), for upstream's conclusion to mark and send and room_agreement
+                # to share; upstream keeps a room's first record, so only when it has none (an existing one is sent
+                # with the cause it came with)
+                with mgr.failure_lock:
+                    first = bootstrap_room not in mgr.failure_records
+                if first:
+                    room_ledger.end_room(mgr, bootstrap_room, None, failure_reason, tell=False, mark=False, told=LOST)
+                with room_ledger.concluding(bootstrap_room, kwargs.get("targets")):  # told only if a status is sent
+                    return original(mgr, *args, bootstrap_room=bootstrap_room, status=status,
+                                    failure_reason=failure_reason, **kwargs)
     return original(mgr, *args, bootstrap_room=bootstrap_room, status=status, failure_reason=failure_reason, **kwargs)
 
 
