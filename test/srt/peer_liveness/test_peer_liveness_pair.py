@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from testing.pd_checks import assert_pair_serves, pair_fixture, pair_new_causes, stable_peer_tables
+from testing.pd_checks import assert_pair_serves, pair_fixture, pair_new_causes, pair_snapshots, stable_peer_tables
 
 pytestmark = pytest.mark.pair
 
@@ -267,11 +267,7 @@ def test_decode_lost_while_frozen_is_served_again_once_it_runs(frozen_pair):
         assert pair.decode.call("told", room) == "LOST_PEER"  # a field, not read from the text
     # served again, without a restart, and neither side keeps anything of the loss
     _serve_new_requests(pair)
-    deadline = time.monotonic() + 20
-    while (pair.prefill.call("snapshot"), pair.decode.call("snapshot")) != (p_idle, d_idle):
-        assert time.monotonic() < deadline, (pair.prefill.call("snapshot"), pair.decode.call("snapshot"))
-        pair.decode.call("tick")
-        pair.prefill.call("tick")
+    pair.run_until(lambda: pair_snapshots(pair) == (p_idle, d_idle), timeout=20)
     for room in rooms:
         assert _room_entries(pair.decode, room) == [] and _room_entries(pair.prefill, room) == []
     _wait_equal(lambda: stable_peer_tables(pair.prefill.call("peers")), stable_peer_tables(peers), HEARTBEAT + 5)
@@ -323,11 +319,7 @@ def test_write_to_blacklisted_session_tells_decode_its_peer_lost(blacklist_pair)
     assert all(k.rsplit("/", 1)[1] in STAGES for k in ended) and sum(ended.values()) == N, ended
     assert pair_new_causes(pair.decode, d_causes) == {"decode/peer_failure/decode_transfer": N}
     # nothing held on either side (decode's pages: prefill's drain ack or the 3 s deferred release)
-    deadline = time.monotonic() + 30
-    while (pair.prefill.call("snapshot"), pair.decode.call("snapshot")) != (p_idle, d_idle):
-        assert time.monotonic() < deadline, (pair.prefill.call("snapshot"), pair.decode.call("snapshot"))
-        pair.decode.call("tick")
-        pair.prefill.call("tick")
+    pair.run_until(lambda: pair_snapshots(pair) == (p_idle, d_idle), timeout=30)
     for room in rooms:
         assert _room_entries(pair.decode, room) == [] and _room_entries(pair.prefill, room) == []
     _serve_new_requests(pair)
