@@ -5,6 +5,7 @@ answers every PD request's failure end by the verdict's table (`verdict`). Any t
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import threading
@@ -334,6 +335,19 @@ def told_for_req(req: Any, message: str) -> Optional[Told]:
     return None
 
 
+@contextlib.contextmanager
+def _scoped(local: threading.local, **values: Any):
+    """`values` set on this thread's `local` for the `with` block, the outer ones put back after."""
+    outer = {name: getattr(local, name) for name in values}
+    for name, value in values.items():
+        setattr(local, name, value)
+    try:
+        yield
+    finally:
+        for name, value in outer.items():
+            setattr(local, name, value)
+
+
 class _Attaching(threading.local):
     told: Optional[Told] = None
 
@@ -342,15 +356,8 @@ class _Attaching(threading.local):
 _attach = _Attaching()
 
 
-class _attaching:
-    def __init__(self, told: Optional[Told]):
-        self.told = told
-
-    def __enter__(self):
-        self.outer, _attach.told = _attach.told, self.told
-
-    def __exit__(self, *exc):
-        _attach.told = self.outer
+def _attaching(told: Optional[Told]):
+    return _scoped(_attach, told=told)
 
 
 class _Concluding(threading.local):
@@ -362,22 +369,13 @@ class _Concluding(threading.local):
 _concluding = _Concluding()
 
 
-class concluding:
+def concluding(room: int, targets: Optional[list]):
     """Around upstream's `conclude_transfer` of `room` (prefill's transfer worker; peer_liveness' hook, for a write
     to a session upstream blacklisted): the Failed status it sends carries the cause kept with the record it sends
     (`tell_cause`, from `around_update_status`: upstream marks the room Failed only once it has decided to send, so a
     cleared room, which it returns from unconcluded, is told nothing and no told cause waits on decode for a status
     that never comes)."""
-
-    def __init__(self, room: int, targets: Optional[list]):
-        self.room, self.targets = room, targets
-
-    def __enter__(self):
-        self.outer = (_concluding.room, _concluding.targets)
-        _concluding.room, _concluding.targets = self.room, self.targets
-
-    def __exit__(self, *exc):
-        _concluding.room, _concluding.targets = self.outer
+    return _scoped(_concluding, room=room, targets=targets)
 
 
 def ledger_of(mgr: Any) -> Optional[RoomLedger]:
