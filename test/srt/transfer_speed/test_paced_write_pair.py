@@ -8,7 +8,9 @@ upstream `MooncakeTransferEngine` whose `batch_transfer_sync` is swapped as the 
 - a write to a frozen peer ends -1 on mooncake's own wall-clock bound, as upstream's does, while the waiting thread
   uses a small fraction of one core (upstream's spins the whole time); the blocks it left running are freed later;
 - a knob of 0 takes upstream's write; through sglang's real send path (a MooncakePair) the swap is in place and the KV
-  lands byte-identical.
+  lands byte-identical;
+- through the same path, the transfer worker that concluded a room sets the wake prefill's idle pacer waits on
+  (idle_pacing), once per room, so the scheduler sees the room's status at once rather than a pace later.
 """
 
 from __future__ import annotations
@@ -241,3 +243,17 @@ def test_sglang_send_path_writes_through_the_paced_write(pair):
     pair.run_until(lambda: pair.decode.call("transferred", room) and pair.prefill.call("status", room) == 200,
                    timeout=60)
     assert pair.decode.call("kv_bytes", room) == pair.prefill.call("kv_sent", room)
+
+
+def test_a_concluded_transfer_sets_the_schedulers_wake(pair):
+    """Upstream's transfer worker, once it concluded a room (Success, the status told to decode: the fork's
+    chunk_failures.conclude_transfer), sets the wake the prefill scheduler's paced idle wait polls (idle_pacing)."""
+    pair.prefill.call("attach_wake")
+    assert pair.prefill.call("wakes") == 0
+    room = pair.submit(prompt_len=40)
+    pair.run_until(lambda: pair.decode.call("transferred", room) and pair.prefill.call("status", room) == 200,
+                   timeout=60)
+    deadline = time.monotonic() + 10  # set right after the status went out: at most a moment after prefill's 200
+    while pair.prefill.call("wakes") == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert pair.prefill.call("wakes") == 1  # one room, one chunk: one conclusion
