@@ -2,7 +2,8 @@
 over real mooncake TCP on 127.0.0.1: a sink process holds registered memory; this process writes into it through an
 upstream `MooncakeTransferEngine` whose `batch_transfer_sync` is swapped as the fork swaps it on prefill.
 
-- a write lands the same bytes as upstream's synchronous write, and answers 0;
+- a write lands the same bytes as upstream's synchronous write, and answers 0; a small one (a request's metadata)
+  answers within a fraction of the poll (its first waits are short);
 - a failed write (an address the peer never registered, a peer that is gone, lists that do not match) answers what
   upstream's answers, as fast;
 - a write to a frozen peer ends -1 on mooncake's own wall-clock bound, as upstream's does, while the waiting thread
@@ -161,6 +162,22 @@ def test_write_lands_the_bytes_upstream_lands(sink, source):
     assert sink.call("read", 1001, 4093) == data[3:4096]
     assert paced.batch_transfer_sync.leftovers() == 0
 
+
+
+def test_a_small_write_is_not_held_a_whole_poll(sink, source):
+    """A request's metadata write (a few blocks of a few bytes, done in about 0.1 ms) answers long before one poll:
+    the write's first waits are an eighth of the poll, doubling. With a poll of 0.4 s the first check comes after
+    50 ms and the second 100 ms later; a write that waited a whole poll before its second check would take 0.4 s."""
+    src, _, engine = source
+    poll = 0.4
+    paced = engine(poll)
+    blocks = 12
+    answers = [_timed(lambda: paced.batch_transfer_sync(sink.session, [src + 64 * i for i in range(blocks)],
+                                                        [sink.base + 64 * i for i in range(blocks)], [64] * blocks))
+               for _ in range(3)]
+    assert [rc for rc, _, _ in answers] == [0, 0, 0]
+    # bound: the first two waits (0.15 s) plus 0.1 s of margin for a loaded machine, below one poll
+    assert min(wall for _, wall, _ in answers) < 0.25, answers
 
 def test_failed_writes_answer_as_upstream(sink, source):
     src, _, engine = source
