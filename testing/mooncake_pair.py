@@ -195,6 +195,22 @@ class _Worker:
         answer = room_ledger.ledger_of(self.h.kv_manager).late(room)
         return None if answer is None else answer[0]
 
+    def attach_wake(self) -> None:
+        """Prefill: hang the idle pacer's wake on the kv manager, as the pacer does on the rank that reads requests
+        (fork_transfer.idle_pacing.attach_wake); `wakes` counts how often the transfer workers set it."""
+        from sglang.srt.disaggregation.fork_transfer import idle_pacing
+
+        self.wake = idle_pacing.attach_wake(self.h.scheduler)
+        self.wake_count = 0
+
+    def wakes(self) -> int:
+        """How many times the transfer workers set the wake since `attach_wake`."""
+        import select
+
+        if select.select([self.wake.fd], [], [], 0)[0]:
+            self.wake_count += os.eventfd_read(self.wake.fd)
+        return self.wake_count
+
     def status(self, room: int) -> Optional[int]:
         return self.h.outputs.status_code(self.reqs[room].rid)
 

@@ -211,3 +211,47 @@ def test_upstreams_loops_call_on_idle_only_when_the_pass_ran_no_batch(module):
         test = ast.unparse(branch.test)
         assert (test, where) in {("batch", "orelse"), ("batch is None", "body")}, (
             f"{module.__name__}:{line}: on_idle under `if {test}:` ({where})")
+
+
+def test_on_prefill_a_concluded_transfer_ends_the_wait(monkeypatch, sockets):
+    """Prefill's transfer worker, once it concluded a room (chunk_failures.conclude_transfer calls
+    `wake_after_conclude` on its kv manager), ends the scheduler's paced wait at once: the pass that follows sees the
+    room's status without waiting out the pace. The wake is cleared by that wait: the next one lasts the whole pace."""
+    pull, rpc, push = sockets
+    monkeypatch.setenv(KNOB, "2")
+    with PrefillHarness() as h:
+        s = idle_ready(h, sockets=(pull, rpc))
+        pending(h)
+        mgr = s.disagg_prefill_bootstrap_queue.kv_manager
+        concluded = threading.Timer(0.1, idle_pacing.wake_after_conclude, args=(mgr,))
+        concluded.start()
+        try:
+            took = idle_pass(h)
+        finally:
+            concluded.join()
+        pacer = idle_pacing.pacer_of(s)
+        assert pacer.mode is idle_pacing.Mode.POLL and vars(mgr)[idle_pacing.WAKE_ATTR] is pacer.wake
+        # 0.1 s until the wake, then the poll returns at once: far below the 2 s pace even on a loaded machine
+        assert took < 1.0, f"the wait lasted {took:.3f}s after the transfer concluded at 0.1s"
+        pacer.pace, pacer._poll_ms = PACE, int(PACE * 1000)  # the next wait: no wake pending, the whole pace
+        took = idle_pass(h)
+        assert took >= PACE * 0.95, f"a pass after the wake was read took {took:.3f}s < {PACE}s"
+        idle_pacing.wake_after_conclude(mgr)  # concluded while no wait ran: the next wait ends at once
+        took = idle_pass(h)
+        assert took < PACE * 0.5, f"a wake set before the wait did not end it ({took:.3f}s)"
+
+
+def test_decode_and_the_other_ranks_wait_on_no_wake(monkeypatch, sockets):
+    pull, rpc, push = sockets
+    monkeypatch.setenv(KNOB, str(PACE))
+    with DecodeHarness() as h:
+        s = idle_ready(h, sockets=(pull, rpc))
+        pending(h)
+        idle_pass(h)
+        assert idle_pacing.pacer_of(s).wake is None  # decode: its status arrives on the decode thread, no worker
+    with PrefillHarness() as h:
+        s = idle_ready(h)  # a rank that reads no requests sleeps: no poller to wake
+        pending(h)
+        idle_pass(h)
+        assert idle_pacing.pacer_of(s).wake is None
+        assert idle_pacing.WAKE_ATTR not in vars(s.disagg_prefill_bootstrap_queue.kv_manager)

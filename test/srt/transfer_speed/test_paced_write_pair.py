@@ -2,13 +2,16 @@
 over real mooncake TCP on 127.0.0.1: a sink process holds registered memory; this process writes into it through an
 upstream `MooncakeTransferEngine` whose `batch_transfer_sync` is swapped as the fork swaps it on prefill.
 
-- a write lands the same bytes as upstream's synchronous write, and answers 0;
+- a write lands the same bytes as upstream's synchronous write, and answers 0; a small one (a request's metadata)
+  answers within a fraction of the poll (its first waits are short);
 - a failed write (an address the peer never registered, a peer that is gone, lists that do not match) answers what
   upstream's answers, as fast;
 - a write to a frozen peer ends -1 on mooncake's own wall-clock bound, as upstream's does, while the waiting thread
   uses a small fraction of one core (upstream's spins the whole time); the blocks it left running are freed later;
 - a knob of 0 takes upstream's write; through sglang's real send path (a MooncakePair) the swap is in place and the KV
-  lands byte-identical.
+  lands byte-identical;
+- through the same path, the transfer worker that concluded a room sets the wake prefill's idle pacer waits on
+  (idle_pacing), once per room, so the scheduler sees the room's status at once rather than a pace later.
 """
 
 from __future__ import annotations
@@ -160,6 +163,22 @@ def test_write_lands_the_bytes_upstream_lands(sink, source):
     assert paced.batch_transfer_sync.leftovers() == 0
 
 
+
+def test_a_small_write_is_not_held_a_whole_poll(sink, source):
+    """A request's metadata write (a few blocks of a few bytes, done in about 0.1 ms) answers long before one poll:
+    the write's first waits are an eighth of the poll, doubling. With a poll of 0.4 s the first check comes after
+    50 ms and the second 100 ms later; a write that waited a whole poll before its second check would take 0.4 s."""
+    src, _, engine = source
+    poll = 0.4
+    paced = engine(poll)
+    blocks = 12
+    answers = [_timed(lambda: paced.batch_transfer_sync(sink.session, [src + 64 * i for i in range(blocks)],
+                                                        [sink.base + 64 * i for i in range(blocks)], [64] * blocks))
+               for _ in range(3)]
+    assert [rc for rc, _, _ in answers] == [0, 0, 0]
+    # bound: the first two waits (0.15 s) plus 0.1 s of margin for a loaded machine, below one poll
+    assert min(wall for _, wall, _ in answers) < 0.25, answers
+
 def test_failed_writes_answer_as_upstream(sink, source):
     src, _, engine = source
     spy: List[tuple] = []
@@ -241,3 +260,17 @@ def test_sglang_send_path_writes_through_the_paced_write(pair):
     pair.run_until(lambda: pair.decode.call("transferred", room) and pair.prefill.call("status", room) == 200,
                    timeout=60)
     assert pair.decode.call("kv_bytes", room) == pair.prefill.call("kv_sent", room)
+
+
+def test_a_concluded_transfer_sets_the_schedulers_wake(pair):
+    """Upstream's transfer worker, once it concluded a room (Success, the status told to decode: the fork's
+    chunk_failures.conclude_transfer), sets the wake the prefill scheduler's paced idle wait polls (idle_pacing)."""
+    pair.prefill.call("attach_wake")
+    assert pair.prefill.call("wakes") == 0
+    room = pair.submit(prompt_len=40)
+    pair.run_until(lambda: pair.decode.call("transferred", room) and pair.prefill.call("status", room) == 200,
+                   timeout=60)
+    deadline = time.monotonic() + 10  # set right after the status went out: at most a moment after prefill's 200
+    while pair.prefill.call("wakes") == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert pair.prefill.call("wakes") == 1  # one room, one chunk: one conclusion

@@ -18,6 +18,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Set, Tuple
 from sglang.srt.disaggregation.fork_ending import request_end_cause, verdict
 from sglang.srt.disaggregation.base import KVPoll
 from sglang.srt.disaggregation.fork_ending.room_ledger import end_room
+from sglang.srt.disaggregation.fork_transfer import idle_pacing
 from sglang.srt.environ import envs
 from sglang.srt.managers.fork_core import fork_touch, knobs
 from sglang.srt.managers.fork_core.rank_agreement import answers, attn_tp_rank
@@ -118,7 +119,8 @@ def conclude_failure(mgr: Any, req: Any, *, bootstrap_room: int, failure_reason:
 def conclude_transfer(mgr: Any, *, bootstrap_room: int, status: int, targets: Optional[List[Tuple[str, int]]] = None,
                       failure_reason: Optional[str] = None,
                       fallback_targets: Optional[List[Tuple[str, int]]] = None) -> Optional[int]:
-    """Upstream's `conclude_transfer`; a failure of a room cleared meanwhile still reaches its targets."""
+    """Upstream's `conclude_transfer`; a failure of a room cleared meanwhile still reaches its targets; then the
+    scheduler's paced idle wait ends (idle_pacing.wake_after_conclude), so it sees the room's status at once."""
     emitted = mgr.conclude_transfer(
         bootstrap_room=bootstrap_room, status=status, targets=targets, failure_reason=failure_reason
     )
@@ -126,6 +128,7 @@ def conclude_transfer(mgr: Any, *, bootstrap_room: int, status: int, targets: Op
         to = targets or fallback_targets or []
         logger.warning("Room %s was already concluded on prefill; telling decode %s of its failed write", bootstrap_room, to)
         end_room(mgr, bootstrap_room, None, f"{failure_reason} (room already failed on prefill)", targets=to)
+    idle_pacing.wake_after_conclude(mgr)
     return emitted
 
 

@@ -9,8 +9,10 @@ the spinning takes the cores the transfer and the prefill forward need (docs/pee
 What: after each idle pass of a prefill or decode server, the scheduler thread waits up to
 `SGLANG_FORK_PD_IDLE_PACE` seconds (default 0.001; 0 turns pacing off; validated at start with every knob). On the
 rank that reads requests (attention TP/CP rank 0), it waits on the scheduler's own request and RPC sockets (zmq), so
-a new request or call ends the wait at once; other ranks (and an ingress that is not a zmq socket) sleep. A transfer
-that completes is noticed at most one pace later.
+a new request or call ends the wait at once; other ranks (and an ingress that is not a zmq socket) sleep. On prefill
+that rank also waits on a wake (an eventfd, `Wake`) that the transfer worker sets once it has concluded a room
+(`chunk_failures.conclude_transfer`: Success or Failed), so a finished transfer ends the wait at once too; elsewhere
+a transfer that completes is noticed at most one pace later.
 
 Invariant: only an idle pass of a PD server is paced (upstream calls `on_idle` only when the pass ran no batch), once
 per pass, for at most the knob's time; a pass in which upstream's own idle sleeper already waited (fully idle, with
@@ -24,7 +26,9 @@ Called by: the AROUND hook on `Scheduler.on_idle` (`paced_on_idle`, fork_plugin.
 from __future__ import annotations
 
 import enum
+import os
 import time
+from typing import Any, Optional
 
 import zmq
 
@@ -33,6 +37,22 @@ from sglang.srt.managers.fork_core import knobs
 from sglang.srt.managers.fork_core.fork_touch import upstream
 
 ATTR = "fork_idle_pacer"  # the scheduler's pacer (`pacer_of`)
+WAKE_ATTR = "fork_idle_wake"  # on prefill's kv manager: the Wake its scheduler's pacer waits on (`wake_after_conclude`)
+
+
+class Wake:
+    """An eventfd that ends a paced wait at once. Set by a transfer worker thread once it concluded a room (any number
+    of times); cleared by the scheduler thread after a wait that it ended. Thread-safe: the kernel's counter is the
+    only state (set adds to it, clear reads it back to 0; non-blocking, never read unless the poll said readable)."""
+
+    def __init__(self) -> None:
+        self.fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+
+    def set(self) -> None:
+        os.eventfd_write(self.fd, 1)
+
+    def clear(self) -> None:
+        os.eventfd_read(self.fd)
 
 
 class Mode(enum.Enum):
@@ -49,6 +69,7 @@ class IdlePacer:
         self.paced = 0  # idle passes paced (read by tests)
         self._poller = None
         self._poll_ms = int(pace * 1000)  # zmq polls in whole milliseconds: never longer than the knob
+        self.wake: Optional[Wake] = None  # prefill, POLL mode: set by the transfer worker after a room concluded
         is_pd = upstream(scheduler, "disaggregation_mode") in (DisaggregationMode.PREFILL, DisaggregationMode.DECODE)
         if not is_pd or pace <= 0:
             self.mode = Mode.OFF
@@ -62,6 +83,9 @@ class IdlePacer:
             for s in sockets:
                 self._poller.register(s, zmq.POLLIN)
             self.mode = Mode.POLL
+            self.wake = attach_wake(scheduler)
+            if self.wake is not None:
+                self._poller.register(self.wake.fd, zmq.POLLIN)
         else:
             self.mode = Mode.SLEEP
 
@@ -73,7 +97,9 @@ class IdlePacer:
             return
         self.paced += 1
         if self.mode is Mode.POLL:
-            self._poller.poll(self._poll_ms)
+            ready = self._poller.poll(self._poll_ms)
+            if self.wake is not None and any(what == self.wake.fd for what, _ in ready):
+                self.wake.clear()
         else:
             time.sleep(self.pace)
 
@@ -84,6 +110,28 @@ def pacer_of(scheduler) -> IdlePacer:
     if pacer is None:
         pacer = scheduler.__dict__[ATTR] = IdlePacer(scheduler, knobs.PD_IDLE_PACE.get())
     return pacer
+
+
+def attach_wake(scheduler) -> Optional[Wake]:
+    """Prefill: a new Wake hung on the scheduler's kv manager for its transfer workers (`wake_after_conclude`), for
+    the pacer to wait on; None on decode, without eventfd, or without a manager. Called once, at the pacer's creation
+    (on the rank that reads requests): a manager made later (a role switch) gets none, and its transfers are noticed
+    within a pace, as before. A backend whose workers do not conclude through chunk_failures never sets it."""
+    if upstream(scheduler, "disaggregation_mode") is not DisaggregationMode.PREFILL or not hasattr(os, "eventfd"):
+        return None
+    mgr = getattr(upstream(scheduler, "disagg_prefill_bootstrap_queue"), "kv_manager", None)
+    if mgr is None:
+        return None
+    wake = vars(mgr)[WAKE_ATTR] = Wake()
+    return wake
+
+
+def wake_after_conclude(mgr: Any) -> None:
+    """A transfer worker concluded a room of `mgr` (chunk_failures.conclude_transfer, any thread): end its scheduler's
+    paced wait, if the pacer waits on a Wake."""
+    wake = vars(mgr).get(WAKE_ATTR)
+    if wake is not None:
+        wake.set()
 
 
 # ----------------------------------------------------------------------------- hook (scheduler thread)
