@@ -16,8 +16,12 @@ Per request, from upstream's own timing (the prefill server's Prometheus histogr
 - `{stage="prefill_transfer_kv_cache"}`: from the forward's end to prefill seeing the transfer done (the send
   queue, mooncake's write, the poll that notices it): what the transfer adds to the time to first token;
 - the client's time to first token (the whole request; one output token).
-KV bytes/s = bytes / transfer time. The limit: a Python socket sender in the prefill namespace and a receiver in the
-decode namespace moving the same number of bytes as the largest KV (4 MiB sends and receives), a few times.
+KV bytes/s = bytes / transfer time. The limits, measured on the same link before the servers start (LinkLimits): bulk
+raw TCP, a Python socket sender in the prefill namespace and a receiver in the decode namespace moving as many bytes
+as the largest KV (4 MiB sends and receives); per KV size, raw TCP of one message of that size after an idle gap as
+between requests (on a connection kept open, and on a fresh one), and mooncake's TCP transport alone writing that size
+in 8 blocks after the same gap, with mooncake's synchronous write and with the fork's paced write. The table compares
+each row with the bulk limit, with the one message of its own size, and with mooncake alone at its size and wait.
 
 Idle pacing: the fork's schedulers pace their idle passes themselves (SGLANG_FORK_PD_IDLE_PACE, 1 ms); upstream's
 only with `--paced` (the release gate's probe plugin); side `fork-unpaced` is the fork with the knob at 0. The table
