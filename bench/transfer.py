@@ -45,6 +45,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -130,8 +131,6 @@ def raw_tcp(hosts: hosts_mod.TestHosts, src: str, dst: str, nbytes: int, repeats
 def tcp_msg_sink(port: int) -> None:
     """Serve messages on `port` until one of length 0: each is an 8-byte length then that many bytes, answered by
     one byte once the last byte is in; a thread per connection (fresh ones per message, and one kept warm)."""
-    import threading
-
     srv = socket.socket()
     srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     srv.bind(("0.0.0.0", port))
