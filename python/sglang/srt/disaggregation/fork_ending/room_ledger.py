@@ -200,6 +200,13 @@ class RoomLedger:
                 return None
         return kept[0]
 
+    def has_record(self, room: int) -> bool:
+        """Whether `room` has a failure record now (upstream's `failure_records`, read under its `failure_lock`).
+        Upstream keeps a room's first record, so a caller about to record one reads here whether it would be the
+        first (peer_liveness' hook for a write to a blacklisted session); the table is read only in this module."""
+        with upstream(self.mgr, "failure_lock"):
+            return room in upstream(self.mgr, "failure_records")
+
     def announce(self, room: int, rank: int, told: Optional[Told]) -> None:
         """Decode, bootstrap thread: prefill rank `rank` announced `told` for its next Failed status of `room`."""
         with self.lock:
