@@ -309,6 +309,13 @@ def handles_aborts(mgr: Any) -> bool:
                                    for target, *_ in SWAPS)
 
 
+def failure_record(mgr: Any, room: int) -> Optional[str]:
+    """`room`'s failure record now (upstream's table, under its failure lock), or None: room_agreement shares it
+    with the other ranks (a manager whose ledger may not exist yet: read by manager, not through the ledger)."""
+    with upstream(mgr, "failure_lock"):
+        return upstream(mgr, "failure_records").get(room)
+
+
 def forget_failure(mgr: Any, room: int) -> None:
     """Drop `room`'s failure record (upstream's table, under its failure lock) and its cause: its request was
     retired."""
