@@ -16,7 +16,7 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
-from testing.pd_cluster import HOST, generate, http_get, http_post_json, metric_sum, prompts, wait_until
+from testing.pd_cluster import HOST, PD_ROLES, generate, http_get, http_post_json, metric_sum, prompts, wait_until
 
 IDLE_TIMEOUT = 60.0
 END_CAUSES = "sglang:num_pd_request_end_causes_total"
@@ -183,8 +183,6 @@ def assert_serves(url: str, n: int, max_new_tokens: int = 8) -> list:
 
 
 # ----------------------------------------------------------------------------- control calls
-
-PD_ROLES = ("prefill", "decode")
 
 
 def post(server, endpoint: str, body=None, timeout: float = 60.0) -> Tuple[int, Any, float]:

@@ -19,7 +19,7 @@ import time
 import pytest
 
 from conftest import FP32, TP2, TP2_DECODE_TP1, topology_params
-from testing.pd_checks import Leg, assert_idle, cluster_end_causes, leg_body, wait_end_causes
+from testing.pd_checks import PD_ROLES, Leg, assert_idle, cluster_end_causes, leg_body, wait_end_causes
 from testing.pd_cluster import PDCluster, SingleServer, generate, generate_concurrently, metric_sum, prompts, wait_until
 
 pytestmark = pytest.mark.e2e
@@ -27,7 +27,6 @@ pytestmark = pytest.mark.e2e
 N = 16
 FAILING = 5
 MAX_NEW_TOKENS = 16
-PD_ROLES = ("prefill", "decode")
 # Decode holds a failed room's pages until prefill acks a drain or this deadline passes
 # (upstream's deferred release, 30 s by default); prefill forgets the room's poison mark
 # after the same time (chunk_failures._expire_poison_later).

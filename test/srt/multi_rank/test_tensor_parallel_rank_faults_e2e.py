@@ -24,12 +24,11 @@ import time
 
 import pytest
 
-from testing.pd_checks import END_CAUSES, Leg, assert_idle, leg_body
+from testing.pd_checks import END_CAUSES, PD_ROLES, Leg, assert_idle, leg_body
 from testing.pd_cluster import generate, metric_sum, prompts, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.tp]
 
-PD_ROLES = ("prefill", "decode")
 FP32 = ("--dtype", "float32")
 MAX_NEW = 12
 DEADLINE_S = 10.0  # prefill's transfer deadline; decode's is far (its stage starts earlier: prefill's decides)

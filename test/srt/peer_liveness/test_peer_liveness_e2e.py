@@ -23,6 +23,7 @@ import pytest
 from conftest import (LIVENESS_ARGS, LIVENESS_ENV, TP2, TP2_DECODE_TP1, resume_frozen, shared_env, topology_params,
                       topology_pd)
 from testing.pd_checks import (
+    PD_ROLES,
     assert_idle,
     assert_serves,
     delta,
@@ -54,7 +55,6 @@ N_INFLIGHT = 16
 N_AFTER = 20
 LOSSES = "sglang:num_pd_peer_losses_total"
 RECOVERIES = "sglang:num_pd_peer_recoveries_total"
-PD_ROLES = ("prefill", "decode")
 
 
 @pytest.fixture(scope="module", params=topology_params(TP2, TP2_DECODE_TP1))

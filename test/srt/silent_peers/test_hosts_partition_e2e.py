@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from testing.pd_checks import (ClosedLoop, assert_idle, cluster_end_causes, delta, judge_partition_answers,
-                               wait_counter_rises)
+from testing.pd_checks import (PD_ROLES, ClosedLoop, assert_idle, cluster_end_causes, delta,
+                               judge_partition_answers, wait_counter_rises)
 from testing.pd_checks import (PARTITION_ANSWER_BOUND as ANSWER_BOUND, PARTITION_DEADLINE as DEADLINE,
                                PARTITION_DETECT_BOUND as DETECT_BOUND, PARTITION_ENV as ENV,
                                PARTITION_RECOVER_BOUND as RECOVER_BOUND)
@@ -25,7 +25,6 @@ pytestmark = pytest.mark.e2e
 CLIENTS = 4
 LOSSES = "sglang:num_pd_peer_losses_total"
 RECOVERIES = "sglang:num_pd_peer_recoveries_total"
-PD_ROLES = ("prefill", "decode")
 
 
 @pytest.fixture(scope="module")

@@ -24,6 +24,7 @@ import pytest
 
 from conftest import TP2, TP2_DECODE_TP1, topology_params, topology_pd
 from testing.pd_checks import (
+    PD_ROLES,
     Leg,
     assert_idle,
     assert_serves,
@@ -49,7 +50,6 @@ ENV = {"SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT": str(DEADLINE)}
 # "3 s + 2 scheduler ticks", generously: an idle CPU scheduler sleeps up to ~1 s per tick
 # with --sleep-on-idle, and the deadline scan runs every deadline/50.
 MARGIN = 2.5
-PD_ROLES = ("prefill", "decode")
 COUNTER = "sglang:num_transfer_timeout_reqs_total"
 # The deadline is measured on the server from when the request enters the stage, which
 # is after the client sent it: an answer can never come before DEADLINE seconds.

@@ -23,6 +23,7 @@ import pytest
 
 from conftest import resume_frozen, shared_env
 from testing.pd_checks import (
+    PD_ROLES,
     assert_idle,
     assert_serves,
     at_gate,
@@ -52,7 +53,6 @@ ENV = {
     "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": str(HEARTBEAT),
     "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": "2",
 }
-PD_ROLES = ("prefill", "decode")
 LOSSES = "sglang:num_pd_peer_losses_total"
 RELEASES = "sglang:decode_deferred_kv_release_total"
 END_CAUSES = "sglang:num_pd_request_end_causes_total"
