@@ -20,6 +20,8 @@ from testing.pd_cluster import HOST, PD_ROLES, generate, http_get, http_post_jso
 
 IDLE_TIMEOUT = 60.0
 END_CAUSES = "sglang:num_pd_request_end_causes_total"
+PEER_LOSSES = "sglang:num_pd_peer_losses_total"
+PEER_RECOVERIES = "sglang:num_pd_peer_recoveries_total"
 
 # ----------------------------------------------------------------------------- nothing held
 
