@@ -84,6 +84,15 @@ def _stage_count(metrics: dict, stage: str) -> float:
     return metric_sum(metrics, COUNTER, stage=stage)
 
 
+def _assert_deadline_504(leg: Leg, stage: str, room: int) -> None:
+    """`leg` was answered 504 naming `stage`, its room and the deadline's knob, no earlier than the deadline."""
+    assert leg.status == 504, leg.out
+    detail = json.dumps(leg.response)
+    for part in (stage, f"bootstrap_room={room}", "SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT"):
+        assert part in detail, (part, detail)
+    assert leg.out["seconds"] >= EARLIEST, leg.out["seconds"]
+
+
 def _generate_body(text: str) -> dict:
     return {"text": text, "sampling_params": {"temperature": 0.0, "max_new_tokens": 8}}
 
@@ -148,11 +157,7 @@ def test_first_contact_with_frozen_prefill_does_not_block_decode(cluster):
         assert other.out["ended"] < leg.out["ended"], (other.out, leg.out)
         assert len(other.response["output_ids"]) == 16, other.response
 
-        assert leg.status == 504, leg.out
-        detail = json.dumps(leg.response)
-        for part in (stage, f"bootstrap_room={room}", "SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT"):
-            assert part in detail, (part, detail)
-        assert leg.out["seconds"] >= EARLIEST, leg.out["seconds"]
+        _assert_deadline_504(leg, stage, room)
         assert leg.ended_at - t_stage <= DEADLINE + FROZEN_PREFILL_MARGIN, leg.ended_at - t_stage
         assert _stage_count(decode.metrics(), stage) == before + 1
         wait_end_causes(cluster, causes, {("decode", "timeout", stage): 1}, roles=("decode",))
@@ -315,11 +320,7 @@ def test_frozen_prefill_decode_leg_gets_504(cluster, frozen):
         leg.start()
     try:
         wait_until(leg.done, DEADLINE + MARGIN + 30, "decode's answer")
-        assert leg.status == 504, leg.out
-        detail = json.dumps(leg.response)
-        for part in (stage, f"bootstrap_room={room}", "SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT"):
-            assert part in detail, (part, detail)
-        assert leg.out["seconds"] >= EARLIEST, leg.out["seconds"]
+        _assert_deadline_504(leg, stage, room)
         print(f"{frozen}: 504 after {leg.ended_at - t_stage:.2f}s")
         assert leg.ended_at - t_stage <= DEADLINE + FROZEN_PREFILL_MARGIN, leg.ended_at - t_stage
         assert _stage_count(decode.metrics(), stage) == before + 1
