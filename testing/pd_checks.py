@@ -14,12 +14,14 @@ import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Dict, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, Mapping, Optional, Tuple
 
-from testing.pd_cluster import HOST, generate, http_get, http_post_json, metric_sum, prompts, wait_until
+from testing.pd_cluster import HOST, PD_ROLES, generate, http_get, http_post_json, metric_sum, prompts, wait_until
 
 IDLE_TIMEOUT = 60.0
 END_CAUSES = "sglang:num_pd_request_end_causes_total"
+PEER_LOSSES = "sglang:num_pd_peer_losses_total"
+PEER_RECOVERIES = "sglang:num_pd_peer_recoveries_total"
 
 # ----------------------------------------------------------------------------- nothing held
 
@@ -183,8 +185,6 @@ def assert_serves(url: str, n: int, max_new_tokens: int = 8) -> list:
 
 
 # ----------------------------------------------------------------------------- control calls
-
-PD_ROLES = ("prefill", "decode")
 
 
 def post(server, endpoint: str, body=None, timeout: float = 60.0) -> Tuple[int, Any, float]:
@@ -353,16 +353,21 @@ def wait_counter_rises(cluster, roles, name: str, before: Mapping[str, float], s
 # ----------------------------------------------------------------------------- counters
 
 
+def end_cause_samples(metrics: Mapping[str, float]) -> Iterator[Tuple[Dict[str, str], float]]:
+    """Each `sglang:num_pd_request_end_causes_total` sample as (its labels {name: value}, its value)."""
+    for key, value in metrics.items():
+        if key.startswith(END_CAUSES + "{"):
+            labels = dict(p.split("=", 1) for p in key[len(END_CAUSES) + 1 : -1].split(","))
+            yield {k: v.strip('"') for k, v in labels.items()}, value
+
+
 def end_causes(metrics: Mapping[str, float]) -> Dict[Tuple[str, str, str], float]:
     """`sglang:num_pd_request_end_causes_total` samples as {(role, cause, stage): n}, summed over the other
     labels (with tensor parallelism each rank exports its own `tp_rank`: an end counted on two ranks counts 2)."""
     out: Dict[Tuple[str, str, str], float] = {}
-    for key, value in metrics.items():
-        if key.startswith(END_CAUSES + "{"):
-            labels = dict(p.split("=", 1) for p in key[len(END_CAUSES) + 1 : -1].split(","))
-            labels = {k: v.strip('"') for k, v in labels.items()}
-            k = (labels["role"], labels["cause"], labels["stage"])
-            out[k] = out.get(k, 0.0) + value
+    for labels, value in end_cause_samples(metrics):
+        k = (labels["role"], labels["cause"], labels["stage"])
+        out[k] = out.get(k, 0.0) + value
     return out
 
 

@@ -146,6 +146,26 @@ def pytest_runtest_setup(item):
                     f"(pytestmark = pytest.mark.<level> in its module), has {levels or 'none'}", pytrace=False)
 
 
+class _Failures:
+    """A teardown's steps that must all run: `with failures.step():` keeps a step's Exception (a
+    KeyboardInterrupt still stops the teardown at once); `raise_first()` after the last step raises
+    the first one kept (SharedDeployments.teardown, Deployments.teardown)."""
+
+    def __init__(self):
+        self.errors: "list[Exception]" = []
+
+    @contextlib.contextmanager
+    def step(self):
+        try:
+            yield
+        except Exception as e:
+            self.errors.append(e)
+
+    def raise_first(self) -> None:
+        if self.errors:
+            raise self.errors[0]
+
+
 class SharedDeployments:
     """The session's shared deployments, keyed as SHARED_FIXTURES says, started on
     demand and taken apart after their last claiming module (or at the session's end)."""
@@ -231,14 +251,11 @@ class SharedDeployments:
             self.discard(key)
 
     def teardown(self) -> None:
-        errors = []
+        failures = _Failures()
         for key in list(self.live):
-            try:
+            with failures.step():
                 self.discard(key)
-            except Exception as e:
-                errors.append(e)
-        if errors:
-            raise errors[0]
+        failures.raise_first()
 
 
 @pytest.fixture(scope="session")
@@ -356,23 +373,16 @@ class Deployments:
         return cluster, single.deployment
 
     def teardown(self) -> None:
-        errors = []
+        failures = _Failures()
         for d in reversed(self.started):
-            try:
-                for server in d.servers.values():
-                    if server.is_alive():  # a test may have failed while it was frozen
-                        server.resume()
-            except Exception as e:
-                errors.append(e)
-            try:
+            with failures.step():
+                resume_frozen(d)  # a test may have failed while it was frozen
+            with failures.step():
                 d.teardown()
-            except Exception as e:
-                errors.append(e)
             if d in _LIVE:
                 _LIVE.remove(d)
         self.started.clear()
-        if errors:
-            raise errors[0]
+        failures.raise_first()
 
 
 @pytest.fixture(scope="module")

@@ -25,13 +25,12 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from conftest import TP2, TP2_DECODE_TP1, topology_params, topology_pd
-from testing.pd_checks import Leg, assert_idle, assert_serves, end_causes, held, http_client_abort, leg_body
+from testing.pd_checks import PD_ROLES, Leg, assert_idle, assert_serves, end_causes, held, http_client_abort, leg_body
 from testing.pd_checks import delta as _delta
 from testing.pd_cluster import generate, http_post_json, metric_sum, prompts, wait_until
 
 pytestmark = pytest.mark.e2e
 
-PD_ROLES = ("prefill", "decode")
 FAILURE_COUNTERS = ("sglang:num_bootstrap_failed_reqs_total", "sglang:num_transfer_failed_reqs_total")
 # An abort is answered within a couple of scheduler ticks; an idle CPU scheduler sleeps
 # up to ~1 s per tick (--sleep-on-idle) and the machine is shared: generous.

@@ -157,7 +157,7 @@ def test_late_handshake_after_prefill_abort_is_refused(pair, before):
     assert _client_abort(pair.decode, room), pair.decode.call("final_reason", room)
     _assert_no_failure_counted(pair, before)
     # upstream: request_status/transfer_infos re-created on prefill and never cleared
-    pair.run_until(lambda: _idle(pair), timeout=30)
+    wait_pair_idle(pair)
     assert set(pair.prefill.call("room_entries", room)) <= TOMBSTONES
     assert pair.decode.call("room_entries", room) == []
 
@@ -169,7 +169,7 @@ def test_abort_on_both_sides_ends_once(pair, before):
     pair.decode.call("abort", room)
     pair.run_until(lambda: pair.prefill.call("final_reason", room) is not None
                    and pair.decode.call("final_reason", room) is not None, timeout=30)
-    pair.run_until(lambda: _idle(pair), timeout=30)
+    wait_pair_idle(pair)
     pair.prefill.call("tick", 3)
     pair.decode.call("tick", 3)
     assert pair.prefill.call("finals", room) == pair.decode.call("finals", room) == 1
@@ -184,7 +184,7 @@ def test_abort_on_both_sides_ends_once(pair, before):
     pair.run_until(lambda: pair.decode.call("transferred", ok), timeout=30)
     assert pair.decode.call("kv_bytes", ok) == pair.prefill.call("kv_sent", ok)
     pair.decode.call("finish", ok)
-    pair.run_until(lambda: _idle(pair), timeout=30)
+    wait_pair_idle(pair)
 
 
 def test_prefill_leg_after_decode_abort_ends_at_once(pair, before):

@@ -19,7 +19,8 @@ import time
 import pytest
 
 from conftest import FP32, TP2, TP2_DECODE_TP1, topology_params
-from testing.pd_checks import Leg, assert_idle, cluster_end_causes, leg_body, wait_end_causes
+from testing.pd_checks import (PD_ROLES, PEER_LOSSES, PEER_RECOVERIES, Leg, assert_idle, cluster_end_causes, leg_body,
+                               wait_end_causes)
 from testing.pd_cluster import PDCluster, SingleServer, generate, generate_concurrently, metric_sum, prompts, wait_until
 
 pytestmark = pytest.mark.e2e
@@ -27,7 +28,6 @@ pytestmark = pytest.mark.e2e
 N = 16
 FAILING = 5
 MAX_NEW_TOKENS = 16
-PD_ROLES = ("prefill", "decode")
 # Decode holds a failed room's pages until prefill acks a drain or this deadline passes
 # (upstream's deferred release, 30 s by default); prefill forgets the room's poison mark
 # after the same time (chunk_failures._expire_poison_later).
@@ -45,8 +45,6 @@ PROBE_BOUND_S = 5.0
 # prefill's peer monitor: a session still blacklisted a heartbeat later is a lost decode
 HEARTBEAT_S = 2.0
 HEARTBEAT_ENV = {"SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": str(HEARTBEAT_S)}
-LOSSES = "sglang:num_pd_peer_losses_total"
-RECOVERIES = "sglang:num_pd_peer_recoveries_total"
 REASON = {"kv": "Failed to send kv chunk", "aux": "Failed to send aux data"}
 BURST_DEADLINE_S = 90.0
 # The failed request ends when its failed write is seen (the transfer worker's next
@@ -182,8 +180,8 @@ def test_failed_write_to_a_frozen_decode_takes_its_session_out_until_it_answers(
     assert prefill.resources()["peers"]["failed_sessions"] == 0
     before = _counters(cluster, "kv")
     causes = cluster_end_causes(cluster)
-    losses = metric_sum(cluster.metrics("prefill"), LOSSES)
-    recoveries = metric_sum(cluster.metrics("prefill"), RECOVERIES)
+    losses = metric_sum(cluster.metrics("prefill"), PEER_LOSSES)
+    recoveries = metric_sum(cluster.metrics("prefill"), PEER_RECOVERIES)
     body = leg_body(cluster, random.randint(1, 2**62), "the quick brown fox " * 10,
                     rid="e2e-fail-kv-frozen-decode")
     decode_leg = Leg(decode.url, body, timeout=FROZEN_PEER_S + 120)
@@ -207,7 +205,7 @@ def test_failed_write_to_a_frozen_decode_takes_its_session_out_until_it_answers(
         # its registration is kept and its session held out
         # (each prefill rank's monitor watches its own session to the decode: each declares it lost)
         ranks = cluster.tp["prefill"]
-        wait_until(lambda: metric_sum(cluster.metrics("prefill"), LOSSES) == losses + ranks, 2 * HEARTBEAT_S + 10,
+        wait_until(lambda: metric_sum(cluster.metrics("prefill"), PEER_LOSSES) == losses + ranks, 2 * HEARTBEAT_S + 10,
                    "the frozen decode to be declared lost", on_timeout=lambda: str(prefill.resources()["peers"]))
         peers = prefill.resources()["peers"]
         assert (peers["decode_kv_args_table"], peers["failed_sessions"], peers["monitor_held_out"]) == (1, 1, 1), peers
@@ -220,9 +218,9 @@ def test_failed_write_to_a_frozen_decode_takes_its_session_out_until_it_answers(
     # decode answers again: its session is let back in and the recovery counted, once per prefill rank
     wait_until(lambda: prefill.resources()["peers"]["failed_sessions"] == 0, 15, "the session back")
     assert time.monotonic() - t_resume < 15
-    wait_until(lambda: metric_sum(cluster.metrics("prefill"), RECOVERIES) == recoveries + ranks, 10,
+    wait_until(lambda: metric_sum(cluster.metrics("prefill"), PEER_RECOVERIES) == recoveries + ranks, 10,
                "the recovery to be counted")
-    assert metric_sum(cluster.metrics("prefill"), LOSSES) == losses + ranks
+    assert metric_sum(cluster.metrics("prefill"), PEER_LOSSES) == losses + ranks
     assert prefill.resources()["peers"]["monitor_held_out"] == 0
     assert_idle(cluster, PD_ROLES, baseline=baseline, timeout=60)
     _assert_counted_on_every_rank(cluster, before, _counters(cluster, "kv"))

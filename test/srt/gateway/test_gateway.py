@@ -14,7 +14,7 @@ from collections import Counter
 
 import pytest
 
-from testing.pd_checks import ClosedLoop, assert_idle, held
+from testing.pd_checks import PD_ROLES, ClosedLoop, assert_idle, held
 from testing.pd_cluster import (
     generate_concurrently,
     http_post_json,
@@ -25,7 +25,6 @@ from testing.pd_cluster import (
 
 pytestmark = pytest.mark.e2e
 
-PD_ROLES = ("prefill", "decode")
 N_REQUESTS = 20
 MAX_NEW_TOKENS = 32
 BURST_DEADLINE_S = 90.0  # generous for a loaded 2-core machine (measured: 2-12 s)

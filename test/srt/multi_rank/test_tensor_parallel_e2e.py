@@ -19,13 +19,12 @@ import pytest
 
 from conftest import FP32
 from testing import pd_checks
-from testing.pd_checks import ClosedLoop, assert_idle
+from testing.pd_checks import PD_ROLES, ClosedLoop, assert_idle
 from testing.pd_cluster import (PDCluster, SingleServer, generate, generate_concurrently, http_get, http_post_json,
                                 prompts, wait_until)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.tp]
 
-PD_ROLES = ("prefill", "decode")
 MAX_NEW = 16
 CALL_TIMEOUT_S = 120.0
 ANSWER_BOUND_S = 30.0  # on 2 cores shared by 4 scheduler ranks, a gateway and the control (measured: < 10 s)

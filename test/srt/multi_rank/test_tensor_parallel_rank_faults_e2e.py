@@ -24,12 +24,11 @@ import time
 
 import pytest
 
-from testing.pd_checks import END_CAUSES, Leg, assert_idle, leg_body
+from testing.pd_checks import PD_ROLES, Leg, assert_idle, end_cause_samples, leg_body
 from testing.pd_cluster import generate, metric_sum, prompts, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.tp]
 
-PD_ROLES = ("prefill", "decode")
 FP32 = ("--dtype", "float32")
 MAX_NEW = 12
 DEADLINE_S = 10.0  # prefill's transfer deadline; decode's is far (its stage starts earlier: prefill's decides)
@@ -63,10 +62,8 @@ def _causes(cluster) -> dict:
     """End-cause samples of both servers by (tp_rank, role, cause, stage): every rank counts its own."""
     out = {}
     for role in PD_ROLES:
-        for key, value in cluster.metrics(role).items():
-            if key.startswith(END_CAUSES + "{"):
-                labels = {k: v.strip('"') for k, v in (p.split("=", 1) for p in key[len(END_CAUSES) + 1:-1].split(","))}
-                out[(labels["tp_rank"], labels["role"], labels["cause"], labels["stage"])] = value
+        for labels, value in end_cause_samples(cluster.metrics(role)):
+            out[(labels["tp_rank"], labels["role"], labels["cause"], labels["stage"])] = value
     return out
 
 

@@ -21,12 +21,11 @@ from contextlib import nullcontext
 
 import pytest
 
-from testing.pd_checks import ClosedLoop, assert_idle, assert_serves, weight_versions
+from testing.pd_checks import PD_ROLES, ClosedLoop, assert_idle, assert_serves, weight_versions
 from testing.pd_cluster import Gateway, http_post_json, wait_until
 
 pytestmark = pytest.mark.e2e
 
-PD_ROLES = ("prefill", "decode")
 CLIENTS = 8
 CALL_TIMEOUT_S = 120.0
 # An RL client waits on each answer: none may take longer, pause or not (measured: < 3 s).

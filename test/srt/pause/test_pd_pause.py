@@ -15,7 +15,17 @@ from functools import partial
 import pytest
 
 from conftest import TP2, TP2_DECODE_TP1, topology_params, topology_pd
-from testing.pd_checks import abort_gate_until_let_go, assert_idle, at_gate, call, held, on_both, requests_held, waiting_for_peer
+from testing.pd_checks import (
+    PD_ROLES,
+    abort_gate_until_let_go,
+    assert_idle,
+    at_gate,
+    call,
+    held,
+    on_both,
+    requests_held,
+    waiting_for_peer,
+)
 from testing.pd_cluster import (
     PDCluster,
     generate,
@@ -26,7 +36,6 @@ from testing.pd_cluster import (
 
 pytestmark = pytest.mark.e2e
 
-PD_ROLES = ("prefill", "decode")
 MODES = ("abort", "in_place", "retract")
 CYCLES = int(os.environ.get("PD_PAUSE_CYCLES", "20"))
 # 4 scheduler ranks and a gateway on 2 cores: fewer cycles per case (each mode and order still covered)

@@ -38,12 +38,11 @@ from testing.pd_cluster import (
     prompts,
     wait_until,
 )
-from testing.pd_checks import Leg, assert_idle, cluster_end_causes, delta, held, leg_body, weight_versions
+from testing.pd_checks import PD_ROLES, Leg, assert_idle, cluster_end_causes, delta, held, leg_body, weight_versions
 from testing.tiny_model import ensure_tiny_model
 
 pytestmark = pytest.mark.e2e
 
-PD_ROLES = ("prefill", "decode")
 STEPS = 4
 N_PROMPTS = 6
 MAX_NEW_TOKENS = 16

@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from testing.pd_checks import assert_idle, held
+from testing.pd_checks import PD_ROLES, assert_idle, held
 from testing.pd_cluster import (
     MiniLB,
     generate,
@@ -34,7 +34,6 @@ N_REQUESTS = 20
 MAX_NEW_TOKENS = 32
 # Generous for a 2-core machine (measured: ~2-12 s for the whole burst).
 BURST_DEADLINE_S = 90.0
-PD_ROLES = ("prefill", "decode")
 FORK_PLUGIN = Path(__file__).resolve().parents[3] / "python/sglang/srt/managers/fork_core/fork_plugin.py"
 REPORT_HOOK = (
     "sglang.srt.managers.scheduler_components.internal_state."

@@ -23,6 +23,9 @@ import pytest
 from conftest import (LIVENESS_ARGS, LIVENESS_ENV, TP2, TP2_DECODE_TP1, resume_frozen, shared_env, topology_params,
                       topology_pd)
 from testing.pd_checks import (
+    PD_ROLES,
+    PEER_LOSSES,
+    PEER_RECOVERIES,
     assert_idle,
     assert_serves,
     delta,
@@ -52,9 +55,6 @@ ENV = {
 DETECT_BOUND = HEARTBEAT + 6.0
 N_INFLIGHT = 16
 N_AFTER = 20
-LOSSES = "sglang:num_pd_peer_losses_total"
-RECOVERIES = "sglang:num_pd_peer_recoveries_total"
-PD_ROLES = ("prefill", "decode")
 
 
 @pytest.fixture(scope="module", params=topology_params(TP2, TP2_DECODE_TP1))
@@ -102,7 +102,7 @@ def _before_the_fault(cluster, survivor: str) -> tuple:
     recovery counts and its end causes. Returns (baseline, peers, losses, recoveries, causes)."""
     baseline = assert_idle(cluster, PD_ROLES)
     server = cluster[survivor]
-    return baseline, _peers(server), _count(server, LOSSES), _count(server, RECOVERIES), _causes(server)
+    return baseline, _peers(server), _count(server, PEER_LOSSES), _count(server, PEER_RECOVERIES), _causes(server)
 
 
 def _lost_by_cause(legs) -> dict:
@@ -201,14 +201,14 @@ def test_decode_killed_in_flight_then_restarted(cluster, control):
         return p["decode_kv_args_table"] == 0 and p["failed_sessions"] == 0 and p["session_failures"] == 0
 
     wait_until(forgotten, DETECT_BOUND, "prefill to forget the dead decode session", on_timeout=lambda: str(_peers(prefill)))
-    assert _count(prefill, LOSSES) == losses + cluster.tp["prefill"]
+    assert _count(prefill, PEER_LOSSES) == losses + cluster.tp["prefill"]
     assert "decode peer 127.0.0.1:" in prefill.tail(400) and "PD peer lost" in prefill.tail(400)
 
     decode.start()
     decode.wait_healthy()
     _recover(cluster, control, "prefill", baseline, peers_before)
-    assert _count(prefill, RECOVERIES) == recoveries + cluster.tp["prefill"]
-    assert _count(prefill, LOSSES) == losses + cluster.tp["prefill"]
+    assert _count(prefill, PEER_RECOVERIES) == recoveries + cluster.tp["prefill"]
+    assert _count(prefill, PEER_LOSSES) == losses + cluster.tp["prefill"]
     assert delta(causes, _causes(prefill)) == expected  # the recovery run ended nothing
 
 
@@ -254,8 +254,8 @@ def test_decode_rank_lost_by_one_prefill_rank_alone(cluster, control):
         expected = {("prefill", c, "prefill_inflight"): n for c, n in _lost_by_cause(prefill_legs).items()}
         wait_end_causes(cluster, causes, expected, roles=("prefill",))
         # prefill rank 1's monitor loses its peer (a failed write may have answered first); rank 0's does not
-        wait_until(lambda: _count(prefill, LOSSES) > losses, DETECT_BOUND, "prefill rank 1 to count the loss")
-        assert _count(prefill, LOSSES) == losses + 1
+        wait_until(lambda: _count(prefill, PEER_LOSSES) > losses, DETECT_BOUND, "prefill rank 1 to count the loss")
+        assert _count(prefill, PEER_LOSSES) == losses + 1
     finally:
         decode.kill()
     for leg in decode_legs:
@@ -266,8 +266,8 @@ def test_decode_rank_lost_by_one_prefill_rank_alone(cluster, control):
     decode.start()
     decode.wait_healthy()
     _recover(cluster, control, "prefill", baseline, peers_before)
-    assert _count(prefill, LOSSES) == losses + cluster.tp["prefill"]  # rank 0's too, when the rest of decode died
-    assert _count(prefill, RECOVERIES) == recoveries + cluster.tp["prefill"]
+    assert _count(prefill, PEER_LOSSES) == losses + cluster.tp["prefill"]  # rank 0's too, when the rest of decode died
+    assert _count(prefill, PEER_RECOVERIES) == recoveries + cluster.tp["prefill"]
     assert delta(causes, _causes(prefill)) == expected  # nothing else ended
 
 
@@ -298,14 +298,14 @@ def test_prefill_killed_in_flight_then_restarted(cluster, control):
     assert_idle(cluster, ("decode",), baseline, timeout=10)
     assert _peers(decode)["prefill_info_table"] == 0
     assert _peers(decode)["connection_pool"] == 0
-    assert _count(decode, LOSSES) == losses + cluster.tp["decode"]
+    assert _count(decode, PEER_LOSSES) == losses + cluster.tp["decode"]
     assert f"prefill peer {addr} lost" in decode.tail(400)
 
     prefill.start()
     prefill.wait_healthy()
     _recover(cluster, control, "decode", baseline, peers_before)
-    assert _count(decode, RECOVERIES) == recoveries + cluster.tp["decode"]
-    assert _count(decode, LOSSES) == losses + cluster.tp["decode"]
+    assert _count(decode, PEER_RECOVERIES) == recoveries + cluster.tp["decode"]
+    assert _count(decode, PEER_LOSSES) == losses + cluster.tp["decode"]
     assert delta(causes, _causes(decode)) == expected  # the recovery run ended nothing
 
 
@@ -381,8 +381,8 @@ def test_decode_killed_and_restarted_repeatedly_under_traffic(cluster, control):
     assert len(ok) >= 2 * kills
     # nothing accumulated on the survivor: rooms, KV, sessions, sockets
     assert_idle(cluster, PD_ROLES, baseline, timeout=DEADLINE + 30)
-    assert _count(prefill, LOSSES) == losses + kills * cluster.tp["prefill"]
-    assert _count(prefill, RECOVERIES) == recoveries + kills * cluster.tp["prefill"]
+    assert _count(prefill, PEER_LOSSES) == losses + kills * cluster.tp["prefill"]
+    assert _count(prefill, PEER_RECOVERIES) == recoveries + kills * cluster.tp["prefill"]
     # what prefill ended, it ended for the lost peer or because the load balancer gave
     # up the request when decode was down (a client abort of the prefill leg); how many
     # depends on what was in flight at each kill. None waited for the deadline fallback.

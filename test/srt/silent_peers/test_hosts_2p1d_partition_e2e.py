@@ -16,8 +16,8 @@ from collections import Counter
 
 import pytest
 
-from testing.pd_checks import (ClosedLoop, assert_idle, delta, end_causes, judge_partition_answers,
-                               wait_counter_rises)
+from testing.pd_checks import (PEER_LOSSES, PEER_RECOVERIES, ClosedLoop, assert_idle, delta, end_causes,
+                               judge_partition_answers, wait_counter_rises)
 from testing.pd_checks import (PARTITION_ANSWER_BOUND as ANSWER_BOUND, PARTITION_DEADLINE as DEADLINE,
                                PARTITION_DETECT_BOUND as DETECT_BOUND, PARTITION_ENV as ENV,
                                PARTITION_RECOVER_BOUND as RECOVER_BOUND)
@@ -28,8 +28,6 @@ pytestmark = pytest.mark.e2e  # its own 4 servers: 63 s on the 2-core box (104 s
 HOST_ROLES = ("prefill", "prefill2", "decode", "lb")  # the pd_hosts fixture makes these hosts
 ROLES = ("prefill", "prefill2", "decode")
 CLIENTS = 4
-LOSSES = "sglang:num_pd_peer_losses_total"
-RECOVERIES = "sglang:num_pd_peer_recoveries_total"
 PROMPT_TOKENS = "sglang:prompt_tokens_total"
 
 
@@ -52,7 +50,7 @@ def _causes(cluster) -> dict:
 
 def test_silent_partition_of_one_prefill_the_other_carries_the_load(cluster, pd_hosts):
     baseline = assert_idle(cluster, ROLES)
-    losses, recoveries = _counts(cluster, LOSSES), _counts(cluster, RECOVERIES)
+    losses, recoveries = _counts(cluster, PEER_LOSSES), _counts(cluster, PEER_RECOVERIES)
     causes = _causes(cluster)
     peers = {role: cluster[role].address for role in ("prefill2", "decode")}
     loop = ClosedLoop(cluster.url, CLIENTS, max_new_tokens=16, timeout=DEADLINE + 30, ignore_eos=True).start()
@@ -60,7 +58,7 @@ def test_silent_partition_of_one_prefill_the_other_carries_the_load(cluster, pd_
         wait_until(lambda: loop.completed() >= 2 * CLIENTS, 90, "closed-loop completions before the cut")
         t_cut = time.monotonic()
         pd_hosts.cut("prefill2", "decode")
-        detected = wait_counter_rises(cluster, ("prefill2", "decode"), LOSSES, losses, t_cut, DETECT_BOUND + 5,
+        detected = wait_counter_rises(cluster, ("prefill2", "decode"), PEER_LOSSES, losses, t_cut, DETECT_BOUND + 5,
                                       "prefill2 and decode to declare each other lost")
         # the cut lasts until requests bound to the silent pair have ended and the other prefill has served more
         wait_until(lambda: sum(r["status"] != 200 for r in loop.results if r["t"] >= t_cut) >= CLIENTS
@@ -75,7 +73,7 @@ def test_silent_partition_of_one_prefill_the_other_carries_the_load(cluster, pd_
         # prefill2, has no such wait.
         cut_seconds = t_heal - t_cut
         bounds = {"decode": RECOVER_BOUND, "prefill2": RECOVER_BOUND + cut_seconds}
-        recovered = wait_counter_rises(cluster, ("prefill2", "decode"), RECOVERIES, recoveries, t_heal,
+        recovered = wait_counter_rises(cluster, ("prefill2", "decode"), PEER_RECOVERIES, recoveries, t_heal,
                                        max(bounds.values()) + 10, "prefill2 and decode to count the recovery")
         t_back = time.monotonic()
         served_by_prefill2 = metric_sum(cluster["prefill2"].metrics(), PROMPT_TOKENS)
@@ -99,9 +97,9 @@ def test_silent_partition_of_one_prefill_the_other_carries_the_load(cluster, pd_
     assert all(r["status"] == 200 for r in loop.results if r["t"] - r["latency"] >= t_back), loop.summary()
     assert_idle(cluster, ROLES, baseline)
     # the silent pair counted the loss and the recovery once each; the first prefill lost nobody
-    assert delta(losses, _counts(cluster, LOSSES)) == {"prefill2": 1, "decode": 1}
-    wait_until(lambda: delta(recoveries, _counts(cluster, RECOVERIES)) == {"prefill2": 1, "decode": 1}, 10,
-               "both recoveries counted", on_timeout=lambda: str(delta(recoveries, _counts(cluster, RECOVERIES))))
+    assert delta(losses, _counts(cluster, PEER_LOSSES)) == {"prefill2": 1, "decode": 1}
+    wait_until(lambda: delta(recoveries, _counts(cluster, PEER_RECOVERIES)) == {"prefill2": 1, "decode": 1}, 10,
+               "both recoveries counted", on_timeout=lambda: str(delta(recoveries, _counts(cluster, PEER_RECOVERIES))))
     moved = delta(causes, _causes(cluster))
     assert any(cause == "peer_failure" for (_, _, cause, _) in moved), moved
     assert not any(server == "prefill" for (server, _, _, _) in moved), moved  # nothing ended on the first prefill

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from testing.pd_checks import ClosedLoop, assert_idle
+from testing.pd_checks import PD_ROLES, ClosedLoop, assert_idle
 from testing.pd_cluster import generate, wait_until
 
 pytestmark = pytest.mark.e2e
@@ -36,7 +36,6 @@ REMOVE_BOUND = HEALTH_FAILURES * (HEALTH_INTERVAL + HEALTH_TIMEOUT) + MARGIN
 READMIT_BOUND = HEALTH_INTERVAL + MARGIN
 PARTITION_S = 8.0  # how long the link stays cut after decode is removed
 CLIENTS = 4
-PD_ROLES = ("prefill", "decode")
 
 
 @pytest.fixture(scope="module")

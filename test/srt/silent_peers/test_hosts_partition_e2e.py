@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from testing.pd_checks import (ClosedLoop, assert_idle, cluster_end_causes, delta, judge_partition_answers,
-                               wait_counter_rises)
+from testing.pd_checks import (PD_ROLES, PEER_LOSSES, PEER_RECOVERIES, ClosedLoop, assert_idle, cluster_end_causes,
+                               delta, judge_partition_answers, wait_counter_rises)
 from testing.pd_checks import (PARTITION_ANSWER_BOUND as ANSWER_BOUND, PARTITION_DEADLINE as DEADLINE,
                                PARTITION_DETECT_BOUND as DETECT_BOUND, PARTITION_ENV as ENV,
                                PARTITION_RECOVER_BOUND as RECOVER_BOUND)
@@ -23,9 +23,6 @@ from testing.pd_cluster import generate, metric_sum, wait_until
 pytestmark = pytest.mark.e2e
 
 CLIENTS = 4
-LOSSES = "sglang:num_pd_peer_losses_total"
-RECOVERIES = "sglang:num_pd_peer_recoveries_total"
-PD_ROLES = ("prefill", "decode")
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +39,7 @@ def _counts(cluster, name: str) -> dict:
 
 def test_silent_partition_between_prefill_and_decode(cluster, pd_hosts):
     baseline = assert_idle(cluster, PD_ROLES)
-    losses, recoveries = _counts(cluster, LOSSES), _counts(cluster, RECOVERIES)
+    losses, recoveries = _counts(cluster, PEER_LOSSES), _counts(cluster, PEER_RECOVERIES)
     causes = cluster_end_causes(cluster)
     peers = {role: cluster[role].address for role in PD_ROLES}
     loop = ClosedLoop(cluster.url, CLIENTS, max_new_tokens=16, timeout=DEADLINE + 30, ignore_eos=True).start()
@@ -51,7 +48,7 @@ def test_silent_partition_between_prefill_and_decode(cluster, pd_hosts):
 
         t_cut = time.monotonic()
         pd_hosts.cut("prefill", "decode")
-        detected = wait_counter_rises(cluster, PD_ROLES, LOSSES, losses, t_cut, DETECT_BOUND + 5,
+        detected = wait_counter_rises(cluster, PD_ROLES, PEER_LOSSES, losses, t_cut, DETECT_BOUND + 5,
                                       "both sides to declare the other lost")
         # the link stays cut until the requests in flight at the cut and the next ones each client sent to the
         # silent peers have ended (prefill ends those no decode can take; decode's wait for the prefill ends at
@@ -91,8 +88,8 @@ def test_silent_partition_between_prefill_and_decode(cluster, pd_hosts):
     assert all(r["status"] == 200 for r in loop.results if r["t"] - r["latency"] >= served), loop.summary()
     assert_idle(cluster, PD_ROLES, baseline)
     # each side counted the loss and the recovery once
-    assert delta(losses, _counts(cluster, LOSSES)) == {"prefill": 1, "decode": 1}
-    wait_until(lambda: delta(recoveries, _counts(cluster, RECOVERIES)) == {"prefill": 1, "decode": 1}, 10,
-               "both recoveries counted", on_timeout=lambda: str(delta(recoveries, _counts(cluster, RECOVERIES))))
+    assert delta(losses, _counts(cluster, PEER_LOSSES)) == {"prefill": 1, "decode": 1}
+    wait_until(lambda: delta(recoveries, _counts(cluster, PEER_RECOVERIES)) == {"prefill": 1, "decode": 1}, 10,
+               "both recoveries counted", on_timeout=lambda: str(delta(recoveries, _counts(cluster, PEER_RECOVERIES))))
     moved = delta(causes, cluster_end_causes(cluster))
     assert any(cause == "peer_failure" for (_, cause, _) in moved), moved

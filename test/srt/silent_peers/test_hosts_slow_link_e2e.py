@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from testing.pd_checks import assert_idle, cluster_end_causes, delta
+from testing.pd_checks import PD_ROLES, assert_idle, cluster_end_causes, delta
 from testing.pd_cluster import PDCluster, generate
 from testing.tiny_model import WIDE_KV_BYTES_PER_TOKEN, ensure_tiny_model
 
@@ -28,7 +28,6 @@ ARGS = ("--max-total-tokens", "8192", "--max-running-requests", "4")
 RATE = 200_000_000  # bit/s on the shaped link
 PROMPT = "the quick brown fox jumps over the lazy dog " * 100  # ~900 tokens: ~28 MiB of KV
 MARGIN = 4.0  # a busy 2-core machine
-PD_ROLES = ("prefill", "decode")
 
 
 @pytest.fixture(scope="module")

@@ -24,6 +24,7 @@ import pytest
 
 from conftest import TP2, TP2_DECODE_TP1, topology_params, topology_pd
 from testing.pd_checks import (
+    PD_ROLES,
     Leg,
     assert_idle,
     assert_serves,
@@ -49,7 +50,6 @@ ENV = {"SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT": str(DEADLINE)}
 # "3 s + 2 scheduler ticks", generously: an idle CPU scheduler sleeps up to ~1 s per tick
 # with --sleep-on-idle, and the deadline scan runs every deadline/50.
 MARGIN = 2.5
-PD_ROLES = ("prefill", "decode")
 COUNTER = "sglang:num_transfer_timeout_reqs_total"
 # The deadline is measured on the server from when the request enters the stage, which
 # is after the client sent it: an answer can never come before DEADLINE seconds.
@@ -82,6 +82,15 @@ def _post(url: str, payload: dict, out: dict, timeout: float = 120.0) -> None:
 
 def _stage_count(metrics: dict, stage: str) -> float:
     return metric_sum(metrics, COUNTER, stage=stage)
+
+
+def _assert_deadline_504(leg: Leg, stage: str, room: int) -> None:
+    """`leg` was answered 504 naming `stage`, its room and the deadline's knob, no earlier than the deadline."""
+    assert leg.status == 504, leg.out
+    detail = json.dumps(leg.response)
+    for part in (stage, f"bootstrap_room={room}", "SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT"):
+        assert part in detail, (part, detail)
+    assert leg.out["seconds"] >= EARLIEST, leg.out["seconds"]
 
 
 def _generate_body(text: str) -> dict:
@@ -148,11 +157,7 @@ def test_first_contact_with_frozen_prefill_does_not_block_decode(cluster):
         assert other.out["ended"] < leg.out["ended"], (other.out, leg.out)
         assert len(other.response["output_ids"]) == 16, other.response
 
-        assert leg.status == 504, leg.out
-        detail = json.dumps(leg.response)
-        for part in (stage, f"bootstrap_room={room}", "SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT"):
-            assert part in detail, (part, detail)
-        assert leg.out["seconds"] >= EARLIEST, leg.out["seconds"]
+        _assert_deadline_504(leg, stage, room)
         assert leg.ended_at - t_stage <= DEADLINE + FROZEN_PREFILL_MARGIN, leg.ended_at - t_stage
         assert _stage_count(decode.metrics(), stage) == before + 1
         wait_end_causes(cluster, causes, {("decode", "timeout", stage): 1}, roles=("decode",))
@@ -315,11 +320,7 @@ def test_frozen_prefill_decode_leg_gets_504(cluster, frozen):
         leg.start()
     try:
         wait_until(leg.done, DEADLINE + MARGIN + 30, "decode's answer")
-        assert leg.status == 504, leg.out
-        detail = json.dumps(leg.response)
-        for part in (stage, f"bootstrap_room={room}", "SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT"):
-            assert part in detail, (part, detail)
-        assert leg.out["seconds"] >= EARLIEST, leg.out["seconds"]
+        _assert_deadline_504(leg, stage, room)
         print(f"{frozen}: 504 after {leg.ended_at - t_stage:.2f}s")
         assert leg.ended_at - t_stage <= DEADLINE + FROZEN_PREFILL_MARGIN, leg.ended_at - t_stage
         assert _stage_count(decode.metrics(), stage) == before + 1

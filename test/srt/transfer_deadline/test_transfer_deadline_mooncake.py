@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from testing.pd_checks import pair_fixture
+from testing.pd_checks import pair_fixture, wait_pair_idle
 from testing.pd_checks import pair_is_idle as _idle
 
 pytestmark = pytest.mark.pair
@@ -43,7 +43,7 @@ def test_dead_worker_fails_its_room_and_restarts(pair):
     # decode heard it from prefill (the room's Failed status), not from its own timer
     assert pair.decode.call("status", room) == 500
     assert "injected transfer engine error" in pair.decode.call("reason", room)
-    pair.run_until(lambda: _idle(pair), timeout=60)
+    wait_pair_idle(pair, timeout=60)
     # Upstream's worker poisons the room's drain ACK when a send raised (another
     # layer's write may still be running), and keeps the mark until the room id is
     # reused; decode then frees its pages after its deferred-release timeout.
@@ -55,7 +55,7 @@ def test_dead_worker_fails_its_room_and_restarts(pair):
     pair.run_until(lambda: pair.decode.call("transferred", ok), timeout=30)
     assert pair.decode.call("kv_bytes", ok) == pair.prefill.call("kv_sent", ok)
     pair.decode.call("finish", ok)
-    pair.run_until(lambda: _idle(pair), timeout=30)
+    wait_pair_idle(pair)
 
 
 def test_late_handshake_after_prefill_deadline_is_refused(pair):
@@ -80,7 +80,7 @@ def test_late_handshake_after_prefill_deadline_is_refused(pair):
     assert "prefill_bootstrap" in pair.decode.call("reason", room)
     # the cause came as a field with prefill's answer (its deadline, remembered with the room), not read from the text
     assert pair.decode.call("told", room) == "PEER_DEADLINE"
-    pair.run_until(lambda: _idle(pair), timeout=30)
+    wait_pair_idle(pair)
     # upstream: request_status/transfer_infos re-created on prefill and never cleared
     assert pair.prefill.call("room_entries", room) == []
     assert pair.decode.call("room_entries", room) == []

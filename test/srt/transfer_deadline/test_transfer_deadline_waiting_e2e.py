@@ -23,7 +23,16 @@ import time
 import pytest
 
 from conftest import TP2, TP2_DECODE_TP1, topology_params, topology_pd
-from testing.pd_checks import Leg, assert_idle, assert_serves, call, cluster_end_causes, leg_body, wait_end_causes
+from testing.pd_checks import (
+    PD_ROLES,
+    Leg,
+    assert_idle,
+    assert_serves,
+    call,
+    cluster_end_causes,
+    leg_body,
+    wait_end_causes,
+)
 from testing.pd_cluster import metric_sum, wait_until
 
 pytestmark = pytest.mark.e2e
@@ -34,7 +43,6 @@ STAGE = "prefill_waiting"
 COUNTER = "sglang:num_transfer_timeout_reqs_total"
 FAKE_BOOTSTRAP_HOST = "2.2.2.2"
 OCCUPIER_TOKENS = 4000
-PD_ROLES = ("prefill", "decode")
 
 
 @pytest.fixture(scope="module", params=topology_params(TP2, TP2_DECODE_TP1))

@@ -23,6 +23,9 @@ import pytest
 
 from conftest import resume_frozen, shared_env
 from testing.pd_checks import (
+    END_CAUSES,
+    PD_ROLES,
+    PEER_LOSSES,
     assert_idle,
     assert_serves,
     at_gate,
@@ -52,10 +55,7 @@ ENV = {
     "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": str(HEARTBEAT),
     "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": "2",
 }
-PD_ROLES = ("prefill", "decode")
-LOSSES = "sglang:num_pd_peer_losses_total"
 RELEASES = "sglang:decode_deferred_kv_release_total"
-END_CAUSES = "sglang:num_pd_request_end_causes_total"
 # A refused connection is a loss at the monitor's next pass (one interval); then the
 # deferred release is resolved on the scheduler's next tick. The issue's bound:
 # detection + 2 s.
@@ -119,7 +119,7 @@ def test_prefill_killed_while_decode_awaits_drain_acks(cluster):
     are settled by the loss: decode idle within detection + 2 s, not 30 s."""
     prefill, decode = cluster["prefill"], cluster["decode"]
     baseline = _warm_baseline(cluster)  # decode fetched prefill's info
-    losses = metric_sum(decode.metrics(), LOSSES)
+    losses = metric_sum(decode.metrics(), PEER_LOSSES)
     drained = metric_sum(decode.metrics(), RELEASES, outcome="drained")
     timed_out = metric_sum(decode.metrics(), RELEASES, outcome="timeout")
     aborts = metric_sum(decode.metrics(), END_CAUSES, role="decode", cause="client_abort")
@@ -156,7 +156,7 @@ def test_prefill_killed_while_decode_awaits_drain_acks(cluster):
     idle_after = time.monotonic() - t_kill
     assert idle_after <= IDLE_AFTER_LOSS_S, idle_after
     assert http_get(decode.url + "/flush_cache")[0] == 200
-    assert metric_sum(decode.metrics(), LOSSES) == losses + 1
+    assert metric_sum(decode.metrics(), PEER_LOSSES) == losses + 1
     # released as drained (on the lost peer's behalf), none by the 30 s timeout
     assert metric_sum(decode.metrics(), RELEASES, outcome="drained") == drained + n
     assert metric_sum(decode.metrics(), RELEASES, outcome="timeout") == timed_out

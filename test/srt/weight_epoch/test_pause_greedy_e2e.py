@@ -22,13 +22,12 @@ import time
 import pytest
 
 from conftest import TINY_MODEL_DIR
-from testing.pd_checks import ClosedLoop, assert_idle, requests_held
+from testing.pd_checks import PD_ROLES, ClosedLoop, assert_idle, requests_held
 from testing.tiny_model import ensure_tiny_model
 from testing.pd_cluster import PDCluster, SingleServer, generate, http_post_json, prompts, wait_until
 
 pytestmark = pytest.mark.e2e
 
-PD_ROLES = ("prefill", "decode")
 FP32 = ("--dtype", "float32")
 CLIENTS = 8
 CYCLES = 12

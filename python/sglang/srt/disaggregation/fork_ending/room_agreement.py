@@ -15,7 +15,7 @@ from collections import Counter
 from typing import Any, List, NamedTuple, Optional, Sequence, Tuple
 
 from sglang.srt.disaggregation.fork_ending import request_end_cause as end_cause
-from sglang.srt.disaggregation.fork_ending.room_ledger import ledger_of
+from sglang.srt.disaggregation.fork_ending.room_ledger import failure_record, ledger_of
 from sglang.srt.disaggregation.fork_ending.verdict import Told, reason_weight
 from sglang.srt.managers.fork_core.rank_agreement import gather, group_size
 from sglang.srt.managers.fork_core.fork_touch import upstream
@@ -50,8 +50,7 @@ def known(poller: Any) -> Optional[Known]:
     mgr, room = _room_of(poller)
     if mgr is None:
         return None
-    with mgr.failure_lock:
-        reason = mgr.failure_records.get(room)
+    reason = failure_record(mgr, room)
     ledger = ledger_of(mgr)
     late, late_told = (None if ledger is None else ledger.late(room)) or (None, None)
     told = None if ledger is None or reason is None else ledger.told_with(room)

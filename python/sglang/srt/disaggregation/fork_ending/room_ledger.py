@@ -200,6 +200,13 @@ class RoomLedger:
                 return None
         return kept[0]
 
+    def has_record(self, room: int) -> bool:
+        """Whether `room` has a failure record now (upstream's `failure_records`, read under its `failure_lock`).
+        Upstream keeps a room's first record, so a caller about to record one reads here whether it would be the
+        first (peer_liveness' hook for a write to a blacklisted session); the table is read only in this module."""
+        with upstream(self.mgr, "failure_lock"):
+            return room in upstream(self.mgr, "failure_records")
+
     def announce(self, room: int, rank: int, told: Optional[Told]) -> None:
         """Decode, bootstrap thread: prefill rank `rank` announced `told` for its next Failed status of `room`."""
         with self.lock:
@@ -300,6 +307,13 @@ def handles_aborts(mgr: Any) -> bool:
     classes = {f"{c.__module__}.{c.__qualname__}" for c in type(mgr).__mro__}
     return mgr is not None and any(target.endswith("._handle_abort_notification") and target.rpartition(".")[0] in classes
                                    for target, *_ in SWAPS)
+
+
+def failure_record(mgr: Any, room: int) -> Optional[str]:
+    """`room`'s failure record now (upstream's table, under its failure lock), or None: room_agreement shares it
+    with the other ranks (a manager whose ledger may not exist yet: read by manager, not through the ledger)."""
+    with upstream(mgr, "failure_lock"):
+        return upstream(mgr, "failure_records").get(room)
 
 
 def forget_failure(mgr: Any, room: int) -> None:

@@ -507,10 +507,9 @@ def around_conclude_transfer(original, mgr, *args, bootstrap_room=None, status=N
                 # recorded here with its cause (LOST), for upstream's conclusion to mark and send and room_agreement
                 # to share; upstream keeps a room's first record, so only when it has none (an existing one is sent
                 # with the cause it came with)
-                with mgr.failure_lock:
-                    first = bootstrap_room not in mgr.failure_records
-                if first:
-                    room_ledger.end_room(mgr, bootstrap_room, None, failure_reason, tell=False, mark=False, told=LOST)
+                ledger = room_ledger.ledger_for(mgr)
+                if not ledger.has_record(bootstrap_room):
+                    ledger.end(bootstrap_room, None, failure_reason, tell=False, mark=False, told=LOST)
                 with room_ledger.concluding(bootstrap_room, kwargs.get("targets")):  # told only if a status is sent
                     return original(mgr, *args, bootstrap_room=bootstrap_room, status=status,
                                     failure_reason=failure_reason, **kwargs)
