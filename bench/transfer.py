@@ -55,7 +55,7 @@ from bench import baseline, cpu_window
 from bench.readme_block import write_block
 from bench.work_dir import work_dir
 from testing import hosts as hosts_mod
-from testing.pd_cluster import PDCluster, fork_python, http_post_json, start_all
+from testing.pd_cluster import PDCluster, fork_python, http_post_json, metric_sum, start_all
 from testing.tiny_model import VOCAB_SIZE, WIDE_KV_BYTES_PER_TOKEN, ensure_tiny_model
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -345,7 +345,7 @@ def _stage_sums(metrics: Mapping[str, float]) -> Dict[str, float]:
             out[stage] = out.get(stage, 0.0) + value
     for name in ("sglang:kv_transfer_total_mb_sum", "sglang:kv_transfer_latency_ms_sum",
                  "sglang:kv_transfer_total_mb_count"):
-        out[name] = sum(v for k, v in metrics.items() if k == name or k.startswith(name + "{"))
+        out[name] = metric_sum(metrics, name)
     return out
 
 
