@@ -82,10 +82,20 @@ def gather(group: Any, mine: Any) -> Optional[List[Any]]:
 
 def gloo_timeout(*args, **kwargs):
     """BEFORE distributed.parallel_state.GroupCoordinator.__init__: SGLANG_FORK_GLOO_TIMEOUT (seconds > 0) as
-    the gloo groups' timeout; unset or 0: upstream's."""
+    the gloo groups' timeout; unset or 0: upstream's. Upstream passes it to the CPU group only; the device group
+    gets upstream's --dist-timeout (parallel_state._MODEL_PARALLEL_GROUP_TIMEOUT; unset: torch's 30 minutes). On
+    CPU the device group is gloo too and carries the model's all-reduce, where a decode rank whose peer rank
+    stopped waits: unless --dist-timeout set one, it gets the same timeout."""
     seconds = knobs.GLOO_TIMEOUT.get()
     if seconds > 0:
         kwargs["gloo_timeout"] = timedelta(seconds=seconds)
+        # (self, group_ranks, local_rank, torch_distributed_backend, ...)
+        backend = kwargs.get("torch_distributed_backend", args[3] if len(args) > 3 else None)
+        if str(backend) == "gloo":
+            from sglang.srt.distributed import parallel_state
+
+            if upstream(parallel_state, "_MODEL_PARALLEL_GROUP_TIMEOUT") is None:
+                parallel_state._MODEL_PARALLEL_GROUP_TIMEOUT = kwargs["gloo_timeout"]
         if not _logged:
             _logged.append(seconds)
             logger.info("gloo groups' timeout: %gs (SGLANG_FORK_GLOO_TIMEOUT)", seconds)
