@@ -168,6 +168,37 @@ class Leg(threading.Thread):
         return self.out.get("ended")
 
 
+def assert_named_5xx(legs, lost_role: str, t_gone: float, bound: float, multi_rank: bool = False) -> None:
+    """Every leg (Leg) a 5xx naming the lost peer, answered within `bound` seconds of the peer being gone
+    (`t_gone`, monotonic): 502 "PD peer lost: <role> peer <address> lost", or 500 naming the failed write to it.
+    With tensor parallelism each rank of the lost peer has its own transfer session (its own address): a 500 names
+    the session its write failed to, which may be another rank's than the one a 502 names."""
+    lost = [leg for leg in legs if leg.status == 502]
+    assert lost, [(leg.status, leg.response) for leg in legs]
+    marker = f"{lost_role} peer {HOST}:"
+    detail = json.dumps(lost[0].response)
+    assert marker in detail, detail
+    peer = detail[detail.index(marker) + len(marker) - len(f"{HOST}:"):].split(" ")[0]
+    written_to = f"to {HOST}:" if multi_rank else f"to {peer}"
+    for leg in legs:
+        detail = json.dumps(leg.response)
+        if leg.status == 502:
+            assert f"PD peer lost: {lost_role} peer {peer} lost" in detail, detail
+        else:
+            assert leg.status == 500 and "Failed to send kv chunk" in detail and written_to in detail, (leg.status, detail)
+        assert leg.ended_at - t_gone <= bound, leg.ended_at - t_gone
+
+
+def lost_by_cause(legs) -> Dict[str, int]:
+    """What the end-cause counter must have counted for legs judged by `assert_named_5xx`: a 502 is a peer
+    failure, a 500 (the write that revealed the loss) a transport failure."""
+    out: Dict[str, int] = {}
+    for leg in legs:
+        cause = {502: "peer_failure", 500: "transport"}[leg.status]
+        out[cause] = out.get(cause, 0) + 1
+    return out
+
+
 def start_legs(url: str, bodies) -> list:
     legs = [Leg(url, b) for b in bodies]
     for leg in legs:

@@ -42,7 +42,7 @@ from testing.http_client import (
 )
 from testing.polling import POLL_INTERVAL, ClusterError, wait_until
 from testing.ports import HOST, free_port, free_ports
-from testing.processes import DEFAULT_HEALTH_TIMEOUT, PYTHON_ENV, Deployment, Server, fork_python, start_all
+from testing.processes import DEFAULT_HEALTH_TIMEOUT, PYTHON_ENV, Deployment, Server, exited, fork_python, start_all
 
 __all__ = [
     "BALANCERS", "BASE_ENV", "BASE_SERVER_ARGS", "PD_ROLES", "REGISTER_TIMEOUT", "TEST_GLOO_TIMEOUT_S",
@@ -51,5 +51,5 @@ __all__ = [
     "parse_prometheus", "prompts",
     "POLL_INTERVAL", "ClusterError", "wait_until",
     "HOST", "free_port", "free_ports",
-    "DEFAULT_HEALTH_TIMEOUT", "PYTHON_ENV", "Deployment", "Server", "fork_python", "start_all",
+    "DEFAULT_HEALTH_TIMEOUT", "PYTHON_ENV", "Deployment", "Server", "exited", "fork_python", "start_all",
 ]

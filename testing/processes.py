@@ -236,6 +236,16 @@ class Server:
     def is_alive(self) -> bool:
         return self.popen is not None and self.popen.poll() is None
 
+    def scheduler(self, rank: int) -> psutil.Process:
+        """The scheduler process of TP rank `rank` (upstream titles it sglang::scheduler_TP<rank>): what a fault
+        aimed at one rank of a multi-rank server kills or freezes."""
+        title = f"sglang::scheduler_TP{rank}"
+        found = [p for p in self.processes() if " ".join(p.cmdline()).split(" ")[0] == title]
+        if len(found) != 1:
+            raise ClusterError(f"{self.role}: {len(found)} processes titled {title}: "
+                               f"{[p.cmdline() for p in self.processes()]}")
+        return found[0]
+
     def tail(self, n: int = 40) -> str:
         try:
             with open(self.log_path, "rb") as f:
@@ -291,6 +301,14 @@ class Server:
             p.send_signal(sig)
         self._remember()
         return [p.pid for p in procs]
+
+
+def exited(process: psutil.Process) -> bool:
+    """A process that exited (its sockets closed): reaped, or a zombie its (stopped or gone) parent has not reaped."""
+    try:
+        return process.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
 
 
 def _proc_status(pid: int) -> Optional[str]:

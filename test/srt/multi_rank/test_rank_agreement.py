@@ -5,6 +5,7 @@ GroupCoordinator) instead of upstream's 120 minutes. The end-to-end proof at TP=
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from types import SimpleNamespace
@@ -54,10 +55,11 @@ GLOO_TIMEOUT_S = 3.0
 STUCK_FAILS_WITHIN_S = GLOO_TIMEOUT_S + 20
 
 
-def _stuck_rank(rank: int, store: str, out) -> None:
+def _stuck_rank(rank: int, store: str, out, group_attr: str = "cpu_group") -> None:
     """Upstream's GroupCoordinator over two ranks with the fork's hook on its __init__ (the knob set as the test
-    deployments set it); rank 0 enters an all-reduce on the CPU group, rank 1 stays alive and never joins (a rank
-    stopped elsewhere), until rank 0 has its outcome."""
+    deployments set it); rank 0 enters an all-reduce on the group's `group_attr` (cpu_group: the PD polls and the
+    scheduler's broadcasts; device_group: on CPU also gloo, the model's all-reduce in a forward pass), rank 1 stays
+    alive and never joins (a rank stopped elsewhere), until rank 0 has its outcome."""
     os.environ["SGLANG_FORK_GLOO_TIMEOUT"] = str(GLOO_TIMEOUT_S)
     import torch
     import torch.distributed as dist
@@ -73,7 +75,7 @@ def _stuck_rank(rank: int, store: str, out) -> None:
     if rank == 0:
         started = time.monotonic()
         try:
-            dist.all_reduce(torch.zeros(1), group=group.cpu_group)
+            dist.all_reduce(torch.zeros(1), group=getattr(group, group_attr))
             error = None
         except RuntimeError as e:
             error = str(e)
@@ -86,8 +88,9 @@ def _stuck_rank(rank: int, store: str, out) -> None:
     # no destroy_process_group: rank 0's group is broken by the timeout; the processes exit
 
 
-def test_a_rank_left_in_a_collective_fails_after_the_gloo_timeout():
-    results = run_ranks(_stuck_rank, WORLD, timeout=STUCK_FAILS_WITHIN_S + 90)
+@pytest.mark.parametrize("group_attr", ["cpu_group", "device_group"])
+def test_a_rank_left_in_a_collective_fails_after_the_gloo_timeout(group_attr):
+    results = run_ranks(functools.partial(_stuck_rank, group_attr=group_attr), WORLD, timeout=STUCK_FAILS_WITHIN_S + 90)
     took, error = results[0]
     assert error is not None, f"the all-reduce returned without rank 1 ({took:.1f}s)"
     assert "timed out" in error.lower() or "timeout" in error.lower(), error

@@ -17,7 +17,6 @@ import random
 import threading
 import time
 
-import psutil
 import pytest
 
 from conftest import (LIVENESS_ARGS, LIVENESS_ENV, TP2, TP2_DECODE_TP1, resume_frozen, shared_env, topology_params,
@@ -27,16 +26,18 @@ from testing.pd_checks import (
     PEER_LOSSES,
     PEER_RECOVERIES,
     assert_idle,
+    assert_named_5xx,
     assert_serves,
     delta,
     end_causes,
     held,
     leg_body,
+    lost_by_cause,
     stable_peer_tables,
     start_legs,
     wait_end_causes,
 )
-from testing.pd_cluster import generate, metric_sum, prompts, wait_until
+from testing.pd_cluster import exited, generate, metric_sum, prompts, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -105,16 +106,6 @@ def _before_the_fault(cluster, survivor: str) -> tuple:
     return baseline, _peers(server), _count(server, PEER_LOSSES), _count(server, PEER_RECOVERIES), _causes(server)
 
 
-def _lost_by_cause(legs) -> dict:
-    """What the end-cause counter must have counted for these legs: a 502 is a peer
-    failure, a 500 (the write that revealed the loss) a transport failure."""
-    out = {}
-    for leg in legs:
-        cause = {502: "peer_failure", 500: "transport"}[leg.status]
-        out[cause] = out.get(cause, 0) + 1
-    return out
-
-
 def _peers(server) -> dict:
     return server.resources()["peers"]
 
@@ -123,27 +114,6 @@ def _count(server, name: str) -> float:
     """A counter summed over its label sets: the loss and recovery counters move once per rank of the
     survivor (each rank's monitor watches its own session to the peer)."""
     return metric_sum(server.metrics(), name)
-
-
-def _assert_named_5xx(legs, lost_role: str, t_gone: float, multi_rank: bool = False) -> None:
-    """Every leg a 5xx naming the lost peer, within DETECT_BOUND of the peer being gone (`t_gone`):
-    502 "peer ... lost", or 500 naming the failed write to it.
-    With tensor parallelism each rank of the lost peer has its own transfer session (its own address): a
-    500 names the session its write failed to, which may be another rank's than the one a 502 names."""
-    lost = [leg for leg in legs if leg.status == 502]
-    assert lost, [(leg.status, leg.response) for leg in legs]
-    marker = f"{lost_role} peer 127.0.0.1:"
-    detail = json.dumps(lost[0].response)
-    assert marker in detail, detail
-    peer = detail[detail.index(marker) + len(marker) - len("127.0.0.1:"):].split(" ")[0]
-    written_to = "to 127.0.0.1:" if multi_rank else f"to {peer}"
-    for leg in legs:
-        detail = json.dumps(leg.response)
-        if leg.status == 502:
-            assert f"PD peer lost: {lost_role} peer {peer} lost" in detail, detail
-        else:
-            assert leg.status == 500 and "Failed to send kv chunk" in detail and written_to in detail, (leg.status, detail)
-        assert leg.ended_at - t_gone <= DETECT_BOUND, leg.ended_at - t_gone
 
 
 def _recover(cluster, control, survivor: str, baseline: dict, peers_before: dict) -> None:
@@ -190,9 +160,9 @@ def test_decode_killed_in_flight_then_restarted(cluster, control):
     # every prefill leg ends within detection + a tick, with a 5xx naming the lost
     # decode: 502 "decode peer ... lost", or 500 for a request whose own write was the
     # one that failed (before the loss was known)
-    _assert_named_5xx(prefill_legs, "decode", t_gone, cluster.multi_rank)
+    assert_named_5xx(prefill_legs, "decode", t_gone, DETECT_BOUND, cluster.multi_rank)
     # each prefill leg counted once, by the cause its answer names, in its stage
-    expected = {("prefill", c, "prefill_inflight"): n for c, n in _lost_by_cause(prefill_legs).items()}
+    expected = {("prefill", c, "prefill_inflight"): n for c, n in lost_by_cause(prefill_legs).items()}
     wait_end_causes(cluster, causes, expected, roles=("prefill",))
     # prefill gave everything back and forgot the dead incarnation, decode still down
     assert_idle(cluster, ("prefill",), baseline, timeout=10)
@@ -212,23 +182,6 @@ def test_decode_killed_in_flight_then_restarted(cluster, control):
     assert delta(causes, _causes(prefill)) == expected  # the recovery run ended nothing
 
 
-def _scheduler_process(server, rank: int):
-    """The psutil process of `server`'s scheduler for TP rank `rank` (upstream titles it sglang::scheduler_TP<rank>)."""
-    root = psutil.Process(server.popen.pid)
-    title = f"sglang::scheduler_TP{rank}"
-    found = [p for p in [root] + root.children(recursive=True) if " ".join(p.cmdline()).split(" ")[0] == title]
-    assert len(found) == 1, (title, [p.cmdline() for p in root.children(recursive=True)])
-    return found[0]
-
-
-def _exited(process) -> bool:
-    """A process that exited (its sockets closed): reaped, or a zombie its stopped parent has not reaped."""
-    try:
-        return process.status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
-
-
 def test_decode_rank_lost_by_one_prefill_rank_alone(cluster, control):
     """TP 2: decode frozen with 16 requests in flight, then only its rank-1 scheduler killed. Decode's rank 0 still
     takes connections (a stopped process's listening socket does), so only prefill rank 1's peer monitor loses its
@@ -242,16 +195,16 @@ def test_decode_rank_lost_by_one_prefill_rank_alone(cluster, control):
 
     try:
         decode_legs, prefill_legs = _in_flight_to_frozen_decode(cluster, "rank lost")
-        rank1 = _scheduler_process(decode, 1)
+        rank1 = decode.scheduler(1)
         rank1.kill()
         # exited (a zombie: its frozen parent does not reap it): its sockets are closed
-        wait_until(lambda: _exited(rank1), 30, "decode rank 1 to exit", interval=0.05)
+        wait_until(lambda: exited(rank1), 30, "decode rank 1 to exit", interval=0.05)
         t_gone = time.monotonic()
         for leg in prefill_legs:
             leg.join(DEADLINE + 30)
         assert not [leg for leg in prefill_legs if leg.is_alive()], "a request hangs"
-        _assert_named_5xx(prefill_legs, "decode", t_gone, multi_rank=True)
-        expected = {("prefill", c, "prefill_inflight"): n for c, n in _lost_by_cause(prefill_legs).items()}
+        assert_named_5xx(prefill_legs, "decode", t_gone, DETECT_BOUND, multi_rank=True)
+        expected = {("prefill", c, "prefill_inflight"): n for c, n in lost_by_cause(prefill_legs).items()}
         wait_end_causes(cluster, causes, expected, roles=("prefill",))
         # prefill rank 1's monitor loses its peer (a failed write may have answered first); rank 0's does not
         wait_until(lambda: _count(prefill, PEER_LOSSES) > losses, DETECT_BOUND, "prefill rank 1 to count the loss")
@@ -291,7 +244,7 @@ def test_prefill_killed_in_flight_then_restarted(cluster, control):
     assert not [leg for leg in decode_legs if leg.is_alive()], "a request hangs"
     addr = f"127.0.0.1:{cluster.bootstrap_port}"
     assert [leg.status for leg in decode_legs] == [502] * N_INFLIGHT, [leg.response for leg in decode_legs]
-    _assert_named_5xx(decode_legs, "prefill", t_gone, cluster.multi_rank)
+    assert_named_5xx(decode_legs, "prefill", t_gone, DETECT_BOUND, cluster.multi_rank)
     assert f"prefill peer {addr} lost" in json.dumps(decode_legs[0].response)
     expected = {("decode", "peer_failure", "decode_transfer"): N_INFLIGHT}
     wait_end_causes(cluster, causes, expected, roles=("decode",))

@@ -136,6 +136,9 @@ HOOKS: list[tuple[str, str, str]] = [_full(target, ref) + (kind,) for target, re
      "room_ledger:before_release_on_failure", BEFORE),
     ("managers.tokenizer_manager.TokenizerManager.abort_request", "pause_gate:tm_abort_request", AROUND),
     ("managers.tokenizer_manager.TokenizerManager.continue_generation", "tokenizer_pause:tm_continue_generation", AROUND),
+    # a failed rank takes its server down at once: upstream's crash diagnostics only where they can run
+    ("managers.tokenizer_manager.TokenizerManager.dump_requests_before_crash",
+     "rank_agreement:crash_diagnostics_that_can_run", AROUND),
     ("managers.tokenizer_manager.TokenizerManager.generate_request", "resend_wait:tm_generate_request", AROUND),
     ("managers.tokenizer_manager.TokenizerManager.pause_generation", "tokenizer_pause:tm_pause_generation", AROUND),
     ("mem_cache.common.match_kv_cache", "weight_epoch:before_match", BEFORE),

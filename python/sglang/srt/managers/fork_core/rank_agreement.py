@@ -8,14 +8,19 @@ failed write, a lost peer, a given-up fetch on any rank) reaches the others as `
 all-reduce, and what that rank knows of it through `gather` right after (disaggregation/fork_ending/room_agreement).
 
 Also `SGLANG_FORK_GLOO_TIMEOUT`: the timeout of upstream's gloo (CPU) groups, 120 minutes upstream; tests set a
-short one so that a rank stuck in a collective fails the test in seconds instead of hanging it.
+short one so that a rank stuck in a collective fails the test in seconds instead of hanging it. And a rank that
+fails takes its server down at once (`crash_diagnostics_that_can_run`): upstream's crash path waits 5 s and then
+60 s for GPU core dumps before it kills the server, also where none can be taken.
 
 Thread: the scheduler's (each call is a collective of its group).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import shutil
 from datetime import timedelta
 from typing import Any, List, Optional
 
@@ -77,10 +82,20 @@ def gather(group: Any, mine: Any) -> Optional[List[Any]]:
 
 def gloo_timeout(*args, **kwargs):
     """BEFORE distributed.parallel_state.GroupCoordinator.__init__: SGLANG_FORK_GLOO_TIMEOUT (seconds > 0) as
-    the gloo groups' timeout; unset or 0: upstream's."""
+    the gloo groups' timeout; unset or 0: upstream's. Upstream passes it to the CPU group only; the device group
+    gets upstream's --dist-timeout (parallel_state._MODEL_PARALLEL_GROUP_TIMEOUT; unset: torch's 30 minutes). On
+    CPU the device group is gloo too and carries the model's all-reduce, where a decode rank whose peer rank
+    stopped waits: unless --dist-timeout set one, it gets the same timeout."""
     seconds = knobs.GLOO_TIMEOUT.get()
     if seconds > 0:
         kwargs["gloo_timeout"] = timedelta(seconds=seconds)
+        # (self, group_ranks, local_rank, torch_distributed_backend, ...)
+        backend = kwargs.get("torch_distributed_backend", args[3] if len(args) > 3 else None)
+        if str(backend) == "gloo":
+            from sglang.srt.distributed import parallel_state
+
+            if upstream(parallel_state, "_MODEL_PARALLEL_GROUP_TIMEOUT") is None:
+                parallel_state._MODEL_PARALLEL_GROUP_TIMEOUT = kwargs["gloo_timeout"]
         if not _logged:
             _logged.append(seconds)
             logger.info("gloo groups' timeout: %gs (SGLANG_FORK_GLOO_TIMEOUT)", seconds)
@@ -89,3 +104,23 @@ def gloo_timeout(*args, **kwargs):
 
 
 _logged: List[float] = []
+
+
+def crash_diagnostics_that_can_run(original, self, *args, **kwargs):
+    """AROUND managers.tokenizer_manager.TokenizerManager.dump_requests_before_crash, which upstream's SIGQUIT
+    handler (a scheduler rank raised: e.g. a gloo collective past its timeout) runs before it kills the server's
+    process tree. Upstream then sleeps 5 s "to let GPU activity settle", runs py-spy on every scheduler and waits
+    SGLANG_CUDA_COREDUMP_BEFORE_CRASH_WAIT_SECS (60 s) for CUDA core dumps, also where none can be taken: without
+    CUDA_ENABLE_USER_TRIGGERED_COREDUMP=1 (upstream's own precondition: it logs that none was triggered and waits
+    anyway) or without py-spy on PATH. For that minute the server's HTTP and bootstrap servers stay up: new requests
+    wait on a dead scheduler and the PD peer's heartbeat still finds the server alive. Here each of the two
+    diagnostics runs only where it can (the requests' dump to --crash-dump-folder always runs), so a server that can
+    take neither goes down at once. Thread: the tokenizer manager's main thread (the signal handler)."""
+    with contextlib.ExitStack() as stack:
+        from sglang.srt.environ import envs
+
+        if os.environ.get("CUDA_ENABLE_USER_TRIGGERED_COREDUMP") != "1":
+            stack.enter_context(envs.SGLANG_CUDA_COREDUMP_BEFORE_CRASH.override(False))
+        if shutil.which("py-spy") is None:
+            stack.enter_context(envs.SGLANG_PYSPY_DUMP_BEFORE_CRASH.override(False))
+        return original(self, *args, **kwargs)
