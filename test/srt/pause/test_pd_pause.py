@@ -160,6 +160,20 @@ class Burst:
         return self.results
 
 
+def held_once_started(cluster, burst) -> int:
+    """Poll until the servers hold some of `burst`'s requests (or all of them ended) and
+    return what that poll saw: the count the caller's pause then meets (or 0). Asking
+    the servers again would read a burst that ended in between as "nothing in flight"."""
+    seen = []
+
+    def held_or_done():
+        seen.append(requests_held(cluster))
+        return seen[-1] or all(burst.ended)
+
+    wait_until(held_or_done, 30, "requests in flight")
+    return seen[-1]
+
+
 def in_flight(cluster) -> bool:
     """Some request is held by a server (queues, running batch or KV)."""
     return any(any(v for v in held(cluster.resources(r)).values()) for r in PD_ROLES)
@@ -238,8 +252,7 @@ def test_full_cycles_under_load(cluster, control, mode):
     t_start = time.monotonic()
     for cycle in range(cycles):
         burst = Burst(cluster, f"{mode}-{cycle}")
-        wait_until(lambda: requests_held(cluster) or all(burst.ended), 30, "requests in flight")
-        in_flight_at_pause.append(requests_held(cluster))
+        in_flight_at_pause.append(held_once_started(cluster, burst))
         both(cluster, "pause_generation", {"mode": mode})
         both(cluster, "release_memory_occupation")
         for role in PD_ROLES:  # released: nothing registered with the transfer engine
@@ -274,8 +287,7 @@ def _skewed_cycles(cluster, control, mode, first, cycles):
     gate_ends = []  # abort mode: copies `first` held when `second` aborted its gate
     for cycle in range(cycles):
         early = Burst(cluster, f"skew-{mode}-{first}-{cycle}-a")
-        wait_until(lambda: requests_held(cluster) or all(early.ended), 30, "requests in flight")
-        in_flight_at_pause.append(requests_held(cluster))
+        in_flight_at_pause.append(held_once_started(cluster, early))
         assert call(cluster, first, "pause_generation", {"mode": mode})[0] == 200
         late = Burst(cluster, f"skew-{mode}-{first}-{cycle}-b")  # meets one paused server
         _poll(lambda: requests_held(cluster) > 0, 2.0)
