@@ -12,6 +12,7 @@ OURS = {name.rpartition(".")[2]: SRT + name for name in (
     "disaggregation.fork_peers.peer_liveness",
     "disaggregation.fork_transfer.transfer_deadline", "disaggregation.fork_transfer.chunk_failures",
     "disaggregation.fork_transfer.idle_pacing", "disaggregation.fork_transfer.paced_write",
+    "disaggregation.fork_transfer.worker_handoff",
     "managers.fork_pause.pd_pause", "managers.fork_pause.scheduler_pause", "managers.fork_pause.queue_buffers",
     "managers.fork_pause.pause_gate", "managers.fork_pause.tokenizer_pause", "managers.fork_pause.resend_wait",
     "managers.fork_core.fork_touch", "managers.fork_report.pd_resource_report",
@@ -37,8 +38,11 @@ HOOKS: list[tuple[str, str, str]] = [_full(target, ref) + (kind,) for target, re
      "peer_liveness:around_handle_node_failure", AROUND),
     ("disaggregation.common.conn.CommonKVManager._send_multipart_locked",
      "peer_liveness:around_send_multipart_locked", AROUND),
+    # the ledger's AROUND (inner), then decode's scheduler is woken from its idle pace (idle_pacing's AFTER, outer)
     ("disaggregation.common.conn.CommonKVManager.apply_prefill_status", "room_ledger:around_apply_prefill_status",
      AROUND),
+    ("disaggregation.common.conn.CommonKVManager.apply_prefill_status", "idle_pacing:after_apply_prefill_status",
+     AFTER),
     ("disaggregation.common.conn.CommonKVManager.conclude_transfer", "peer_liveness:around_conclude_transfer", AROUND),
     ("disaggregation.common.conn.CommonKVManager.parse_kv_status_message",
      "room_ledger:around_parse_kv_status_message", AROUND),
@@ -71,6 +75,9 @@ HOOKS: list[tuple[str, str, str]] = [_full(target, ref) + (kind,) for target, re
      "chunk_failures:on_decode_transfer_failure", AFTER),
     ("disaggregation.decode.DecodeTransferQueue.pop_transferred", "transfer_deadline:before_pop_transferred", BEFORE),
     ("disaggregation.decode._bootstrap_addr", "pd_queues:fake_bootstrap_addr", AROUND),
+    # prefill's scheduler lets a parked transfer worker take the chunk it queued before going on (worker_handoff)
+    ("disaggregation.mooncake.conn.MooncakeKVManager.add_transfer_request",
+     "worker_handoff:after_add_transfer_request", AFTER),
     # the ledger first (the monitor registers with it); guard_transfer_worker's BEFORE patches the class before
     # upstream builds the manager; the start-up check of SWAPS last, after every AFTER hook that makes a swap
     ("disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager", "room_ledger:on_manager_init", AFTER),
