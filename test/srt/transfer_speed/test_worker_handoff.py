@@ -1,9 +1,10 @@
 """Prefill's scheduler hands a queued KV chunk to an idle transfer worker at once (fork_transfer/worker_handoff.py):
-after upstream's `MooncakeKVManager.add_transfer_request` put a chunk for a worker parked on its queue, the scheduler
+after upstream's sender (`MooncakeKVSender.send`, through `CommonKVSender.send` and the manager's
+`add_transfer_request`) put a chunk for a worker parked on its queue, the scheduler
 thread waits (letting go of the GIL) until the worker took it, at most SGLANG_FORK_TRANSFER_HANDOFF; a busy worker is
 not waited for; 0 keeps upstream's hand-off (the worker gets upstream's own queue). Through the real code paths:
-upstream's `add_transfer_request` with the fork's AFTER hook, and upstream's `transfer_worker` loop as the fork runs
-it (chunk_failures' guarded worker, on its own thread, over upstream's FastQueue), on a `MooncakeKVManager` whose
+upstream's `send` and `add_transfer_request` with the fork's AFTER hook, and upstream's `transfer_worker` loop as the fork runs
+it (chunk_failures' guarded worker, on its own thread, over upstream's FastQueue), on a `MooncakeKVManager` and sender whose
 state is set by hand (no mooncake engine: each chunk here waits on its `wait_event`, then is skipped as failed, the
 worker's own path for a room that failed meanwhile)."""
 
@@ -26,7 +27,7 @@ from sglang.srt.plugins import load_plugins
 pytestmark = pytest.mark.unit
 
 KNOB = "SGLANG_FORK_TRANSFER_HANDOFF"
-TARGET = "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.add_transfer_request"
+TARGET = "sglang.srt.disaggregation.common.conn.CommonKVSender.send"
 ROOM = 7
 BOUND = 5.0  # the knob in the tests: far above any wake-up on a loaded machine, so "taken" never means "timed out"
 
@@ -47,12 +48,13 @@ class Gate:
 @pytest.fixture
 def prefill(monkeypatch):
     """A prefill MooncakeKVManager with one transfer queue and its worker running (upstream's loop, the fork's
-    guarded worker), and a function queueing a chunk for ROOM through upstream's add_transfer_request."""
+    guarded worker), and a function queueing a chunk for ROOM through upstream's sender."""
 
     def start(knob: str):
         monkeypatch.setenv(KNOB, knob)
         load_plugins()  # as run_scheduler_process does: the fork's hooks
-        from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
+        from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager, MooncakeKVSender
+        from sglang.srt.observability.trace import TraceNullContext
 
         chunk_failures.guard_transfer_worker()  # as the BEFORE hook on _init_kv_manager does
         mgr = MooncakeKVManager.__new__(MooncakeKVManager)
@@ -61,7 +63,7 @@ def prefill(monkeypatch):
             disaggregation_mode=DisaggregationMode.PREFILL, request_status={ROOM: KVPoll.WaitingForInput},
             transfer_infos={ROOM: {"10.0.0.2:17001": object()}}, transfer_queues=[queue], enable_trace=False,
             _staging_outstanding=collections.defaultdict(int), enable_deferred_decode_kv_release=False,
-            _stopped=False)
+            _stopped=False, kv_shard_size=1, enable_all_cp_ranks_for_transfer=False, is_dummy_cp_rank=False)
         worker = threading.Thread(target=mgr.transfer_worker, args=(queue, None), daemon=True)
         worker.start()
         started.append((queue, worker))
@@ -70,8 +72,14 @@ def prefill(monkeypatch):
             time.sleep(0.01)  # the worker's thread makes the hand-off at its start (bounded poll)
 
         def send(gate: Gate) -> float:
+            """One non-last chunk of 4 pages through upstream's sender (the early-send event: the gate)."""
+            sender = MooncakeKVSender.__new__(MooncakeKVSender)
+            sender.__dict__.update(kv_mgr=mgr, bootstrap_room=ROOM, conclude_state=None, curr_idx=0,
+                                   num_kv_indices=64, aux_index=0, _transfer_start_time=None,
+                                   _early_send_wait_event=gate, trace_ctx=TraceNullContext(),
+                                   _transfer_num_kv_indices=0, _transfer_num_state_indices=0)
             t0 = time.monotonic()
-            mgr.add_transfer_request(ROOM, np.arange(4, dtype=np.int32), slice(0, 4), False, wait_event=gate)
+            sender.send(np.arange(4, dtype=np.int32))
             return time.monotonic() - t0
 
         return mgr, queue, send
@@ -99,9 +107,9 @@ def wait_parked(mgr, queue) -> None:
     assert watched.parked, "the worker never came back to its queue"
 
 
-def test_the_handoff_is_the_forks_one_hook_on_add_transfer_request_and_applied(prefill):
+def test_the_handoff_is_the_forks_one_hook_on_the_senders_send_and_applied(prefill):
     assert [(t, ref, kind) for t, ref, kind in fork_plugin.HOOKS if t == TARGET] == [
-        (TARGET, "sglang.srt.disaggregation.fork_transfer.worker_handoff:after_add_transfer_request", "AFTER")]
+        (TARGET, "sglang.srt.disaggregation.fork_transfer.worker_handoff:after_send", "AFTER")]
     prefill(str(BOUND))
     assert fork_plugin.hooks_applied()[TARGET]
 
@@ -114,9 +122,9 @@ def test_a_chunk_for_a_parked_worker_is_taken_before_the_scheduler_goes_on(prefi
     for n in range(1, 4):
         gate = Gate()
         took = send(gate)
-        # the worker ran upstream's loop up to the chunk's wait_event before add_transfer_request returned: without
+        # the worker ran upstream's loop up to the chunk's wait_event before the sender's send returned: without
         # the hand-off the chunk is still queued here, the worker not yet run (the scheduler thread holds the GIL)
-        assert gate.reached.is_set() and not queue._buf, "add_transfer_request returned before the worker took it"
+        assert gate.reached.is_set() and not queue._buf, "send returned before the worker took the chunk"
         assert took < BOUND / 2, f"the hand-off took {took:.3f}s"
         # each wait ended by the worker (the worker may also have run before the hook looked: no wait then)
         assert handoff.handed == handoff.waits >= 1 and handoff.late == 0

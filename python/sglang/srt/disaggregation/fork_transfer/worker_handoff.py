@@ -5,7 +5,7 @@ worker's queue; that wakes the worker, but the worker runs Python only once the 
 which it does at its next blocking call (its paced idle wait) after the rest of its loop pass: the write starts
 0.6-0.8 ms late on a loaded 2-core machine (bench/README.md, "the fixed cost per request, broken down").
 
-What: right after the put, if that queue's worker was parked waiting for a chunk, the scheduler thread waits (a
+What: right after the put (when upstream's `CommonKVSender.send` returns), if that queue's worker was parked waiting for a chunk, the scheduler thread waits (a
 `threading.Event`, which lets go of the GIL) until the worker took the chunk, for at most
 `SGLANG_FORK_TRANSFER_HANDOFF` seconds (default 0.0005; 0 never waits: upstream's behaviour; read once per kv
 manager). The worker then prepares and starts the write at once; the scheduler goes on when the worker first blocks.
@@ -16,7 +16,8 @@ the worker's loop is upstream's, its queue seen through `WatchedQueue` (get and 
 dropped). No lock: a queue's `parked` and `taken` are written by its worker only (the GIL orders them).
 
 Called by: `chunk_failures`' guarded transfer worker (`watched`, on each worker thread, before upstream's loop) and
-the AFTER hook on `MooncakeKVManager.add_transfer_request` (`after_add_transfer_request`, prefill's scheduler thread).
+the AFTER hook on `CommonKVSender.send` (`after_send`, prefill's scheduler thread; the sender's, so that loading the
+hooks does not import mooncake's module, which imports prometheus_client before the server configured it).
 """
 
 from __future__ import annotations
@@ -99,8 +100,9 @@ def watched(mgr: Any, queue: Any) -> Any:
 
 # ----------------------------------------------------------------------------- hook (scheduler thread)
 
-def after_add_transfer_request(result: Any, mgr: Any, *args: Any, **kwargs: Any) -> None:
-    """AFTER MooncakeKVManager.add_transfer_request: let a parked worker take the chunk before going on."""
-    handoff = vars(mgr).get(ATTR)
-    if handoff is not None:  # None: no worker watched (a manager whose workers are not the guarded ones)
+def after_send(result: Any, sender: Any, *args: Any, **kwargs: Any) -> None:
+    """AFTER CommonKVSender.send (its kv manager's add_transfer_request queued the chunk, if it sent one): let a parked
+    worker take the chunk before going on."""
+    handoff = vars(sender.kv_mgr).get(ATTR)
+    if handoff is not None:  # None: no worker watched (another backend, whose workers are not mooncake's guarded ones)
         handoff.after_put()

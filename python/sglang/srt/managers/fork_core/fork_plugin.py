@@ -61,6 +61,9 @@ HOOKS: list[tuple[str, str, str]] = [_full(target, ref) + (kind,) for target, re
     # room_ledger's AFTER runs first (a failed room remembered as ended), then chunk_failures'
     ("disaggregation.common.conn.CommonKVSender.clear", "room_ledger:on_sender_clear", AFTER),
     ("disaggregation.common.conn.CommonKVSender.clear", "chunk_failures:on_sender_clear", AFTER),
+    # prefill's scheduler lets a parked transfer worker take the chunk it just queued before going on (worker_handoff;
+    # on the sender, not on mooncake's add_transfer_request: loading the hooks must not import mooncake/conn.py)
+    ("disaggregation.common.conn.CommonKVSender.send", "worker_handoff:after_send", AFTER),
     ("disaggregation.decode.DecodePreallocQueue._ensure_prefill_info",
      "transfer_deadline:around_ensure_prefill_info", AROUND),
     # the ledger first (the monitor registers with it: RoomLedger.watch_peers); the start-up check of SWAPS last
@@ -75,9 +78,6 @@ HOOKS: list[tuple[str, str, str]] = [_full(target, ref) + (kind,) for target, re
      "chunk_failures:on_decode_transfer_failure", AFTER),
     ("disaggregation.decode.DecodeTransferQueue.pop_transferred", "transfer_deadline:before_pop_transferred", BEFORE),
     ("disaggregation.decode._bootstrap_addr", "pd_queues:fake_bootstrap_addr", AROUND),
-    # prefill's scheduler lets a parked transfer worker take the chunk it queued before going on (worker_handoff)
-    ("disaggregation.mooncake.conn.MooncakeKVManager.add_transfer_request",
-     "worker_handoff:after_add_transfer_request", AFTER),
     # the ledger first (the monitor registers with it); guard_transfer_worker's BEFORE patches the class before
     # upstream builds the manager; the start-up check of SWAPS last, after every AFTER hook that makes a swap
     ("disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager", "room_ledger:on_manager_init", AFTER),
