@@ -481,13 +481,16 @@ def test_hooks_on_one_target_sit_together_in_wrap_order():
         "peer_liveness:after_try_ensure_parallel_info", "transfer_deadline:around_try_ensure_parallel_info"]
     assert order["disaggregation.common.conn.CommonKVSender.clear"] == [
         "room_ledger:on_sender_clear", "chunk_failures:on_sender_clear"]
+    assert order["disaggregation.common.conn.CommonKVManager.apply_prefill_status"] == [
+        "room_ledger:around_apply_prefill_status", "idle_pacing:after_apply_prefill_status"]
     assert {t for t, refs in order.items() if len(refs) > 1} == {
         "managers.scheduler.Scheduler.send_abort_output", "managers.scheduler.Scheduler.abort_request",
         "disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager",
         "disaggregation.decode.DecodePreallocQueue._init_kv_manager",
         "disaggregation.prefill.PrefillBootstrapQueue.pop_bootstrapped",
         "disaggregation.common.conn.CommonKVManager.try_ensure_parallel_info",
-        "disaggregation.common.conn.CommonKVSender.clear"}
+        "disaggregation.common.conn.CommonKVSender.clear",
+        "disaggregation.common.conn.CommonKVManager.apply_prefill_status"}
 
 
 def test_check_rejects_an_import_against_the_layers_and_hooks_apart(repo_copy):

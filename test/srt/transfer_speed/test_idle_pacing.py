@@ -241,17 +241,57 @@ def test_on_prefill_a_concluded_transfer_ends_the_wait(monkeypatch, sockets):
         assert took < PACE * 0.5, f"a wake set before the wait did not end it ({took:.3f}s)"
 
 
-def test_decode_and_the_other_ranks_wait_on_no_wake(monkeypatch, sockets):
+def test_on_decode_a_status_from_prefill_ends_the_wait(monkeypatch, sockets):
+    """Decode's status thread, once it applied prefill's Failed or Success for a room (upstream's
+    `CommonKVManager.apply_prefill_status`, with the fork's AFTER hook), ends decode's scheduler's paced wait at once:
+    it takes the transferred request (or its failure) without waiting out the pace. Another status does not."""
+    from sglang.srt.disaggregation.base import KVPoll
+    from sglang.srt.disaggregation.common.conn import CommonKVManager
+
+    target = "sglang.srt.disaggregation.common.conn.CommonKVManager.apply_prefill_status"
+    assert (target, "sglang.srt.disaggregation.fork_transfer.idle_pacing:after_apply_prefill_status",
+            "AFTER") in fork_plugin.HOOKS
     pull, rpc, push = sockets
-    monkeypatch.setenv(KNOB, str(PACE))
+    monkeypatch.setenv(KNOB, "2")
     with DecodeHarness() as h:
         s = idle_ready(h, sockets=(pull, rpc))
-        pending(h)
-        idle_pass(h)
-        assert idle_pacing.pacer_of(s).wake is None  # decode: its status arrives on the decode thread, no worker
-    with PrefillHarness() as h:
-        s = idle_ready(h)  # a rank that reads no requests sleeps: no poller to wake
-        pending(h)
-        idle_pass(h)
-        assert idle_pacing.pacer_of(s).wake is None
-        assert idle_pacing.WAKE_ATTR not in vars(s.disagg_prefill_bootstrap_queue.kv_manager)
+        room = pending(h).bootstrap_room
+        mgr = s.disagg_decode_prealloc_queue.kv_manager
+        mgr.request_status[room] = KVPoll.WaitingForInput  # a room whose transfer runs
+        assert fork_plugin.hooks_applied()[target]
+
+        def status(value):
+            return threading.Timer(0.1, CommonKVManager.apply_prefill_status, args=(mgr,), kwargs=dict(
+                bootstrap_room=room, status=value, prefill_rank=0, failure_reason="prefill failed the room"))
+
+        applied = status(KVPoll.Failed)
+        applied.start()
+        try:
+            took = idle_pass(h)
+        finally:
+            applied.join()
+        pacer = idle_pacing.pacer_of(s)
+        assert pacer.mode is idle_pacing.Mode.POLL and vars(mgr)[idle_pacing.WAKE_ATTR] is pacer.wake
+        assert mgr.request_status[room] == KVPoll.Failed  # upstream applied it
+        # 0.1 s until the status, then the poll returns at once: far below the 2 s pace even on a loaded machine
+        assert took < 1.0, f"the wait lasted {took:.3f}s after prefill's status was applied at 0.1s"
+        pacer.pace, pacer._poll_ms = PACE, int(PACE * 1000)
+        applied = status(KVPoll.Bootstrapping)  # not an end: upstream ignores it, the wait lasts the whole pace
+        applied.start()
+        try:
+            took = idle_pass(h)
+        finally:
+            applied.join()
+        assert took >= PACE * 0.95, f"a status that is no end ended the wait ({took:.3f}s)"
+
+
+def test_the_ranks_that_read_no_requests_wait_on_no_wake(monkeypatch):
+    monkeypatch.setenv(KNOB, str(PACE))
+    for harness, queue in ((PrefillHarness, "disagg_prefill_bootstrap_queue"),
+                           (DecodeHarness, "disagg_decode_prealloc_queue")):
+        with harness() as h:
+            s = idle_ready(h)  # a rank that reads no requests sleeps: no poller to wake
+            pending(h)
+            idle_pass(h)
+            assert idle_pacing.pacer_of(s).wake is None
+            assert idle_pacing.WAKE_ATTR not in vars(getattr(s, queue).kv_manager)

@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Set, Tuple
 from sglang.srt.disaggregation.fork_ending import request_end_cause, verdict
 from sglang.srt.disaggregation.base import KVPoll
 from sglang.srt.disaggregation.fork_ending.room_ledger import end_room
-from sglang.srt.disaggregation.fork_transfer import idle_pacing
+from sglang.srt.disaggregation.fork_transfer import idle_pacing, worker_handoff
 from sglang.srt.environ import envs
 from sglang.srt.managers.fork_core import fork_touch, knobs
 from sglang.srt.managers.fork_core.rank_agreement import answers, attn_tp_rank
@@ -297,13 +297,14 @@ def _rooms_in_flight(kv_mgr: Any, queue: Any) -> List[int]:
 
 
 def _guarded(original: Any) -> Any:
-    """Upstream's transfer worker loop, run again after it raised; its rooms in flight end (500, decode told)."""
+    """Upstream's transfer worker loop, run again after it raised; its rooms in flight end (500, decode told). The loop
+    takes its chunks through worker_handoff's watched queue (the scheduler's hand-off)."""
 
     @functools.wraps(original)
     def transfer_worker(kv_mgr: Any, queue: Any, *args: Any, **kwargs: Any) -> Any:
         while True:
             try:
-                return original(kv_mgr, queue, *args, **kwargs)
+                return original(kv_mgr, worker_handoff.watched(kv_mgr, queue), *args, **kwargs)
             except Exception as exc:
                 if fork_touch.upstream(kv_mgr, "_stopped"):
                     raise

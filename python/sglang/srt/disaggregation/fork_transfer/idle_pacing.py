@@ -9,10 +9,11 @@ the spinning takes the cores the transfer and the prefill forward need (docs/pee
 What: after each idle pass of a prefill or decode server, the scheduler thread waits up to
 `SGLANG_FORK_PD_IDLE_PACE` seconds (default 0.001; 0 turns pacing off; validated at start with every knob). On the
 rank that reads requests (attention TP/CP rank 0), it waits on the scheduler's own request and RPC sockets (zmq), so
-a new request or call ends the wait at once; other ranks (and an ingress that is not a zmq socket) sleep. On prefill
-that rank also waits on a wake (an eventfd, `Wake`) that the transfer worker sets once it has concluded a room
-(`chunk_failures.conclude_transfer`: Success or Failed), so a finished transfer ends the wait at once too; elsewhere
-a transfer that completes is noticed at most one pace later.
+a new request or call ends the wait at once; other ranks (and an ingress that is not a zmq socket) sleep. That rank
+also waits on a wake (an eventfd, `Wake`, hung on its kv manager) set once a room's transfer ended: on prefill by the
+transfer worker that concluded it (`chunk_failures.conclude_transfer`: Success or Failed), on decode by the thread
+that applied prefill's Success or Failed for it (`after_apply_prefill_status`); so a finished transfer ends the wait
+at once too. Elsewhere a transfer that completes is noticed at most one pace later.
 
 Invariant: only an idle pass of a PD server is paced (upstream calls `on_idle` only when the pass ran no batch), once
 per pass, for at most the knob's time; a pass in which upstream's own idle sleeper already waited (fully idle, with
@@ -20,7 +21,9 @@ per pass, for at most the knob's time; a pass in which upstream's own idle sleep
 pacer changes when a rank reaches its next collective, never which one (the loop's collectives keep the ranks in
 step, as before).
 
-Called by: the AROUND hook on `Scheduler.on_idle` (`paced_on_idle`, fork_plugin.HOOKS), on the scheduler thread only.
+Called by: the AROUND hook on `Scheduler.on_idle` (`paced_on_idle`, fork_plugin.HOOKS), on the scheduler thread only;
+the wake's setters on the transfer worker (prefill) and decode's status thread (the AFTER hook on
+`CommonKVManager.apply_prefill_status`).
 """
 
 from __future__ import annotations
@@ -32,17 +35,19 @@ from typing import Any, Optional
 
 import zmq
 
+from sglang.srt.disaggregation.base import KVPoll
 from sglang.srt.disaggregation.utils import DisaggregationMode
 from sglang.srt.managers.fork_core import knobs
 from sglang.srt.managers.fork_core.fork_touch import upstream
 
 ATTR = "fork_idle_pacer"  # the scheduler's pacer (`pacer_of`)
-WAKE_ATTR = "fork_idle_wake"  # on prefill's kv manager: the Wake its scheduler's pacer waits on (`wake_after_conclude`)
+WAKE_ATTR = "fork_idle_wake"  # on a PD kv manager: the Wake its scheduler's pacer waits on (`wake_scheduler`)
 
 
 class Wake:
-    """An eventfd that ends a paced wait at once. Set by a transfer worker thread once it concluded a room (any number
-    of times); cleared by the scheduler thread after a wait that it ended. Thread-safe: the kernel's counter is the
+    """An eventfd that ends a paced wait at once. Set by a transfer worker thread once it concluded a room, or by
+    decode's status thread once it applied prefill's end of one (any number of times); cleared by the scheduler thread
+    after a wait that it ended. Thread-safe: the kernel's counter is the
     only state (set adds to it, clear reads it back to 0; non-blocking, never read unless the poll said readable)."""
 
     def __init__(self) -> None:
@@ -69,7 +74,7 @@ class IdlePacer:
         self.paced = 0  # idle passes paced (read by tests)
         self._poller = None
         self._poll_ms = int(pace * 1000)  # zmq polls in whole milliseconds: never longer than the knob
-        self.wake: Optional[Wake] = None  # prefill, POLL mode: set by the transfer worker after a room concluded
+        self.wake: Optional[Wake] = None  # POLL mode: set once a room's transfer ended (`wake_scheduler`)
         is_pd = upstream(scheduler, "disaggregation_mode") in (DisaggregationMode.PREFILL, DisaggregationMode.DECODE)
         if not is_pd or pace <= 0:
             self.mode = Mode.OFF
@@ -112,26 +117,44 @@ def pacer_of(scheduler) -> IdlePacer:
     return pacer
 
 
+# the PD queue whose kv manager carries the wake, by role
+_MANAGER_QUEUE = {DisaggregationMode.PREFILL: "disagg_prefill_bootstrap_queue",
+                  DisaggregationMode.DECODE: "disagg_decode_prealloc_queue"}
+
+
 def attach_wake(scheduler) -> Optional[Wake]:
-    """Prefill: a new Wake hung on the scheduler's kv manager for its transfer workers (`wake_after_conclude`), for
-    the pacer to wait on; None on decode, without eventfd, or without a manager. Called once, at the pacer's creation
-    (on the rank that reads requests): a manager made later (a role switch) gets none, and its transfers are noticed
-    within a pace, as before. A backend whose workers do not conclude through chunk_failures never sets it."""
-    if upstream(scheduler, "disaggregation_mode") is not DisaggregationMode.PREFILL or not hasattr(os, "eventfd"):
+    """A new Wake hung on the scheduler's kv manager (prefill: for its transfer workers, `wake_after_conclude`;
+    decode: for its status thread, `after_apply_prefill_status`), for the pacer to wait on; None without eventfd or
+    without a manager. Called once, at the pacer's creation (on the rank that reads requests): a manager made later (a
+    role switch) gets none, and its transfers are noticed within a pace, as before. A backend whose workers do not
+    conclude through chunk_failures never sets it on prefill."""
+    queue = _MANAGER_QUEUE.get(upstream(scheduler, "disaggregation_mode"))
+    if queue is None or not hasattr(os, "eventfd"):
         return None
-    mgr = getattr(upstream(scheduler, "disagg_prefill_bootstrap_queue"), "kv_manager", None)
+    mgr = getattr(upstream(scheduler, queue), "kv_manager", None)  # the queue is None until the role's is made
     if mgr is None:
         return None
     wake = vars(mgr)[WAKE_ATTR] = Wake()
     return wake
 
 
-def wake_after_conclude(mgr: Any) -> None:
-    """A transfer worker concluded a room of `mgr` (chunk_failures.conclude_transfer, any thread): end its scheduler's
-    paced wait, if the pacer waits on a Wake."""
+def wake_scheduler(mgr: Any) -> None:
+    """A room of `mgr` ended its transfer (any thread): end its scheduler's paced wait, if the pacer waits on a Wake."""
     wake = vars(mgr).get(WAKE_ATTR)
     if wake is not None:
         wake.set()
+
+
+def wake_after_conclude(mgr: Any) -> None:
+    """A transfer worker concluded a room of `mgr` (chunk_failures.conclude_transfer): prefill's scheduler sees it."""
+    wake_scheduler(mgr)
+
+
+def after_apply_prefill_status(result: Any, mgr: Any, *args: Any, status: Any = None, **kwargs: Any) -> None:
+    """AFTER CommonKVManager.apply_prefill_status (decode's status thread): prefill's Success or Failed for a room
+    ends decode's scheduler's paced wait, so it takes the transferred request (or its failure) at once."""
+    if status in (KVPoll.Success, KVPoll.Failed):
+        wake_scheduler(mgr)
 
 
 # ----------------------------------------------------------------------------- hook (scheduler thread)

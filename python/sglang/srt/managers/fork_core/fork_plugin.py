@@ -12,6 +12,7 @@ OURS = {name.rpartition(".")[2]: SRT + name for name in (
     "disaggregation.fork_peers.peer_liveness",
     "disaggregation.fork_transfer.transfer_deadline", "disaggregation.fork_transfer.chunk_failures",
     "disaggregation.fork_transfer.idle_pacing", "disaggregation.fork_transfer.paced_write",
+    "disaggregation.fork_transfer.worker_handoff",
     "managers.fork_pause.pd_pause", "managers.fork_pause.scheduler_pause", "managers.fork_pause.queue_buffers",
     "managers.fork_pause.pause_gate", "managers.fork_pause.tokenizer_pause", "managers.fork_pause.resend_wait",
     "managers.fork_core.fork_touch", "managers.fork_report.pd_resource_report",
@@ -37,8 +38,11 @@ HOOKS: list[tuple[str, str, str]] = [_full(target, ref) + (kind,) for target, re
      "peer_liveness:around_handle_node_failure", AROUND),
     ("disaggregation.common.conn.CommonKVManager._send_multipart_locked",
      "peer_liveness:around_send_multipart_locked", AROUND),
+    # the ledger's AROUND (inner), then decode's scheduler is woken from its idle pace (idle_pacing's AFTER, outer)
     ("disaggregation.common.conn.CommonKVManager.apply_prefill_status", "room_ledger:around_apply_prefill_status",
      AROUND),
+    ("disaggregation.common.conn.CommonKVManager.apply_prefill_status", "idle_pacing:after_apply_prefill_status",
+     AFTER),
     ("disaggregation.common.conn.CommonKVManager.conclude_transfer", "peer_liveness:around_conclude_transfer", AROUND),
     ("disaggregation.common.conn.CommonKVManager.parse_kv_status_message",
      "room_ledger:around_parse_kv_status_message", AROUND),
@@ -57,6 +61,9 @@ HOOKS: list[tuple[str, str, str]] = [_full(target, ref) + (kind,) for target, re
     # room_ledger's AFTER runs first (a failed room remembered as ended), then chunk_failures'
     ("disaggregation.common.conn.CommonKVSender.clear", "room_ledger:on_sender_clear", AFTER),
     ("disaggregation.common.conn.CommonKVSender.clear", "chunk_failures:on_sender_clear", AFTER),
+    # prefill's scheduler lets a parked transfer worker take the chunk it just queued before going on (worker_handoff;
+    # on the sender, not on mooncake's add_transfer_request: loading the hooks must not import mooncake/conn.py)
+    ("disaggregation.common.conn.CommonKVSender.send", "worker_handoff:after_send", AFTER),
     ("disaggregation.decode.DecodePreallocQueue._ensure_prefill_info",
      "transfer_deadline:around_ensure_prefill_info", AROUND),
     # the ledger first (the monitor registers with it: RoomLedger.watch_peers); the start-up check of SWAPS last
