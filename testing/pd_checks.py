@@ -350,8 +350,10 @@ PARTITION_ANSWER_BOUND = 2 * PARTITION_DEADLINE + PARTITION_MARGIN
 
 def judge_partition_answers(results, peers: Mapping[str, str], answer_bound: float) -> None:
     """Every answer of a partition test (ClosedLoop results, ignore_eos; or generate's with "finish" set): a
-    completion run to max_new_tokens, a 502 "PD peer lost" naming one of `peers` (role -> address), or a 504 (its
-    deadline came first); none later than `answer_bound` seconds. Called by the test-hosts partition tests."""
+    completion run to max_new_tokens, a 502 "PD peer lost" naming one of `peers` (role -> address), a 504 (its
+    deadline came first), or a 500 naming a KV write to one of `peers` that failed (a request handshaken around the
+    heal, by a decode that counted the recovery before prefill's mooncake session to it reconnected:
+    docs/peer-liveness.md); none later than `answer_bound` seconds. Called by the test-hosts partition tests."""
     for r in results:
         assert r["latency"] <= answer_bound, (r["latency"], r["status"], str(r["error"])[:300])
         if r["status"] == 200:
@@ -360,6 +362,8 @@ def judge_partition_answers(results, peers: Mapping[str, str], answer_bound: flo
         detail = json.dumps(r["error"])
         if r["status"] == 502:
             assert "PD peer lost" in detail and any(p in detail for p in peers.values()), detail
+        elif r["status"] == 500:
+            assert "Failed to send kv chunk" in detail and any(p in detail for p in peers.values()), detail
         else:
             assert r["status"] == 504, (r["status"], detail)
 
@@ -588,6 +592,8 @@ def skewed_abort_pause_cycles(prefill, decode, url: str, cycles: int, clients: i
                 with lock:
                     return sorted(open_since)
 
+            seen_waiting = []  # `running`'s count at each poll where every open request had a copy at the gate
+
             def all_open_at_running():
                 with lock:
                     n_open = len(open_since)
@@ -596,11 +602,20 @@ def skewed_abort_pause_cycles(prefill, decode, url: str, cycles: int, clients: i
                     # the ones counted ended before the abort (e.g. copies whose peer
                     # ended at its pause): let clients send again until some wait
                     go.set()
+                    seen_waiting.clear()
                     return False
                 go.clear()
                 # and the paused server's tokenizer holds each one's other copy (the
                 # balancer may still be sending it): the abort below must meet them all
-                return waiting == n_open and at_gate(paused) >= n_open
+                if at_gate(paused) < n_open:
+                    seen_waiting.clear()
+                    return False
+                seen_waiting.append(waiting)
+                # Every open request has a copy at `running` too, or `running` ended some
+                # copies at its own abort-mode pause while their other copies reached the
+                # paused gate after that server's pause (no client can send more then):
+                # the same count three polls running means no copy is still on its way
+                return waiting == n_open or seen_waiting[-3:] == [waiting] * 3
 
             wait_until(all_open_at_running, 30, f"every open request waiting at {first} and its gate (cycle {cycle})",
                        on_timeout=lambda: f"{running.resources()['queues']}, at the gate: {at_gate(paused)}, "
