@@ -120,7 +120,7 @@ def conclude_transfer(mgr: Any, *, bootstrap_room: int, status: int, targets: Op
                       failure_reason: Optional[str] = None,
                       fallback_targets: Optional[List[Tuple[str, int]]] = None) -> Optional[int]:
     """Upstream's `conclude_transfer`; a failure of a room cleared meanwhile still reaches its targets; then the
-    scheduler's paced idle wait ends (idle_pacing.wake_after_conclude), so it sees the room's status at once."""
+    scheduler's paced idle wait ends (idle_pacing.wake_scheduler), so it sees the room's status at once."""
     emitted = mgr.conclude_transfer(
         bootstrap_room=bootstrap_room, status=status, targets=targets, failure_reason=failure_reason
     )
@@ -128,7 +128,7 @@ def conclude_transfer(mgr: Any, *, bootstrap_room: int, status: int, targets: Op
         to = targets or fallback_targets or []
         logger.warning("Room %s was already concluded on prefill; telling decode %s of its failed write", bootstrap_room, to)
         end_room(mgr, bootstrap_room, None, f"{failure_reason} (room already failed on prefill)", targets=to)
-    idle_pacing.wake_after_conclude(mgr)
+    idle_pacing.wake_scheduler(mgr)
     return emitted
 
 

@@ -123,9 +123,9 @@ _MANAGER_QUEUE = {DisaggregationMode.PREFILL: "disagg_prefill_bootstrap_queue",
 
 
 def attach_wake(scheduler) -> Optional[Wake]:
-    """A new Wake hung on the scheduler's kv manager (prefill: for its transfer workers, `wake_after_conclude`;
-    decode: for its status thread, `after_apply_prefill_status`), for the pacer to wait on; None without eventfd or
-    without a manager. Called once, at the pacer's creation (on the rank that reads requests): a manager made later (a
+    """A new Wake hung on the scheduler's kv manager (prefill: for its transfer workers, `wake_scheduler` from
+    chunk_failures.conclude_transfer; decode: for its status thread, `after_apply_prefill_status`), for the pacer to
+    wait on; None without eventfd or without a manager. Called once, at the pacer's creation (on the rank that reads requests): a manager made later (a
     role switch) gets none, and its transfers are noticed within a pace, as before. A backend whose workers do not
     conclude through chunk_failures never sets it on prefill."""
     queue = _MANAGER_QUEUE.get(upstream(scheduler, "disaggregation_mode"))
@@ -143,11 +143,6 @@ def wake_scheduler(mgr: Any) -> None:
     wake = vars(mgr).get(WAKE_ATTR)
     if wake is not None:
         wake.set()
-
-
-def wake_after_conclude(mgr: Any) -> None:
-    """A transfer worker concluded a room of `mgr` (chunk_failures.conclude_transfer): prefill's scheduler sees it."""
-    wake_scheduler(mgr)
 
 
 def after_apply_prefill_status(result: Any, mgr: Any, *args: Any, status: Any = None, **kwargs: Any) -> None:
