@@ -77,6 +77,15 @@ def idle_pass(h) -> float:
         return time.monotonic() - t0
 
 
+def idle_pass_during(h, timer: threading.Timer) -> float:
+    """One idle pass while `timer` (an event due during the wait) runs: started before, joined after; its wall time."""
+    timer.start()
+    try:
+        return idle_pass(h)
+    finally:
+        timer.join()
+
+
 def pending(h):
     """A request in the role's first PD queue: the server is not fully idle (a transfer to wait for)."""
     return h.add(h.make_req())
@@ -124,11 +133,7 @@ def test_on_the_rank_that_reads_requests_a_request_ends_the_wait(monkeypatch, so
         s = idle_ready(h, sockets=(pull, rpc))
         pending(h)
         sender = threading.Timer(0.1, lambda: push.send(b"req"))
-        sender.start()
-        try:
-            took = idle_pass(h)
-        finally:
-            sender.join()
+        took = idle_pass_during(h, sender)
         pacer = idle_pacing.pacer_of(s)
         assert (pacer.mode, pacer.paced) == (idle_pacing.Mode.POLL, 1)
         # 0.1 s until the request, then the poll returns at once: far below the 2 s pace even on a loaded machine
@@ -215,7 +220,7 @@ def test_upstreams_loops_call_on_idle_only_when_the_pass_ran_no_batch(module):
 
 def test_on_prefill_a_concluded_transfer_ends_the_wait(monkeypatch, sockets):
     """Prefill's transfer worker, once it concluded a room (chunk_failures.conclude_transfer calls
-    `wake_after_conclude` on its kv manager), ends the scheduler's paced wait at once: the pass that follows sees the
+    `wake_scheduler` on its kv manager), ends the scheduler's paced wait at once: the pass that follows sees the
     room's status without waiting out the pace. The wake is cleared by that wait: the next one lasts the whole pace."""
     pull, rpc, push = sockets
     monkeypatch.setenv(KNOB, "2")
@@ -223,12 +228,8 @@ def test_on_prefill_a_concluded_transfer_ends_the_wait(monkeypatch, sockets):
         s = idle_ready(h, sockets=(pull, rpc))
         pending(h)
         mgr = s.disagg_prefill_bootstrap_queue.kv_manager
-        concluded = threading.Timer(0.1, idle_pacing.wake_after_conclude, args=(mgr,))
-        concluded.start()
-        try:
-            took = idle_pass(h)
-        finally:
-            concluded.join()
+        concluded = threading.Timer(0.1, idle_pacing.wake_scheduler, args=(mgr,))
+        took = idle_pass_during(h, concluded)
         pacer = idle_pacing.pacer_of(s)
         assert pacer.mode is idle_pacing.Mode.POLL and vars(mgr)[idle_pacing.WAKE_ATTR] is pacer.wake
         # 0.1 s until the wake, then the poll returns at once: far below the 2 s pace even on a loaded machine
@@ -236,7 +237,7 @@ def test_on_prefill_a_concluded_transfer_ends_the_wait(monkeypatch, sockets):
         pacer.pace, pacer._poll_ms = PACE, int(PACE * 1000)  # the next wait: no wake pending, the whole pace
         took = idle_pass(h)
         assert took >= PACE * 0.95, f"a pass after the wake was read took {took:.3f}s < {PACE}s"
-        idle_pacing.wake_after_conclude(mgr)  # concluded while no wait ran: the next wait ends at once
+        idle_pacing.wake_scheduler(mgr)  # concluded while no wait ran: the next wait ends at once
         took = idle_pass(h)
         assert took < PACE * 0.5, f"a wake set before the wait did not end it ({took:.3f}s)"
 
@@ -265,11 +266,7 @@ def test_on_decode_a_status_from_prefill_ends_the_wait(monkeypatch, sockets):
                 bootstrap_room=room, status=value, prefill_rank=0, failure_reason="prefill failed the room"))
 
         applied = status(KVPoll.Failed)
-        applied.start()
-        try:
-            took = idle_pass(h)
-        finally:
-            applied.join()
+        took = idle_pass_during(h, applied)
         pacer = idle_pacing.pacer_of(s)
         assert pacer.mode is idle_pacing.Mode.POLL and vars(mgr)[idle_pacing.WAKE_ATTR] is pacer.wake
         assert mgr.request_status[room] == KVPoll.Failed  # upstream applied it
@@ -277,11 +274,7 @@ def test_on_decode_a_status_from_prefill_ends_the_wait(monkeypatch, sockets):
         assert took < 1.0, f"the wait lasted {took:.3f}s after prefill's status was applied at 0.1s"
         pacer.pace, pacer._poll_ms = PACE, int(PACE * 1000)
         applied = status(KVPoll.Bootstrapping)  # not an end: upstream ignores it, the wait lasts the whole pace
-        applied.start()
-        try:
-            took = idle_pass(h)
-        finally:
-            applied.join()
+        took = idle_pass_during(h, applied)
         assert took >= PACE * 0.95, f"a status that is no end ended the wait ({took:.3f}s)"
 
 
