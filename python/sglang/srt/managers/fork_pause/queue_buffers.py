@@ -4,8 +4,8 @@ Invariant: upstream releases a queue's buffers only once nothing is in flight (`
 first); across a release or a resume the room state of a request alive on this server is kept (one in the
 scheduler's queues, or still on its way to them: a decode handshake prefill stored for a request held at its
 tokenizer's pause gate or re-send wait) and no other room state outlives its request; a resume registers the buffers
-at the addresses they have now (re-read into kv_args before upstream registers them). Scheduler thread only (hooks on the
-weight updater and on the prefill bootstrap / decode prealloc queue); no lock. One `QueueBuffers` per PD queue,
+at the addresses they have now (re-read into kv_args before upstream registers them). Scheduler thread only (hooks
+on the weight updater and on the prefill bootstrap / decode prealloc queue); no lock. One `QueueBuffers` per PD queue,
 reached through `buffers_of(queue)`; whether they are released is the scheduler pause's state (`RELEASED`)."""
 
 from __future__ import annotations
