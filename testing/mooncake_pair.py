@@ -181,6 +181,13 @@ class _Worker:
         with self.h.active():
             room_ledger.end_room(self.h.kv_manager, room, None, reason, told=told)
 
+    def disown(self, room: int, failed: bool) -> None:
+        """What clearing the room's sender tells the ledger (`RoomLedger.disown`): a failed room is remembered as
+        ended here."""
+        from sglang.srt.disaggregation.fork_ending import room_ledger
+
+        room_ledger.ledger_for(self.h.kv_manager).disown(room, failed)
+
     def cancelled_rooms(self) -> Optional[int]:
         """Peer cancellations this side remembers (disaggregation.fork_ending.room_ledger)."""
         from sglang.srt.disaggregation.fork_ending import room_ledger

@@ -235,6 +235,13 @@ class RoomLedger:
             if failed and room not in self.ended:  # decode's ABORT answering our Failed cancels nothing
                 self.ended[room] = Ended("", False, False, engine_clock.now() + self.ttl_s)
 
+    def knows_of(self, room: int) -> bool:
+        """Whether this side knows `room` at all: a live sender owns it, or it ended here or was cancelled by the peer
+        (and is not forgotten yet)."""
+        with self.lock:
+            self._expire(engine_clock.now())
+            return room in self.owned or room in self.ended
+
     def note_abort(self, room: int, peer: str, why: Optional[str] = None, told: Optional[Told] = None) -> bool:
         """The peer's ABORT for a room this side neither owns nor remembers: kept as a cancellation (with `told`, the
         cause its frames carried; None from a peer that sends none)."""
@@ -307,6 +314,25 @@ def handles_aborts(mgr: Any) -> bool:
     classes = {f"{c.__module__}.{c.__qualname__}" for c in type(mgr).__mro__}
     return mgr is not None and any(target.endswith("._handle_abort_notification") and target.rpartition(".")[0] in classes
                                    for target, *_ in SWAPS)
+
+
+def awaits_its_request(mgr: Any, room: int) -> bool:
+    """Prefill: whether what `mgr` holds for `room` is decode's handshake for a request still on its way to this
+    scheduler (held at the tokenizer's pause gate, waiting in a re-send's wait, on the wire): the handshake is stored
+    (`transfer_infos`), has not concluded (no failure record; Bootstrapping or WaitingForInput) and the ledger knows
+    nothing of the room (no sender owned it, it did not end here, the peer did not cancel it). Upstream's sender takes
+    it over when the request arrives; an end on the way drops it (`ended_at_gate` / decode's ABORT:
+    `_drop_unowned_room`). Decode (no handshake is stored before its receiver exists): never."""
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+
+    if not has_room_tables(mgr) or upstream(mgr, "disaggregation_mode") != DisaggregationMode.PREFILL:
+        return False
+    if room not in upstream(mgr, "transfer_infos") or room in upstream(mgr, "failure_records"):
+        return False
+    if upstream(mgr, "request_status").get(room) not in (None, KVPoll.Bootstrapping, KVPoll.WaitingForInput):
+        return False
+    ledger = ledger_of(mgr)
+    return ledger is None or not ledger.knows_of(room)  # no ledger (a hook-less manager): upstream keeps it too
 
 
 def failure_record(mgr: Any, room: int) -> Optional[str]:

@@ -1,9 +1,11 @@
 """The PD queue's KV and metadata buffers across release/resume (docs/pause-release-resume.md, "What release does").
 
 Invariant: upstream releases a queue's buffers only once nothing is in flight (`weight_updater_release` ends it
-first), no room state outlives its request across a release or a resume, and a resume registers the buffers at the
-addresses they have now (re-read into kv_args before upstream registers them). Scheduler thread only (hooks on the
-weight updater and on the prefill bootstrap / decode prealloc queue); no lock. One `QueueBuffers` per PD queue,
+first); across a release or a resume the room state of a request alive on this server is kept (one in the
+scheduler's queues, or still on its way to them: a decode handshake prefill stored for a request held at its
+tokenizer's pause gate or re-send wait) and no other room state outlives its request; a resume registers the buffers
+at the addresses they have now (re-read into kv_args before upstream registers them). Scheduler thread only (hooks
+on the weight updater and on the prefill bootstrap / decode prealloc queue); no lock. One `QueueBuffers` per PD queue,
 reached through `buffers_of(queue)`; whether they are released is the scheduler pause's state (`RELEASED`)."""
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Dict, List
 
-from sglang.srt.disaggregation.fork_ending import pd_queues
+from sglang.srt.disaggregation.fork_ending import pd_queues, room_ledger
 from sglang.srt.managers.fork_core import fork_touch
 from sglang.srt.managers.fork_pause.scheduler_pause import not_idle_reasons, pause_of
 
@@ -35,7 +37,7 @@ class QueueBuffers:
 
     def resume(self, original, *args, **kwargs):
         self.reread_addresses()
-        # room state the peer re-created while this side was released belongs to no live request
+        # room state the peer re-created while this side was released for a request that ended
         self.forget_orphan_rooms()
         result = original(self.queue, *args, **kwargs)
         pause_of(self.queue.scheduler).resume()
@@ -91,10 +93,16 @@ def weight_updater_release(original, weight_updater, recv_req, *args, **kwargs):
 
 
 def forget_orphan_rooms(scheduler, kv_manager) -> None:
-    """Drop room state no live request owns (no transfer can run at release or resume)."""
+    """Drop room state no live request owns (no transfer can run at release or resume). Alive: a request in the
+    scheduler's queues, running or parked, and one this scheduler has not seen yet whose decode handshake is stored
+    (`room_ledger.awaits_its_request`: held at the tokenizer's pause gate, waiting in a re-send's wait, on the wire;
+    its sender takes the handshake over after continue). Dropping that handshake left the request waiting for one
+    that never came again (decode had sent it), until the transfer deadline."""
     reqs = pd_queues.queued_reqs(scheduler) + list(scheduler.running_batch.reqs) + pd_queues.parked_reqs(scheduler)
     live = {fork_touch.upstream(r, "bootstrap_room") for r in reqs}
     tables = [t for name in pd_queues.ROOM_TABLES if isinstance(t := getattr(kv_manager, name, None), dict)]
+    rooms = {room for table in tables for room in table if room not in live}
+    live |= {room for room in rooms if room_ledger.awaits_its_request(kv_manager, room)}
     orphans = [(table, room) for table in tables for room in list(table) if room not in live]
     for table, room in orphans:
         table.pop(room, None)
