@@ -12,7 +12,7 @@ venv: $(VENV)/.fork-installed
 demo: venv
 	$(VPY) -m testing.demo $(ARGS)
 
-test: venv
+test: venv system-deps
 	$(VPY) -m pytest -ra --durations=25 --timeout=1200 test/srt
 
 # Every end-to-end scenario on every multi-rank topology (TP 2 + TP 2, prefill TP 2 +
@@ -41,12 +41,16 @@ bench-transfer: venv
 wheel:
 	$(PYTHON) -m pip wheel --no-deps --wheel-dir dist .
 
-# mooncake's engine.so links libibverbs.so.1 even when it only speaks TCP.
+# mooncake's engine.so links libibverbs.so.1 even when it only speaks TCP; the tests check the
+# alert rules with promtool (Debian's prometheus package; its daemon is not started here).
 system-deps:
-	@if ! ldconfig -p | grep -q 'libibverbs\.so\.1 '; then \
+	@missing=""; \
+	ldconfig -p | grep -q 'libibverbs\.so\.1 ' || missing="$$missing libibverbs1"; \
+	command -v promtool >/dev/null || missing="$$missing prometheus"; \
+	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ]; then \
-	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1; \
-	  else echo "mooncake needs libibverbs1: run 'sudo apt-get install libibverbs1'" >&2; exit 1; fi; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \
+	  else echo "missing system packages:$$missing: run 'sudo apt-get install$$missing'" >&2; exit 1; fi; \
 	fi
 
 $(VENV)/.deps-installed: requirements/cpu.txt requirements/test.txt

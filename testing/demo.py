@@ -54,7 +54,7 @@ def main(argv=None) -> int:
 
 # --hosts: a short heartbeat and deadline, so that the partition story takes seconds
 PARTITION_ENV = {"SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": "2", "SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT": "15"}
-LOSSES = "sglang:num_pd_peer_losses_total"
+LOSSES = "sglang:pd_peer_losses_total"
 
 
 def _run(args, hosts) -> int:

@@ -245,7 +245,7 @@ class _Worker:
         return self.h.counters.counts[name]
 
     def chunk_failures(self) -> dict:
-        """(kind, role) -> count of `sglang:num_transfer_chunk_failures_total` in this process."""
+        """(kind, role) -> count of `sglang:pd_transfer_chunk_failures_total` in this process."""
         from sglang.srt.disaggregation.fork_ending import request_end_cause
 
         out = {}

@@ -1,8 +1,8 @@
 """What the fork's tests assert, written once: nothing held (a server's resource report
 back to its baseline), serving goes on, a client abort's answer, a leg of a PD request
 sent by the test itself, a control call on one or both servers, closed-loop clients, the
-end-cause counter by role/cause/stage, the answers of a partition test, and a mooncake
-pair back to idle.
+end-cause counter by role/cause/stage, the answers of a partition test, a mooncake
+pair back to idle, and the metrics the dashboard and the alert rules read (promtool).
 
 The one home of these helpers: test/srt imports them from here (never through conftest).
 """
@@ -10,18 +10,27 @@ The one home of these helpers: test/srt imports them from here (never through co
 from __future__ import annotations
 
 import json
+import re
+import shutil
+import subprocess
 import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, Mapping, Optional, Tuple
 
 from testing.pd_cluster import HOST, PD_ROLES, generate, http_get, http_post_json, metric_sum, prompts, wait_until
 
 IDLE_TIMEOUT = 60.0
-END_CAUSES = "sglang:num_pd_request_end_causes_total"
-PEER_LOSSES = "sglang:num_pd_peer_losses_total"
-PEER_RECOVERIES = "sglang:num_pd_peer_recoveries_total"
+# The fork's metrics (request_end_cause.COUNTERS / GAUGES, docs/metrics.md)
+END_CAUSES = "sglang:pd_request_end_causes_total"
+PEER_LOSSES = "sglang:pd_peer_losses_total"
+PEER_RECOVERIES = "sglang:pd_peer_recoveries_total"
+TRANSFER_TIMEOUTS = "sglang:pd_transfer_timeouts_total"
+CHUNK_FAILURES = "sglang:pd_transfer_chunk_failures_total"
+PEERS_LOST = "sglang:pd_peers_lost"
+PAUSED = "sglang:pd_paused"
 
 # ----------------------------------------------------------------------------- nothing held
 
@@ -389,7 +398,7 @@ def wait_counter_rises(cluster, roles, name: str, before: Mapping[str, float], s
 
 
 def end_cause_samples(metrics: Mapping[str, float]) -> Iterator[Tuple[Dict[str, str], float]]:
-    """Each `sglang:num_pd_request_end_causes_total` sample as (its labels {name: value}, its value)."""
+    """Each `sglang:pd_request_end_causes_total` sample as (its labels {name: value}, its value)."""
     for key, value in metrics.items():
         if key.startswith(END_CAUSES + "{"):
             labels = dict(p.split("=", 1) for p in key[len(END_CAUSES) + 1 : -1].split(","))
@@ -397,7 +406,7 @@ def end_cause_samples(metrics: Mapping[str, float]) -> Iterator[Tuple[Dict[str, 
 
 
 def end_causes(metrics: Mapping[str, float]) -> Dict[Tuple[str, str, str], float]:
-    """`sglang:num_pd_request_end_causes_total` samples as {(role, cause, stage): n}, summed over the other
+    """`sglang:pd_request_end_causes_total` samples as {(role, cause, stage): n}, summed over the other
     labels (with tensor parallelism each rank exports its own `tp_rank`: an end counted on two ranks counts 2)."""
     out: Dict[Tuple[str, str, str], float] = {}
     for labels, value in end_cause_samples(metrics):
@@ -648,3 +657,74 @@ def assert_pair_serves(pair, rooms) -> None:
     for r in rooms:
         assert pair.decode.call("kv_bytes", r) == pair.prefill.call("kv_sent", r)
         pair.decode.call("finish", r)
+
+
+# ----------------------------------------------------------------------------- dashboard and alert rules
+
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+RULES = DOCS / "prometheus" / "pd-fork-rules.yml"
+RULES_TESTS = DOCS / "prometheus" / "pd-fork-rules.test.yml"
+DASHBOARD = DOCS / "grafana" / "pd-fork.json"
+_METRIC_NAME = re.compile(r"\bsglang:[A-Za-z0-9_:]+")
+
+
+def dashboard_exprs() -> Dict[str, str]:
+    """Each PromQL expression of the Grafana dashboard (panel targets and template queries): {where: expr}."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    out = {}
+    for panel in dashboard["panels"]:
+        for target in panel.get("targets", ()):
+            out[f"panel {panel['title']!r} {target['refId']}"] = target["expr"]
+    for var in dashboard["templating"]["list"]:
+        if var["type"] == "query":
+            out[f"variable {var['name']}"] = var["definition"]
+    return out
+
+
+def rule_exprs() -> Dict[str, str]:
+    """Each alert rule's expression: {alert name: expr}."""
+    import yaml
+
+    groups = yaml.safe_load(RULES.read_text())["groups"]
+    return {rule["alert"]: rule["expr"] for group in groups for rule in group["rules"]}
+
+
+def referenced_metrics() -> Dict[str, set]:
+    """Every metric name the dashboard and the alert rules read: {name: {where}}."""
+    out: Dict[str, set] = {}
+    for where, expr in {**dashboard_exprs(), **{f"alert {k}": v for k, v in rule_exprs().items()}}.items():
+        for name in _METRIC_NAME.findall(expr):
+            out.setdefault(name, set()).add(where)
+    return out
+
+
+def exported_names(metrics: Mapping[str, float]) -> set:
+    """The metric (sample) names of a /metrics scrape (testing.pd_cluster's {name{labels}: value})."""
+    return {key.partition("{")[0] for key in metrics}
+
+
+def samples(metrics: Mapping[str, float], name: str) -> list:
+    """Each sample of `name` in a scrape as (its labels {name: value}, its value)."""
+    out = []
+    for key, value in metrics.items():
+        if key.startswith(name + "{"):
+            pairs = re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', key[len(name):])
+            out.append((dict(pairs), value))
+        elif key == name:
+            out.append(({}, value))
+    return out
+
+
+def promtool() -> str:
+    """Path of promtool (Debian's `prometheus` package; `make system-deps` installs it). Missing, the test
+    fails (it does not skip): CI installs it."""
+    path = shutil.which("promtool")
+    assert path is not None, "promtool not found: run `make system-deps` (as root it installs Debian's prometheus)"
+    return path
+
+
+def run_promtool(*args: str, cwd: Optional[Path] = None) -> subprocess.CompletedProcess:
+    """promtool with `args`; its output on failure."""
+    done = subprocess.run([promtool(), *args], cwd=cwd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, f"promtool {' '.join(args)} -> {done.returncode}\n{done.stdout}\n{done.stderr}"
+    return done

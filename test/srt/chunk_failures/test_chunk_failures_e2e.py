@@ -52,7 +52,7 @@ BURST_DEADLINE_S = 90.0
 # of its batch plus a few ticks, generously (an idle CPU scheduler sleeps ~1 s a tick).
 FAILED_AFTER_BATCH_S = 5.0
 FAILED_REQS = "sglang:num_transfer_failed_reqs_total"
-CHUNK_FAILURES = "sglang:num_transfer_chunk_failures_total"
+CHUNK_FAILURES = "sglang:pd_transfer_chunk_failures_total"
 
 
 @pytest.fixture(scope="module", params=topology_params(TP2, TP2_DECODE_TP1))

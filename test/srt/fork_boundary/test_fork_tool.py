@@ -483,8 +483,11 @@ def test_hooks_on_one_target_sit_together_in_wrap_order():
         "room_ledger:on_sender_clear", "chunk_failures:on_sender_clear"]
     assert order["disaggregation.common.conn.CommonKVManager.apply_prefill_status"] == [
         "room_ledger:around_apply_prefill_status", "idle_pacing:after_apply_prefill_status"]
+    assert order["managers.scheduler.Scheduler.process_input_requests"] == [
+        "weight_epoch:after_process_input_requests", "pd_metrics:after_process_input_requests"]
     assert {t for t, refs in order.items() if len(refs) > 1} == {
         "managers.scheduler.Scheduler.send_abort_output", "managers.scheduler.Scheduler.abort_request",
+        "managers.scheduler.Scheduler.process_input_requests",
         "disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager",
         "disaggregation.decode.DecodePreallocQueue._init_kv_manager",
         "disaggregation.prefill.PrefillBootstrapQueue.pop_bootstrapped",

@@ -68,8 +68,8 @@ ANSWER_BOUND_S = FAIL_BOUND_S + DETECT_BOUND_S
 CLIENTS = 4
 N_LEGS = 4
 N_AFTER = 8
-LOSSES = "sglang:num_pd_peer_losses_total"
-RECOVERIES = "sglang:num_pd_peer_recoveries_total"
+LOSSES = "sglang:pd_peer_losses_total"
+RECOVERIES = "sglang:pd_peer_recoveries_total"
 GLOO_TIMED_OUT = f"Timed out waiting {int(GLOO_TIMEOUT_S * 1000)}ms"  # gloo's message for a collective past its timeout
 BALANCER_GAVE_UP = "Internal Server Error"  # the mini LB's answer when one leg's connection breaks
 # how the survivor may end a request it held for the lost server: the loss (502), the write that revealed it (500),

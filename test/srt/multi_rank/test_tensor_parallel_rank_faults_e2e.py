@@ -43,7 +43,7 @@ RELEASE_ENV = {"SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT": "3"}
 CALL_TIMEOUT_S = 120.0
 # an answer within a few scheduler ticks of its cause, on 2 cores shared by 4 scheduler ranks and the balancer
 TICKS_S = 8.0
-CHUNK_FAILURES = "sglang:num_transfer_chunk_failures_total"
+CHUNK_FAILURES = "sglang:pd_transfer_chunk_failures_total"
 KV_WRITE_FAILED = "Failed to send kv chunk"
 
 

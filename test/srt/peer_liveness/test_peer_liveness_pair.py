@@ -114,9 +114,8 @@ def test_decode_killed_prefill_fails_bound_rooms_and_accepts_restart(pair):
             assert f"PD peer lost: decode peer {peer} lost (" in reasons[room], reasons[room]
         else:
             assert statuses[room] == 500 and reasons[room].endswith(f"Failed to send kv chunk of {room} to {peer}"), reasons[room]
-    # the loss is declared within a heartbeat (the monitor's next pass)
-    host = peer.split(":")[0]
-    while pair.prefill.call("peer_counts") != {f"loss/prefill/{host}": 1}:
+    # the loss is declared within a heartbeat (the monitor's next pass), counted under the peer's host:port
+    while pair.prefill.call("peer_counts") != {f"loss/prefill/{peer}": 1}:
         assert time.monotonic() - t_kill <= DETECT_BOUND, pair.prefill.call("peer_counts")
         time.sleep(0.1)
     # the transfer workers finish with the rooms (a chunk queued behind a write to the
@@ -145,7 +144,8 @@ def test_decode_killed_prefill_fails_bound_rooms_and_accepts_restart(pair):
     _serve_new_requests(pair)
     assert pair.prefill.call("snapshot") == idle
     _wait_equal(lambda: stable_peer_tables(pair.prefill.call("peers")), stable_peer_tables(peers), HEARTBEAT + 5)
-    assert pair.prefill.call("peer_counts") == {f"loss/prefill/{host}": 1, f"recovery/prefill/{host}": 1}
+    # the new incarnation's registration recovers the lost one: counted under the lost one's host:port
+    assert pair.prefill.call("peer_counts") == {f"loss/prefill/{peer}": 1, f"recovery/prefill/{peer}": 1}
     assert pair_new_causes(pair.prefill, causes) == ended  # the served requests ended nothing
 
 
@@ -224,14 +224,14 @@ def test_decode_lost_while_frozen_is_served_again_once_it_runs(frozen_pair):
             time.sleep(0.1)
         [(loss, n)] = counts.items()
         assert loss.startswith("loss/prefill/") and n == 1, counts
-        host = loss.split("/")[2]
+        lost_peer = loss.split("/")[2]  # host:port, as on decode
         # every room bound to it ends at once, 502 naming it
         for room in rooms:
             pair.prefill.call("add", room, 12, None)
         _tick_until_all_ended(pair.prefill, rooms, 10)
         reasons = {room: pair.prefill.call("reason", room) for room in rooms}
         peer = reasons[rooms[0]].split("decode peer ")[1].split(" ")[0]
-        assert peer.split(":")[0] == host, (peer, host)
+        assert peer == lost_peer, (peer, lost_peer)
         for room in rooms:
             assert pair.prefill.call("status", room) == 502, reasons[room]
             assert (f"PD peer lost: decode peer {peer} lost (a KV write failed and its transfer session "
@@ -257,7 +257,7 @@ def test_decode_lost_while_frozen_is_served_again_once_it_runs(frozen_pair):
     # own probe loop waits 30 s here), it is let back in and the recovery is counted
     t_resume = time.monotonic()
     _wait_blacklist(pair, [], HEARTBEAT + PROBE_TIMEOUT + 10)
-    assert pair.prefill.call("peer_counts") == {f"loss/prefill/{host}": 1, f"recovery/prefill/{host}": 1}
+    assert pair.prefill.call("peer_counts") == {f"loss/prefill/{lost_peer}": 1, f"recovery/prefill/{lost_peer}": 1}
     assert time.monotonic() - t_resume <= HEARTBEAT + PROBE_TIMEOUT + 5
     # decode was told while frozen: its rooms end, 502 naming itself as the lost peer
     _tick_until_all_ended(pair.decode, rooms, 30)

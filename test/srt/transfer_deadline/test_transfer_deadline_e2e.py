@@ -50,7 +50,7 @@ ENV = {"SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT": str(DEADLINE)}
 # "3 s + 2 scheduler ticks", generously: an idle CPU scheduler sleeps up to ~1 s per tick
 # with --sleep-on-idle, and the deadline scan runs every deadline/50.
 MARGIN = 2.5
-COUNTER = "sglang:num_transfer_timeout_reqs_total"
+COUNTER = "sglang:pd_transfer_timeouts_total"
 # The deadline is measured on the server from when the request enters the stage, which
 # is after the client sent it: an answer can never come before DEADLINE seconds.
 EARLIEST = DEADLINE

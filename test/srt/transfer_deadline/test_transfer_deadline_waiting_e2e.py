@@ -40,7 +40,7 @@ pytestmark = pytest.mark.e2e
 DEADLINE = 3.0
 MARGIN = 1.5  # the stage scan interval and a few scheduler ticks, on a loaded 2-core box
 STAGE = "prefill_waiting"
-COUNTER = "sglang:num_transfer_timeout_reqs_total"
+COUNTER = "sglang:pd_transfer_timeouts_total"
 FAKE_BOOTSTRAP_HOST = "2.2.2.2"
 OCCUPIER_TOKENS = 4000
 

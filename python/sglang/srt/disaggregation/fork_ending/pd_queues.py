@@ -12,7 +12,7 @@ from sglang.srt.managers.fork_core.fork_touch import upstream
 
 PREFILL, DECODE = "prefill", "decode"
 
-# Stages (names also label counters: `sglang:num_transfer_timeout_reqs_total{stage}`,
+# Stages (names also label counters: `sglang:pd_transfer_timeouts_total{stage}`,
 # the end-cause counter's stage).
 PREFILL_BOOTSTRAP = "prefill_bootstrap"  # PrefillBootstrapQueue.queue
 PREFILL_WAITING = "prefill_waiting"  # waiting_queue (bootstrapped, not yet run)

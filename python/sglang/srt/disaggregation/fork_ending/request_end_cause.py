@@ -24,37 +24,80 @@ MAX_TAGGED_ROOMS = 4096
 # Per request: (cause, peer) once known and whether its end was counted: verdict.ReqState (end_cause, counted).
 _lock = threading.Lock()  # guards the per-manager room tags (docs/layout.md, threading model)
 
-# key -> (name, documentation, the counter's own label names); labelled by the scheduler's labels first.
+# One prefix for every metric the fork adds: `sglang:pd_` (upstream's `sglang:` namespace, then `pd_`); counters end
+# in `_total`. Every one carries the scheduler's labels (upstream's: model_name, engine_type, tp_rank, ...) first,
+# then its own, and exists only with --enable-metrics. Label values are bounded (docs/metrics.md).
+# key -> (name, documentation, the counter's own label names)
 COUNTERS = {
     "end_cause": (
-        "sglang:num_pd_request_end_causes_total",
+        "sglang:pd_request_end_causes_total",
         "PD requests that ended without a completion, by role, cause "
         "(client_abort, pause, timeout, transport, peer_failure) and stage.",
         ("role", "cause", "stage"),
     ),
     "transfer_timeout": (
-        "sglang:num_transfer_timeout_reqs_total",
+        "sglang:pd_transfer_timeouts_total",
         "PD requests aborted (HTTP 504) by the transfer deadline, by stage.",
         ("stage",),
     ),
     "chunk_failure": (
-        "sglang:num_transfer_chunk_failures_total",
+        "sglang:pd_transfer_chunk_failures_total",
         "Failed KV/aux/extra-state chunk writes of a PD transfer, by chunk kind and role.",
         ("kind", "role"),
     ),
     "peer_loss": (
-        "sglang:num_pd_peer_losses_total",
-        "PD peers declared lost (their requests failed, their state dropped)",
+        "sglang:pd_peer_losses_total",
+        "PD peers declared lost (their requests failed, their state dropped), by role and peer (host:port).",
         ("role", "peer"),
     ),
     "peer_recovery": (
-        "sglang:num_pd_peer_recoveries_total",
-        "PD peers seen again after a loss (a restarted incarnation accepted)",
+        "sglang:pd_peer_recoveries_total",
+        "PD peers seen again after a loss (a restarted incarnation accepted), by role and peer (host:port).",
         ("role", "peer"),
     ),
 }
+# key -> (name, documentation, the gauge's own label names): set by the scheduler (fork_report.pd_metrics), each
+# process its own series (the scheduler's tp_rank label), "mostrecent" across processes as upstream's gauges.
+GAUGES = {
+    "paused": (
+        "sglang:pd_paused",
+        "1 while the scheduler is paused (pause_generation, any mode) until continue_generation, else 0.",
+        (),
+    ),
+    "weight_epoch": (
+        "sglang:pd_weight_epoch",
+        "Weight updates this scheduler's prefix cache has seen (0 before the first); KV of an earlier epoch is "
+        "never matched.",
+        (),
+    ),
+    "peers_lost": (
+        "sglang:pd_peers_lost",
+        "PD peers declared lost and not seen again, by role.",
+        ("role",),
+    ),
+    "peers_held_out": (
+        "sglang:pd_peers_held_out",
+        "Decode peers a prefill holds out as lost while they may be alive (silent: probed until they answer).",
+        ("role",),
+    ),
+    "oldest_transfer": (
+        "sglang:pd_oldest_transfer_seconds",
+        "How long the oldest request has been in this PD transfer stage (0 when the stage is empty), by stage.",
+        ("stage",),
+    ),
+    "transfer_deadline": (
+        "sglang:pd_transfer_deadline_seconds",
+        "The transfer deadline: no request stays longer in one PD transfer stage.",
+        (),
+    ),
+}
+# The `peer` label takes at most this many values per process (the first peers counted); any later peer is
+# counted as OTHER_PEER, so a fleet that keeps restarting decodes on new ports cannot grow the series without bound.
+MAX_PEER_LABELS = 64
+OTHER_PEER = "other"
+_peer_labels: set = set()
 _made: Dict[str, Any] = {}
-_made_lock = threading.Lock()  # guards the counters' creation (any thread counts)
+_made_lock = threading.Lock()  # guards the metrics' creation and the peer labels (any thread counts)
 
 
 def scheduler_labels(scheduler: Any) -> Optional[Dict[str, str]]:
@@ -63,6 +106,30 @@ def scheduler_labels(scheduler: Any) -> Optional[Dict[str, str]]:
         return None
     labels = getattr(getattr(scheduler, "metrics_collector", None), "labels", None)
     return dict(labels) if isinstance(labels, dict) else {}
+
+
+_LABELS_ATTR = "fork_metric_labels"  # a kv manager's scheduler's labels (its transfer threads count with them)
+
+
+def bind_labels(kv_manager: Any, scheduler: Any) -> None:
+    """Give `kv_manager` its scheduler's labels (None: metrics off), for counts made on its own threads."""
+    kv_manager.__dict__[_LABELS_ATTR] = scheduler_labels(scheduler)
+
+
+def labels_of(kv_manager: Any) -> Optional[Dict[str, str]]:
+    """The labels `bind_labels` gave `kv_manager`; None (nothing counted) when metrics are off or never bound."""
+    return getattr(kv_manager, "__dict__", {}).get(_LABELS_ATTR)
+
+
+def peer_label(peer: str) -> str:
+    """`peer` as the `peer` label: itself for the first MAX_PEER_LABELS peers seen, OTHER_PEER after."""
+    with _made_lock:
+        if peer in _peer_labels:
+            return peer
+        if len(_peer_labels) < MAX_PEER_LABELS:
+            _peer_labels.add(peer)
+            return peer
+    return OTHER_PEER
 
 
 def answering_rank(scheduler: Any) -> bool:
@@ -74,23 +141,48 @@ def answering_rank(scheduler: Any) -> bool:
     return getattr(context, "is_stats_logging_rank", True) is not False
 
 
-def counter(key: str, base_labels: Dict[str, str]) -> Any:
-    """The counter `key` (created on first use with `base_labels`' names first)."""
+def _metric(key: str, base_labels: Dict[str, str]) -> Any:
+    """The counter or gauge `key` (created on first use with `base_labels`' names first)."""
     with _made_lock:
         if key not in _made:
             from prometheus_client import Counter as PromCounter
+            from prometheus_client import Gauge as PromGauge
 
-            name, doc, own = COUNTERS[key]
-            _made[key] = PromCounter(name=name, documentation=doc, labelnames=list(base_labels) + list(own))
+            if key in COUNTERS:
+                name, doc, own = COUNTERS[key]
+                _made[key] = PromCounter(name=name, documentation=doc, labelnames=list(base_labels) + list(own))
+            else:
+                name, doc, own = GAUGES[key]
+                _made[key] = PromGauge(name=name, documentation=doc, labelnames=list(base_labels) + list(own),
+                                       multiprocess_mode="mostrecent")
         return _made[key]
+
+
+counter = _metric
+
+
+def _child(key: str, base_labels: Dict[str, str], labels: Dict[str, str]) -> Any:
+    base = {k: v for k, v in base_labels.items() if k not in labels}
+    return _metric(key, base).labels(**base, **labels)
 
 
 def inc(key: str, base_labels: Optional[Dict[str, str]], **labels: str) -> None:
     """Count one under `key`; nothing when `base_labels` is None (metrics off)."""
-    if base_labels is None:
-        return
-    base = {k: v for k, v in base_labels.items() if k not in labels}
-    counter(key, base).labels(**base, **labels).inc(1)
+    if base_labels is not None:
+        _child(key, base_labels, labels).inc(1)
+
+
+def zero(key: str, base_labels: Optional[Dict[str, str]], **labels: str) -> None:
+    """Export counter `key`'s series for `labels` at 0 before its first count (a rate over a series that appears
+    with its first event misses that event); nothing when metrics are off."""
+    if base_labels is not None:
+        _child(key, base_labels, labels)
+
+
+def set_gauge(key: str, base_labels: Optional[Dict[str, str]], value: float, **labels: str) -> None:
+    """Set gauge `key`; nothing when `base_labels` is None (metrics off)."""
+    if base_labels is not None:
+        _child(key, base_labels, labels).set(value)
 
 
 _check = verdict.check_cause

@@ -68,7 +68,7 @@ def heartbeat_settings() -> Tuple[float, int]:
 
 def _count(monitor: "PeerMonitor", kind: str, peer: str) -> None:
     COUNTS[(kind, monitor.role, peer)] += 1
-    request_end_cause.inc(f"peer_{kind}", monitor.labels, role=monitor.role, peer=peer)
+    request_end_cause.inc(f"peer_{kind}", monitor.labels, role=monitor.role, peer=request_end_cause.peer_label(peer))
 
 
 class PeerMonitor:
@@ -196,7 +196,7 @@ class PeerMonitor:
         if old is not None:
             logger.warning("PD peer recovered: decode peer %s:%s registered (session %s), replacing lost %s",
                            host, port, session, old)
-            _count(self, "recovery", host)
+            _count(self, "recovery", old)
 
     def _unlost(self, host: str, peer: Optional[str] = None) -> Optional[str]:
         """Under `lock`: take `peer` (default: the oldest) off `host`'s lost list."""
@@ -241,7 +241,7 @@ class PeerMonitor:
             self.mark_gone([session, peer])
         logger.error("%s: %d requests failed, %s", reason, len(failed),
                      "its session held out until it answers a probe" if keep else "its session state dropped")
-        _count(self, "loss", host)
+        _count(self, "loss", peer)
 
     def _drop_incarnation(self, session: str, host: str, port: int) -> None:
         """Forget a gone decode session: registration, blacklist, socket, poison marks."""
@@ -309,7 +309,7 @@ class PeerMonitor:
             counted = self._unlost(host, peer) is not None  # else a new decode there counted it
         logger.warning("PD peer recovered: decode peer %s answers again (session %s); served again", peer, session)
         if counted:
-            _count(self, "recovery", host)
+            _count(self, "recovery", peer)
 
     def _drop_held(self, session: str, why: str, addr_gone: bool = True) -> None:
         """A decode held out as lost is gone (its loss was counted already)."""

@@ -97,7 +97,7 @@ def checked(mgr: Any, room: int, kind: str, rc: int) -> int:
             logger.warning("Injected %s chunk write failure for room %s", kind, room)
             rc = -1
     if rc != 0:
-        request_end_cause.inc("chunk_failure", {}, kind=kind, role="prefill")
+        request_end_cause.inc("chunk_failure", request_end_cause.labels_of(mgr), kind=kind, role="prefill")
         logger.warning("The %s chunk write of room %s failed (rc=%s); failing the room", kind, room, rc)
         _expire_poison_later(mgr, room)
     return rc
@@ -246,7 +246,9 @@ class SessionBlacklist(set):
 
 
 def on_prefill_manager_init(mgr: Any, queue: Any, *args: Any, **kwargs: Any) -> None:
-    """AFTER PrefillBootstrapQueue._init_kv_manager: the fault switch, the probing blacklist."""
+    """AFTER PrefillBootstrapQueue._init_kv_manager: the scheduler's metric labels (its transfer workers count
+    failed writes with them), the fault switch, the probing blacklist."""
+    request_end_cause.bind_labels(mgr, fork_touch.upstream(queue, "scheduler"))
     mgr.fork_chunk_faults = FaultPlan.parse(envs.SGLANG_TEST_DISAGG_FAIL_CHUNKS.get() or "", attn_tp_rank())
 
     def probing(failed_sessions):
@@ -274,7 +276,8 @@ def on_decode_transfer_failure(result: Any, queue: Any, failure_reason: str, *ar
     rank has the reason, rank_agreement.share_failures)."""
     kind = chunk_kind(failure_reason)
     if kind is not None and answers():
-        request_end_cause.inc("chunk_failure", {}, kind=kind, role="decode")
+        labels = request_end_cause.scheduler_labels(fork_touch.upstream(queue, "scheduler"))
+        request_end_cause.inc("chunk_failure", labels, kind=kind, role="decode")
 
 
 def on_sender_clear(result: Any, sender: Any, *args: Any, **kwargs: Any) -> None:

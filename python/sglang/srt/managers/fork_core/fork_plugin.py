@@ -15,7 +15,7 @@ OURS = {name.rpartition(".")[2]: SRT + name for name in (
     "disaggregation.fork_transfer.worker_handoff",
     "managers.fork_pause.pd_pause", "managers.fork_pause.scheduler_pause", "managers.fork_pause.queue_buffers",
     "managers.fork_pause.pause_gate", "managers.fork_pause.tokenizer_pause", "managers.fork_pause.resend_wait",
-    "managers.fork_core.fork_touch", "managers.fork_report.pd_resource_report",
+    "managers.fork_core.fork_touch", "managers.fork_report.pd_resource_report", "managers.fork_report.pd_metrics",
     "managers.fork_cache.weight_epoch", "managers.fork_core.rank_agreement")}
 AFTER, AROUND, BEFORE = "AFTER", "AROUND", "BEFORE"  # upstream's HookType names
 
@@ -120,6 +120,8 @@ HOOKS: list[tuple[str, str, str]] = [_full(target, ref) + (kind,) for target, re
     ("managers.scheduler.Scheduler.pause_generation", "scheduler_pause:scheduler_pause_generation", AROUND),
     ("managers.scheduler.Scheduler.process_batch_result", "request_end_cause:after_process_batch_result", AFTER),
     ("managers.scheduler.Scheduler.process_input_requests", "weight_epoch:after_process_input_requests", AFTER),
+    # the fork's gauges, set every second (paused or not), with --enable-metrics (docs/metrics.md)
+    ("managers.scheduler.Scheduler.process_input_requests", "pd_metrics:after_process_input_requests", AFTER),
     ("managers.scheduler.Scheduler.process_pending_chunked_abort", "room_ledger:around_pending_chunked_abort", AROUND),
     # outermost first: decode counts a tagged request's end cause (request_end_cause), a pause's answer is kept
     # (pd_pause), upstream sends, then the ledger tells the other side of a rejection (room_ledger's AFTER)

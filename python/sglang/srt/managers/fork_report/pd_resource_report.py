@@ -1,4 +1,4 @@
-"""What a scheduler holds right now, as `fork_pd_resources` in its internal state (GET /get_server_info ->
+"""What a scheduler holds right now, as `fork_pd_resources` in its internal state (GET /server_info ->
 internal_states[i]; read-only, scheduler thread): KV tokens, slots, PD queues, the kv manager's per-room tables,
 hooks and swaps applied, and each component's own `report()`."""
 
