@@ -48,6 +48,9 @@ class SchedulerStandIn(SchedulerDisaggregationPrefillMixin, SchedulerDisaggregat
 
     # features that are off
     enable_overlap = False
+    enable_overlap_mlx = False
+    cur_batch_for_debug = None
+    kv_events_publisher = SimpleNamespace(publish_kv_events=lambda: None)
     enable_staging = False
     enable_lora = False
     enable_hisparse = False
