@@ -5,7 +5,7 @@ VPY    := $(VENV)/bin/python
 # Inputs of the fork wheel: rebuilt and reinstalled when any of them changes.
 SOURCES := $(shell git ls-files -co --exclude-standard pyproject.toml upstream.lock patches python build_backend 2>/dev/null)
 
-.PHONY: venv demo test test-tp bench bench-hooks bench-deadline bench-rl bench-transfer wheel system-deps clean
+.PHONY: venv demo test test-model test-tp bench bench-hooks bench-deadline bench-rl bench-transfer wheel system-deps clean
 
 venv: $(VENV)/.fork-installed
 
@@ -14,6 +14,11 @@ demo: venv
 
 test: venv system-deps
 	$(VPY) -m pytest -ra --durations=25 --timeout=1200 test/srt
+
+# The lifecycle model's long run (test/srt/model): random examples for MODEL_SECONDS (default 1800 s),
+# printing steps and steps/s; `make test` runs its deterministic tier.
+test-model: venv
+	MODEL_PROFILE=long $(VPY) -m pytest -ra -s --timeout=0 test/srt/model/test_lifecycle_model.py
 
 # Every end-to-end scenario on every multi-rank topology (TP 2 + TP 2, prefill TP 2 +
 # decode TP 1); `make test` runs the pick of them not marked tp_matrix. README: how long.

@@ -61,7 +61,13 @@ class Faults:
     `notify_peer=False`.
     Record: `calls`, `notices` (what the peer would receive), `endpoints` (the
     sender/receiver per room), `state(room)` (as the queues last polled it).
+    `paired = True` (set before the first request): a prefill sender stays
+    Bootstrapping until decode's handshake for its room is in the manager's
+    `transfer_infos` (put there by whoever plays the wire, e.g. testing/lifecycle_model.py),
+    as on a real backend, where the handshake may land before the request does.
     """
+
+    paired = False
 
     def __init__(self) -> None:
         self._forced: Dict[int, int] = {}
@@ -137,6 +143,9 @@ class FaultyKVManager(FakeKVManager):
         self.request_status: Dict[int, int] = {}
         self.failure_records: Dict[int, str] = {}
         self.failure_lock = threading.Lock()
+        # decode's handshakes by room (Common's name), used when `faults.paired`: a room's entry may come
+        # before its sender; the sender's clear() pops it
+        self.transfer_infos: Dict[int, Any] = {}
 
     def _room_notify_targets(self, bootstrap_room: int) -> list:
         return []  # send_kv_status_message records a Notice whatever the targets
@@ -202,6 +211,7 @@ class _Scripted:
     def clear(self) -> None:
         self.faults._record(self.side, self.bootstrap_room, "clear")
         self.kv_mgr.request_status.pop(self.bootstrap_room, None)
+        self.kv_mgr.transfer_infos.pop(self.bootstrap_room, None)
 
     def failure_exception(self):
         # As CommonKV{Sender,Receiver}: conclude, clear, raise with the recorded reason.
@@ -230,6 +240,8 @@ class FaultySender(_Scripted, FakeKVSender):
         self.sent_pages = 0
 
     def _fake_poll(self) -> int:
+        if self.faults.paired and self.conclude_state is None and self.bootstrap_room not in self.kv_mgr.transfer_infos:
+            return KVPoll.Bootstrapping  # decode's handshake not here (yet, or dropped)
         return FakeKVSender.poll(self)
 
     def init(self, num_kv_indices: int, aux_index: Optional[int] = None):

@@ -43,9 +43,14 @@ class SchedulerStandIn(SchedulerDisaggregationPrefillMixin, SchedulerDisaggregat
     _collect_inflight_batches = _borrowed("_collect_inflight_batches")
     send_abort_output = _borrowed("send_abort_output")
     process_pending_chunked_abort = _borrowed("process_pending_chunked_abort")
+    pause_generation = _borrowed("pause_generation")
+    continue_generation = _borrowed("continue_generation")
 
     # features that are off
     enable_overlap = False
+    enable_overlap_mlx = False
+    cur_batch_for_debug = None
+    kv_events_publisher = SimpleNamespace(publish_kv_events=lambda: None)
     enable_staging = False
     enable_lora = False
     enable_hisparse = False
@@ -56,9 +61,13 @@ class SchedulerStandIn(SchedulerDisaggregationPrefillMixin, SchedulerDisaggregat
     rust_server = None
     pp_group = None
     chunked_req = None
+    # the other role's PD queue (each side's _build sets its own)
+    disagg_prefill_bootstrap_queue = None
+    disagg_decode_prealloc_queue = None
     _pending_chunked_abort_req = None
     last_batch = None
     _engine_paused = False  # set True to stand for a paused event loop
+    _pause_started_at = None  # upstream's pause_generation / continue_generation (`_pause_intervals`: per instance)
     kv_checksum_computer = None
     sliding_window_size = None
     scheduler_stage_metrics = None
@@ -72,7 +81,7 @@ class SchedulerStandIn(SchedulerDisaggregationPrefillMixin, SchedulerDisaggregat
     mm_receiver = None
     dllm_config = None
     beam_coordinator = SimpleNamespace(retire_group=lambda req: None)
-    grammar_manager = SimpleNamespace(abort_requests=lambda recv_req: None)
+    grammar_manager = SimpleNamespace(abort_requests=lambda recv_req: None, grammar_queue=())
 
     def maybe_send_health_check_signal(self) -> None:
         pass

@@ -186,7 +186,7 @@ class _Harness:
                 output_streamer=self.outputs,
                 ipc_channels=SimpleNamespace(send_to_tokenizer=self.outputs),
                 disaggregation_mode=self.mode,
-                running_batch=SimpleNamespace(reqs=[]),
+                running_batch=SimpleNamespace(reqs=[], is_empty=lambda: True),  # the harness runs no decode batch
                 metrics_collector=self.counters,
                 metrics_reporter=SimpleNamespace(
                     enable_metrics=True,
@@ -199,6 +199,7 @@ class _Harness:
                 disagg_metadata_buffers=self.meta_bufs,
                 waiting_queue=[],
                 processed_tokens_counter=0,
+                _pause_intervals=[],
             )
             self._build(req_slots=req_slots, max_context_len=max_context_len, page_size=page_size)
             self.kv_manager = self.queue.kv_manager
