@@ -59,12 +59,7 @@ ANSWERS = (200, ABORT, 500, 502, 503, 504)
 # Bugs the model found that are still open: the contract is relaxed for exactly the orderings that reach each, so
 # the deterministic tier keeps guarding everything else; each has a strict-xfail regression test
 # (test/srt/model/test_lifecycle_regressions.py). Remove a name once its fix merges (its regression test XPASSes).
-KNOWN_BUGS = {
-    # a release/resume on prefill while a request's prefill copy has not reached prefill's scheduler yet, but
-    # decode's handshake for its room has: queue_buffers.forget_orphan_rooms drops the handshake, the prefill copy
-    # waits for it until its deadline (504) instead of completing
-    "release_drops_early_handshake",
-}
+KNOWN_BUGS: set = set()
 
 
 class ScriptedTime:
@@ -542,7 +537,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         # the engine clock standing still: whatever met no fault is answered on both servers (a completion, or a
         # 504 where its deadline already passed), and completes unless it may be answered 504
         for r in self.reqs:
-            if r.faulted or (r.released_before_arrival and "release_drops_early_handshake" in KNOWN_BUGS):
+            if r.faulted:
                 continue
             answers = (r.prefill.answer, r.decode.answer)
             late = 504 in r.prefill.allowed() or 504 in r.decode.allowed()

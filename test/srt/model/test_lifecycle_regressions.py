@@ -26,14 +26,12 @@ def steps(machine, *calls):
         machine.check_step()
 
 
-@pytest.mark.xfail(strict=True, reason="open bug: release/resume on prefill drops decode's handshake for a room whose "
-                                       "prefill copy has not reached prefill's scheduler yet "
-                                       "(queue_buffers.forget_orphan_rooms); the request ends 504 instead of completing")
 def test_release_on_prefill_keeps_a_handshake_that_came_before_its_request(model):
     """Decode got its copy first, preallocated and sent its handshake; prefill's copy is still on its way (waiting at
     prefill's tokenizer, paused for the RL step) when prefill releases and resumes its memory. The copy then
     arrives: it must complete with the handshake decode already sent (decode does not send it again).
-    Found by the model (ci profile, shrunk by hand from a 14-step counterexample). Stock upstream 0.5.23: its
+    Found by the model (ci profile, shrunk by hand from a 14-step counterexample). Fixed: release/resume keeps a handshake whose request is
+    still on its way (`room_ledger.awaits_its_request`). Stock upstream 0.5.23: its
     release clears nothing of the kv manager's tables, so the handshake stays and the request completes."""
     steps(model,
           ("new_request_decode_first", {}),
