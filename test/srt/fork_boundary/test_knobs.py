@@ -57,8 +57,8 @@ def test_zero_is_accepted_only_where_it_means_something(monkeypatch, knob):
             knob.get()
     else:
         assert knob.get() == 0.0 and knob.zero in knob.accepted
-    monkeypatch.setenv(knob.name, "2.5")
-    assert knob.get() == 2.5
+    monkeypatch.setenv(knob.name, "0.05")
+    assert knob.get() == 0.05
 
 
 def test_the_server_argument_wins_over_the_env_and_both_are_checked(monkeypatch):
@@ -70,3 +70,45 @@ def test_the_server_argument_wins_over_the_env_and_both_are_checked(monkeypatch)
     monkeypatch.setenv(knobs.TRANSFER_TIMEOUT.name, "-3")
     with pytest.raises(ValueError, match=knobs.TRANSFER_TIMEOUT.name):  # a bad env fails even under a good arg
         transfer_deadline_knob.validate(7.5)
+
+
+MAXIMA = {  # the documented upper bounds (docs/layout.md, "The fork's knobs"): each knob has one, with its reason
+    "SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT": 86400.0,
+    "SGLANG_FORK_LOST_DECODE_HANDSHAKE_TIMEOUT": 600.0,
+    "SGLANG_FORK_SESSION_PROBE_TIMEOUT": 60.0,
+    "SGLANG_FORK_GLOO_TIMEOUT": 86400.0,
+    "SGLANG_FORK_PD_IDLE_PACE": 0.1,
+    "SGLANG_FORK_KV_WRITE_POLL": 0.1,
+    "SGLANG_FORK_TRANSFER_HANDOFF": 0.1,
+}
+
+
+@pytest.mark.parametrize("knob", knobs.KNOBS, ids=lambda k: k.name)
+def test_each_knob_accepts_up_to_its_documented_maximum_and_the_error_names_the_range_and_why(monkeypatch, knob):
+    """Before: SGLANG_FORK_GLOO_TIMEOUT=1e300 passed the check and overflowed timedelta when the first gloo group was
+    made; SGLANG_FORK_PD_IDLE_PACE=30 passed and every idle pass of a rank > 0 slept 30 s."""
+    maximum = MAXIMA[knob.name]
+    assert knob.maximum == maximum and knob.default <= maximum and knob.why_maximum
+    monkeypatch.setenv(knob.name, repr(maximum))
+    assert knob.get() == maximum
+    for beyond in (maximum * 1.001, maximum * 1000, 1e300):
+        monkeypatch.setenv(knob.name, repr(beyond))
+        with pytest.raises(ValueError) as raised:
+            knob.get()
+        message = str(raised.value)
+        assert knob.name in message and f"<= {maximum:g}" in message and knob.why_maximum in message, message
+        with pytest.raises(ValueError, match=knob.name):  # the start-up check finds it among the others
+            transfer_deadline_knob.validate(None)
+
+
+@pytest.mark.parametrize("name, value", [("SGLANG_FORK_GLOO_TIMEOUT", "1e300"), ("SGLANG_FORK_PD_IDLE_PACE", "30")])
+def test_the_values_of_the_issue_stop_the_start_up_check(monkeypatch, name, value):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=f"{name}='{value}' is not valid"):
+        transfer_deadline_knob.validate(None)
+
+
+def test_the_deadline_server_argument_has_the_same_maximum(monkeypatch):
+    assert transfer_deadline_knob.validate(86400) == 86400.0
+    with pytest.raises(ValueError, match=f"{transfer_deadline_knob.ARG}=.*<= 86400"):
+        transfer_deadline_knob.validate(86401)

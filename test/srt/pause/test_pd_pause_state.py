@@ -656,3 +656,65 @@ def test_scheduler_pause_moves_only_by_its_named_transitions():
     sp.work = Work.DRAINING
     sp.pump()  # no PD queues here: nothing to pump, the drain's work kept
     assert sp.work is Work.DRAINING
+
+
+BAD_TAGS = [["kv"], ["weight"], ["kv_cache", "bogus"], ["KV_CACHE"], "kv_cache"]
+
+
+@pytest.mark.parametrize("phase", sorted(REACH))
+@pytest.mark.parametrize("op", ["release_memory_occupation", "resume_memory_occupation"])
+@pytest.mark.parametrize("tags", BAD_TAGS, ids=repr)
+def test_an_unknown_memory_tag_is_a_400_naming_the_valid_tags_in_every_state_and_changes_nothing(phase, op, tags):
+    """Before: a release of ["kv"] (a typo for kv_cache) while serving was taken: the state recorded 'kv' released
+    and the pause gate stayed closed; no resume could open it (upstream ignores unknown tags: serving goes on).
+    Now: 400 naming the field and upstream's tags (sglang.srt.constants GPU_MEMORY_ALL_TYPES), before any other
+    check (not a 409 even where the call is out of order), upstream not called, state and gate unchanged."""
+    import asyncio
+
+    from sglang.srt.constants import GPU_MEMORY_ALL_TYPES
+
+    assert list(ALL_TAGS) == GPU_MEMORY_ALL_TYPES == ["kv_cache", "weights", "cuda_graph"]
+
+    async def run():
+        tm, call = _engine()
+        for step in REACH[phase]:
+            assert (await call(*step))[0] == "200", step
+        state = engine_pause_state.state_of(tm)
+        before, gate = (state.as_dict(), state.phase, state.gate_reason()), tm.is_pause
+        del tm.upstream[:]
+        with pytest.raises(engine_pause_state.MemoryTagsError) as err:
+            await getattr(tokenizer_pause, f"tm_{op}")(lambda *a: pytest.fail("upstream called"), tm,
+                                                       SimpleNamespace(tags=tags))
+        assert (state.as_dict(), state.phase, state.gate_reason()) == before and tm.is_pause is gate
+        assert tm.upstream == []
+        return err.value
+
+    err = asyncio.run(run())
+    assert err.status_code == 400
+    assert str(err).startswith(f"{op} rejected: ") and "field 'tags'" in str(err), str(err)
+    assert "valid tags: ['kv_cache', 'weights', 'cuda_graph']" in str(err) and "nothing changed" in str(err)
+
+
+def test_tags_none_empty_and_duplicates_keep_upstreams_meaning():
+    """null and [] are all of upstream's tags (its `if tags is None or len(tags) == 0`); duplicates are one tag
+    (upstream's release keeps a set; its resume would raise KeyError on the second removal)."""
+    import asyncio
+
+    assert engine_pause_state.memory_tags("release_memory_occupation", None) is None
+    assert engine_pause_state.memory_tags("release_memory_occupation", []) == []
+    assert engine_pause_state.memory_tags("resume_memory_occupation", ["weights", "weights", "kv_cache"]) == \
+        ["weights", "kv_cache"]
+
+    async def run():
+        tm, call = _engine()
+        state = engine_pause_state.state_of(tm)
+        assert (await call("release_memory_occupation", None, ["kv_cache", "kv_cache"]))[0] == "200"
+        assert state.released == ["kv_cache"]
+        assert (await call("resume_memory_occupation", None, ["kv_cache", "kv_cache"]))[0] == "200"
+        assert state.serving() and not tm.is_pause
+        assert (await call("release_memory_occupation", None, []))[0] == "200"
+        assert state.released == list(ALL_TAGS)
+        assert (await call("resume_memory_occupation", None, []))[0] == "200"
+        assert state.serving() and not tm.is_pause
+
+    asyncio.run(run())

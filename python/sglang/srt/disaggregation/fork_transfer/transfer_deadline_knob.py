@@ -15,7 +15,7 @@ ENV = knobs.TRANSFER_TIMEOUT.name
 ARG = "--disaggregation-transfer-timeout"
 DEFAULT = knobs.TRANSFER_TIMEOUT.default
 HELP = (
-    "PD transfer deadline in seconds (float > 0). Bounds a request's time in each "
+    "PD transfer deadline in seconds (float > 0, at most a day). Bounds a request's time in each "
     "PD queue: prefill bootstrap, waiting (after bootstrap) and inflight; decode "
     "prealloc and transfer. An overdue request is aborted with HTTP 504 and the "
     f"peer is told. Overrides ${ENV} (default {DEFAULT:g})."
@@ -24,7 +24,10 @@ HELP = (
 
 def parse(value, source: str) -> float:
     """`value` as a deadline in seconds, or ValueError naming `source`."""
-    return positive_seconds(value, source, "a valid PD transfer deadline", "a finite number of seconds > 0 (e.g. 600)")
+    knob = knobs.TRANSFER_TIMEOUT
+    return positive_seconds(value, source, "a valid PD transfer deadline",
+                            f"a finite number of seconds > 0 and <= {knob.maximum:g}, {knob.why_maximum} (e.g. 600)",
+                            maximum=knob.maximum)
 
 
 def parse_arg(text: str) -> float:

@@ -9,6 +9,7 @@ SRT = "sglang.srt."
 OURS = {name.rpartition(".")[2]: SRT + name for name in (
     "disaggregation.fork_ending.room_ledger", "disaggregation.fork_ending.pd_queues",
     "disaggregation.fork_ending.request_end_cause", "disaggregation.fork_ending.room_agreement",
+    "disaggregation.fork_ending.bootstrap_door",
     "disaggregation.fork_peers.peer_liveness",
     "disaggregation.fork_transfer.transfer_deadline", "disaggregation.fork_transfer.chunk_failures",
     "disaggregation.fork_transfer.idle_pacing", "disaggregation.fork_transfer.paced_write",
@@ -148,7 +149,9 @@ HOOKS: list[tuple[str, str, str]] = [_full(target, ref) + (kind,) for target, re
     # a failed rank takes its server down at once: upstream's crash diagnostics only where they can run
     ("managers.tokenizer_manager.TokenizerManager.dump_requests_before_crash",
      "rank_agreement:crash_diagnostics_that_can_run", AROUND),
+    # a bad bootstrap field is a 400 naming it before anything starts (bootstrap_door, outermost: first)
     ("managers.tokenizer_manager.TokenizerManager.generate_request", "resend_wait:tm_generate_request", AROUND),
+    ("managers.tokenizer_manager.TokenizerManager.generate_request", "bootstrap_door:before_generate_request", BEFORE),
     ("managers.tokenizer_manager.TokenizerManager.pause_generation", "tokenizer_pause:tm_pause_generation", AROUND),
     ("mem_cache.common.match_kv_cache", "weight_epoch:before_match", BEFORE),
     ("utils.aio_rwlock.RWLock.is_locked", "tokenizer_pause:around_is_locked", AROUND),

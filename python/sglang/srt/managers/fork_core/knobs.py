@@ -18,13 +18,14 @@ from typing import Any, Dict, Optional
 from sglang.srt.environ import envs
 
 
-def positive_seconds(value: Any, source: str, what: str, accepted: str, zero: bool = False) -> float:
-    """`value` as finite seconds > 0 (>= 0 with `zero`), else ValueError naming the knob `source`."""
+def positive_seconds(value: Any, source: str, what: str, accepted: str, zero: bool = False,
+                     maximum: float = math.inf) -> float:
+    """`value` as finite seconds > 0 (>= 0 with `zero`) and <= `maximum`, else ValueError naming the knob `source`."""
     try:
         seconds = float(value)
     except (TypeError, ValueError):
         seconds = math.nan
-    if not (math.isfinite(seconds) and (seconds > 0 or (zero and seconds == 0))):
+    if not (math.isfinite(seconds) and (seconds > 0 or (zero and seconds == 0)) and seconds <= maximum):
         raise ValueError(f"{source}={value!r} is not {what}: expected {accepted}.")
     return seconds
 
@@ -34,6 +35,8 @@ class Seconds:
     """A duration knob declared in upstream's `Envs` as an `EnvFloat`."""
 
     name: str
+    maximum: float  # the largest value accepted
+    why_maximum: str  # why nothing larger is: said in the error
     zero: Optional[str] = None  # what 0 means, where 0 is accepted
 
     @property
@@ -43,24 +46,48 @@ class Seconds:
     @property
     def accepted(self) -> str:
         if self.zero is None:
-            return f"a finite number of seconds > 0 (default {self.default:g})"
-        return f"a finite number of seconds >= 0, 0 {self.zero} (default {self.default:g})"
+            low = "a finite number of seconds > 0"
+        else:
+            low = f"a finite number of seconds >= 0, 0 {self.zero},"
+        return f"{low} and <= {self.maximum:g} ({self.why_maximum}) (default {self.default:g})"
 
     def get(self) -> float:
         value = os.environ.get(self.name)
         if value is None:
             return self.default
-        return positive_seconds(value, self.name, "valid", self.accepted, zero=self.zero is not None)
+        return positive_seconds(value, self.name, "valid", self.accepted, zero=self.zero is not None,
+                                maximum=self.maximum)
 
 
-TRANSFER_TIMEOUT = Seconds("SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT")  # transfer_deadline (its server arg wins)
-LOST_DECODE_HANDSHAKE_TIMEOUT = Seconds("SGLANG_FORK_LOST_DECODE_HANDSHAKE_TIMEOUT",  # peer_liveness, gateway.md
-                                        zero="turns the rule off")
-SESSION_PROBE_TIMEOUT = Seconds("SGLANG_FORK_SESSION_PROBE_TIMEOUT")  # chunk_failures.bounded_probe
-GLOO_TIMEOUT = Seconds("SGLANG_FORK_GLOO_TIMEOUT", zero="keeps upstream's 120 minutes")  # rank_agreement
-PD_IDLE_PACE = Seconds("SGLANG_FORK_PD_IDLE_PACE", zero="turns pacing off")  # idle_pacing
-KV_WRITE_POLL = Seconds("SGLANG_FORK_KV_WRITE_POLL", zero="keeps upstream's synchronous write")  # paced_write
-TRANSFER_HANDOFF = Seconds("SGLANG_FORK_TRANSFER_HANDOFF", zero="keeps upstream's hand-off")  # worker_handoff
+DAY = 86400.0
+# Each knob's upper bound, and why (docs/layout.md, "The fork's knobs"): a value past it is a typo or a unit slip
+# (milliseconds for seconds), never a setting that works.
+TRANSFER_TIMEOUT = Seconds(  # transfer_deadline (its server arg wins, with the same bound)
+    "SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT", DAY,
+    "a day: a longer deadline holds a lost transfer's KV and slots for longer than any client waits")
+LOST_DECODE_HANDSHAKE_TIMEOUT = Seconds(  # peer_liveness, gateway.md
+    "SGLANG_FORK_LOST_DECODE_HANDSHAKE_TIMEOUT", 600.0,
+    "the default transfer deadline: longer, the deadline ends the request first and the rule never acts",
+    zero="turns the rule off")
+SESSION_PROBE_TIMEOUT = Seconds(  # chunk_failures.bounded_probe
+    "SGLANG_FORK_SESSION_PROBE_TIMEOUT", 60.0,
+    "a probe holds a transfer worker: every room queued on it waits as long")
+GLOO_TIMEOUT = Seconds(  # rank_agreement
+    "SGLANG_FORK_GLOO_TIMEOUT", DAY,
+    "a day: a rank stuck longer in a collective is never noticed, and huge values overflow timedelta",
+    zero="keeps upstream's 120 minutes")
+PD_IDLE_PACE = Seconds(  # idle_pacing
+    "SGLANG_FORK_PD_IDLE_PACE", 0.1,
+    "ranks > 0 sleep it whole on each idle pass: every step they join waits as long",
+    zero="turns pacing off")
+KV_WRITE_POLL = Seconds(  # paced_write
+    "SGLANG_FORK_KV_WRITE_POLL", 0.1,
+    "a finished KV write is noticed up to one poll late, on every write",
+    zero="keeps upstream's synchronous write")
+TRANSFER_HANDOFF = Seconds(  # worker_handoff
+    "SGLANG_FORK_TRANSFER_HANDOFF", 0.1,
+    "the scheduler thread waits up to it after each chunk it hands to a parked worker",
+    zero="keeps upstream's hand-off")
 KNOBS = (TRANSFER_TIMEOUT, LOST_DECODE_HANDSHAKE_TIMEOUT, SESSION_PROBE_TIMEOUT, GLOO_TIMEOUT, PD_IDLE_PACE,
          KV_WRITE_POLL, TRANSFER_HANDOFF)
 

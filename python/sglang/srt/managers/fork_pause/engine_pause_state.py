@@ -18,12 +18,20 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from fastapi import HTTPException
 
+from sglang.srt.constants import (
+    GPU_MEMORY_ALL_TYPES,
+    GPU_MEMORY_TYPE_CUDA_GRAPH,
+    GPU_MEMORY_TYPE_KV_CACHE,
+    GPU_MEMORY_TYPE_WEIGHTS,
+)
+
 ATTR = "_fork_pause_state"  # on the tokenizer manager: its EnginePauseState
 
 PAUSE_MODES = ("abort", "in_place", "retract")
-# upstream's GPU_MEMORY_ALL_TYPES (sglang.srt.constants), in its order
-KV_CACHE, WEIGHTS, CUDA_GRAPH = "kv_cache", "weights", "cuda_graph"
-ALL_TAGS = (KV_CACHE, WEIGHTS, CUDA_GRAPH)
+# upstream's memory tags (sglang.srt.constants GPU_MEMORY_TYPE_*), in GPU_MEMORY_ALL_TYPES' order: the only ones a
+# release or resume accepts (any other is a 400, `memory_tags`)
+KV_CACHE, WEIGHTS, CUDA_GRAPH = GPU_MEMORY_TYPE_KV_CACHE, GPU_MEMORY_TYPE_WEIGHTS, GPU_MEMORY_TYPE_CUDA_GRAPH
+ALL_TAGS = tuple(GPU_MEMORY_ALL_TYPES)
 # resumed with kv_cache alone: serving with graphs released would fault on a GPU (docs/pause-release-resume.md)
 RESUMED_WITH_KV = (CUDA_GRAPH,)
 
@@ -129,6 +137,33 @@ class PauseStateError(HTTPException):
 
     def __str__(self) -> str:
         return self.detail
+
+
+class MemoryTagsError(HTTPException):
+    """A release or resume naming a tag upstream has no memory for (nothing changed): 400 naming the field and the
+    valid tags. Upstream takes the call and does nothing for it; the fork's release would close the pause gate for
+    memory that is never released, and no resume could open it again."""
+
+    def __init__(self, message: str):
+        super().__init__(status_code=HTTPStatus.BAD_REQUEST, detail=message)
+
+    def __str__(self) -> str:
+        return self.detail
+
+
+def memory_tags(op: str, tags: Any) -> Optional[List[str]]:
+    """The `tags` of a release or resume as the state reads them: None or [] (all, upstream's default) unchanged,
+    duplicates dropped (upstream's release keeps a set; its resume would fail on the second); MemoryTagsError (400)
+    for anything but a list of upstream's tags, before anything is checked or changed."""
+    if tags is None:
+        return None
+    valid = f"valid tags: {list(ALL_TAGS)} (or omit tags, null or []: all of them); nothing changed"
+    if not isinstance(tags, (list, tuple)):
+        raise MemoryTagsError(f"{op} rejected: field 'tags' must be a list, got {tags!r}; {valid}")
+    unknown = [t for t in tags if t not in ALL_TAGS]
+    if unknown:
+        raise MemoryTagsError(f"{op} rejected: unknown memory tag(s) {unknown} in field 'tags'; {valid}")
+    return list(dict.fromkeys(tags))
 
 
 @dataclass(frozen=True)

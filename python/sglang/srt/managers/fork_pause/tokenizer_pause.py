@@ -2,7 +2,8 @@
 the engine pause state (409s), the pause gate closed and opened around them, the abort-mode pause's wait for the
 answers it decided (`around_is_locked`), and the tokenizer's part of the resource report.
 
-Invariant: a call upstream would fail on never reaches upstream (`EnginePauseState.check`: a 409, nothing changed);
+Invariant: a release or resume naming a tag upstream has no memory for is a 400 before anything else
+(`memory_tags`); a call upstream would fail on never reaches upstream (`EnginePauseState.check`: a 409, nothing changed);
 its change is recorded only once upstream answered. The tokenizer's event loop only (single-threaded, no lock); the
 state is `engine_pause_state`'s, the gate `pause_gate`'s, the re-send count `resend_wait`'s."""
 
@@ -12,7 +13,9 @@ import asyncio
 import contextvars
 
 from sglang.srt.managers.fork_core import fork_touch
-from sglang.srt.managers.fork_pause.engine_pause_state import CONTINUE, PAUSE, RELEASE, RESUME, Effect, state_of
+from sglang.srt.managers.fork_pause.engine_pause_state import (
+    CONTINUE, PAUSE, RELEASE, RESUME, Effect, memory_tags, state_of,
+)
 from sglang.srt.managers.fork_pause.pause_gate import gate_of
 from sglang.srt.managers.fork_pause.resend_wait import resend_wait_of
 from sglang.srt.managers.io_struct import ContinueGenerationReqInput
@@ -30,7 +33,9 @@ def _guarded(op: str):
     async def around(original, tokenizer_manager, obj, *args, **kwargs):
         state, gate = state_of(tokenizer_manager), gate_of(tokenizer_manager)
         mode = obj.mode if op == PAUSE else None
-        tags = getattr(obj, "tags", None)
+        tags = None
+        if op in (RELEASE, RESUME):
+            obj.tags = tags = memory_tags(op, obj.tags)  # an unknown tag: a 400 before anything is checked or changed
         if state.is_noop(op, mode):
             return None  # continue while serving, a pause in the pause's mode (upstream: no-ops too)
         state.check(op, mode, tags)
