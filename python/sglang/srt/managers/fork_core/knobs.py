@@ -57,12 +57,13 @@ TRANSFER_TIMEOUT = Seconds("SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT")  # transfer
 LOST_DECODE_HANDSHAKE_TIMEOUT = Seconds("SGLANG_FORK_LOST_DECODE_HANDSHAKE_TIMEOUT",  # peer_liveness, gateway.md
                                         zero="turns the rule off")
 SESSION_PROBE_TIMEOUT = Seconds("SGLANG_FORK_SESSION_PROBE_TIMEOUT")  # chunk_failures.bounded_probe
+DEPARTED_DECODE_AFTER = Seconds("SGLANG_FORK_DEPARTED_DECODE_AFTER")  # peer_liveness: a lost peer left for good
 GLOO_TIMEOUT = Seconds("SGLANG_FORK_GLOO_TIMEOUT", zero="keeps upstream's 120 minutes")  # rank_agreement
 PD_IDLE_PACE = Seconds("SGLANG_FORK_PD_IDLE_PACE", zero="turns pacing off")  # idle_pacing
 KV_WRITE_POLL = Seconds("SGLANG_FORK_KV_WRITE_POLL", zero="keeps upstream's synchronous write")  # paced_write
 TRANSFER_HANDOFF = Seconds("SGLANG_FORK_TRANSFER_HANDOFF", zero="keeps upstream's hand-off")  # worker_handoff
 KNOBS = (TRANSFER_TIMEOUT, LOST_DECODE_HANDSHAKE_TIMEOUT, SESSION_PROBE_TIMEOUT, GLOO_TIMEOUT, PD_IDLE_PACE,
-         KV_WRITE_POLL, TRANSFER_HANDOFF)
+         KV_WRITE_POLL, TRANSFER_HANDOFF, DEPARTED_DECODE_AFTER)
 
 
 def check() -> Dict[str, float]:
