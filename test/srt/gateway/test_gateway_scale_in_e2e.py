@@ -41,7 +41,7 @@ ENV = {
 }
 DECODE2_RUNNING = 3  # decode 2's --max-running-requests: the burst waits for its preallocation
 N_BURST = 24
-MAX_NEW_TOKENS = 64
+MAX_NEW_TOKENS = 128
 BURST_BOUND_S = 240.0  # generous for a loaded 2-core machine
 DECODES = ("decode", "decode2")
 
@@ -77,7 +77,6 @@ def test_a_decode_scaled_in_leaves_the_other_decode_s_requests_alone(scale_in):
     wait_until(lambda: all(r["status"] == 200 for r in generate_concurrently(cluster.url, prompts(6), max_new_tokens=4))
                and _peers(cluster)["monitor_watched"] == 2, 180, "both decodes to register with prefill",
                interval=0.5, on_timeout=lambda: str(_peers(cluster)))
-    assert _peers(cluster)["monitor_departed_after_s"] == DEPARTED_AFTER
     exhausted = metric_sum(gateway.metrics(), "smg_worker_retries_exhausted_total")
 
     # scale-in: removed from the gateway, then SIGTERM (an autoscaler's order)
@@ -104,7 +103,7 @@ def test_a_decode_scaled_in_leaves_the_other_decode_s_requests_alone(scale_in):
     for i, (got, ref) in enumerate(zip(results, reference)):
         assert got["output_ids"] == ref["output_ids"], (i, texts[i])
     # The burst exercised the rule: some requests waited for decode 2's preallocation past the handshake timeout.
-    assert max(r["latency"] for r in results) > HANDSHAKE_TIMEOUT + 1, [r["latency"] for r in results]
+    assert max(r["latency"] for r in results) > HANDSHAKE_TIMEOUT + 3, [r["latency"] for r in results]
     # How long it took.
     assert burst_s < BURST_BOUND_S, burst_s
     # What was counted: the gateway exhausted no retries; decode 2 was charged nothing.
@@ -113,6 +112,7 @@ def test_a_decode_scaled_in_leaves_the_other_decode_s_requests_alone(scale_in):
     assert_idle(cluster, ("prefill", "decode2"))
 
     # The departed decode is forgotten from prefill's tables within the documented bound (one heartbeat after).
+    assert _peers(cluster)["monitor_departed_after_s"] == DEPARTED_AFTER
     bound = DEPARTED_AFTER + 2 * HEARTBEAT + 5
     wait_until(lambda: (lambda p: p["monitor_lost_unrecovered"] == 0 and p["monitor_gone"] == 0
                         and p["monitor_watched"] == 1 and p["decode_kv_args_table"] == 1
