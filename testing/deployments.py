@@ -337,8 +337,8 @@ class Gateway(Deployment):
         """Failed attempts the circuit breaker charged to each engine (its outcome counter)."""
         metrics = self.metrics() if metrics is None else metrics
         return {role: metrics.get(
-            f'smg_worker_cb_outcomes_total{{worker="{self.engines[role].url}",outcome="failure"}}', 0.0)
-            for role in PD_ROLES}
+            f'smg_worker_cb_outcomes_total{{worker="{engine.url}",outcome="failure"}}', 0.0)
+            for role, engine in self.engines.items()}
 
     def circuit_opens(self, metrics: Optional[Mapping[str, float]] = None) -> Dict[str, float]:
         """How often each engine's circuit opened (transitions to "open", from any state)."""

@@ -24,7 +24,7 @@ import time
 import pytest
 
 from testing.deployments import PDCluster, SingleServer
-from testing.pd_checks import assert_idle
+from testing.pd_checks import assert_idle, end_causes
 from testing.pd_cluster import generate_concurrently, metric_sum, prompts, wait_until
 
 from conftest import FP32, TP2, topology_params
@@ -89,6 +89,8 @@ def test_a_decode_scaled_in_leaves_the_other_decode_s_requests_alone(scale_in):
     wait_until(lambda: _peers(cluster)["monitor_lost_unrecovered"] == 1, 2 * HEARTBEAT + 10,
                "prefill to declare decode 1 lost", on_timeout=lambda: str(_peers(cluster)))
 
+    charged = gateway.failures()
+    ended = end_causes(cluster.metrics("prefill"))
     texts = prompts(N_BURST)
     t0 = time.monotonic()
     results = generate_concurrently(cluster.url, texts, max_new_tokens=MAX_NEW_TOKENS, timeout=BURST_BOUND_S)
@@ -106,7 +108,13 @@ def test_a_decode_scaled_in_leaves_the_other_decode_s_requests_alone(scale_in):
     assert max(r["latency"] for r in results) > HANDSHAKE_TIMEOUT + 3, [r["latency"] for r in results]
     # How long it took.
     assert burst_s < BURST_BOUND_S, burst_s
-    # What was counted: the gateway exhausted no retries; decode 2 was charged nothing.
+    # What was counted: prefill ended no request (before: each request still waiting in decode 2's prealloc queue
+    # 5 s after decode 1's loss ended 502 "no decode took request ..." -- a peer_failure -- and was charged to
+    # prefill and decode 2 by the gateway, whose retries completed some and answered 503 for the others); the
+    # gateway charged neither engine and exhausted no retries.
+    assert end_causes(cluster.metrics("prefill")) == ended
+    failures = gateway.failures()
+    assert [failures[r] - charged[r] for r in ("prefill", "decode2")] == [0, 0], (charged, failures)
     assert metric_sum(gateway.metrics(), "smg_worker_retries_exhausted_total") == exhausted
     # What is left held: nothing on prefill or decode 2.
     assert_idle(cluster, ("prefill", "decode2"))
