@@ -39,9 +39,9 @@ ENV = {
     "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": "2",
     "SGLANG_FORK_DEPARTED_DECODE_AFTER": str(DEPARTED_AFTER),
 }
-DECODE2_RUNNING = 3  # decode 2's --max-running-requests: the burst waits for its preallocation
+DECODE2_RUNNING = 2  # decode 2's --max-running-requests: the burst waits for its preallocation
 N_BURST = 24
-MAX_NEW_TOKENS = 128
+MAX_NEW_TOKENS = 256
 BURST_BOUND_S = 240.0  # generous for a loaded 2-core machine
 DECODES = ("decode", "decode2")
 
@@ -83,11 +83,11 @@ def test_a_decode_scaled_in_leaves_the_other_decode_s_requests_alone(scale_in):
     gateway.deregister_worker("decode")
     decode1 = cluster["decode"]
     decode1.popen.send_signal(signal.SIGTERM)
-    t_term = time.monotonic()
     wait_until(lambda: not decode1.is_alive(), 60, "decode 1 to exit on SIGTERM")
     decode1.kill()  # whatever its exit left behind
     wait_until(lambda: _peers(cluster)["monitor_lost_unrecovered"] == 1, 2 * HEARTBEAT + 10,
                "prefill to declare decode 1 lost", on_timeout=lambda: str(_peers(cluster)))
+    t_lost = time.monotonic()
 
     charged = gateway.failures()
     ended = end_causes(cluster.metrics("prefill"))
@@ -119,16 +119,18 @@ def test_a_decode_scaled_in_leaves_the_other_decode_s_requests_alone(scale_in):
     # What is left held: nothing on prefill or decode 2.
     assert_idle(cluster, ("prefill", "decode2"))
 
-    # The departed decode is forgotten from prefill's tables within the documented bound (one heartbeat after).
+    # The departed decode is forgotten from prefill's tables within the documented bound of its loss:
+    # SGLANG_FORK_DEPARTED_DECODE_AFTER + a heartbeat (+ the heartbeat the test may have seen the loss late, a margin).
     assert _peers(cluster)["monitor_departed_after_s"] == DEPARTED_AFTER
     bound = DEPARTED_AFTER + 2 * HEARTBEAT + 5
     wait_until(lambda: (lambda p: p["monitor_lost_unrecovered"] == 0 and p["monitor_gone"] == 0
                         and p["monitor_watched"] == 1 and p["decode_kv_args_table"] == 1
                         and p["monitor_claims"] == 0 and p["failed_sessions"] == 0)(_peers(cluster)),
-               max(1.0, bound - (time.monotonic() - t_term)), "decode 1 forgotten by prefill",
-               on_timeout=lambda: str(_peers(cluster)))
-    forgotten_s = time.monotonic() - t_term
-    print(f"decode 1 forgotten {forgotten_s:.1f}s after its SIGTERM (bound {bound:.0f}s)")
+               max(1.0, bound - (time.monotonic() - t_lost)), "decode 1 forgotten by prefill",
+               interval=0.2, on_timeout=lambda: str(_peers(cluster)))
+    forgotten_s = time.monotonic() - t_lost
+    print(f"decode 1 forgotten {forgotten_s:.1f}s after its loss (bound {bound:.0f}s)")
+    assert DEPARTED_AFTER - HEARTBEAT <= forgotten_s <= bound
 
     # Serving continues.
     after = generate_concurrently(cluster.url, prompts(4), max_new_tokens=8)
