@@ -46,7 +46,7 @@ BURST_BOUND_S = 240.0  # generous for a loaded 2-core machine
 DECODES = ("decode", "decode2")
 
 
-@pytest.fixture(scope="module", params=topology_params(TP2, ci=(TP2,)))
+@pytest.fixture(scope="module", params=topology_params(TP2))
 def scale_in(deployments, shared_single, request):
     """(PDCluster with decodes decode and decode2 behind the gateway, a control server)."""
     topology = request.param
