@@ -7,10 +7,15 @@ The lost-decode handshake rule (peer_liveness.before_pop_bootstrapped) ends a pr
 come 5 s after a decode was lost; decode 2 claims each request as it enters its prealloc queue, so the rule leaves
 those to wait, and the departed decode is forgotten from prefill's tables within SGLANG_FORK_DEPARTED_DECODE_AFTER.
 
-Measured before the claim (the fork, same calls): 8 of 24 completed, 16 answered 503 by the gateway after its
-retries, prefill logged "no decode took request ... while decode peer ... is lost" 32 times; decode 1 stayed in
-prefill's lost table for good. Stock upstream 0.5.23, same calls: 24 of 24 completed in 17 s (no such rule: a
-request whose decode died waits for the bootstrap timeout instead).
+Outcomes for the same calls:
+- stock upstream 0.5.23 (the issue's measurement): 24 of 24 completed in 17 s (no such rule: a request whose decode
+  died waits for the bootstrap timeout instead);
+- the fork before decodes claimed their requests: the issue's measurement 8 of 24 completed, 16 answered 503 by the
+  gateway after its retries, prefill logged "no decode took request ... while decode peer ... is lost" 32 times;
+  this test on that code: 23 of 24 after the gateway's retries, 1 answered 503 "No available prefill workers (all
+  circuits open or unhealthy)", the rule fired 28 times; decode 1 stayed in prefill's lost table for good;
+- the fork: 24 of 24 with the control server's text in 16 s, prefill ended nothing, the gateway charged nothing;
+  decode 1 forgotten by prefill 21.7 s after its loss (bound 29 s).
 
 The mini LB cannot be used for this: it takes its decodes on its command line and has no way to remove one (it keeps
 routing to the departed decode), so scale-in is tested behind the gateway only.
