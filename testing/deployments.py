@@ -114,14 +114,19 @@ class PDCluster(Deployment):
         decode_tp: Optional[int] = None,
         hosts: Optional[Mapping[str, Any]] = None,
         prefills: int = 1,
+        more_decodes: Sequence[Sequence[str]] = (),
     ):
         """`hosts`: role (prefill, decode, lb) -> testing.hosts.Host to run it on (default: this host).
         `prefills`: more than one prefill server (roles prefill, prefill2, ...; each its own bootstrap port, the same
-        env and args), behind the mini LB (which picks one at random per request)."""
+        env and args), behind the mini LB (which picks one at random per request).
+        `more_decodes`: more decode servers (roles decode2, decode3, ...), each with decode's env and args plus its
+        own args here (later ones win), behind the gateway (each registered as a decode worker)."""
         if balancer not in BALANCERS:
             raise ValueError(f"balancer must be one of {BALANCERS}, not {balancer!r}")
         if prefills > 1 and balancer != "mini":
             raise ValueError("more than one prefill: only behind the mini LB")
+        if more_decodes and balancer != "router":
+            raise ValueError("more than one decode: only behind the gateway (the mini LB cannot remove one)")
         super().__init__(log_dir)
         self.tp = {"prefill": tp, "decode": tp if decode_tp is None else decode_tp}
         prefill_args, prefill_env = (*tp_args(self.tp["prefill"]), *prefill_args), tp_env(self.tp["prefill"], prefill_env)
@@ -148,6 +153,13 @@ class PDCluster(Deployment):
             _role_env(decode_env),
             d_port,
         )
+        self.decode_roles = ["decode"]
+        for i, extra in enumerate(more_decodes, start=2):
+            port, nccl = free_ports(2)
+            self._add(f"decode{i}", _launch_server_argv(model, port, nccl, [
+                "--disaggregation-mode", "decode", *pd, *decode_args, *extra,
+            ]), _role_env(decode_env), port)
+            self.decode_roles.append(f"decode{i}")
         self.prefill_roles = ["prefill"]
         self.bootstrap_ports = {"prefill": bootstrap}
         for i in range(2, prefills + 1):
@@ -170,7 +182,8 @@ class PDCluster(Deployment):
                       _role_env(lb_env), lb_port)
         else:
             self.gateway = Gateway(prefill, decode, bootstrap, role="lb", env=lb_env, args=lb_args,
-                                   port=lb_port, prometheus_port=prom_port, log_dir=str(self.log_dir))
+                                   port=lb_port, prometheus_port=prom_port, log_dir=str(self.log_dir),
+                                   more_decodes={r: self.servers[r] for r in self.decode_roles[1:]})
             self.servers["lb"] = self.gateway["lb"]
         if "lb" in hosts:
             self.servers["lb"].place(hosts["lb"])
@@ -223,9 +236,9 @@ class Gateway(Deployment):
     def __init__(self, prefill: Server, decode: Server, bootstrap_port: int, *, role: str = "gateway",
                  env: Optional[Mapping[str, str]] = None, args: Sequence[str] = (),
                  port: Optional[int] = None, prometheus_port: Optional[int] = None,
-                 log_dir: Optional[str] = None):
+                 log_dir: Optional[str] = None, more_decodes: Optional[Mapping[str, Server]] = None):
         super().__init__(log_dir)
-        self.engines = {"prefill": prefill, "decode": decode}
+        self.engines = {"prefill": prefill, "decode": decode, **(more_decodes or {})}
         self.bootstrap_port = bootstrap_port
         self.role = role
         if port is None or prometheus_port is None:
@@ -278,7 +291,7 @@ class Gateway(Deployment):
     def register_worker(self, role: str, timeout: float = REGISTER_TIMEOUT) -> Dict[str, Any]:
         """POST /workers for this engine as an RL framework does; returns the gateway's
         entry once its registration workflow has added it (the POST only queues it)."""
-        payload: Dict[str, Any] = {"url": self.engines[role].url, "worker_type": role}
+        payload: Dict[str, Any] = {"url": self.engines[role].url, "worker_type": role.rstrip("0123456789")}
         if role == "prefill":
             payload["bootstrap_port"] = self.bootstrap_port
         status, body = http_post_json(self.url + "/workers", payload, timeout=30)
@@ -292,8 +305,8 @@ class Gateway(Deployment):
         )
 
     def register_workers(self) -> None:
-        """Both engines, prefill first."""
-        for role in PD_ROLES:
+        """Every engine, prefill first."""
+        for role in self.engines:
             self.register_worker(role)
 
     def deregister_worker(self, role: str, timeout: float = REGISTER_TIMEOUT) -> None:
@@ -324,8 +337,8 @@ class Gateway(Deployment):
         """Failed attempts the circuit breaker charged to each engine (its outcome counter)."""
         metrics = self.metrics() if metrics is None else metrics
         return {role: metrics.get(
-            f'smg_worker_cb_outcomes_total{{worker="{self.engines[role].url}",outcome="failure"}}', 0.0)
-            for role in PD_ROLES}
+            f'smg_worker_cb_outcomes_total{{worker="{engine.url}",outcome="failure"}}', 0.0)
+            for role, engine in self.engines.items()}
 
     def circuit_opens(self, metrics: Optional[Mapping[str, float]] = None) -> Dict[str, float]:
         """How often each engine's circuit opened (transitions to "open", from any state)."""

@@ -99,10 +99,13 @@ def assert_idle(deployment, roles, baseline: dict | None = None, timeout: float 
 # decode heartbeat adds per prefill on its own schedule (0 or 1 each between two
 # beats) are bounded by the prefills known, and compared as such.
 HEARTBEAT_TABLES = ("heartbeat_failures", "session_pool")
+# Per-peer entries kept for a while after a peer's loss and aged out `monitor_departed_after_s` later (peer_liveness:
+# the names of lost decodes, so nothing is pushed to them): not compared across a restart.
+AGING_TABLES = ("monitor_gone",)
 
 
 def stable_peer_tables(peers: dict) -> dict:
-    out = {k: v for k, v in peers.items() if k not in HEARTBEAT_TABLES}
+    out = {k: v for k, v in peers.items() if k not in HEARTBEAT_TABLES + AGING_TABLES}
     for k in HEARTBEAT_TABLES:
         if k in peers:
             out[k + "<=prefills"] = peers[k] <= peers.get("prefill_info_table", 0)

@@ -21,6 +21,7 @@ DEFAULTS = {  # the documented defaults (README, docs/): a changed default is a 
     "SGLANG_FORK_PD_IDLE_PACE": 0.001,
     "SGLANG_FORK_KV_WRITE_POLL": 0.0005,
     "SGLANG_FORK_TRANSFER_HANDOFF": 0.0005,
+    "SGLANG_FORK_DEPARTED_DECODE_AFTER": 300.0,
 }
 
 

@@ -3,6 +3,7 @@ orphans of a lost decode, the message (answered 502 as a peer loss). Its knob: t
 
 from __future__ import annotations
 
+import functools
 import threading
 from http import HTTPStatus
 from types import SimpleNamespace
@@ -41,4 +42,43 @@ def test_lost_decodes_lists_the_unreplaced_ones():
 def test_the_message_is_answered_as_a_peer_loss():
     text = ldh.orphan_message(_req(7), 5.2, ["127.0.0.1:4000"], 5.0)
     assert "127.0.0.1:4000" in text and "bootstrap_room=7" in text and ldh.HANDSHAKE_ENV in text
+    assert abort_status(text, HTTPStatus.INTERNAL_SERVER_ERROR) == HTTPStatus.BAD_GATEWAY
+
+
+def test_the_rule_leaves_a_request_a_live_decode_claimed_and_ends_one_the_lost_decode_claimed():
+    """waits_for_live_decode, in every order of events: handshaken -> waits (a lost decode's handshaken rooms end at
+    its loss); claimed by a live decode -> waits for its preallocation; claimed by the lost one, or by nobody ->
+    bound to the lost decode as far as prefill can tell -> ends after the timeout."""
+    lost = ["127.0.0.1:4000"]
+    shaken, claims = {1}, {2: "127.0.0.1:5000", 3: "127.0.0.1:4000"}
+    waits = functools.partial(ldh.waits_for_live_decode, handshaken=shaken.__contains__, claimed_by=claims.get,
+                              lost=lost)
+    assert [room for room in (1, 2, 3, 4) if waits(room)] == [1, 2]
+    reqs = [_req(room) for room in (1, 2, 3, 4)]
+    assert ldh.orphans(reqs, waits, now=100.0, timeout=5.0) == []
+    assert [r.bootstrap_room for r, _ in ldh.orphans(reqs, waits, now=105.5, timeout=5.0)] == [3, 4]
+    # the live claimer is lost later: its request's wait starts then (stamped at the first scan that sees it)
+    lost.append("127.0.0.1:5000")
+    reqs = [_req(2)]
+    assert ldh.orphans(reqs, waits, now=110.0, timeout=5.0) == []
+    assert [r.bootstrap_room for r, _ in ldh.orphans(reqs, waits, now=115.5, timeout=5.0)] == [2]
+    # a claim that comes before the request (decode was quicker than prefill) counts the same
+    claims[9] = "127.0.0.1:6000"
+    assert waits(9)
+
+
+def test_a_claim_is_read_on_prefill_s_bootstrap_thread_and_nothing_else_is_taken():
+    monitor = SimpleNamespace(lock=threading.Lock(), claims={})
+    monitor.claim = functools.partial(ldh.PeerMonitor.claim, monitor)
+    passed = []
+    handle = lambda msg: passed.append(msg) or False  # noqa: E731 (upstream's ABORT handler: not its message)
+    assert ldh._handle_claim(monitor, handle, [ldh.CLAIM_TAG, b"42", b"10.0.0.2", b"17001"]) is True
+    assert {room: peer for room, (peer, _) in monitor.claims.items()} == {42: "10.0.0.2:17001"}
+    assert ldh._handle_claim(monitor, handle, [ldh.CLAIM_TAG, b"x"]) is True  # malformed: dropped, logged
+    assert ldh._handle_claim(monitor, handle, [b"123", b"10.0.0.2"]) is False and passed == [[b"123", b"10.0.0.2"]]
+
+
+def test_the_message_names_the_lost_decode_that_took_the_request():
+    text = ldh.orphan_message(_req(7), 5.2, ["127.0.0.1:4000"], 5.0, holder="127.0.0.1:4000")
+    assert "decode peer 127.0.0.1:4000, which took request rid-7" in text
     assert abort_status(text, HTTPStatus.INTERNAL_SERVER_ERROR) == HTTPStatus.BAD_GATEWAY

@@ -1,7 +1,9 @@
 """A crashed PD peer is noticed at once, its requests end (502), and its restart is served.
 
 One `PeerMonitor` thread per (mooncake) kv manager probes its peers; prefill's bootstrap-queue hook ends a
-request waiting for a lost decode's handshake. docs/peer-liveness.md, docs/gateway.md.
+request waiting for a lost decode's handshake that no live decode holds (decode claims each request as it enters its
+prealloc queue); a decode lost and not back within `SGLANG_FORK_DEPARTED_DECODE_AFTER` has left (scaled in, moved,
+replaced) and is forgotten. docs/peer-liveness.md, docs/gateway.md.
 """
 
 from __future__ import annotations
@@ -30,6 +32,10 @@ TAG = verdict.PEER_LOST_TAG  # opens every failure reason this module records; t
 ALIVE, REFUSED, SILENT = "alive", "refused", "silent"
 CONNECT_TIMEOUT = 1.0
 MAX_GONE = 256
+# decode -> prefill (bootstrap thread): [CLAIM_TAG, room, decode ip, decode rank port] "this decode holds the request"
+CLAIM_TAG = b"FORK_CLAIM"
+# a claim whose prefill request has not arrived (or was cleared before it came) is dropped after this (s)
+CLAIM_GRACE = 30.0
 
 # (kind "loss"/"recovery", role, peer) -> count in this process (also in Prometheus).
 COUNTS: Counter = Counter()
@@ -46,6 +52,25 @@ def probe(host: str, port: int, timeout: float = CONNECT_TIMEOUT) -> str:
         return REFUSED
     except OSError:
         return SILENT
+
+
+def probe_all(peers: Dict[str, Tuple[str, int]], timeout: float = CONNECT_TIMEOUT) -> Dict[str, str]:
+    """`probe` of every peer (name -> (host, port)) at once, a thread each: a tick waits for the slowest peer, not
+    for the sum of the silent ones' connect timeouts."""
+    if len(peers) <= 1:
+        return {name: probe(host, port, timeout) for name, (host, port) in peers.items()}
+    out: Dict[str, str] = {}
+
+    def one(name: str, host: str, port: int) -> None:
+        out[name] = probe(host, port, timeout)
+
+    threads = [threading.Thread(target=one, args=(name, host, port), name="ForkPeerConnect", daemon=True)
+               for name, (host, port) in peers.items()]
+    for thread in threads:
+        thread.start()
+    for thread in threads:  # each connect is bounded by `timeout`
+        thread.join()
+    return out
 
 
 def loss_message(role_lost: str, peer: str, why: str) -> str:
@@ -83,7 +108,13 @@ class PeerMonitor:
         self.misses: Dict[str, int] = {}
         self.known: Dict[str, Tuple[str, int]] = {}  # prefill: session -> decode (host, port)
         self.lost: Dict[str, List[str]] = {}  # prefill: host -> lost peers there; decode: bootstrap addrs
-        self.gone: "OrderedDict[str, None]" = OrderedDict()  # prefill: lost sessions and host:port (bounded)
+        self.lost_at: Dict[str, float] = {}  # lost peer -> when it was lost (aged out: `departed_after`)
+        # prefill: lost sessions and host:port -> when (bounded: MAX_GONE entries, `departed_after` seconds)
+        self.gone: "OrderedDict[str, float]" = OrderedDict()
+        # prefill: room -> (decode host:port that claimed it, when): decode holds the request, its handshake follows
+        # once it has preallocated (CLAIM_TAG); dropped when prefill clears the room, or after CLAIM_GRACE without it
+        self.claims: Dict[int, Tuple[str, float]] = {}
+        self.departed_after = knobs.DEPARTED_DECODE_AFTER.get()
         self.poisoned: Dict[str, set] = {}  # prefill: session -> rooms a failed write poison-marked
         self.held_out: set = set()  # prefill: sessions blacklisted at the last tick
         self.held: Dict[str, str] = {}  # prefill: session -> host:port lost while it may be alive
@@ -91,6 +122,7 @@ class PeerMonitor:
         # held session -> when it last did not answer (held out, or silent at a tick): a transfer engine probe
         # started before then may still hang in the transport's connect retries, so none is joined
         self.unanswered_at: Dict[str, float] = {}
+        self.silent_since: Dict[str, float] = {}  # held session -> since when its endpoint takes no connection
         self.thread = threading.Thread(target=self._run, name=f"ForkPeerMonitor-{role}", daemon=True)
 
     def _run(self) -> None:
@@ -131,10 +163,11 @@ class PeerMonitor:
         """Whether the push endpoint "tcp://host:port" is a decode declared lost."""
         return isinstance(endpoint, str) and endpoint.startswith("tcp://") and self.is_gone([endpoint[6:]])
 
-    def mark_gone(self, names: List[str]) -> None:
+    def mark_gone(self, names: List[str], since: Optional[float] = None) -> None:
+        """`names` are gone, since `since` (default: now; aged out `departed_after` from then)."""
         with self.lock:
             for name in names:
-                self.gone[name] = None
+                self.gone[name] = time.monotonic() if since is None else since
                 self.gone.move_to_end(name)
             while len(self.gone) > MAX_GONE:
                 self.gone.popitem(last=False)
@@ -155,14 +188,16 @@ class PeerMonitor:
                 _drop_socket(mgr, endpoint)
         with self.lock:
             for session in [s for s in self.known if s not in sessions]:  # dropped by someone else
-                for table in (self.known, self.misses, self.held, self.unanswered_at):
+                for table in (self.known, self.misses, self.held, self.unanswered_at, self.silent_since):
                     table.pop(session, None)
+        self._drop_stale_claims(mgr.request_status)
+        verdicts = probe_all(sessions)
         # still blacklisted a tick later, or silent: lost, but it may be alive (held out)
         held_out = set()
         for session, (host, port) in sessions.items():
             self.registered(session, host, port)
             if session in self.held:
-                self._watch_held(session, host, port)
+                self._watch_held(session, verdicts[session])
                 continue
             if session in blacklisted:
                 if session in self.held_out:
@@ -170,7 +205,7 @@ class PeerMonitor:
                                      keep=True)
                     continue
                 held_out.add(session)
-            verdict = probe(host, port)
+            verdict = verdicts[session]
             if verdict == ALIVE:
                 self.misses[session] = 0
             elif verdict == REFUSED:
@@ -180,6 +215,55 @@ class PeerMonitor:
                 if self.misses[session] >= self.max_failures:
                     self.lose_decode(session, f"no answer to {self.misses[session]} heartbeats", keep=True)
         self.held_out = held_out
+        self._age_out()
+
+    def _age_out(self) -> None:
+        """Monitor thread: a peer lost more than `departed_after` ago and neither back nor held out has left for
+        good (a scaled-in, moved or replaced decode; on decode: a prefill): it is forgotten (`lost`, `gone`), so
+        the lost-decode handshake rule stops counting it and no table grows per departed peer."""
+        now = time.monotonic()
+        departed = []
+        with self.lock:
+            kept = set(self.held.values())
+            for host, peers in list(self.lost.items()):
+                for peer in list(peers):
+                    if now - self.lost_at.setdefault(peer, now) > self.departed_after and peer not in kept:
+                        self._unlost(host, peer)
+                        departed.append(peer)
+            listed = {peer for peers in self.lost.values() for peer in peers}
+            for peer in [p for p in self.lost_at if p not in listed]:  # back, replaced or departed
+                del self.lost_at[peer]
+            for name in [n for n, at in self.gone.items() if now - at > self.departed_after]:
+                del self.gone[name]
+        for peer in departed:
+            logger.warning("PD peer departed: %s peer %s, lost more than %gs ago, is not back; forgotten (%s)",
+                           "decode" if self.role == "prefill" else "prefill", peer, self.departed_after,
+                           knobs.DEPARTED_DECODE_AFTER.name)
+
+    # -- prefill: decodes' claims (a decode holds a request whose handshake waits for its preallocation)
+
+    def claim(self, room: int, peer: str) -> None:
+        """Bootstrap thread: decode `peer` (host:port) took request `room` into its prealloc queue."""
+        with self.lock:
+            self.claims[room] = (peer, time.monotonic())
+
+    def unclaim(self, room: int) -> None:
+        """Prefill cleared `room` (any thread)."""
+        with self.lock:
+            self.claims.pop(room, None)
+
+    def claimed_by(self, room: int) -> Optional[str]:
+        with self.lock:
+            claim = self.claims.get(room)
+        return None if claim is None else claim[0]
+
+    def _drop_stale_claims(self, rooms: Any) -> None:
+        """Monitor thread: a claim whose room prefill does not have (`rooms`: its request_status) after
+        CLAIM_GRACE is dropped (its request never came, or was cleared before the claim)."""
+        now = time.monotonic()
+        with self.lock:
+            for room in [r for r, (_, at) in self.claims.items() if now - at > CLAIM_GRACE and r not in rooms]:
+                del self.claims[room]
 
     def registered(self, session: str, host: str, port: int) -> None:
         """Bootstrap or monitor thread: watch a decode session (after a loss there: its new incarnation)."""
@@ -218,7 +302,7 @@ class PeerMonitor:
                 return
             if keep:
                 self.held[session] = f"{host}:{port}"
-                self.unanswered_at[session] = time.monotonic()
+                self.unanswered_at[session] = self.silent_since[session] = time.monotonic()
         self.misses.pop(session, None)
         peer = f"{host}:{port}"
         reason = loss_message("decode", peer, f"{why}; mooncake session {session}")
@@ -237,6 +321,7 @@ class PeerMonitor:
                                  remember=keep, told=LOST)
         with self.lock:
             self.lost.setdefault(host, []).append(peer)
+            self.lost_at[peer] = time.monotonic()
         if not keep:
             self.mark_gone([session, peer])
         logger.error("%s: %d requests failed, %s", reason, len(failed),
@@ -258,18 +343,28 @@ class PeerMonitor:
 
     # -- prefill: decodes held out as lost
 
-    def _watch_held(self, session: str, host: str, port: int) -> None:
-        """Monitor thread: a held-out decode is gone once refused; still silent, it is left alone (a transfer
-        engine probe through a cut link would only hang for its timeout, and one running when the link heals
-        would hold the re-admission back by as much); answering, it is probed in the background."""
-        verdict = probe(host, port)
+    def _watch_held(self, session: str, verdict: str) -> None:
+        """Monitor thread: a held-out decode is gone once refused, or once its endpoint has taken no connection
+        for `departed_after` (its host left); still silent, it is left alone (a transfer engine probe through a
+        cut link would only hang for its timeout, and one running when the link heals would hold the re-admission
+        back by as much); answering (`verdict`: this tick's connect), it is probed in the background."""
         if verdict == REFUSED:
             self._drop_held(session, "refuses connections")
             return
+        now = time.monotonic()
         with self.lock:
             if verdict == SILENT:
-                self.unanswered_at[session] = time.monotonic()
-                return
+                self.unanswered_at[session] = now
+                silent = now - self.silent_since.setdefault(session, now)
+            else:
+                self.silent_since.pop(session, None)
+        if verdict == SILENT:
+            if silent > self.departed_after:
+                self._drop_held(session, f"has taken no connection for {silent:.0f}s "
+                                         f"({knobs.DEPARTED_DECODE_AFTER.name}={self.departed_after:g})",
+                                since=now - silent)
+            return
+        with self.lock:
             if session in self._probing:
                 return
             self._probing.add(session)
@@ -302,6 +397,7 @@ class PeerMonitor:
         with self.lock:  # it answers again: served again
             peer = self.held.pop(session, None)
             self.unanswered_at.pop(session, None)
+            self.silent_since.pop(session, None)
             if peer is None:
                 return
         with self.lock:
@@ -311,16 +407,17 @@ class PeerMonitor:
         if counted:
             _count(self, "recovery", peer)
 
-    def _drop_held(self, session: str, why: str, addr_gone: bool = True) -> None:
-        """A decode held out as lost is gone (its loss was counted already)."""
+    def _drop_held(self, session: str, why: str, addr_gone: bool = True, since: Optional[float] = None) -> None:
+        """A decode held out as lost is gone (its loss was counted already), since `since` (default: now)."""
         with self.lock:
             peer = self.held.pop(session, None)
             self.unanswered_at.pop(session, None)
+            self.silent_since.pop(session, None)
             host, port = self.known.get(session, (None, None))
         if peer is None or host is None:
             return
         self._drop_incarnation(session, host, port)
-        self.mark_gone([session, peer] if addr_gone else [session])
+        self.mark_gone([session, peer] if addr_gone else [session], since)
         logger.warning("PD peer gone: decode peer %s, lost earlier (session %s), %s; its session state dropped",
                        peer, session, why)
 
@@ -334,9 +431,10 @@ class PeerMonitor:
             addrs = list(mgr.prefill_info_table)
         for addr in [a for a in self.misses if a not in addrs]:  # dropped (by upstream's heartbeat, or a loss)
             self.misses.pop(addr, None)
+        verdicts = probe_all({addr: (addr.rpartition(":")[0].strip("[]"), int(addr.rpartition(":")[2]))
+                              for addr in addrs})
         for addr in addrs:
-            host, _, port = addr.rpartition(":")
-            verdict = probe(host.strip("[]"), int(port))
+            verdict = verdicts[addr]
             if verdict == ALIVE:
                 self.misses[addr] = 0
                 continue
@@ -346,6 +444,7 @@ class PeerMonitor:
                 mgr._handle_node_failure(addr)
                 with mgr.session_pool_lock:
                     mgr.session_pool.pop(addr, None)
+        self._age_out()
 
 
 def _forget_session(mgr: Any, session: str) -> None:
@@ -399,8 +498,11 @@ def peer_tables(mgr: Any) -> Dict[str, int]:
     if monitor is not None:
         with monitor.lock:
             if monitor.role == "prefill":
-                out.update(monitor_watched=len(monitor.known), monitor_held_out=len(monitor.held))
+                out.update(monitor_watched=len(monitor.known), monitor_held_out=len(monitor.held),
+                           monitor_gone=len(monitor.gone), monitor_claims=len(monitor.claims))
             out["monitor_lost_unrecovered"] = sum(map(len, monitor.lost.values()))
+            # the bound within which a lost peer that does not come back leaves every table above
+            out["monitor_departed_after_s"] = monitor.departed_after
     return out
 
 
@@ -416,6 +518,9 @@ def _start(queue: Any, mgr: Any, role: str) -> None:
     if role == "prefill":  # a registration is seen at once (a restarted decode, before its first request)
         fork_touch.swap(mgr, "_publish_peer_registration",
                         lambda publish: functools.partial(_publish_and_watch, monitor, publish), by=__name__)
+        # decode's claims arrive on the bootstrap thread, beside its ABORTs (the room ledger's handler, inside)
+        fork_touch.swap(mgr, "_handle_abort_notification",
+                        lambda handle: functools.partial(_handle_claim, monitor, handle), by=__name__)
     monitor.thread.start()
 
 
@@ -423,6 +528,49 @@ def _publish_and_watch(monitor: PeerMonitor, publish: Any, session_id: str, deco
     result = publish(session_id, decode_kv_args, *args, **kwargs)
     monitor.registered(session_id, decode_kv_args.endpoint, int(decode_kv_args.dst_port))
     return result
+
+
+def _handle_claim(monitor: PeerMonitor, handle: Any, msg: List[bytes]) -> bool:
+    """Prefill's bootstrap thread: a decode's claim (CLAIM_TAG) is recorded; anything else goes on to `handle`."""
+    if not msg or msg[0] != CLAIM_TAG:
+        return handle(msg)
+    try:
+        room, peer = int(msg[1]), f"{msg[2].decode('ascii')}:{int(msg[3])}"
+    except (IndexError, ValueError, UnicodeDecodeError):
+        logger.warning("Dropping a malformed decode claim: %r", msg[:4])
+        return True
+    monitor.claim(room, peer)
+    return True
+
+
+def after_receiver_init(result: Any, receiver: Any, *args: Any, **kwargs: Any) -> None:
+    """AFTER CommonKVReceiver.init (decode's scheduler, as the request enters the prealloc queue): claim the room
+    with each prefill rank it will shake hands with, so that prefill knows a live decode holds it while it waits
+    for a preallocation (the lost-decode handshake rule). Best effort: a claim that cannot be sent leaves the
+    request unclaimed (ended by that rule only while a decode is lost and it waited 5 s)."""
+    import zmq
+
+    mgr = receiver.kv_mgr
+    if (fork_touch.upstream(receiver, "conclude_state") == KVPoll.Failed or monitor_of(mgr) is None
+            or not fork_touch.is_a(mgr, fork_touch.MOONCAKE_MANAGER)):
+        return  # failed at init, fake transfer, or a backend whose prefill has no claim handler
+    room = receiver.bootstrap_room
+    message = [CLAIM_TAG, str(room).encode("ascii"), mgr.local_ip.encode("ascii"), str(mgr.rank_port).encode("ascii")]
+    for info in fork_touch.upstream(receiver, "bootstrap_infos") or ():
+        try:
+            sock, lock = receiver._connect_to_bootstrap_server(info)
+            with lock:
+                sock.send_multipart(message)
+        except zmq.ZMQError as exc:
+            logger.warning("Could not claim room %s with prefill %s:%s: %s", room, info.get("rank_ip"),
+                           info.get("rank_port"), exc)
+
+
+def on_sender_clear(result: Any, sender: Any, *args: Any, **kwargs: Any) -> None:
+    """AFTER CommonKVSender.clear (prefill): the room's claim goes with it."""
+    monitor = monitor_of(sender.kv_mgr)
+    if monitor is not None:
+        monitor.unclaim(sender.bootstrap_room)
 
 
 def on_prefill_manager_init(mgr: Any, queue: Any, *args: Any, **kwargs: Any) -> None:
@@ -445,6 +593,7 @@ def around_handle_node_failure(original, mgr, peer, *args, **kwargs):
             known = known and peer not in monitor.lost
             if known:
                 monitor.lost[peer] = [peer]
+                monitor.lost_at[peer] = time.monotonic()
     failed = [room for room in list(mgr.addr_to_rooms_tracker.get(peer, ()))
               if mgr.request_status.get(room) not in (None, KVPoll.Success)]
     for room in failed:
@@ -540,13 +689,13 @@ def lost_decodes(monitor: Any) -> List[str]:
         return [peer for peers in monitor.lost.values() for peer in peers]
 
 
-def orphans(reqs: Sequence[Any], handshaken, now: float, timeout: float) -> List[Tuple[Any, float]]:
-    """(req, seconds waited) of each request without its decode's handshake (`handshaken(room)`)
-    after `timeout`; one seen waiting for the first time is stamped `now`."""
+def orphans(reqs: Sequence[Any], waits, now: float, timeout: float) -> List[Tuple[Any, float]]:
+    """(req, seconds waited) of each request `waits(room)` does not excuse (handshaken, or held by a live decode)
+    after `timeout`; one seen unexcused for the first time is stamped `now`."""
     out = []
     for req in reqs:
         state = verdict.of(req)
-        if state.lost_decode is not None or handshaken(req.bootstrap_room):
+        if state.lost_decode is not None or waits(req.bootstrap_room):
             continue
         since = state.handshake_wait_since
         if since is None:
@@ -556,7 +705,23 @@ def orphans(reqs: Sequence[Any], handshaken, now: float, timeout: float) -> List
     return out
 
 
-def orphan_message(req: Any, waited: float, lost: Sequence[str], timeout: float) -> str:
+def waits_for_live_decode(room: int, handshaken, claimed_by, lost: Sequence[str]) -> bool:
+    """THE RULE's exemption, in one place. A request waiting for its decode's handshake while a decode is lost is
+    left to wait when its decode shook hands already (a lost decode's rooms end at the loss), or when a decode
+    that is not lost claimed it (it sits in that decode's prealloc queue until KV frees up: a scale-in's burst).
+    Otherwise -- unclaimed (a balancer sent its decode leg to the lost decode, which never got it), or claimed by
+    the decode that was then lost -- it is bound to the lost decode as far as prefill can tell, and ends."""
+    if handshaken(room):
+        return True
+    holder = claimed_by(room)
+    return holder is not None and holder not in lost
+
+
+def orphan_message(req: Any, waited: float, lost: Sequence[str], timeout: float,
+                   holder: Optional[str] = None) -> str:
+    if holder is not None:
+        return (f"{TAG}: decode peer {holder}, which took request {req.rid} (bootstrap_room={req.bootstrap_room}), "
+                f"is lost; no handshake within {waited:.1f}s; {HANDSHAKE_ENV}={timeout:g}")
     return (f"{TAG}: no decode took request {req.rid} (bootstrap_room={req.bootstrap_room}) within {waited:.1f}s "
             f"while decode peer {', '.join(lost)} is lost and not replaced (a balancer still routing to it?); "
             f"{HANDSHAKE_ENV}={timeout:g}")
@@ -570,15 +735,19 @@ def before_pop_bootstrapped(queue, *args, **kwargs):
     _next_scan[0] = now + SCAN_INTERVAL
     timeout = knobs.LOST_DECODE_HANDSHAKE_TIMEOUT.get()
     kv_mgr = fork_touch.upstream(queue, "kv_manager")
-    lost = lost_decodes(monitor_of(kv_mgr))
+    monitor = monitor_of(kv_mgr)
+    lost = lost_decodes(monitor)
     if not lost or timeout == 0:
         for req in queue.queue:  # nothing is lost: forget the stamps
             verdict.of(req).handshake_wait_since = None
         return
-    for req, waited in orphans(queue.queue, kv_mgr.transfer_infos.__contains__, now, timeout):
-        text = orphan_message(req, waited, lost, timeout)
+    waits = functools.partial(waits_for_live_decode, handshaken=kv_mgr.transfer_infos.__contains__,
+                              claimed_by=monitor.claimed_by, lost=lost)
+    for req, waited in orphans(queue.queue, waits, now, timeout):
+        holder = monitor.claimed_by(req.bootstrap_room)
+        text = orphan_message(req, waited, lost, timeout, holder)
         verdict.of(req).lost_decode = text
         logger.warning(text)
         # remembered: the handshake a silent decode queued for it may still arrive once the link is back
-        room_ledger.end_room(kv_mgr, req.bootstrap_room, request_end_cause.PEER_FAILURE, text, peer=lost[0],
-                             remember=True, told=LOST)
+        room_ledger.end_room(kv_mgr, req.bootstrap_room, request_end_cause.PEER_FAILURE, text,
+                             peer=holder or lost[0], remember=True, told=LOST)

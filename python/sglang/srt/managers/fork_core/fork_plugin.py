@@ -59,9 +59,12 @@ HOOKS: list[tuple[str, str, str]] = [_full(target, ref) + (kind,) for target, re
      "transfer_deadline:around_get_bootstrap_info_from_server", AROUND),
     ("disaggregation.common.conn.CommonKVReceiver.ensure_abort_notified",
      "room_ledger:after_ensure_abort_notified", AFTER),
+    # decode claims the room with prefill as the request enters its prealloc queue (the lost-decode handshake rule)
+    ("disaggregation.common.conn.CommonKVReceiver.init", "peer_liveness:after_receiver_init", AFTER),
     # room_ledger's AFTER runs first (a failed room remembered as ended), then chunk_failures'
     ("disaggregation.common.conn.CommonKVSender.clear", "room_ledger:on_sender_clear", AFTER),
     ("disaggregation.common.conn.CommonKVSender.clear", "chunk_failures:on_sender_clear", AFTER),
+    ("disaggregation.common.conn.CommonKVSender.clear", "peer_liveness:on_sender_clear", AFTER),
     # prefill's scheduler lets a parked transfer worker take the chunk it just queued before going on (worker_handoff;
     # on the sender, not on mooncake's add_transfer_request: loading the hooks must not import mooncake/conn.py)
     ("disaggregation.common.conn.CommonKVSender.send", "worker_handoff:after_send", AFTER),
@@ -164,6 +167,9 @@ SWAPS: list[tuple[str, str, str, str]] = [_full(target, ref) + (kind, role) for 
      "peer_liveness:on_prefill_manager_init", "instance", "prefill"),
     ("disaggregation.mooncake.conn.MooncakeKVManager._handle_abort_notification",
      "room_ledger:on_manager_init", "instance", "prefill"),
+    # decode's claims, read beside its ABORTs (outside the ledger's handler)
+    ("disaggregation.mooncake.conn.MooncakeKVManager._handle_abort_notification",
+     "peer_liveness:on_prefill_manager_init", "instance", "prefill"),
     ("disaggregation.nixl.conn.NixlKVManager._handle_abort_notification",
      "room_ledger:on_manager_init", "instance", "prefill"),
     ("disaggregation.mooncake.conn.MooncakeKVManager.failed_sessions",

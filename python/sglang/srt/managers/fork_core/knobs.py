@@ -72,6 +72,9 @@ LOST_DECODE_HANDSHAKE_TIMEOUT = Seconds(  # peer_liveness, gateway.md
 SESSION_PROBE_TIMEOUT = Seconds(  # chunk_failures.bounded_probe
     "SGLANG_FORK_SESSION_PROBE_TIMEOUT", 60.0,
     "a probe holds a transfer worker: every room queued on it waits as long")
+DEPARTED_DECODE_AFTER = Seconds(  # peer_liveness: a lost peer left for good
+    "SGLANG_FORK_DEPARTED_DECODE_AFTER", DAY,
+    "a day: a departed peer's entries (and the lost-decode rule's count of it) last as long")
 GLOO_TIMEOUT = Seconds(  # rank_agreement
     "SGLANG_FORK_GLOO_TIMEOUT", DAY,
     "a day: a rank stuck longer in a collective is never noticed, and huge values overflow timedelta",
@@ -89,7 +92,7 @@ TRANSFER_HANDOFF = Seconds(  # worker_handoff
     "the scheduler thread waits up to it after each chunk it hands to a parked worker",
     zero="keeps upstream's hand-off")
 KNOBS = (TRANSFER_TIMEOUT, LOST_DECODE_HANDSHAKE_TIMEOUT, SESSION_PROBE_TIMEOUT, GLOO_TIMEOUT, PD_IDLE_PACE,
-         KV_WRITE_POLL, TRANSFER_HANDOFF)
+         KV_WRITE_POLL, TRANSFER_HANDOFF, DEPARTED_DECODE_AFTER)
 
 
 def check() -> Dict[str, float]:
