@@ -181,6 +181,33 @@ class _Worker:
         with self.h.active():
             room_ledger.end_room(self.h.kv_manager, room, None, reason, told=told)
 
+    def hold_unowned_drops(self) -> None:
+        """Prefill: the bootstrap thread's drop of a room no sender owns (room_ledger._drop_unowned_room, after an
+        ABORT it kept as a cancellation) waits, once reached, until `release_unowned_drops`: a test puts the
+        scheduler's sender creation for that room in between (the interleaving the ledger must survive)."""
+        import threading
+
+        from sglang.srt.disaggregation.fork_ending import room_ledger
+
+        real = self._real_drop = room_ledger._drop_unowned_room
+        reached, go = self._drop_reached, self._drop_go = threading.Event(), threading.Event()
+
+        def gated(mgr, room):  # the real drop, later
+            reached.set()
+            go.wait(60)
+            return real(mgr, room)
+
+        room_ledger._drop_unowned_room = gated
+
+    def unowned_drop_reached(self) -> bool:
+        return self._drop_reached.is_set()
+
+    def release_unowned_drops(self) -> None:
+        from sglang.srt.disaggregation.fork_ending import room_ledger
+
+        room_ledger._drop_unowned_room = self._real_drop
+        self._drop_go.set()
+
     def cancelled_rooms(self) -> Optional[int]:
         """Peer cancellations this side remembers (disaggregation.fork_ending.room_ledger)."""
         from sglang.srt.disaggregation.fork_ending import room_ledger

@@ -1,7 +1,8 @@
 """The room ledger: the one way the fork ends a PD room, its memory of ended rooms, the abort hooks.
 
 `RoomLedger.end` does the ending in the order of docs/layout.md ("How a room ends"); `prepare_abort_verdict`
-answers every PD request's failure end by the verdict's table (`verdict`). Any thread; `RoomLedger.lock` is a leaf."""
+answers every PD request's failure end by the verdict's table (`verdict`). Any thread; `RoomLedger.lock` is a leaf
+(taken inside upstream's `failure_lock` where both are held: `_drop_unowned_room`)."""
 
 from __future__ import annotations
 
@@ -480,12 +481,19 @@ def split_abort(msg: List[bytes]) -> Tuple[List[bytes], Optional[str], Optional[
 
 
 def _drop_unowned_room(mgr: Any, room: int) -> None:
-    """Drop what the bootstrap thread stored for a room no sender owns (nobody else would)."""
-    for table in (mgr.request_status, mgr.transfer_infos, mgr.req_to_decode_prefix_len, mgr.failure_records):
-        table.pop(room, None)  # one dict op: atomic
+    """Drop what the bootstrap thread stored for a room no sender owns (nobody else would). The scheduler may have
+    created the room's sender since the caller looked (`on_prefill_create_sender`: `claim` makes it the owner, then
+    fails it with the cancellation's reason): that room and its failure record are the sender's and stay, else its
+    request would poll a room gone Failed without a record (500, "unknown reason"). Ownership is checked and the
+    tables dropped in one step under the ledger's lock (`claim` adds the owner under it), inside upstream's
+    failure lock (the record and its cause go together)."""
     ledger = ledger_of(mgr)
-    if ledger is not None:
-        with mgr.failure_lock:
+    with mgr.failure_lock, (ledger.lock if ledger is not None else contextlib.nullcontext()):
+        if ledger is not None and room in ledger.owned:
+            return
+        for table in (mgr.request_status, mgr.transfer_infos, mgr.req_to_decode_prefix_len, mgr.failure_records):
+            table.pop(room, None)
+        if ledger is not None:
             ledger.keep_told(room, None)
 
 
