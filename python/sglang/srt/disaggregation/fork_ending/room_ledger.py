@@ -413,6 +413,30 @@ def report(mgr: Any) -> Optional[int]:
     return None if ledger is None or not handles_aborts(mgr) else ledger.cancelled()
 
 
+def ledger_tables(mgr: Any) -> Dict[str, Dict[str, Any]]:
+    """The resource report's view of `mgr`'s ledger (`fork_tables`): each table's size, cap and why. `memory`: kept
+    after its request ended, by design, until it expires (bounded); the others are empty when the server is idle."""
+    ledger = ledger_of(mgr)
+    if ledger is None:
+        return {}
+    with ledger.lock:
+        sizes = {"drains": len(ledger.drains), "ended": len(ledger.ended), "owned": len(ledger.owned),
+                 "announced": len(ledger.announced), "told_early": len(ledger.told_early)}
+    sizes["told"] = len(ledger.told)  # under upstream's failure_lock when written; a length read is one step
+    why = {
+        "drains": "decode: rooms whose prefill owes a drain ack, until it acks or is lost",
+        "ended": "rooms this side ended or the peer cancelled, for late handshakes (expire on the engine clock)",
+        "owned": "prefill: rooms a live sender owns",
+        "announced": "decode: causes prefill announced for its next Failed status of a room",
+        "told_early": "decode: receivers whose prefill was told before its endpoints were known (weak: go with them)",
+        "told": "the cause kept with a room's failure record, until its request is answered",
+    }
+    cap = {"owned": "the senders alive", "told_early": "the receivers alive"}
+    return {f"ledger_{name}": {"size": size, "cap": cap.get(name, MAX_RECORDS), "why": why[name],
+                               **({"memory": True} if name in ("ended", "told_early") else {})}
+            for name, size in sizes.items()}
+
+
 # ----------------------------------------------------------------------------- hooks
 
 
