@@ -271,13 +271,17 @@ class RoomLedger:
         with self.lock:
             self.drains.pop(room, None)
             self.drains[room] = (peer, generation, ranks)
-            # forget rooms upstream released meanwhile (`clear_deferred_abort_state`)
-            while self.drains:
-                old, (_, held, _) = next(iter(self.drains.items()))
-                state = tracker.get(old)
-                if len(self.drains) <= MAX_RECORDS and state is not None and state.generation == held:
-                    break
-                self.drains.popitem(last=False)
+            self._forget_released_drains(tracker)
+
+    def _forget_released_drains(self, tracker: Any) -> None:
+        """Forget the drains of rooms upstream released meanwhile (`clear_deferred_abort_state`: acked, or its
+        deferred release timed out), oldest first, and beyond MAX_RECORDS. Caller holds the lock."""
+        while self.drains:
+            old, (_, held, _) = next(iter(self.drains.items()))
+            state = tracker.get(old)
+            if len(self.drains) <= MAX_RECORDS and state is not None and state.generation == held:
+                break
+            self.drains.popitem(last=False)
 
     def settle_peer(self, peer: str) -> None:
         """Ack, on behalf of the lost `peer`, every drain it still owes."""
@@ -419,7 +423,10 @@ def ledger_tables(mgr: Any) -> Dict[str, Dict[str, Any]]:
     ledger = ledger_of(mgr)
     if ledger is None:
         return {}
+    tracker = getattr(mgr, "_deferred_abort_ack_tracker", None)  # decode's (upstream's); read as note_drain does
     with ledger.lock:
+        if tracker is not None:
+            ledger._forget_released_drains(tracker)
         sizes = {"drains": len(ledger.drains), "ended": len(ledger.ended), "owned": len(ledger.owned),
                  "announced": len(ledger.announced), "told_early": len(ledger.told_early)}
     sizes["told"] = len(ledger.told)  # under upstream's failure_lock when written; a length read is one step

@@ -5,6 +5,7 @@ pool; scheduler-thread AROUND hooks start them and take their outcomes). docs/tr
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -200,15 +201,16 @@ def _decode_manager(mgr: Any) -> bool:
 
 
 def fetch_tables(mgr: Any) -> Dict[str, Dict[str, Any]]:
-    """The resource report's view of the manager's fetches (`fork_tables`), stale outcomes dropped first."""
+    """The resource report's view of the manager's fetches (`fork_tables`; both zero before the first fetch, so
+    the report's keys stay the same), stale outcomes dropped first."""
     fetch = fetch_of(mgr)
-    if fetch is None:
-        return {}
-    with fetch.lock:
-        fetch.drop_stale()
-        return {"fetch_running": {"size": len(fetch.running), "cap": MAX_FETCHES,
+    with fetch.lock if fetch is not None else contextlib.nullcontext():
+        if fetch is not None:
+            fetch.drop_stale()
+        running, outcomes = (0, 0) if fetch is None else (len(fetch.running), len(fetch.outcomes))
+        return {"fetch_running": {"size": running, "cap": MAX_FETCHES,
                                   "why": "prefill info / endpoint fetches running (one per prefill address)"},
-                "fetch_outcomes": {"size": len(fetch.outcomes), "cap": MAX_FETCHES,
+                "fetch_outcomes": {"size": outcomes, "cap": MAX_FETCHES,
                                    "why": f"fetch outcomes not collected yet, keyed by the client's bootstrap address "
                                           f"(dropped after {STALE_S:g} s, engine clock)"}}
 
