@@ -320,6 +320,13 @@ class _Worker:
     def room_entries(self, room: int) -> list:
         return self.h.room_entries(room)
 
+    def fork_tables(self) -> dict:
+        """The resource report's `fork_tables` for this side's kv manager (every fork table: size, cap, why)."""
+        from sglang.srt.managers.fork_report import pd_resource_report
+
+        with self.h.active():
+            return pd_resource_report.fork_tables(self.h.kv_manager)
+
     def snapshot(self) -> dict:
         return self.h.snapshot().held()
 

