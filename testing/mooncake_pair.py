@@ -188,6 +188,33 @@ class _Worker:
 
         room_ledger.ledger_for(self.h.kv_manager).disown(room, failed)
 
+    def hold_unowned_drops(self) -> None:
+        """Prefill: the bootstrap thread's drop of a room no sender owns (room_ledger._drop_unowned_room, after an
+        ABORT it kept as a cancellation) waits, once reached, until `release_unowned_drops`: a test puts the
+        scheduler's sender creation for that room in between (the interleaving the ledger must survive)."""
+        import threading
+
+        from sglang.srt.disaggregation.fork_ending import room_ledger
+
+        real = self._real_drop = room_ledger._drop_unowned_room
+        reached, go = self._drop_reached, self._drop_go = threading.Event(), threading.Event()
+
+        def gated(mgr, room):  # the real drop, later
+            reached.set()
+            go.wait(60)
+            return real(mgr, room)
+
+        room_ledger._drop_unowned_room = gated
+
+    def unowned_drop_reached(self) -> bool:
+        return self._drop_reached.is_set()
+
+    def release_unowned_drops(self) -> None:
+        from sglang.srt.disaggregation.fork_ending import room_ledger
+
+        room_ledger._drop_unowned_room = self._real_drop
+        self._drop_go.set()
+
     def cancelled_rooms(self) -> Optional[int]:
         """Peer cancellations this side remembers (disaggregation.fork_ending.room_ledger)."""
         from sglang.srt.disaggregation.fork_ending import room_ledger
@@ -299,6 +326,13 @@ class _Worker:
 
     def room_entries(self, room: int) -> list:
         return self.h.room_entries(room)
+
+    def fork_tables(self) -> dict:
+        """The resource report's `fork_tables` for this side's kv manager (every fork table: size, cap, why)."""
+        from sglang.srt.managers.fork_report import pd_resource_report
+
+        with self.h.active():
+            return pd_resource_report.fork_tables(self.h.kv_manager)
 
     def snapshot(self) -> dict:
         return self.h.snapshot().held()

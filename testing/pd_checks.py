@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, Mapping, Optional, Tuple
 
+from testing.harness_snapshot import fork_tables_held
 from testing.pd_cluster import HOST, PD_ROLES, generate, http_get, http_post_json, metric_sum, prompts, wait_until
 
 IDLE_TIMEOUT = 60.0
@@ -53,6 +54,7 @@ def held(report: dict) -> dict:
     out["pause_gate_held"] = report.get("pause_gate_held", 0)
     out.update({f"queue.{k}": v for k, v in report["queues"].items()})
     out.update({f"rooms.{k}": v for k, v in (report["transfer_rooms"] or {}).items()})
+    out.update(fork_tables_held(report.get("fork_tables")))
     for i, other in enumerate(report.get("other_ranks") or (), start=1):  # tensor parallel: the other ranks' own
         out.update({f"rank{i}.{k}": v for k, v in held({**other, "pause_gate_held": 0}).items()
                     if k != "pause_gate_held"})

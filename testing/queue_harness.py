@@ -85,7 +85,7 @@ from testing.harness_backend import (  # noqa: F401  the scripted transfer backe
 )
 from testing.harness_client import Counters, Outputs, Streamed  # noqa: F401  what the client saw, counted
 from testing.harness_scheduler import SchedulerStandIn, _model_stub  # noqa: F401  the scheduler stand-in
-from testing.harness_snapshot import Snapshot  # what a harness holds
+from testing.harness_snapshot import Snapshot, fork_tables_held  # what a harness holds
 from testing.ports import free_port
 
 # ---------------------------------------------------------------------------
@@ -308,6 +308,7 @@ class _Harness:
                 metadata_held=metadata["total"] - metadata["free"],
                 queues=tuple(self._queue_lengths().items()),
                 rooms=tuple(sorted(self.kv_manager.request_status)),
+                fork=tuple(sorted(fork_tables_held(pd_resource_report.fork_tables(self.kv_manager)).items())),
             )
 
     def assert_baseline(self, baseline: Snapshot) -> None:

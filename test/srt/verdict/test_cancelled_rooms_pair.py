@@ -235,3 +235,34 @@ def test_without_a_cause_frame_the_reason_text_is_read(pair):
     assert answer["message"] == "Aborted by pause_generation(mode=abort).", answer
     assert [k for k in causes if "/pause/" in f"/{k}/"], causes
     _served(pair)
+
+
+def test_abort_racing_the_sender_creation_is_answered_as_an_abort(pair):
+    """Decode's ABORT reaches prefill's bootstrap thread for a room no sender owns yet (kept as a cancellation);
+    before that thread drops the room's ownerless state, prefill's scheduler creates the room's sender, which the
+    cancellation fails at once (the ledger's `claim`). The drop, coming after, must not take the live sender's room
+    and failure record with it: the client gets the abort answer, not a 500 "Failed due to an unknown reason from
+    another rank". The interleaving is forced: the drop waits (hold_unowned_drops) until the sender exists.
+    Stock upstream 0.5.23 has no cancellation: its prefill copy waits out the bootstrap timeout (300 s), then 500."""
+    kept = pair.prefill.call("cancelled_rooms")
+    room = pair.new_room()
+    pair.prefill.call("hold_unowned_drops")
+    try:
+        pair.decode.call("add", room, 12, None)
+        pair.decode.call("abort", room)
+        pair.run_until(lambda: pair.prefill.call("unowned_drop_reached"), timeout=30)
+        pair.prefill.call("add", room, 12, None)  # create_sender, then the ledger fails the cancelled room
+    finally:
+        pair.prefill.call("release_unowned_drops")
+    took = pair.run_until(lambda: pair.prefill.call("final_reason", room) is not None
+                          and pair.decode.call("final_reason", room) is not None, timeout=60)
+    assert took < ANSWER_S, took
+    assert pair.prefill.call("status", room) is None, pair.prefill.call("final_reason", room)
+    assert _ended_as_abort(pair.prefill, room), pair.prefill.call("final_reason", room)
+    assert pair.decode.call("final_reason", room)["type"] == "abort"
+    pair.run_until(lambda: pair.decode.call("room_entries", room) == []
+                   and pair.decode.call("snapshot") == pair.idle[1]
+                   and pair.prefill.call("snapshot") == pair.idle[0], timeout=ANSWER_S)
+    assert pair.prefill.call("room_entries", room) == []
+    assert pair.prefill.call("cancelled_rooms") == kept  # taken at creation
+    _served(pair)

@@ -506,6 +506,31 @@ def peer_tables(mgr: Any) -> Dict[str, int]:
     return out
 
 
+def monitor_tables(mgr: Any) -> Dict[str, Dict[str, Any]]:
+    """The resource report's view of the manager's PeerMonitor tables (`fork_tables`; read-only): per peer, each
+    bounded by the peers upstream knows (its sessions, its prefill table) or by MAX_GONE; `poisoned` by the rooms
+    upstream keeps poison-marked."""
+    monitor = monitor_of(mgr)
+    if monitor is None:
+        return {}
+    peers = "upstream's peer tables (decode sessions / prefill addresses)"
+    with monitor.lock:
+        tables = {
+            "misses": (len(monitor.misses), peers, "peers with heartbeats unanswered in a row"),
+            "known": (len(monitor.known), peers, "prefill: decode sessions watched, with their host:port"),
+            "lost": (sum(map(len, monitor.lost.values())), peers, "peers lost and not recovered"),
+            "gone": (len(monitor.gone), MAX_GONE, "prefill: lost sessions and host:port, remembered"),
+            "poisoned": (sum(map(len, monitor.poisoned.values())), "upstream's poison-marked rooms",
+                         "prefill: rooms a failed write poison-marked, by session (dropped with the marks)"),
+            "held_out": (len(monitor.held_out), peers, "prefill: sessions blacklisted at the last tick"),
+            "held": (len(monitor.held), peers, "prefill: sessions lost while they may be alive"),
+            "probing": (len(monitor._probing), peers, "prefill: held sessions with a probe running"),
+            "unanswered_at": (len(monitor.unanswered_at), peers, "peers with a heartbeat unanswered since"),
+        }
+    return {f"monitor_{name}": {"size": size, "cap": cap, "why": why, "per_peer": True}
+            for name, (size, cap, why) in tables.items()}
+
+
 def _start(queue: Any, mgr: Any, role: str) -> None:
     # prefill: mooncake's (its sessions and session_lock); decode: any of upstream's (its prefill_info_table)
     owner = fork_touch.MOONCAKE_MANAGER if role == "prefill" else fork_touch.COMMON_MANAGER

@@ -5,6 +5,7 @@ Called by the transfer workers (patch lines) and hooks. docs/chunk-failures.md, 
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import contextlib
 import ctypes
@@ -17,6 +18,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Set, Tuple
 
 from sglang.srt.disaggregation.fork_ending import request_end_cause, verdict
 from sglang.srt.disaggregation.base import KVPoll
+from sglang.srt.disaggregation.fork_ending.engine_clock import engine_clock
 from sglang.srt.disaggregation.fork_ending.room_ledger import end_room
 from sglang.srt.disaggregation.fork_transfer import idle_pacing, worker_handoff
 from sglang.srt.environ import envs
@@ -132,14 +134,74 @@ def conclude_transfer(mgr: Any, *, bootstrap_room: int, status: int, targets: Op
     return emitted
 
 
+# Rooms whose poison mark waits for its expiry, per manager: a failed write in each; more within decode's release
+# deadline (30 s) is a flood, whose oldest marks go early (their drain ACK is no longer refused: decode's deadline
+# releases those pages anyway).
+MAX_POISON_EXPIRIES = 65536
+POISON_ATTR = "fork_poison_expiry"
+
+
+class PoisonExpiry:
+    """A failed write's poison mark (upstream's `_deferred_ack_poisoned_rooms`, which refuses the room's drain ACK)
+    goes once decode's release deadline passed on the engine clock: `note` (a transfer worker, at the failed write),
+    `expire` (the scheduler thread, each bootstrap-queue pass: `before_pop_bootstrapped`). `until` (room -> its
+    expiry, in order of expiry: one deadline for all) is guarded by `lock`, a leaf; upstream's set is changed outside
+    it (a set operation)."""
+
+    def __init__(self, delay_s: float):
+        self.delay_s = delay_s
+        self.lock = threading.Lock()
+        self.until: "collections.OrderedDict[int, float]" = collections.OrderedDict()
+
+    def note(self, room: int) -> List[int]:
+        """`room` was just poison-marked; the rooms whose marks go now to keep the cap."""
+        with self.lock:
+            self.until.pop(room, None)
+            self.until[room] = engine_clock.now() + self.delay_s
+            return [self.until.popitem(last=False)[0] for _ in range(len(self.until) - MAX_POISON_EXPIRIES)]
+
+    def due(self) -> List[int]:
+        now = engine_clock.now()
+        out = []
+        with self.lock:
+            while self.until and next(iter(self.until.values())) <= now:
+                out.append(self.until.popitem(last=False)[0])
+        return out
+
+
 def _expire_poison_later(mgr: Any, room: int) -> None:
-    """Drop a failed write's poison mark once decode's release deadline passed."""
+    """Drop a failed write's poison mark once decode's release deadline passed (`PoisonExpiry`)."""
     if not fork_touch.upstream(mgr, "enable_deferred_decode_kv_release"):
         return
-    delay = envs.SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT.get()
-    timer = threading.Timer(delay, mgr._deferred_ack_poisoned_rooms.discard, args=(room,))
-    timer.daemon = True
-    timer.start()
+    expiry = mgr.__dict__.get(POISON_ATTR)
+    if expiry is None:  # the first failed write (a transfer worker; a race makes two, one is kept)
+        delay = envs.SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT.get()
+        expiry = mgr.__dict__.setdefault(POISON_ATTR, PoisonExpiry(delay))
+    early = expiry.note(room)
+    if early:
+        logger.warning("%d poison marks dropped before their expiry (more than %d pending)", len(early),
+                       MAX_POISON_EXPIRIES)
+    _discard_poison(mgr, early)
+
+
+def _discard_poison(mgr: Any, rooms: List[int]) -> None:
+    poisoned = fork_touch.upstream(mgr, "_deferred_ack_poisoned_rooms")
+    for room in rooms:
+        poisoned.discard(room)
+
+
+def expire_poison(queue: Any, *args: Any, **kwargs: Any) -> None:
+    """BEFORE PrefillBootstrapQueue.pop_bootstrapped (scheduler thread, every loop pass): the poison marks due."""
+    expiry = getattr(queue.kv_manager, "__dict__", {}).get(POISON_ATTR)
+    if expiry is not None and expiry.until:
+        _discard_poison(queue.kv_manager, expiry.due())
+
+
+def poison_table(mgr: Any) -> Dict[str, Any]:
+    """The resource report's view of the pending poison expiries (`fork_tables`)."""
+    expiry = getattr(mgr, "__dict__", {}).get(POISON_ATTR)
+    return {"size": 0 if expiry is None else len(expiry.until), "cap": MAX_POISON_EXPIRIES,
+            "why": "rooms whose failed write's poison mark waits for decode's release deadline (engine clock)"}
 
 
 # A session is let back in only once a read from it completes (docs/chunk-failures.md).

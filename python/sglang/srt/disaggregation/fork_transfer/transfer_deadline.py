@@ -5,6 +5,7 @@ pool; scheduler-thread AROUND hooks start them and take their outcomes). docs/tr
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -109,6 +110,9 @@ ATTR = "fork_bootstrap_fetch"  # the one attribute on a decode kv manager
 WORKERS = 4  # fetches in flight at once (one per prefill, or per prefill dp rank)
 # An outcome nobody collected by then is dropped: a new request starts a fresh fetch.
 STALE_S = 10.0
+# Fetches running or outcomes waiting per decode manager: one per prefill address (the client's to choose) and rank
+# route; a deployment has a handful of prefills, each a few ranks.
+MAX_FETCHES = 1024
 
 Key = Tuple[Any, ...]  # ("info", addr) or ("routes", addr, prefill_dp_rank)
 
@@ -134,11 +138,16 @@ class BootstrapFetch:
         self.pool = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="ForkBootstrapFetch")
 
     def start(self, key: Key, job: Callable[[], Any], info: Any = None) -> None:
-        """Run `job` on the pool unless a fetch for `key` runs or its outcome waits."""
+        """Run `job` on the pool unless a fetch for `key` runs or its outcome waits; none while MAX_FETCHES run or
+        wait (the scheduler asks again at its next pass)."""
         with self.lock:
+            self.drop_stale()
             if key in self.running or key in self.outcomes:
                 return
-            self.running[key] = time.monotonic()
+            if len(self.running) + len(self.outcomes) >= MAX_FETCHES:
+                self.totals["refused_full"] += 1
+                return
+            self.running[key] = engine_clock.now()
             self.totals[f"{key[0]}_started"] += 1
         self.pool.submit(self._run, key, job, info)
 
@@ -154,15 +163,22 @@ class BootstrapFetch:
             logger.warning("bootstrap_fetch: %s from prefill %s failed: %r", key[0], key[1], error or value)
         with self.lock:
             self.running.pop(key, None)
-            self.outcomes[key] = Outcome(value, error, time.monotonic(), info)
+            self.outcomes[key] = Outcome(value, error, engine_clock.now(), info)
             if failed:
                 self.totals[f"{key[0]}_failed"] += 1
+
+    def drop_stale(self) -> None:
+        """Drop the outcomes no one collected within STALE_S (a client's bootstrap address asked once is not asked
+        again: its outcome would stay). Caller holds `lock`."""
+        now = engine_clock.now()
+        for key in [k for k, o in self.outcomes.items() if now - o.done_at > STALE_S]:
+            del self.outcomes[key]
 
     def outcome(self, key: Key, take: bool = False) -> Optional[Outcome]:
         """The outcome waiting for `key` (a stale one is dropped), removed with `take`."""
         with self.lock:
             outcome = self.outcomes.get(key)
-            stale = outcome is not None and time.monotonic() - outcome.done_at > STALE_S
+            stale = outcome is not None and engine_clock.now() - outcome.done_at > STALE_S
             if stale or take:
                 self.outcomes.pop(key, None)
             return None if stale else outcome
@@ -182,6 +198,21 @@ def _decode_manager(mgr: Any) -> bool:
 
     return (fork_touch.is_a(mgr, fork_touch.COMMON_MANAGER)
             and fork_touch.upstream(mgr, "disaggregation_mode") == DisaggregationMode.DECODE)
+
+
+def fetch_tables(mgr: Any) -> Dict[str, Dict[str, Any]]:
+    """The resource report's view of the manager's fetches (`fork_tables`; both zero before the first fetch, so
+    the report's keys stay the same), stale outcomes dropped first."""
+    fetch = fetch_of(mgr)
+    with fetch.lock if fetch is not None else contextlib.nullcontext():
+        if fetch is not None:
+            fetch.drop_stale()
+        running, outcomes = (0, 0) if fetch is None else (len(fetch.running), len(fetch.outcomes))
+        return {"fetch_running": {"size": running, "cap": MAX_FETCHES,
+                                  "why": "prefill info / endpoint fetches running (one per prefill address)"},
+                "fetch_outcomes": {"size": outcomes, "cap": MAX_FETCHES,
+                                   "why": f"fetch outcomes not collected yet, keyed by the client's bootstrap address "
+                                          f"(dropped after {STALE_S:g} s, engine clock)"}}
 
 
 def fetch_report(mgr: Any) -> Optional[Dict[str, int]]:

@@ -96,6 +96,7 @@ HOOKS: list[tuple[str, str, str]] = [_full(target, ref) + (kind,) for target, re
     ("disaggregation.prefill.PrefillBootstrapQueue.pop_bootstrapped",
      "transfer_deadline:before_pop_bootstrapped", BEFORE),
     ("disaggregation.prefill.PrefillBootstrapQueue.pop_bootstrapped", "peer_liveness:before_pop_bootstrapped", BEFORE),
+    ("disaggregation.prefill.PrefillBootstrapQueue.pop_bootstrapped", "chunk_failures:expire_poison", BEFORE),
     ("disaggregation.prefill.PrefillBootstrapQueue.release_memory_occupation", "queue_buffers:queue_release", AROUND),
     ("disaggregation.prefill.PrefillBootstrapQueue.resume_memory_occupation", "queue_buffers:queue_resume", AROUND),
     ("disaggregation.prefill.SchedulerDisaggregationPrefillMixin._retire_aborted_prefill_result",

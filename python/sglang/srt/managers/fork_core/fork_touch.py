@@ -64,7 +64,10 @@ def is_a(obj: Any, owner: str) -> bool:
     return any(_qualname(c) == owner for c in classes)
 
 
-# SWAPS (target, ref) -> [(weak ref to the object swapped on, what was put there)]
+# SWAPS (target, ref) -> [(weak ref to the object swapped on, weak ref to what was put there)]. Weak both: what was put
+# there closes over the object (a kv manager's ledger, its original method), so a strong one would keep a manager
+# upstream replaced alive for the process's life; entries of freed objects go at the next swap (the table stays as
+# long as the live objects' swaps).
 _APPLIED: Dict[Tuple[str, str], List[Tuple[Any, Any]]] = {}
 _lock = threading.Lock()
 
@@ -80,8 +83,10 @@ def swap(obj: Any, attr: str, make: Callable[[Any], Any], *, by: str, kind: str 
     if callable(new) and getattr(new, "__wrapped__", None) is None:
         new.__wrapped__ = original  # for _in_place: a later swap wraps an earlier one
     setattr(obj, attr, new)
-    with _lock:  # a kv manager or a class: both take weak references
-        _APPLIED.setdefault(entry, []).append((weakref.ref(obj), new))
+    with _lock:  # a kv manager or a class, and what was put there: all take weak references
+        for key, made in list(_APPLIED.items()):
+            _APPLIED[key] = [(o, n) for o, n in made if o() is not None]
+        _APPLIED.setdefault(entry, []).append((weakref.ref(obj), weakref.ref(new)))
     return new
 
 
@@ -107,9 +112,10 @@ def swaps_applied(obj: Any, role: Optional[str] = None) -> Dict[str, bool]:
         owner, _, attr = target.rpartition(".")
         if (role is None or r in (role, "both")) and is_a(obj, owner):
             with _lock:
-                made = [(weak(), new) for weak, new in _APPLIED.get((target, ref), ())]
-            out[f"{target} <- {ref}"] = any(o is not None and (o is obj or (isinstance(o, type) and isinstance(obj, o)))
-                                           and _in_place(o, attr, new) for o, new in made)
+                made = [(weak(), new()) for weak, new in _APPLIED.get((target, ref), ())]
+            out[f"{target} <- {ref}"] = any(
+                o is not None and new is not None and (o is obj or (isinstance(o, type) and isinstance(obj, o)))
+                and _in_place(o, attr, new) for o, new in made)
     return out
 
 

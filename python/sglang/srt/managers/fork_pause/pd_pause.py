@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections import OrderedDict
 from typing import Any, Dict, List
 
 from sglang.srt.disaggregation.fork_ending import pd_queues, room_ledger, verdict
+from sglang.srt.disaggregation.fork_ending.engine_clock import engine_clock
 from sglang.srt.disaggregation.fork_ending.verdict import (  # the pause's messages and answer: the verdict's
     PAUSE_ABORT_MESSAGE, RELEASE_ABORT_MESSAGE, RELEASE_NO_PAUSE_MESSAGE, pause_finish_reason)
 from sglang.srt.managers.fork_core import fork_touch
@@ -63,8 +63,10 @@ def _matches(recv_req, rid: str) -> bool:
 # ----------------------------------------------------------------------------- why, to prefill
 
 # room -> (message, until) decode's ABORT of a room its pause or a release ended carries (room_ledger.abort_frames)
-# (docs/pause-release-resume.md): set by the scheduler, read by the thread sending the ABORT; only for WHY_TTL_S (a
-# room re-bootstrapped after a retract pause and aborted later by its client must not carry it).
+# (docs/pause-release-resume.md): set by the scheduler, read by the thread sending the ABORT; only for WHY_TTL_S on
+# the engine clock (a room re-bootstrapped after a retract pause and aborted later by its client must not carry it;
+# a pause does not count), then dropped (at the next note or report). MAX_WHY_ROOMS: rooms one pause or release
+# ends in that window, far above a server's queues.
 MAX_WHY_ROOMS = 4096
 WHY_TTL_S = 30.0
 _why: "OrderedDict[int, tuple]" = OrderedDict()
@@ -76,8 +78,9 @@ def note_why(scheduler, recv_req) -> None:
     message = verdict.pause_message(getattr(recv_req, "finished_reason", None))
     if message is None:
         return
-    until = time.monotonic() + WHY_TTL_S
+    until = engine_clock.now() + WHY_TTL_S
     with _why_lock:
+        _expire_why()
         for stage, req in pd_queues.walk(scheduler):  # prealloc, transfer, then running (not queued)
             room = req.bootstrap_room
             if stage != pd_queues.DECODE_RUNNING and room is not None and _matches(recv_req, req.rid):
@@ -93,4 +96,19 @@ def abort_notification_with_why(original, note, *args, **kwargs):
     frames = original(note, *args, **kwargs)
     with _why_lock:
         message, until = _why.get(note.room, (None, 0.0))
-    return room_ledger.abort_frames(frames, message if message is not None and time.monotonic() <= until else None)
+    return room_ledger.abort_frames(frames, message if message is not None and engine_clock.now() <= until else None)
+
+
+def _expire_why() -> None:
+    """Drop the messages past their time (caller holds `_why_lock`; `until` grows in insertion order)."""
+    now = engine_clock.now()
+    while _why and next(iter(_why.values()))[1] < now:
+        _why.popitem(last=False)
+
+
+def why_table() -> Dict[str, Any]:
+    """The resource report's view of `_why` (`fork_tables`)."""
+    with _why_lock:
+        _expire_why()
+        return {"size": len(_why), "cap": MAX_WHY_ROOMS, "memory": True,
+                "why": f"rooms a pause or release ended whose ABORT carries its message ({WHY_TTL_S:g} s, engine clock)"}

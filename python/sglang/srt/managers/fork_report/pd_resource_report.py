@@ -45,6 +45,30 @@ def _room_tables(kv_manager) -> Dict[str, int]:
     return tables
 
 
+def fork_tables(kv_manager) -> Dict[str, Dict[str, Any]]:
+    """Every per-room and per-peer table the fork keeps for this kv manager and process: name -> {size, cap, why}
+    (cap: a number, or what bounds it); `per_peer`: one entry per live peer may stay while idle; `memory`: kept
+    after its request ended by design, until it expires; `counter`: a count, not a table. The others are empty
+    when the server is idle (testing/pd_checks.held counts them)."""
+    from sglang.srt.disaggregation.fork_ending import room_ledger
+    from sglang.srt.disaggregation.fork_ending.teller import teller
+    from sglang.srt.disaggregation.fork_peers.peer_liveness import monitor_tables
+    from sglang.srt.disaggregation.fork_transfer import chunk_failures, transfer_deadline
+    from sglang.srt.managers.fork_pause import pd_pause
+
+    return {
+        **room_ledger.ledger_tables(kv_manager),
+        **teller.tables(),
+        **transfer_deadline.fetch_tables(kv_manager),
+        "poison_expiry": chunk_failures.poison_table(kv_manager),
+        "pause_why": pd_pause.why_table(),
+        "end_cause_rooms": {"size": request_end_cause.tagged_rooms(kv_manager),
+                            "cap": request_end_cause.MAX_TAGGED_ROOMS,
+                            "why": "rooms tagged with their end's cause, until the end is counted"},
+        **monitor_tables(kv_manager),
+    }
+
+
 def build_report(scheduler) -> Dict[str, Any]:
     from sglang.srt.disaggregation.fork_ending import room_ledger
     from sglang.srt.disaggregation.fork_transfer import transfer_deadline
@@ -78,13 +102,15 @@ def build_report(scheduler) -> Dict[str, Any]:
         "bootstrap_fetch": None if kv_manager is None else transfer_deadline.fetch_report(kv_manager),
         # Peer cancellations kept for rooms not created yet (bounded; held by no request).
         "cancelled_rooms": None if kv_manager is None else room_ledger.report(kv_manager),
+        # every per-room / per-peer table of the fork's, with its size, cap and why (`fork_tables`)
+        "fork_tables": None if kv_manager is None else fork_tables(kv_manager),
     }
 
 
 # What each rank holds on its own (its pools, queues and its kv manager's room tables): with more than one attention
 # TP rank the report gives the other ranks' too (`other_ranks`), so a leak on rank 1 is seen as one on rank 0 is.
 PER_RANK = ("kv_tokens", "req_slots", "metadata_slots", "queues", "transfer_rooms", "bootstrap_fetch",
-            "cancelled_rooms")
+            "cancelled_rooms", "fork_tables")
 
 
 def _other_ranks(scheduler, report: Dict[str, Any]) -> Optional[list]:

@@ -1,0 +1,69 @@
+"""A failed chunk write poison-marks its room's drain ACK (upstream's `_deferred_ack_poisoned_rooms`); prefill forgets
+the mark once decode's release deadline passed. That costs no thread per failed write (it was a 30 s
+`threading.Timer` each), and the deadline is read on the engine clock (a paused engine does not expire it), checked on
+the scheduler's bootstrap-queue pass (`chunk_failures.expire_poison`, the hook on `pop_bootstrapped`).
+Stock upstream 0.5.23 never drops the mark (the room's number stays poisoned until a new request reuses it)."""
+
+import threading
+from types import SimpleNamespace
+
+import pytest
+
+from sglang.srt.disaggregation.fork_ending.engine_clock import EngineClock
+from sglang.srt.disaggregation.fork_transfer import chunk_failures
+from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
+
+pytestmark = pytest.mark.unit
+
+FAILED = 200
+DELAY_S = 30.0  # SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT's default
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    now = [1000.0]
+    clock = EngineClock(monotonic=lambda: now[0])
+    monkeypatch.setattr(chunk_failures, "engine_clock", clock, raising=False)  # was: none (a Timer each)
+    clock.advance = lambda s: now.__setitem__(0, now[0] + s)
+    return clock
+
+
+def _prefill_manager():
+    """A MooncakeKVManager with what a failed write's path reads: deferred release on, no poisoned room yet."""
+    mgr = object.__new__(MooncakeKVManager)
+    mgr.enable_deferred_decode_kv_release = True
+    mgr._deferred_ack_poisoned_rooms = set()
+    mgr._deferred_ack_targets = {}
+    return mgr
+
+
+def _failed_write(mgr, room):
+    """What a transfer worker does when a KV write of `room` fails: upstream poisons the drain ACK, the fork's
+    `checked` counts the failure and schedules the mark's expiry."""
+    mgr.poison_deferred_ack_room(room)
+    assert chunk_failures.checked(mgr, room, "kv", -1) == -1
+
+
+def test_poison_marks_expire_on_the_engine_clock_without_a_thread_each(clock):
+    mgr = _prefill_manager()
+    queue = SimpleNamespace(kv_manager=mgr)
+    threads = threading.active_count()
+    for room in range(FAILED):
+        _failed_write(mgr, room)
+    assert threading.active_count() - threads < 5, threading.active_count() - threads
+    assert len(mgr._deferred_ack_poisoned_rooms) == FAILED
+    assert chunk_failures.poison_table(mgr)["size"] == FAILED
+
+    clock.pause()  # a paused engine: its time does not count
+    clock.advance(2 * DELAY_S)
+    chunk_failures.expire_poison(queue)
+    assert len(mgr._deferred_ack_poisoned_rooms) == FAILED
+    clock.resume()
+
+    clock.advance(DELAY_S - 1)
+    chunk_failures.expire_poison(queue)
+    assert len(mgr._deferred_ack_poisoned_rooms) == FAILED
+    clock.advance(1)
+    chunk_failures.expire_poison(queue)
+    assert mgr._deferred_ack_poisoned_rooms == set()
+    assert chunk_failures.poison_table(mgr)["size"] == 0
