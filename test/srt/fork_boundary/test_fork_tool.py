@@ -476,18 +476,22 @@ def test_hooks_on_one_target_sit_together_in_wrap_order():
     assert order["disaggregation.decode.DecodePreallocQueue._init_kv_manager"] == [
         "room_ledger:on_manager_init", "peer_liveness:on_decode_manager_init", "fork_touch:check_at_start"]
     assert order["disaggregation.prefill.PrefillBootstrapQueue.pop_bootstrapped"] == [
-        "transfer_deadline:before_pop_bootstrapped", "peer_liveness:before_pop_bootstrapped"]
+        "transfer_deadline:before_pop_bootstrapped", "peer_liveness:before_pop_bootstrapped",
+        "chunk_failures:expire_poison"]
     assert order["disaggregation.common.conn.CommonKVManager.try_ensure_parallel_info"] == [
         "peer_liveness:after_try_ensure_parallel_info", "transfer_deadline:around_try_ensure_parallel_info"]
     assert order["disaggregation.common.conn.CommonKVSender.clear"] == [
-        "room_ledger:on_sender_clear", "chunk_failures:on_sender_clear"]
+        "room_ledger:on_sender_clear", "chunk_failures:on_sender_clear", "peer_liveness:on_sender_clear"]
     assert order["disaggregation.common.conn.CommonKVManager.apply_prefill_status"] == [
         "room_ledger:around_apply_prefill_status", "idle_pacing:after_apply_prefill_status"]
     assert order["managers.scheduler.Scheduler.process_input_requests"] == [
         "weight_epoch:after_process_input_requests", "pd_metrics:after_process_input_requests"]
+    assert order["managers.tokenizer_manager.TokenizerManager.generate_request"] == [
+        "resend_wait:tm_generate_request", "bootstrap_door:before_generate_request"]
     assert {t for t, refs in order.items() if len(refs) > 1} == {
         "managers.scheduler.Scheduler.send_abort_output", "managers.scheduler.Scheduler.abort_request",
         "managers.scheduler.Scheduler.process_input_requests",
+        "managers.tokenizer_manager.TokenizerManager.generate_request",
         "disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager",
         "disaggregation.decode.DecodePreallocQueue._init_kv_manager",
         "disaggregation.prefill.PrefillBootstrapQueue.pop_bootstrapped",

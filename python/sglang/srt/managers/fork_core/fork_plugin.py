@@ -92,7 +92,8 @@ HOOKS: list[tuple[str, str, str]] = [_full(target, ref) + (kind,) for target, re
     ("disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager", "fork_touch:check_at_start", AFTER),
     ("disaggregation.prefill.PrefillBootstrapQueue.add", "chunk_failures:on_prefill_add", AFTER),
     ("disaggregation.prefill.PrefillBootstrapQueue.create_sender", "room_ledger:on_prefill_create_sender", AFTER),
-    # outermost first: a lost decode's handshake (peer_liveness), then the deadlines
+    # outermost first: expired poison marks dropped (chunk_failures), a lost decode's handshake (peer_liveness),
+    # then the deadlines
     ("disaggregation.prefill.PrefillBootstrapQueue.pop_bootstrapped",
      "transfer_deadline:before_pop_bootstrapped", BEFORE),
     ("disaggregation.prefill.PrefillBootstrapQueue.pop_bootstrapped", "peer_liveness:before_pop_bootstrapped", BEFORE),
