@@ -16,7 +16,7 @@ test: venv
 	$(VPY) -m pytest -ra --durations=25 --timeout=1200 test/srt
 
 # Every end-to-end scenario on every multi-rank topology (TP 2 + TP 2, prefill TP 2 +
-# decode TP 1); `make test` runs the pick of them not marked tp_matrix. README: how long.
+# decode TP 1); `make test` runs the pick of them not marked tp_matrix. docs/multi-rank.md: how long.
 test-tp: venv
 	$(VPY) -m pytest -ra --durations=50 --timeout=1800 -m tp test/srt
 

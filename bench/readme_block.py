@@ -1,5 +1,5 @@
 """One block of figures in a markdown file, between a begin and an end marker: the
-benches (`release_gate`, `rl_step`) write their tables into README.md through this,
+benches (`release_gate`, `rl_step`) write their tables into bench/README.md through this,
 replacing only their own block."""
 
 from __future__ import annotations
