@@ -183,6 +183,9 @@ OTHER_STATUSES = (
      "here)"),
     ("400", "a decode request with `bootstrap_room` but no `bootstrap_host`", "upstream's validation message",
      "send the bootstrap fields the gateway injects"),
+    ("503", "any request, by sglang-router (not the fork)",
+     "\"No available servers: No available prefill workers (all circuits open or unhealthy)\" (or decode)",
+     "every worker of that side is unhealthy, removed or has its circuit open: see docs/gateway.md"),
 )
 
 
@@ -255,7 +258,7 @@ def bench_summary() -> str:
         f"(bound 1.03); {identical.group(1)} of {identical.group(2)} outputs identical; "
         f"{verdict_line.split(' (')[0].replace('Verdict: ', '')}.",
         f"- **Hook cost** (`make bench-hooks`): {len(stages) - over} of {len(stages)} scheduler passes within 5% "
-        f"of upstream's at 10,000 queued requests (information, not part of the gate).",
+        f"of the same pass without the fork's hooks at 10,000 queued requests (information, not part of the gate).",
         f"- **RL step** (`make bench-rl`): abort-mode pause on both servers {rl_at['fork @12']} s at 12 in flight "
         f"(upstream {rl_at['upstream @12']} s), {rl_at['fork @64']} s at 64 (upstream {rl_at['upstream @64']} s).",
         f"- **KV transfer between hosts** (`make bench-transfer`): {lo}-{hi}% of raw TCP on an unshaped link, "
