@@ -72,15 +72,16 @@ FORK_KNOBS = {
         "how long prefill's scheduler waits for an idle transfer worker to take a queued chunk", None),
 }
 
-# Upstream sglang knobs the guarantees depend on: (name, what the fork uses it for). Defaults read from `Envs`.
+# Upstream sglang knobs the guarantees depend on: (name, what the fork uses it for, off). Defaults read from `Envs`.
 UPSTREAM_KNOBS = (
     ("SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL",
      "both sides probe each PD peer once per interval (upstream: decode → prefill only); a silent peer is "
-     "declared lost after MAX_FAILURE × interval + 1 s"),
-    ("SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE", "silent probes in a row before a peer is declared lost"),
+     "declared lost after MAX_FAILURE × interval + 1 s", "cannot be off (at least 2 s)"),
+    ("SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE", "silent probes in a row before a peer is declared lost",
+     "cannot be off"),
     ("SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT",
      "upstream's own wait for a decode handshake (unchanged); while that decode is known lost, the fork ends the "
-     "request after `SGLANG_FORK_LOST_DECODE_HANDSHAKE_TIMEOUT` instead"),
+     "request after `SGLANG_FORK_LOST_DECODE_HANDSHAKE_TIMEOUT` instead", "cannot be off"),
 )
 
 # Settings outside sglang: (setting, where it is read, its default, what it bounds, the fork's advice).
@@ -96,16 +97,15 @@ EXTERNAL_SETTINGS = (
 )
 
 # sglang-router (PD mode) flags that decide how the gateway judges the fork's answers: (RouterArgs field, advice).
-GATEWAY_FLAGS = (
-    ("health_check_interval_secs", "lower (e.g. 5) to take a dead or cut-off worker out sooner"),
-    ("health_failure_threshold", "keep"),
-    ("health_check_timeout_secs", "keep"),
-    ("health_check_endpoint", "keep `/health`: the fork answers it at once while paused"),
-    ("cb_failure_threshold", "raise where a decode is replaced in under ~45 s with many requests in flight "
-                             "(docs/gateway.md)"),
-    ("cb_timeout_duration_secs", "keep"),
-    ("retry_max_retries", "keep"),
-    ("disable_circuit_breaker", "keep"),
+GATEWAY_FLAGS = (  # (RouterArgs field, the field that turns its mechanism off, advice)
+    ("health_check_interval_secs", "disable_health_check", "lower (e.g. 5) to take a dead or cut-off worker out sooner"),
+    ("health_failure_threshold", "disable_health_check", "keep"),
+    ("health_check_timeout_secs", "disable_health_check", "keep"),
+    ("health_check_endpoint", "disable_health_check", "keep `/health`: the fork answers it at once while paused"),
+    ("cb_failure_threshold", "disable_circuit_breaker",
+     "raise where a decode is replaced in under ~45 s with many requests in flight (docs/gateway.md)"),
+    ("cb_timeout_duration_secs", "disable_circuit_breaker", "keep"),
+    ("retry_max_retries", "disable_retries", "keep: the fork's answers tell the gateway which worker failed"),
 )
 
 
@@ -125,17 +125,25 @@ def fork_knob_rows() -> List[Tuple[str, str, str, str]]:
     return rows
 
 
-def upstream_knob_rows() -> List[Tuple[str, str, str]]:
+def upstream_knob_rows() -> List[Tuple[str, str, str, str]]:
     from sglang.srt.environ import envs
 
-    return [(f"`{name}`", f"{getattr(envs, name).default:g}", what) for name, what in UPSTREAM_KNOBS]
+    return [(f"`{name}`", f"{getattr(envs, name).default:g}", what, off) for name, what, off in UPSTREAM_KNOBS]
 
 
-def gateway_rows() -> List[Tuple[str, str, str]]:
+def _off(defaults: Dict[str, object], off: str) -> str:
+    if defaults[off] is not False:  # a switch that is on by default would not be how to turn a mechanism off
+        raise ValueError(f"RouterArgs.{off} defaults to {defaults[off]!r}")
+    return off
+
+
+def gateway_rows() -> List[Tuple[str, str, str, str]]:
     from sglang_router.router_args import RouterArgs
 
     defaults = {f.name: f.default for f in dataclasses.fields(RouterArgs)}
-    return [(f"`--{name.replace('_', '-')}`", f"`{defaults[name]}`", advice) for name, advice in GATEWAY_FLAGS]
+    flag = lambda name: f"`--{name.replace('_', '-')}`"  # noqa: E731
+    return [(flag(name), f"`{defaults[name]}`", flag(_off(defaults, off)), advice)
+            for name, off, advice in GATEWAY_FLAGS]
 
 
 def knob_table() -> str:
@@ -144,14 +152,14 @@ def knob_table() -> str:
              "| knob | default | what it bounds | off |", "|---|---|---|---|"]
     lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in fork_knob_rows()]
     lines += ["", "Upstream sglang knobs the guarantees rely on (defaults of 0.5.23):", "",
-              "| knob | default | what the fork uses it for |", "|---|---|---|"]
-    lines += [f"| {a} | {b} | {c} |" for a, b, c in upstream_knob_rows()]
+              "| knob | default | what the fork uses it for | off |", "|---|---|---|---|"]
+    lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in upstream_knob_rows()]
     lines += ["", "Outside sglang (not read by the fork; defaults as documented by mooncake and Linux):", "",
               "| setting | read by | default | what it bounds | advice |", "|---|---|---|---|---|"]
     lines += [f"| {a} | {b} | {c} | {d} | {e} |" for a, b, c, d, e in EXTERNAL_SETTINGS]
     lines += ["", "sglang-router in PD mode (defaults of the pinned sglang-router's `RouterArgs`):", "",
-              "| flag | default | advice with the fork |", "|---|---|---|"]
-    lines += [f"| {a} | {b} | {c} |" for a, b, c in gateway_rows()]
+              "| flag | default | off | advice with the fork |", "|---|---|---|---|"]
+    lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in gateway_rows()]
     return "\n".join(lines)
 
 
