@@ -300,6 +300,12 @@ def replaced(text: str, name: str, body: str) -> str:
     return f"{head}{b}\n{body}\n{e}{tail}"
 
 
+def refresh_bench_summary() -> None:
+    """Rewrite README.md's bench summary from bench/README.md (the benches call this after writing their block)."""
+    text = README.read_text()
+    README.write_text(replaced(text, "bench-summary", bench_summary()))
+
+
 def main(argv: List[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--write", action="store_true", help="rewrite the generated blocks")
