@@ -209,3 +209,12 @@ def test_the_changelog_is_one_entry_per_release_in_keep_a_changelog_sections():
         sections = re.findall(r"(?m)^### (.+)$", release)
         assert set(sections) <= SECTIONS, f"{release.splitlines()[0]}: sections {sections}"
         assert len(sections) == len(set(sections)), f"{release.splitlines()[0]}: a section twice: {sections}"
+
+
+def test_every_metric_the_docs_name_exists():
+    import sglang
+
+    names = {m.group(1) for _, m in findall(r"`?(sglang:[a-z_]+)")}
+    code = "\n".join(p.read_text(errors="replace") for p in Path(sglang.__file__).parent.joinpath("srt").rglob("*.py"))
+    missing = sorted(n for n in names if n.split(":", 1)[1] not in code)
+    assert names and not missing, f"metrics the docs name that no code defines: {missing}"
