@@ -21,7 +21,7 @@ test-model: venv
 	MODEL_PROFILE=long $(VPY) -m pytest -ra -s --timeout=0 test/srt/model/test_lifecycle_model.py
 
 # Every end-to-end scenario on every multi-rank topology (TP 2 + TP 2, prefill TP 2 +
-# decode TP 1); `make test` runs the pick of them not marked tp_matrix. README: how long.
+# decode TP 1); `make test` runs the pick of them not marked tp_matrix. docs/multi-rank.md: how long.
 test-tp: venv
 	$(VPY) -m pytest -ra --durations=50 --timeout=1800 -m tp test/srt
 

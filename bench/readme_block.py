@@ -1,11 +1,14 @@
 """One block of figures in a markdown file, between a begin and an end marker: the
-benches (`release_gate`, `rl_step`) write their tables into README.md through this,
-replacing only their own block."""
+benches (`release_gate`, `rl_step`, `transfer`) write their tables into bench/README.md through this,
+replacing only their own block; README.md's one-line summary of them is then made again from it
+(`testing.doc_tables`)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Optional
+
+from testing import doc_tables
 
 
 def write_block(path: Path, begin: str, end: str, block: str, heading: Optional[str] = None) -> None:
@@ -22,3 +25,5 @@ def write_block(path: Path, begin: str, end: str, block: str, heading: Optional[
     else:
         text = text.rstrip("\n") + f"\n\n{heading}\n" + new + "\n"
     path.write_text(text)
+    if path.resolve() == doc_tables.BENCH_README:
+        doc_tables.refresh_bench_summary()

@@ -60,7 +60,7 @@ from testing.pd_cluster import (
 from testing.tiny_model import ensure_tiny_model
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-README = REPO_ROOT / "README.md"
+README = REPO_ROOT / "bench" / "README.md"  # the figures of record; README.md summarises them (testing/doc_tables.py)
 README_BEGIN = "<!-- release-gate:begin (written by `make bench ARGS=--write-readme`) -->"
 README_END = "<!-- release-gate:end -->"
 HOOKS_BEGIN = "<!-- hook-cost:begin (written by `make bench ARGS=--write-readme`) -->"
@@ -589,7 +589,7 @@ def main(argv=None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--warmup", type=int, default=16, help="requests per side before measuring")
     parser.add_argument("--model-dir", default=str(REPO_ROOT / ".cache" / "tiny-llama"))
-    parser.add_argument("--write-readme", action="store_true", help="replace the figures in README.md")
+    parser.add_argument("--write-readme", action="store_true", help="replace the figures in bench/README.md")
     parser.add_argument("--keep-logs", action="store_true")
     parser.add_argument(
         "--inject-slowdown-us", type=float, default=0.0, metavar="US",

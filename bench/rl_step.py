@@ -72,7 +72,7 @@ from testing.pd_cluster import (
 from testing.tiny_model import ensure_tiny_model
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-README = REPO_ROOT / "README.md"
+README = REPO_ROOT / "bench" / "README.md"  # the figures of record; README.md summarises them (testing/doc_tables.py)
 README_BEGIN = "<!-- rl-bench:begin (written by `make bench-rl ARGS=--write-readme`) -->"
 README_END = "<!-- rl-bench:end -->"
 SIDES = ("fork", "upstream")

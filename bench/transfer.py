@@ -523,7 +523,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                              "sleeps 1 ms per idle pass instead of spinning (bench/baseline.py), as the fork's own "
                              "idle pacing does")
     parser.add_argument("--model-dir", default=str(REPO_ROOT / ".cache" / "tiny-llama-wide-kv"))
-    parser.add_argument("--write-readme", action="store_true", help="write the table into README.md")
+    parser.add_argument("--write-readme", action="store_true", help="write the table into bench/README.md")
     parser.add_argument("--keep-logs", action="store_true")
     parser.add_argument("--tcp-sink", nargs=2, type=int, metavar=("PORT", "BYTES"), help=argparse.SUPPRESS)
     parser.add_argument("--tcp-source", nargs=3, metavar=("ADDR", "PORT", "BYTES"), help=argparse.SUPPRESS)
@@ -641,7 +641,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(text)
         print(f"\nwall time {time.monotonic() - t_start:.0f}s")
         if args.write_readme:
-            write_block(REPO_ROOT / "README.md", README_BEGIN, README_END, text)
+            write_block(REPO_ROOT / "bench" / "README.md", README_BEGIN, README_END, text)
         return 0
 
 

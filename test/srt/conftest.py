@@ -420,7 +420,7 @@ def single_server(pd_deployment) -> SingleServer:
 # deployment, as before) and on each multi-rank topology, judged the same way (same
 # statuses, same end causes). A multi-rank case is marked `tp` (`make test-tp` runs
 # them all) and, unless the module is in CI's pick, `tp_matrix` (deselected by default:
-# pyproject's addopts); README gives each one's wall time.
+# pyproject's addopts); docs/multi-rank.md gives each one's wall time.
 FP32 = ("--dtype", "float32")
 
 
