@@ -70,6 +70,10 @@ FORK_KNOBS = {
         None),
     "SGLANG_FORK_TRANSFER_HANDOFF": (
         "how long prefill's scheduler waits for an idle transfer worker to take a queued chunk", None),
+    "SGLANG_FORK_DEPARTED_DECODE_AFTER": (
+        "a PD peer lost this long ago and not back has left for good (scaled in, moved, replaced): forgotten, and "
+        "the lost-decode rule stops counting it; a held-out decode silent this long is dropped",
+        "cannot be off: set it above the time your balancer takes to remove a dead worker"),
 }
 
 # Upstream sglang knobs the guarantees depend on: (name, what the fork uses it for, off). Defaults read from `Envs`.
@@ -113,7 +117,7 @@ def _seconds(value: float) -> str:
     return f"{value:g} s"
 
 
-def fork_knob_rows() -> List[Tuple[str, str, str, str]]:
+def fork_knob_rows() -> List[Tuple[str, str, str, str, str]]:
     from sglang.srt.managers.fork_core import knobs
 
     rows = []
@@ -121,7 +125,8 @@ def fork_knob_rows() -> List[Tuple[str, str, str, str]]:
         what, off = FORK_KNOBS[knob.name]
         if off is None:
             off = f"`0` {knob.zero}" if knob.zero is not None else "cannot be off"
-        rows.append((f"`{knob.name}`", _seconds(knob.default), what, off))
+        rows.append((f"`{knob.name}`", _seconds(knob.default), f"{_seconds(knob.maximum)} ({knob.why_maximum})",
+                     what, off))
     return rows
 
 
@@ -149,8 +154,8 @@ def gateway_rows() -> List[Tuple[str, str, str, str]]:
 def knob_table() -> str:
     lines = ["The fork's knobs (environment variables of both servers; a value that is not valid stops the server "
              "at start, naming the knob):", "",
-             "| knob | default | what it bounds | off |", "|---|---|---|---|"]
-    lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in fork_knob_rows()]
+             "| knob | default | at most (why) | what it bounds | off |", "|---|---|---|---|---|"]
+    lines += [f"| {a} | {b} | {c} | {d} | {e} |" for a, b, c, d, e in fork_knob_rows()]
     lines += ["", "Upstream sglang knobs the guarantees rely on (defaults of 0.5.23):", "",
               "| knob | default | what the fork uses it for | off |", "|---|---|---|---|"]
     lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in upstream_knob_rows()]
@@ -169,7 +174,7 @@ def knob_table() -> str:
 # What an operator does about each verdict row's answer, by the row's cause (every Cause needs one).
 ADVICE = {
     "DEADLINE": "the transfer took longer than the deadline: a stalled or slow link, an overloaded server; check "
-                "`sglang:num_transfer_timeout_reqs_total` and the link; retry",
+                "`sglang:pd_transfer_timeouts_total` and the link; retry",
     "PAUSE": "the engine was paused or its memory released (RL weight update): resubmit after `continue_generation`",
     "REQUESTED_ABORT": "the client (or an SLA abort: 503) asked for it: nothing failed",
     "PEER_PAUSE": "the peer server's pause or release ended it: resubmit after the step",
@@ -177,10 +182,10 @@ ADVICE = {
     "PEER_ABORT": "the request was aborted on the peer: nothing failed",
     "PEER_DEADLINE": "as a deadline (above), reached on the peer",
     "PAUSE_REASON": "as a pause (above)",
-    "LOST_PEER": "the named peer crashed or is cut off: see `sglang:num_pd_peer_losses_total`; restart or heal it "
+    "LOST_PEER": "the named peer crashed or is cut off: see `sglang:pd_peer_losses_total`; restart or heal it "
                  "(it is served again without restarting the survivor); retry on another pair",
     "FAILURE": "a KV / aux / state chunk write or a transfer worker failed (the message names it): check the link "
-               "and `sglang:num_transfer_chunk_failures_total`; retry",
+               "and `sglang:pd_transfer_chunk_failures_total`; retry",
 }
 
 # Statuses answered outside the verdict table: (status, where, message starts with, what to do).
@@ -191,6 +196,13 @@ OTHER_STATUSES = (
      "here)"),
     ("400", "a decode request with `bootstrap_room` but no `bootstrap_host`", "upstream's validation message",
      "send the bootstrap fields the gateway injects"),
+    ("400", "a prefill or decode request with a bootstrap field out of range (`bootstrap_room` outside "
+     "0..2**63-1, an empty `bootstrap_host`, `bootstrap_port` outside 1..65535, a non-string `bootstrap_pair_key`; "
+     "single or batch form)", "the field's name and the accepted range",
+     "fix the client or balancer that made it (upstream never answers such a request)"),
+    ("400", "`release_memory_occupation`, `resume_memory_occupation` with a tag other than `kv_cache`, "
+     "`weights`, `cuda_graph`", "\"... unknown memory tag(s) [...] in field 'tags'; valid tags: [...]\"",
+     "fix the tag; nothing changed (upstream answers 200 and ignores the tag)"),
     ("503", "any request, by sglang-router (not the fork)",
      "\"No available servers: No available prefill workers (all circuits open or unhealthy)\" (or decode)",
      "every worker of that side is unhealthy, removed or has its circuit open: see docs/gateway.md"),

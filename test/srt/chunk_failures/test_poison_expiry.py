@@ -67,3 +67,18 @@ def test_poison_marks_expire_on_the_engine_clock_without_a_thread_each(clock):
     chunk_failures.expire_poison(queue)
     assert mgr._deferred_ack_poisoned_rooms == set()
     assert chunk_failures.poison_table(mgr)["size"] == 0
+
+
+def test_a_mark_dropped_another_way_leaves_no_pending_expiry(clock):
+    """The peer monitor drops a lost decode session's poison marks itself (`_drop_incarnation`); their expiries are
+    forgotten at the next pass, so the report holds nothing once the loss is handled (not 30 s later)."""
+    mgr = _prefill_manager()
+    queue = SimpleNamespace(kv_manager=mgr)
+    for room in (1, 2, 3):
+        _failed_write(mgr, room)
+    mgr._deferred_ack_poisoned_rooms.difference_update({1, 2})  # as `_drop_incarnation` does
+    chunk_failures.expire_poison(queue)
+    assert chunk_failures.poison_table(mgr)["size"] == 1 and mgr._deferred_ack_poisoned_rooms == {3}
+    clock.advance(DELAY_S)
+    chunk_failures.expire_poison(queue)
+    assert chunk_failures.poison_table(mgr)["size"] == 0 and mgr._deferred_ack_poisoned_rooms == set()

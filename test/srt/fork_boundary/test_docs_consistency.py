@@ -16,6 +16,7 @@ from typing import Dict, List, Tuple
 import pytest
 
 from sglang.srt.disaggregation.fork_ending import request_end_cause, room_ledger, teller, verdict
+from sglang.srt.disaggregation.fork_transfer import transfer_deadline
 from sglang.srt.environ import envs
 from sglang.srt.managers.fork_core import knobs
 from sglang.srt.managers.fork_pause import pd_pause
@@ -77,6 +78,8 @@ CAPS = {  # a bounded memory's cap, by the words docs use for it
     "queued tells": teller.MAX_QUEUED,
     "tagged rooms": request_end_cause.MAX_TAGGED_ROOMS,
     "pause reasons": pd_pause.MAX_WHY_ROOMS,
+    "ranks a tell looks up": teller.MAX_RANKS,
+    "bootstrap fetches": transfer_deadline.MAX_FETCHES,
 }
 
 

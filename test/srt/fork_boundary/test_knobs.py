@@ -81,6 +81,7 @@ MAXIMA = {  # the documented upper bounds (docs/layout.md, "The fork's knobs"): 
     "SGLANG_FORK_PD_IDLE_PACE": 0.1,
     "SGLANG_FORK_KV_WRITE_POLL": 0.1,
     "SGLANG_FORK_TRANSFER_HANDOFF": 0.1,
+    "SGLANG_FORK_DEPARTED_DECODE_AFTER": 86400.0,
 }
 
 

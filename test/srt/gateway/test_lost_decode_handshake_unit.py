@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from sglang.srt.disaggregation.common.conn import ABORT_TAG, AbortNotification
 from sglang.srt.disaggregation.fork_peers import peer_liveness as ldh
 from sglang.srt.disaggregation.fork_peers.peer_liveness import abort_status
 
@@ -72,10 +73,21 @@ def test_a_claim_is_read_on_prefill_s_bootstrap_thread_and_nothing_else_is_taken
     monitor.claim = functools.partial(ldh.PeerMonitor.claim, monitor)
     passed = []
     handle = lambda msg: passed.append(msg) or False  # noqa: E731 (upstream's ABORT handler: not its message)
-    assert ldh._handle_claim(monitor, handle, [ldh.CLAIM_TAG, b"42", b"10.0.0.2", b"17001"]) is True
+    assert ldh._handle_claim(monitor, handle, ldh.claim_frames(42, "10.0.0.2", 17001)) is True
     assert {room: peer for room, (peer, _) in monitor.claims.items()} == {42: "10.0.0.2:17001"}
-    assert ldh._handle_claim(monitor, handle, [ldh.CLAIM_TAG, b"x"]) is True  # malformed: dropped, logged
+    assert ldh._handle_claim(monitor, handle, [ABORT_TAG, ldh.CLAIM_TAG, b"x"]) is True  # malformed: dropped, logged
+    abort = AbortNotification(room=5, decode_ip="10.0.0.2", decode_port=17001, generation=3).to_zmq()
+    assert ldh._handle_claim(monitor, handle, abort) is False and passed == [abort]  # upstream's ABORT: not ours
+    passed.clear()
     assert ldh._handle_claim(monitor, handle, [b"123", b"10.0.0.2"]) is False and passed == [[b"123", b"10.0.0.2"]]
+
+
+def test_a_stock_prefill_takes_a_claim_for_a_malformed_abort():
+    """A fork decode in front of a stock prefill (a rolling upgrade): upstream's bootstrap thread first offers every
+    message to its ABORT handler, which parses it with `AbortNotification.from_zmq`; a claim is an ABORT whose room
+    does not parse (None: a warning, the message taken), so it never reaches the handshake parse, which would raise
+    on it and end the thread."""
+    assert AbortNotification.from_zmq(ldh.claim_frames(42, "10.0.0.2", 17001)) is None
 
 
 def test_the_message_names_the_lost_decode_that_took_the_request():

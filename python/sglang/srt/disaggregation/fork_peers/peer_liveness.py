@@ -32,7 +32,10 @@ TAG = verdict.PEER_LOST_TAG  # opens every failure reason this module records; t
 ALIVE, REFUSED, SILENT = "alive", "refused", "silent"
 CONNECT_TIMEOUT = 1.0
 MAX_GONE = 256
-# decode -> prefill (bootstrap thread): [CLAIM_TAG, room, decode ip, decode rank port] "this decode holds the request"
+# decode -> prefill (bootstrap thread): [ABORT, CLAIM_TAG, room, decode ip, decode rank port] "this decode holds the
+# request". Behind upstream's ABORT tag so that a stock prefill (a rolling upgrade) takes it for a malformed ABORT
+# (`AbortNotification.from_zmq`: a warning, nothing else) instead of a handshake, whose parse would raise and end its
+# bootstrap thread.
 CLAIM_TAG = b"FORK_CLAIM"
 # a claim whose prefill request has not arrived (or was cleared before it came) is dropped after this (s)
 CLAIM_GRACE = 30.0
@@ -555,14 +558,21 @@ def _publish_and_watch(monitor: PeerMonitor, publish: Any, session_id: str, deco
     return result
 
 
+def claim_frames(room: int, ip: str, port: int) -> List[bytes]:
+    """Decode's claim of `room` on the wire (CLAIM_TAG)."""
+    from sglang.srt.disaggregation.common.conn import ABORT_TAG
+
+    return [ABORT_TAG, CLAIM_TAG, str(room).encode("ascii"), ip.encode("ascii"), str(port).encode("ascii")]
+
+
 def _handle_claim(monitor: PeerMonitor, handle: Any, msg: List[bytes]) -> bool:
-    """Prefill's bootstrap thread: a decode's claim (CLAIM_TAG) is recorded; anything else goes on to `handle`."""
-    if not msg or msg[0] != CLAIM_TAG:
+    """Prefill's bootstrap thread: a decode's claim (`claim_frames`) is recorded; anything else goes on to `handle`."""
+    if len(msg) < 2 or msg[1] != CLAIM_TAG:
         return handle(msg)
     try:
-        room, peer = int(msg[1]), f"{msg[2].decode('ascii')}:{int(msg[3])}"
+        room, peer = int(msg[2]), f"{msg[3].decode('ascii')}:{int(msg[4])}"
     except (IndexError, ValueError, UnicodeDecodeError):
-        logger.warning("Dropping a malformed decode claim: %r", msg[:4])
+        logger.warning("Dropping a malformed decode claim: %r", msg[:5])
         return True
     monitor.claim(room, peer)
     return True
@@ -580,7 +590,7 @@ def after_receiver_init(result: Any, receiver: Any, *args: Any, **kwargs: Any) -
             or not fork_touch.is_a(mgr, fork_touch.MOONCAKE_MANAGER)):
         return  # failed at init, fake transfer, or a backend whose prefill has no claim handler
     room = receiver.bootstrap_room
-    message = [CLAIM_TAG, str(room).encode("ascii"), mgr.local_ip.encode("ascii"), str(mgr.rank_port).encode("ascii")]
+    message = claim_frames(room, mgr.local_ip, mgr.rank_port)
     for info in fork_touch.upstream(receiver, "bootstrap_infos") or ():
         try:
             sock, lock = receiver._connect_to_bootstrap_server(info)

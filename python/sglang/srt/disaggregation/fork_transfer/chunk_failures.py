@@ -160,12 +160,16 @@ class PoisonExpiry:
             self.until[room] = engine_clock.now() + self.delay_s
             return [self.until.popitem(last=False)[0] for _ in range(len(self.until) - MAX_POISON_EXPIRIES)]
 
-    def due(self) -> List[int]:
+    def due(self, marked: Any) -> List[int]:
+        """The rooms whose marks go now; a room no longer `marked` (its mark went another way: the peer monitor
+        dropped its decode session) is forgotten."""
         now = engine_clock.now()
         out = []
         with self.lock:
             while self.until and next(iter(self.until.values())) <= now:
                 out.append(self.until.popitem(last=False)[0])
+            for room in [r for r in self.until if r not in marked]:
+                del self.until[room]
         return out
 
 
@@ -194,7 +198,8 @@ def expire_poison(queue: Any, *args: Any, **kwargs: Any) -> None:
     """BEFORE PrefillBootstrapQueue.pop_bootstrapped (scheduler thread, every loop pass): the poison marks due."""
     expiry = getattr(queue.kv_manager, "__dict__", {}).get(POISON_ATTR)
     if expiry is not None and expiry.until:
-        _discard_poison(queue.kv_manager, expiry.due())
+        marked = fork_touch.upstream(queue.kv_manager, "_deferred_ack_poisoned_rooms")
+        _discard_poison(queue.kv_manager, expiry.due(marked))
 
 
 def poison_table(mgr: Any) -> Dict[str, Any]:
