@@ -8,6 +8,7 @@ would put on the wire is kept (`Notice`). Installed while a harness lives.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 from typing import Any, Dict, List, Optional, Tuple
@@ -340,6 +341,19 @@ def _install_faulty_backend() -> None:
     fake_backend.FakeKVManager = FaultyKVManager
     fake_backend.FakeKVSender = FaultySender
     fake_backend.FakeKVReceiver = FaultyReceiver
+
+
+@contextlib.contextmanager
+def upstream_fake_sender():
+    """Upstream's own `FakeKVSender` for the senders created in the block (a request to the fake bootstrap host on a
+    real backend, as the server's warmup: upstream pairs that sender with the real kv manager), the scripted one
+    after."""
+    scripted = fake_backend.FakeKVSender
+    fake_backend.FakeKVSender = _upstream_fake_classes[1]
+    try:
+        yield
+    finally:
+        fake_backend.FakeKVSender = scripted
 
 
 def _uninstall_faulty_backend() -> None:

@@ -8,10 +8,9 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 
 def fork_tables_held(tables: Optional[Mapping[str, Any]]) -> Dict[str, int]:
     """The fork's tables (a resource report's `fork_tables`) that are empty when idle: all but the per-peer ones
-    (back to baseline for live peers), the memories (kept by design until they expire), the counters, and a table
-    with a known leak not fixed yet (`open`: what it is)."""
+    (back to baseline for live peers), the memories (kept by design until they expire) and the counters."""
     return {f"fork.{name}": t["size"] for name, t in (tables or {}).items()
-            if not (t.get("per_peer") or t.get("memory") or t.get("counter") or t.get("open"))}
+            if not (t.get("per_peer") or t.get("memory") or t.get("counter"))}
 
 
 @dataclasses.dataclass(frozen=True)

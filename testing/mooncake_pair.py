@@ -123,6 +123,18 @@ class _Worker:
         self.h.add(req)
         return req.rid
 
+    def add_fake_host(self, room: int, prompt_len: int) -> str:
+        """Prefill: the room's request naming upstream's fake bootstrap host, as the server's warmup request does:
+        upstream gives it its own fake sender, paired with this side's real kv manager (no decode involved)."""
+        from sglang.srt.disaggregation.utils import FAKE_BOOTSTRAP_HOST
+        from testing.harness_backend import upstream_fake_sender
+
+        req = self.h.make_req(rid=f"room-{room}", room=room, prompt_len=prompt_len, bootstrap_host=FAKE_BOOTSTRAP_HOST)
+        self.reqs[room] = req
+        with upstream_fake_sender():
+            self.h.add(req)
+        return req.rid
+
     def tick(self, n: int = 1) -> None:
         if getattr(self.h.scheduler, "_engine_paused", False):
             # what a paused event loop runs instead of scheduling (the fork's hook)
@@ -182,11 +194,11 @@ class _Worker:
             room_ledger.end_room(self.h.kv_manager, room, None, reason, told=told)
 
     def disown(self, room: int, failed: bool) -> None:
-        """What clearing the room's sender tells the ledger (`RoomLedger.disown`): a failed room is remembered as
-        ended here."""
+        """What clearing a sender of the room tells the ledger (`RoomLedger.disown`; no sender owns it here): a failed
+        room is remembered as ended here."""
         from sglang.srt.disaggregation.fork_ending import room_ledger
 
-        room_ledger.ledger_for(self.h.kv_manager).disown(room, failed)
+        room_ledger.ledger_for(self.h.kv_manager).disown(room, None, failed)
 
     def hold_unowned_drops(self) -> None:
         """Prefill: the bootstrap thread's drop of a room no sender owns (room_ledger._drop_unowned_room, after an

@@ -300,3 +300,23 @@ def test_a_failed_retract_rebootstrap_ends_as_its_failure_never_as_a_client_abor
     pair.ticks_until(pair.prefill, lambda: _ended(pair.prefill, room), END_TICKS)
     assert "decode/client_abort/decode_transfer" not in pair_new_causes(pair.decode, before["decode"][1])
     _wait_idle_and_clean(pair, room)
+
+
+def test_a_fake_host_request_owns_no_room_on_a_real_manager(pair, before):
+    """Upstream's server warmup (and any request naming upstream's fake bootstrap host) gets upstream's fake sender,
+    paired with prefill's real mooncake kv manager. The ledger took it as a room's owner when it was created, but a
+    fake sender's clear is not the one that disowns (`CommonKVSender.clear`), so its room stayed in
+    `ledger_owned` for the server's life: every prefill server started with room 0 "owned" by its warmup (the leak
+    first seen at test_abort_retirement_e2e's idle check, hidden since as an `open` table), and the room number
+    counted as owned (decode's ABORT for a real request of that number was not kept as a cancellation). Now a sender
+    owns a room only if its clear disowns it. Stock upstream 0.5.23 has no ledger: nothing to leak."""
+    room = pair.new_room()
+    pair.prefill.call("add_fake_host", room, 4)  # the warmup's request, prefill alone
+    t0 = time.monotonic()
+    while not _ended(pair.prefill, room):
+        assert time.monotonic() - t0 < 30, pair.prefill.call("snapshot")
+        pair.prefill.call("tick")
+    assert pair.prefill.call("final_reason", room)["type"] == "length"  # completed as the warmup does
+    assert pair.prefill.call("fork_tables")["ledger_owned"]["size"] == 0
+    _assert_no_failure_counted(pair, before)
+    wait_pair_idle(pair)

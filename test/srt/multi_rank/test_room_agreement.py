@@ -98,7 +98,11 @@ def _rank(rank: int, store: str, out) -> None:
                                    13: S.Bootstrapping, 14: S.Transferring, 15: S.Bootstrapping})
         if rank == 1:
             ledger.note_abort(15, "127.0.0.1:7000")
-        cancelled = ledger.claim(15)  # on_prefill_create_sender
+        # on_prefill_create_sender: the sender upstream created for room 15 (its __init__ not run: the tables above)
+        from sglang.srt.disaggregation.common.conn import CommonKVSender
+
+        sender = CommonKVSender.__new__(CommonKVSender)
+        cancelled = ledger.claim(15, sender)
         if cancelled is not None:
             ledger.end(15, None, cancelled[0], tell=False)
         if rank == 1:

@@ -7,6 +7,7 @@ answers every PD request's failure end by the verdict's table (`verdict`). Any t
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import sys
 import threading
@@ -63,7 +64,9 @@ class RoomLedger:
         # decode: room -> (prefill's bootstrap address, generation, acks upstream waits for) until prefill acks
         self.drains: "OrderedDict[int, Tuple[str, int, int]]" = OrderedDict()
         self.ended: "OrderedDict[int, Ended]" = OrderedDict()
-        self.owned: set = set()  # rooms a live sender of this side owns
+        # prefill: room -> its owner, a live sender whose `clear` disowns it (`claim`); weak: an owner gone without
+        # its clear owns nothing
+        self.owned: Dict[int, "weakref.ref[Any]"] = {}
         self.ttl_s = float(envs.SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT.get()
                            + envs.SGLANG_DISAGGREGATION_WAITING_TIMEOUT.get())
         self.peer_lost: Optional[Callable[[str], bool]] = None  # watch_peers: whether a peer is lost now
@@ -155,11 +158,16 @@ class RoomLedger:
                 record.expiry = min(record.expiry, engine_clock.now() + self.ttl_s)
             return record.reason, record.told
 
-    def claim(self, room: int) -> Optional[Tuple[str, Optional[Told]]]:
-        """A sender now owns `room`: (the reason to fail it, the cause) if the peer cancelled it first, else None."""
+    def claim(self, room: int, sender: Any) -> Optional[Tuple[str, Optional[Told]]]:
+        """`sender` now owns `room`: (the reason to fail it, the cause) if the peer cancelled it first, else None.
+        Only a sender whose `clear` disowns the room (`disowns_on_clear`) owns it: upstream pairs a fake sender (a
+        request to the fake bootstrap host: the server's warmup, room 0) with this manager, but keeps none of its
+        state in this manager's tables and has no peer here; it owns nothing and takes no cancellation."""
+        if not disowns_on_clear(sender):
+            return None
         now = engine_clock.now()
         with self.lock:
-            self.owned.add(room)
+            self.owned[room] = weakref.ref(sender)
             record = self.ended.get(room)
             if record is None:
                 return None
@@ -230,9 +238,27 @@ class RoomLedger:
             self.told_early.add(receiver)
             return True
 
-    def disown(self, room: int, failed: bool) -> None:
+    def owns(self, room: int) -> bool:
+        """Whether a live sender owns `room` (an owner gone without its clear is forgotten here). Caller holds the
+        lock."""
+        owner = self.owned.get(room)
+        if owner is not None and owner() is None:
+            del self.owned[room]
+            owner = None
+        return owner is not None
+
+    def owners(self) -> int:
+        """How many rooms live senders own (the report). Caller holds the lock."""
+        for room in [r for r, owner in self.owned.items() if owner() is None]:
+            del self.owned[room]
+        return len(self.owned)
+
+    def disown(self, room: int, sender: Any, failed: bool) -> None:
+        """`sender` was cleared: it owns `room` no more (a newer sender of the same number keeps it)."""
         with self.lock:
-            self.owned.discard(room)
+            owner = self.owned.get(room)
+            if owner is not None and owner() in (sender, None):
+                del self.owned[room]
             if failed and room not in self.ended:  # decode's ABORT answering our Failed cancels nothing
                 self.ended[room] = Ended("", False, False, engine_clock.now() + self.ttl_s)
 
@@ -241,14 +267,14 @@ class RoomLedger:
         (and is not forgotten yet)."""
         with self.lock:
             self._expire(engine_clock.now())
-            return room in self.owned or room in self.ended
+            return self.owns(room) or room in self.ended
 
     def note_abort(self, room: int, peer: str, why: Optional[str] = None, told: Optional[Told] = None) -> bool:
         """The peer's ABORT for a room this side neither owns nor remembers: kept as a cancellation (with `told`, the
         cause its frames carried; None from a peer that sends none)."""
         with self.lock:
             self._expire(engine_clock.now())
-            if room in self.owned or room in self.ended:
+            if self.owns(room) or room in self.ended:
                 return False
         self.remember(room, with_why(CANCEL_REASON.format(peer=peer, room=room), why), answer=False, cancel=True,
                       told=told)
@@ -309,6 +335,21 @@ def has_room_tables(mgr: Any) -> bool:
     from sglang.srt.disaggregation.fake.conn import FakeKVManager
 
     return mgr is not None and type(mgr) is not FakeKVManager
+
+
+def disowns_on_clear(sender: Any) -> bool:
+    """Whether `sender`'s `clear` disowns its room (`on_sender_clear`): its class is one `fork_plugin.HOOKS` hooks
+    `on_sender_clear` on (read from the hook table, as `handles_aborts` reads the swaps')."""
+    return _disowns_on_clear(type(sender))
+
+
+@functools.lru_cache(maxsize=64)
+def _disowns_on_clear(cls: type) -> bool:
+    from sglang.srt.managers.fork_core.fork_plugin import HOOKS
+
+    classes = {f"{c.__module__}.{c.__qualname__}" for c in cls.__mro__}
+    return any(ref.endswith(":on_sender_clear") and ref.startswith(__name__ + ":")
+               and target.rpartition(".")[0] in classes for target, ref, _ in HOOKS)
 
 
 def handles_aborts(mgr: Any) -> bool:
@@ -453,7 +494,7 @@ def ledger_tables(mgr: Any) -> Dict[str, Dict[str, Any]]:
     with ledger.lock:
         if tracker is not None:
             ledger._forget_released_drains(tracker)
-        sizes = {"drains": len(ledger.drains), "ended": len(ledger.ended), "owned": len(ledger.owned),
+        sizes = {"drains": len(ledger.drains), "ended": len(ledger.ended), "owned": ledger.owners(),
                  "announced": len(ledger.announced), "told_early": len(ledger.told_early)}
     sizes["told"] = len(ledger.told)  # under upstream's failure_lock when written; a length read is one step
     why = {
@@ -465,13 +506,8 @@ def ledger_tables(mgr: Any) -> Dict[str, Dict[str, Any]]:
         "told": "the cause kept with a room's failure record, until its request is answered",
     }
     cap = {"owned": "the senders alive", "told_early": "the receivers alive"}
-    # found by this report: a room stays owned after an abort in prefill's bootstrap queue followed by decode's late
-    # leg (test_abort_retirement_e2e, test_abort_in_prefill_bootstrap_then_late_decode_leg); until it is fixed the
-    # idle checks do not count it (`open`)
-    open_ = {"owned": "a room stays owned after an abort in prefill's bootstrap queue and decode's late leg"}
     return {f"ledger_{name}": {"size": size, "cap": cap.get(name, MAX_RECORDS), "why": why[name],
-                               **({"memory": True} if name in ("ended", "told_early") else {}),
-                               **({"open": open_[name]} if name in open_ else {})}
+                               **({"memory": True} if name in ("ended", "told_early") else {})}
             for name, size in sizes.items()}
 
 
@@ -551,7 +587,7 @@ def _drop_unowned_room(mgr: Any, room: int) -> None:
     failure lock (the record and its cause go together)."""
     ledger = ledger_of(mgr)
     with mgr.failure_lock, (ledger.lock if ledger is not None else contextlib.nullcontext()):
-        if ledger is not None and room in ledger.owned:
+        if ledger is not None and ledger.owns(room):
             return
         for table in (mgr.request_status, mgr.transfer_infos, mgr.req_to_decode_prefix_len, mgr.failure_records):
             table.pop(room, None)
@@ -564,7 +600,7 @@ def on_prefill_create_sender(result: Any, queue_: Any, req: Any, *args: Any, **k
     mgr, ledger = queue_.kv_manager, ledger_of(queue_.kv_manager)
     if not result or ledger is None or req.bootstrap_room is None or not handles_aborts(mgr):
         return
-    claimed = ledger.claim(req.bootstrap_room)
+    claimed = ledger.claim(req.bootstrap_room, req.disagg_kv_sender)
     if claimed is not None:
         reason, told = claimed
         logger.info("room_ledger: %s (rid=%s)", reason, req.rid)
@@ -575,7 +611,7 @@ def on_prefill_create_sender(result: Any, queue_: Any, req: Any, *args: Any, **k
 
 def on_sender_clear(result: Any, sender: Any, *args: Any, **kwargs: Any) -> None:
     """AFTER `CommonKVSender.clear`: a room this prefill failed is remembered as ended."""
-    ledger_of(sender.kv_mgr).disown(sender.bootstrap_room, sender.conclude_state == KVPoll.Failed)
+    ledger_of(sender.kv_mgr).disown(sender.bootstrap_room, sender, sender.conclude_state == KVPoll.Failed)
 
 
 def around_update_status(original, mgr, bootstrap_room, status, *args, **kwargs):
@@ -831,7 +867,7 @@ def _ended_on_prefill(ledger: "RoomLedger", room: int, reason: str, told: Option
     """Bootstrap thread: answer decode's handshake for a room prefill ended, now or when it lands, with `reason` and
     its cause `told` (the ENDED_ON_PREFILL frames')."""
     with ledger.lock:
-        if room in ledger.owned:  # a live sender owns the number: not this request's room
+        if ledger.owns(room):  # a live sender owns the number: not this request's room
             return
     targets = ledger.mgr._room_notify_targets(room)
     ledger.end(room, None, reason, fail=False, tell=bool(targets), targets=targets, remember=not targets, cancel=True,
