@@ -12,10 +12,13 @@ import pytest
 from sglang.srt.disaggregation.fork_ending.engine_clock import EngineClock
 from sglang.srt.disaggregation.fork_transfer import chunk_failures
 from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
+from sglang.srt.managers.fork_core import fork_plugin
+from sglang.srt.plugins import load_plugins
 
 pytestmark = pytest.mark.unit
 
 FAILED = 200
+POISON_HOOK = "sglang.srt.disaggregation.common.conn.CommonKVManager.poison_deferred_ack_room"
 DELAY_S = 30.0  # SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT's default
 
 
@@ -28,6 +31,12 @@ def clock(monkeypatch):
     return clock
 
 
+@pytest.fixture(autouse=True)
+def hooks():
+    load_plugins()  # as run_scheduler_process does: the fork's hook on poison_deferred_ack_room
+    assert fork_plugin.hooks_applied()[POISON_HOOK]
+
+
 def _prefill_manager():
     """A MooncakeKVManager with what a failed write's path reads: deferred release on, no poisoned room yet."""
     mgr = object.__new__(MooncakeKVManager)
@@ -38,10 +47,10 @@ def _prefill_manager():
 
 
 def _failed_write(mgr, room):
-    """What a transfer worker does when a KV write of `room` fails: upstream poisons the drain ACK, the fork's
-    `checked` counts the failure and schedules the mark's expiry."""
-    mgr.poison_deferred_ack_room(room)
+    """What a transfer worker does when a KV write of `room` fails, in its order: the fork's `checked` counts the
+    failure, then upstream poisons the drain ACK (`_poison_unsettled_send`) and the fork's hook notes its expiry."""
     assert chunk_failures.checked(mgr, room, "kv", -1) == -1
+    mgr.poison_deferred_ack_room(room)
 
 
 def test_poison_marks_expire_on_the_engine_clock_without_a_thread_each(clock):
@@ -82,3 +91,29 @@ def test_a_mark_dropped_another_way_leaves_no_pending_expiry(clock):
     clock.advance(DELAY_S)
     chunk_failures.expire_poison(queue)
     assert chunk_failures.poison_table(mgr)["size"] == 0 and mgr._deferred_ack_poisoned_rooms == set()
+
+
+def test_a_bootstrap_pass_between_the_failed_write_and_its_mark_keeps_the_expiry(clock):
+    """The worker's `checked` runs a few lines before upstream marks the room; the scheduler's pass may fall between.
+    Found by the metrics e2e under CI load: the expiry was noted in `checked`, the pass forgot it (room not marked
+    yet), then the mark came and stayed for the server's life (`_deferred_ack_poisoned_rooms` 1 an hour later)."""
+    mgr = _prefill_manager()
+    queue = SimpleNamespace(kv_manager=mgr)
+    assert chunk_failures.checked(mgr, 7, "kv", -1) == -1
+    chunk_failures.expire_poison(queue)  # the scheduler's pass, before upstream's mark
+    mgr.poison_deferred_ack_room(7)
+    chunk_failures.expire_poison(queue)
+    assert mgr._deferred_ack_poisoned_rooms == {7} and chunk_failures.poison_table(mgr)["size"] == 1
+    clock.advance(DELAY_S)
+    chunk_failures.expire_poison(queue)
+    assert mgr._deferred_ack_poisoned_rooms == set() and chunk_failures.poison_table(mgr)["size"] == 0
+
+
+def test_the_transfer_workers_own_crash_mark_expires_too(clock):
+    """Upstream marks a room when its transfer worker raises (mooncake's `transfer_worker` except path), with no
+    failed write counted: that mark expires as well."""
+    mgr = _prefill_manager()
+    mgr.poison_deferred_ack_room(9)
+    clock.advance(DELAY_S)
+    chunk_failures.expire_poison(SimpleNamespace(kv_manager=mgr))
+    assert mgr._deferred_ack_poisoned_rooms == set()

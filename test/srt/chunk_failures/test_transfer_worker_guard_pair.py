@@ -16,8 +16,10 @@ RELEASE_TIMEOUT_S = 3.0  # decode's deferred release of a room whose drain ack i
 ERROR = "injected transfer engine error"
 N_AFTER = 6
 
+# on both sides, as an operator sets it: prefill drops the worker's poison mark at the same deadline
+RELEASE_ENV = {"SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT": str(RELEASE_TIMEOUT_S)}
 pair = pair_fixture(
-    decode_env={"SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT": str(RELEASE_TIMEOUT_S)},
+    prefill_env=RELEASE_ENV, decode_env=RELEASE_ENV,
     kv_tokens=1024, req_slots=N_AFTER + 2, metadata_slots=N_AFTER + 2, max_context_len=64,
 )
 
@@ -42,10 +44,10 @@ def test_worker_exception_fails_its_room_naming_it_and_nothing_is_held(pair):
         assert side.call("finals", room) == 1, side.role
     for side in (pair.prefill, pair.decode):  # counted once per side, as a transfer failure
         assert side.call("counter", "increment_transfer_failed_reqs") - failed_before[side.role] == 1, side.role
-    # nothing held: decode frees the pages at its deferred-release deadline (the
-    # worker poisons the drain ack, a write may have been running)
+    # nothing held: decode frees the pages at its deferred-release deadline (the worker poisons the drain ack, a
+    # write may have been running); prefill drops that mark at the same deadline (upstream keeps it for good)
     assert wait_pair_idle(pair, timeout=RELEASE_TIMEOUT_S + 30) < RELEASE_TIMEOUT_S + 25
-    assert pair.prefill.call("room_entries", room) in ([], ["_deferred_ack_poisoned_rooms"])
+    assert pair.prefill.call("room_entries", room) == []
     assert pair.decode.call("room_entries", room) == []
 
     # the worker runs again: every request after it transfers intact

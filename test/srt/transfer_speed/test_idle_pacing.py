@@ -25,9 +25,16 @@ from sglang.srt.managers.fork_core import fork_plugin
 from sglang.srt.managers.scheduler import Scheduler
 from sglang.srt.managers.scheduler_components.idle_sleeper import IdleSleeper
 from sglang.srt.observability.scheduler_stage_metrics import SchedulerStageMetricsRecorder
+from testing.knob_bounds import widen
 from testing.queue_harness import DecodeHarness, PrefillHarness
 
 pytestmark = pytest.mark.unit
+
+
+@pytest.fixture(autouse=True)
+def measurable_waits(monkeypatch):
+    """Paces of seconds, past the operator's 0.1 s bound, so a wait is told apart from none on a loaded machine."""
+    widen(monkeypatch, "PD_IDLE_PACE", 10.0)
 
 KNOB = "SGLANG_FORK_PD_IDLE_PACE"
 TARGET = "sglang.srt.managers.scheduler.Scheduler.on_idle"

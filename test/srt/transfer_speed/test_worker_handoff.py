@@ -23,8 +23,15 @@ from sglang.srt.disaggregation.fork_transfer import chunk_failures, worker_hando
 from sglang.srt.disaggregation.utils import DisaggregationMode
 from sglang.srt.managers.fork_core import fork_plugin
 from sglang.srt.plugins import load_plugins
+from testing.knob_bounds import widen
 
 pytestmark = pytest.mark.unit
+
+
+@pytest.fixture(autouse=True)
+def measurable_waits(monkeypatch):
+    """Paces of seconds, past the operator's 0.1 s bound, so a wait is told apart from none on a loaded machine."""
+    widen(monkeypatch, "TRANSFER_HANDOFF", 10.0)
 
 KNOB = "SGLANG_FORK_TRANSFER_HANDOFF"
 TARGET = "sglang.srt.disaggregation.common.conn.CommonKVSender.send"

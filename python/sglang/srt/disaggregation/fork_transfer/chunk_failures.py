@@ -101,7 +101,6 @@ def checked(mgr: Any, room: int, kind: str, rc: int) -> int:
     if rc != 0:
         request_end_cause.inc("chunk_failure", request_end_cause.labels_of(mgr), kind=kind, role="prefill")
         logger.warning("The %s chunk write of room %s failed (rc=%s); failing the room", kind, room, rc)
-        _expire_poison_later(mgr, room)
     return rc
 
 
@@ -173,8 +172,16 @@ class PoisonExpiry:
         return out
 
 
+def after_poison(result: Any, mgr: Any, room: int, *args: Any, **kwargs: Any) -> None:
+    """AFTER CommonKVManager.poison_deferred_ack_room (a transfer worker: a failed write, or the worker's own crash):
+    the mark, now set, is dropped once decode's release deadline passed (`PoisonExpiry`). Noted after upstream's mark,
+    never before: a bootstrap-queue pass in between would find an unmarked room and forget its expiry (the mark
+    then stayed for the server's life; seen under load)."""
+    _expire_poison_later(mgr, room)
+
+
 def _expire_poison_later(mgr: Any, room: int) -> None:
-    """Drop a failed write's poison mark once decode's release deadline passed (`PoisonExpiry`)."""
+    """Drop a poison mark once decode's release deadline passed (`PoisonExpiry`)."""
     if not fork_touch.upstream(mgr, "enable_deferred_decode_kv_release"):
         return
     expiry = mgr.__dict__.get(POISON_ATTR)

@@ -48,6 +48,8 @@ HOOKS: list[tuple[str, str, str]] = [_full(target, ref) + (kind,) for target, re
     ("disaggregation.common.conn.CommonKVManager.parse_kv_status_message",
      "room_ledger:around_parse_kv_status_message", AROUND),
     ("disaggregation.common.conn.CommonKVManager.record_failure", "room_ledger:around_record_failure", AROUND),
+    # a poison mark (every path upstream adds one) expires with decode's release deadline, noted once it exists
+    ("disaggregation.common.conn.CommonKVManager.poison_deferred_ack_room", "chunk_failures:after_poison", AFTER),
     # peer_liveness' AFTER (inner): a lost prefill fetched again is back; transfer_deadline's AROUND (outer): the
     # scheduler takes a pool thread's fetched outcome
     ("disaggregation.common.conn.CommonKVManager.try_ensure_parallel_info",
