@@ -1,6 +1,6 @@
 """Bad input at the door, on real 1P1D servers behind the Rust gateway (sglang-router, engines registered with
-POST /workers) and the mini LB (conftest.gateway_deployment; TP 1 in `make test`, the TP 2 variants marked `tp` for
-`make test-tp`).
+POST /workers) and the mini LB, both over the same engines (TP 1 in `make test`: the shared default 1P1D, which
+nothing here changes for good; the TP 2 variants, marked `tp`, on their own for `make test-tp`).
 
 Memory tags (docs/pause-release-resume.md, "Memory tags"): a release or resume naming a tag upstream has no memory
 for is a 400 naming the field and upstream's tags, on both servers, and changes nothing: a generate sent right after
@@ -23,8 +23,9 @@ import random
 
 import pytest
 
+from conftest import FP32, TP2, TP2_DECODE_TP1, topology_params
 from testing.pd_checks import PD_ROLES, assert_idle, call
-from testing.pd_cluster import generate, http_post_json
+from testing.pd_cluster import Gateway, PDCluster, SingleServer, generate, http_post_json
 
 pytestmark = pytest.mark.e2e
 
@@ -37,21 +38,41 @@ PROMPT_ANSWER_S = 15.0
 MAX_NEW_TOKENS = 4
 
 
+@pytest.fixture(scope="module", params=topology_params(TP2, TP2_DECODE_TP1))
+def door(pd_deployment, deployments, request):
+    """(a 1P1D with its mini LB, the Rust gateway in front of the same engines, a plain control server). TP 1: the
+    shared default deployment (no cluster of its own to start); multi-rank: the module's own, float32."""
+    topology = request.param
+    if topology.multi_rank:
+        cluster = PDCluster(deployments.model, **topology.pd_kwargs())
+        single = SingleServer(deployments.model, args=FP32)
+        own = (cluster, single)
+        deployments._start(*own)
+    else:
+        cluster, single = pd_deployment
+        own = ()
+    try:
+        with Gateway.fronting(cluster) as gateway:
+            yield cluster, gateway, single
+    finally:
+        deployments.discard(*own)
+
+
 def engine_states(cluster) -> dict:
     return {role: cluster.resources(role)["engine_state"] for role in PD_ROLES}
 
 
-def assert_answers_promptly(cluster, mini, text: str) -> None:
+def assert_answers_promptly(cluster, gateway, text: str) -> None:
     """A generate through the gateway and one through the mini LB, each answered 200 within PROMPT_ANSWER_S."""
-    for name, url in (("gateway", cluster.url), ("mini LB", mini.url)):
+    for name, url in (("gateway", gateway.url), ("mini LB", cluster.url)):
         r = generate(url, text, max_new_tokens=MAX_NEW_TOKENS, timeout=PROMPT_ANSWER_S)
         assert r["status"] == 200, (name, r["error"])
         assert r["latency"] < PROMPT_ANSWER_S, (name, r["latency"])
 
 
 @pytest.mark.parametrize("op", ["release_memory_occupation", "resume_memory_occupation"])
-def test_an_unknown_memory_tag_is_a_400_naming_the_valid_tags_and_changes_nothing(gateway_deployment, op):
-    cluster, mini, _ = gateway_deployment
+def test_an_unknown_memory_tag_is_a_400_naming_the_valid_tags_and_changes_nothing(door, op):
+    cluster, gateway, _ = door
     assert_idle(cluster, PD_ROLES)
     before = engine_states(cluster)
     assert {s["state"] for s in before.values()} == {"running"}, before
@@ -64,14 +85,14 @@ def test_an_unknown_memory_tag_is_a_400_naming_the_valid_tags_and_changes_nothin
             assert f"valid tags: {VALID_TAGS}" in message and repr(body["tags"][-1]) in message, message
             assert took < REJECT_BOUND_S, (role, op, took)
         assert engine_states(cluster) == before  # nothing changed: no tag released, no gate closed
-        assert_answers_promptly(cluster, mini, f"after {op} {body['tags']}")
+        assert_answers_promptly(cluster, gateway, f"after {op} {body['tags']}")
     assert_idle(cluster, PD_ROLES)
 
 
-def test_valid_tags_still_release_and_resume_with_upstreams_meaning_of_empty_and_duplicates(gateway_deployment):
+def test_valid_tags_still_release_and_resume_with_upstreams_meaning_of_empty_and_duplicates(door):
     """Duplicates are one tag; [] and null are all of them (upstream's meaning); the resume that resumes the last
     released tag serves again, through both balancers."""
-    cluster, mini, _ = gateway_deployment
+    cluster, gateway, _ = door
     assert_idle(cluster, PD_ROLES)
     cycles = (({"tags": ["kv_cache", "kv_cache"]}, ["kv_cache"], {"tags": ["kv_cache"]}),
               ({"tags": ["weights"]}, ["weights"], {"tags": ["weights", "weights"]}),
@@ -86,7 +107,7 @@ def test_valid_tags_still_release_and_resume_with_upstreams_meaning_of_empty_and
             status, reply, _ = call(cluster, role, "resume_memory_occupation", resume)
             assert status == 200, (role, resume, reply)
         assert {s["state"] for s in engine_states(cluster).values()} == {"running"}
-        assert_answers_promptly(cluster, mini, f"after the cycle {release['tags']}")
+        assert_answers_promptly(cluster, gateway, f"after the cycle {release['tags']}")
     assert_idle(cluster, PD_ROLES)
 
 
@@ -108,8 +129,8 @@ BAD_FIELDS = [("bootstrap_room", -5), ("bootstrap_room", 2**63), ("bootstrap_roo
 
 
 @pytest.mark.parametrize("role", PD_ROLES)
-def test_each_bad_bootstrap_field_is_a_400_naming_it_within_a_second(gateway_deployment, role):
-    cluster, mini, single = gateway_deployment
+def test_each_bad_bootstrap_field_is_a_400_naming_it_within_a_second(door, role):
+    cluster, gateway, single = door
     assert_idle(cluster, PD_ROLES)
     url = cluster[role].url
     for batch in (False, True):
@@ -120,18 +141,18 @@ def test_each_bad_bootstrap_field_is_a_400_naming_it_within_a_second(gateway_dep
             assert field in r["message"], (field, r["reply"])
             assert r["took"] < REJECT_BOUND_S, (role, field, value, r["took"])
     assert_idle(cluster, PD_ROLES)  # nothing held on either server: no room waits for a transfer
-    assert_answers_promptly(cluster, mini, "after bad bootstrap fields")
+    assert_answers_promptly(cluster, gateway, "after bad bootstrap fields")
     # a server that is not PD is unaffected: it ignores the fields, as upstream does
     r = _post_generate(single.url, _bootstrap_body(cluster, False, bootstrap_room=-5, bootstrap_port=0))
     assert r["status"] == 200, r
 
 
-def test_the_balancers_rooms_pass(gateway_deployment):
+def test_the_balancers_rooms_pass(door):
     """Rooms at the ends of the range the gateway and the mini LB draw ([0, 2**63), rooms are signed int64), sent
     straight to the pair as a balancer sends them, are served. (Room 0 itself is left out: the server's own warm-up
     request uses it, so a client leg with room 0 meets that room's record; both balancers draw it with
     probability 2**-63.)"""
-    cluster, mini, _ = gateway_deployment
+    cluster, gateway, _ = door
     import threading
 
     for room in (1, 2**63 - 1):
@@ -148,7 +169,7 @@ def test_the_balancers_rooms_pass(gateway_deployment):
             leg.join()
         assert answers["decode"]["status"] == 200, (room, answers)
     assert_idle(cluster, PD_ROLES)
-    assert_answers_promptly(cluster, mini, "after the extreme rooms")
+    assert_answers_promptly(cluster, gateway, "after the extreme rooms")
 
 
 def _post_generate(url: str, body: dict, timeout: float = PROMPT_ANSWER_S) -> dict:
