@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import threading
 from collections import Counter, OrderedDict
+from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
 
-from sglang.srt.disaggregation.fork_ending import pd_queues, verdict
+from sglang.srt.disaggregation.fork_ending import pd_queues, request_record, verdict
 # The causes (the counter's labels) and which one a request's end counts as: the verdict's table.
 from sglang.srt.disaggregation.fork_ending.verdict import CAUSES, CLIENT_ABORT, PAUSE, PEER_FAILURE, TIMEOUT, TRANSPORT
 
@@ -234,16 +235,23 @@ def cause_of(req: Any, kv_manager: Any = None) -> Tuple[str, Optional[str]]:
 def record_end(scheduler: Any, req: Any, role: str, stage: str, kv_manager: Any = None) -> Optional[str]:
     """Count `req`'s end once and forget its room's tag; the cause counted (later calls: None). The exported
     counter moves on the answering rank only (answering_rank); COUNTS is this process's own."""
-    if verdict.peek(req).counted:
+    if request_record.peek(req, Counted).counted:
         return None
     cause, _peer = cause_of(req, kv_manager)
-    verdict.of(req).counted = True
+    request_record.of(req, Counted).counted = True
     with _lock:
         _rooms(kv_manager).pop(getattr(req, "bootstrap_room", None), None)
     COUNTS[(role, cause, stage)] += 1
     if answering_rank(scheduler):
         inc("end_cause", scheduler_labels(scheduler), role=role, cause=cause, stage=stage)
     return cause
+@dataclass
+class Counted:
+    """This module's record on a request (`request_record`; scheduler thread): whether `record_end` counted its end."""
+
+    counted: bool = False
+
+
 
 
 def after_process_batch_result(result: Any, scheduler: Any, batch: Any, *args: Any, **kwargs: Any) -> None:
