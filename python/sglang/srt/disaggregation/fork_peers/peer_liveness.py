@@ -24,6 +24,7 @@ from sglang.srt.disaggregation.base import KVPoll
 from sglang.srt.disaggregation.fork_ending.engine_clock import engine_clock
 from sglang.srt.environ import envs
 from sglang.srt.managers.fork_core import fork_touch, knobs
+from sglang.srt.managers.fork_core.bounded import Cap, entry
 from sglang.srt.managers.fork_core.rank_agreement import answers
 
 logger = logging.getLogger(__name__)
@@ -32,7 +33,8 @@ TAG = verdict.PEER_LOST_TAG  # opens every failure reason this module records; t
 
 ALIVE, REFUSED, SILENT = "alive", "refused", "silent"
 CONNECT_TIMEOUT = 1.0
-MAX_GONE = 256
+MAX_GONE = Cap(256, "lost decode sessions and host:port remembered for `departed_after`: far more decodes than a "
+                    "deployment loses in that time (oldest dropped first)")
 # decode -> prefill (bootstrap thread): [ABORT, CLAIM_TAG, room, decode ip, decode rank port] "this decode holds the
 # request". Behind upstream's ABORT tag so that a stock prefill (a rolling upgrade) takes it for a malformed ABORT
 # (`AbortNotification.from_zmq`: a warning, nothing else) instead of a handshake, whose parse would raise and end its
@@ -530,9 +532,13 @@ def monitor_tables(mgr: Any) -> Dict[str, Dict[str, Any]]:
             "held": (len(monitor.held), peers, "prefill: sessions lost while they may be alive"),
             "probing": (len(monitor._probing), peers, "prefill: held sessions with a probe running"),
             "unanswered_at": (len(monitor.unanswered_at), peers, "peers with a heartbeat unanswered since"),
+            "lost_at": (len(monitor.lost_at), peers, "lost peers, with when they were lost (aged out)"),
+            "silent_since": (len(monitor.silent_since), peers, "prefill: held sessions whose endpoint is silent"),
         }
-    return {f"monitor_{name}": {"size": size, "cap": cap, "why": why, "per_peer": True}
-            for name, (size, cap, why) in tables.items()}
+        claims = entry(len(monitor.claims), f"dropped with the room, or after {CLAIM_GRACE:g} s without its "
+                       "request", "prefill: rooms a decode holds, its handshake to follow", memory=True)
+    return {"monitor_claims": claims, **{f"monitor_{name}": entry(size, cap, why, per_peer=True)
+                                         for name, (size, cap, why) in tables.items()}}
 
 
 def _start(queue: Any, mgr: Any, role: str) -> None:

@@ -23,6 +23,7 @@ from sglang.srt.disaggregation.fork_ending.pd_queues import (
 from sglang.srt.disaggregation.fork_ending.engine_clock import engine_clock
 from sglang.srt.disaggregation.fork_transfer.transfer_deadline_knob import ARG, ENV, configured
 from sglang.srt.managers.fork_core import fork_touch
+from sglang.srt.managers.fork_core.bounded import Cap, entry
 from sglang.srt.managers.fork_core.rank_agreement import answers
 
 logger = logging.getLogger(__name__)
@@ -39,7 +40,6 @@ COUNTS: Counter = Counter()
 _next_scan: dict = {}
 
 
-def _expire(scheduler, stage: str, queue: Sequence[Any], side: str, keep=None) -> None:
 @dataclass
 class Stamp:
     """This module's record on a request (`request_record`; scheduler thread): the stage it was first seen in at a
@@ -53,6 +53,7 @@ def stamp(req: Any) -> Optional[Tuple[str, float]]:
     return request_record.peek(req, Stamp).stage
 
 
+def _expire(scheduler, stage: str, queue: Sequence[Any], side: str, keep=None) -> None:
     """Stamp `queue`'s entries (Req / DecodeRequest) new to `stage`; end the overdue ones `keep` accepts."""
     now = engine_clock.now()
     if not queue or now < _next_scan.get(stage, float("-inf")) or not answers():  # the common case: one lookup
@@ -124,9 +125,9 @@ ATTR = "fork_bootstrap_fetch"  # the one attribute on a decode kv manager
 WORKERS = 4  # fetches in flight at once (one per prefill, or per prefill dp rank)
 # An outcome nobody collected by then is dropped: a new request starts a fresh fetch.
 STALE_S = 10.0
-# Fetches running or outcomes waiting per decode manager: one per prefill address (the client's to choose) and rank
-# route; a deployment has a handful of prefills, each a few ranks.
-MAX_FETCHES = 1024
+# Fetches running or outcomes waiting per decode manager, together (more are started at a later pass).
+MAX_FETCHES = Cap(1024, "one per prefill address (the client's to choose) and rank route; a deployment has a "
+                        "handful of prefills, each a few ranks")
 
 Key = Tuple[Any, ...]  # ("info", addr) or ("routes", addr, prefill_dp_rank)
 
@@ -222,11 +223,11 @@ def fetch_tables(mgr: Any) -> Dict[str, Dict[str, Any]]:
         if fetch is not None:
             fetch.drop_stale()
         running, outcomes = (0, 0) if fetch is None else (len(fetch.running), len(fetch.outcomes))
-        return {"fetch_running": {"size": running, "cap": MAX_FETCHES,
-                                  "why": "prefill info / endpoint fetches running (one per prefill address)"},
-                "fetch_outcomes": {"size": outcomes, "cap": MAX_FETCHES,
-                                   "why": f"fetch outcomes not collected yet, keyed by the client's bootstrap address "
-                                          f"(dropped after {STALE_S:g} s, engine clock)"}}
+        return {"fetch_running": entry(running, MAX_FETCHES,
+                                       "prefill info / endpoint fetches running (one per prefill address)"),
+                "fetch_outcomes": entry(outcomes, MAX_FETCHES,
+                                        f"fetch outcomes not collected yet, keyed by the client's bootstrap address "
+                                        f"(dropped after {STALE_S:g} s, engine clock)")}
 
 
 def fetch_report(mgr: Any) -> Optional[Dict[str, int]]:
