@@ -215,13 +215,14 @@ def status_table() -> str:
     def spelled(text: str) -> str:  # verdict's wording constants as the client reads them
         def one(m: "re.Match[str]") -> str:
             value = getattr(verdict, m.group(1), None)
-            return f'"{value}"' if isinstance(value, str) else m.group(0)
+            return f'"{re.sub(r"[{][a-z_]+[}]", "...", value)}"' if isinstance(value, str) else m.group(0)
         return re.sub(r"`([A-Z_]+)`", one, text)
 
     lines = ["| # | why it ended | status | message | end cause counted | what to do |",
              "|---|---|---|---|---|---|"]
     for i, row in enumerate(verdict.TABLE, 1):
-        lines.append(f"| {i} | {row.cause.value} | {row.status} | {spelled(row.message)} | {row.end_cause} "
+        status, message, end_cause = verdict.cells(row)
+        lines.append(f"| {i} | {row.cause.value} | {status} | {spelled(message)} | {end_cause} "
                      f"| {ADVICE[row.cause.name]} |")
     lines += ["", "Outside the table:", "", "| status | answered to | message | what to do |", "|---|---|---|---|"]
     lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in OTHER_STATUSES]

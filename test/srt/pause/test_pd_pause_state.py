@@ -161,7 +161,7 @@ def test_pause_gate_opens_only_for_aborted_requests():
     tm.rid_to_state.update(waiting)
     assert not pause_gate.gate_open(tm, waiting)
     assert not pause_gate.gate_aborted(waiting)
-    verdict.of(waiting["b"]).gate_abort = "Aborted by the client while the engine was paused (rid=b)."
+    pause_gate.marks(waiting["b"]).gate_abort = "Aborted by the client while the engine was paused (rid=b)."
     assert pause_gate.gate_open(tm, waiting)
     # answered as upstream answers an abort: 200 body, finish_reason abort, the reason
     (out,) = pause_gate.gate_abort_answers(tm, SimpleNamespace(is_single=True), {"b": waiting["b"]})
@@ -233,8 +233,8 @@ def test_abort_pause_answers_once_every_answer_is_decided():
     async def scenario():
         lock = RWLock()
         running, gated, arriving = (SimpleNamespace(event=asyncio.Event()) for _ in range(3))
-        verdict.of(running).at_gate = False  # passed the gate (gate_open's mark)
-        verdict.of(gated).at_gate = True
+        pause_gate.marks(running).at_gate = False  # passed the gate (gate_open's mark)
+        pause_gate.marks(gated).at_gate = True
         # arriving: not at the gate yet (waits for the gate's lock the pause holds)
         tm = SimpleNamespace(rid_to_state={"run": running, "gate": gated, "new": arriving})
         for _ in range(2):  # the running request's handler; one writing a decided answer
@@ -278,7 +278,7 @@ def test_abort_pause_does_not_wait_for_a_health_probe_a_busy_scheduler_dropped()
         lock = RWLock()
         probe, running = SimpleNamespace(event=asyncio.Event()), SimpleNamespace(event=asyncio.Event())
         for state in (probe, running):
-            verdict.of(state).at_gate = False  # both passed the gate
+            pause_gate.marks(state).at_gate = False  # both passed the gate
         tm = SimpleNamespace(rid_to_state={f"{HEALTH_CHECK_RID_PREFIX}_0f": probe, "rollout-1": running})
         for _ in range(2):  # the probe's handler and the running request's
             await lock.acquire_reader()

@@ -13,12 +13,13 @@ import pytest
 
 pytestmark = pytest.mark.unit
 
-from sglang.srt.disaggregation.fork_ending import verdict
+from sglang.srt.disaggregation.fork_ending import request_record, verdict
 from sglang.srt.disaggregation.fork_ending.verdict import Cause
 
 ROOT = Path(__file__).resolve().parents[3]
 SRT = ROOT / "python" / "sglang" / "srt"
 VERDICT = SRT / "disaggregation" / "fork_ending" / "verdict.py"
+RECORD = SRT / "disaggregation" / "fork_ending" / "request_record.py"  # sets the one attribute
 
 
 def fork_modules():
@@ -39,39 +40,116 @@ def _req(**fields):
     return req
 
 
-LOST = f"{verdict.PEER_LOST_TAG}: decode peer 10.0.0.2:7000 lost (silent)"
+# The failure reasons a room ends with, made by the code that makes them (upstream's and the fork's), not spelled here.
+
+
+def _recorder(**fields):
+    """A kv manager as far as upstream's failure paths touch it: they record into `failure_records`."""
+    mgr = SimpleNamespace(failure_records={}, request_status={}, deferred_bootstrap=None, **fields)
+    mgr.record_failure = lambda room, reason: mgr.failure_records.setdefault(room, reason)
+    mgr.update_status = lambda room, status: mgr.request_status.__setitem__(room, status)
+    mgr.check_status = mgr.request_status.get
+    return mgr
+
+
+def upstream_abort_reason() -> str:
+    """What upstream's CommonKVSender.abort() records for a room an AbortReq reached."""
+    from sglang.srt.disaggregation.common.conn import CommonKVSender
+
+    mgr = _recorder()
+    trace = SimpleNamespace(abort=lambda **kw: None, trace_req_finish=lambda: None)
+    CommonKVSender.abort(SimpleNamespace(kv_mgr=mgr, bootstrap_room=5, _owns_bootstrap_room=True, trace_ctx=trace))
+    return mgr.failure_records[5]
+
+
+def upstream_prefill_lost_reason() -> str:
+    """What upstream's decode heartbeat (CommonKVManager._handle_node_failure) records for a room of a lost prefill."""
+    import threading
+
+    from sglang.srt.disaggregation.base import KVPoll
+    from sglang.srt.disaggregation.common.conn import CommonKVManager
+
+    addr = "10.0.0.1:8998"
+    mgr = _recorder(connection_lock=threading.Lock(), connection_pool={}, prefill_info_table={},
+                    heartbeat_failures={}, addr_to_rooms_tracker={addr: {5}})
+    mgr.request_status[5] = KVPoll.WaitingForInput
+    CommonKVManager._handle_node_failure(mgr, addr)
+    return mgr.failure_records[5]
+
+
+def fork_loss_reason() -> str:
+    """What the fork's peer monitor records for a room of a lost decode."""
+    from sglang.srt.disaggregation.fork_peers import peer_liveness
+
+    return peer_liveness.loss_message("decode", "10.0.0.2:7000", "silent")
+
+
+DEADLINE = f"{verdict.DEADLINE_TAG}: request r (bootstrap_room=5) spent 31.0s in stage prefill_inflight"
+LOST = fork_loss_reason()
 PEER_PAUSE = verdict.peer_reason("r", 5, "prefill", verdict.PAUSE_ABORT_MESSAGE)
 REJECTION = verdict.peer_reason("r", 5, "decode", verdict.rejected_by("decode's scheduler", "too long"))
-# (row, request record, the room's failure reason) -> (status, message, end cause tagged)
+KV_FAILED = verdict.UPSTREAM_CHUNK_FAILED["kv"] + " of 5 to 10.0.0.2:7000"  # mooncake's transfer worker
+SLA = ("SLA exceeded", verdict.SLA_ABORT_STATUS)
+# (row, request record, the room's failure reason): each row reached by what really ends a room that way
 CASES = [
-    (Cause.DEADLINE, _req(deadline=f"{verdict.DEADLINE_TAG}: late", pause=verdict.PAUSE_ABORT_MESSAGE), LOST,
-     (HTTPStatus.GATEWAY_TIMEOUT, f"{verdict.DEADLINE_TAG}: late", None)),
-    (Cause.PAUSE, _req(pause=verdict.PAUSE_ABORT_MESSAGE, requested=("SLA", 503)), LOST,
-     (None, verdict.PAUSE_ABORT_MESSAGE, verdict.PAUSE)),
-    (Cause.REQUESTED_ABORT, _req(requested=("SLA", HTTPStatus.SERVICE_UNAVAILABLE)), LOST,
-     (HTTPStatus.SERVICE_UNAVAILABLE, "SLA", None)),
-    (Cause.PEER_PAUSE, _req(), PEER_PAUSE, (None, verdict.PAUSE_ABORT_MESSAGE, verdict.PAUSE)),
-    (Cause.PEER_REJECTION, _req(), REJECTION, (None, "rejected by decode's scheduler (too long)", verdict.CLIENT_ABORT)),
-    (Cause.PEER_ABORT, _req(), "Aborted by AbortReq.", (None, verdict.CLIENT_ABORT_MESSAGE, verdict.CLIENT_ABORT)),
-    (Cause.PEER_DEADLINE, _req(), f"{verdict.DEADLINE_TAG}: x", (HTTPStatus.GATEWAY_TIMEOUT, None, verdict.TIMEOUT)),
-    (Cause.PAUSE_REASON, _req(), verdict.PAUSE_ABORT_MESSAGE + " (room 5)", (None, None, verdict.PAUSE)),
-    (Cause.LOST_PEER, _req(), LOST, (HTTPStatus.BAD_GATEWAY, None, None)),
-    (Cause.FAILURE, _req(), "Failed to send kv chunk", (500, None, None)),
+    (Cause.DEADLINE, _req(deadline=DEADLINE, pause=verdict.PAUSE_ABORT_MESSAGE), LOST),
+    (Cause.PAUSE, _req(pause=verdict.PAUSE_ABORT_MESSAGE, requested=SLA), LOST),
+    (Cause.PAUSE, _req(pause=verdict.RELEASE_ABORT_MESSAGE.format(mode="in_place")), KV_FAILED),
+    (Cause.REQUESTED_ABORT, _req(requested=SLA), LOST),
+    (Cause.REQUESTED_ABORT, _req(requested=(verdict.CLIENT_ABORT_MESSAGE, None)), KV_FAILED),
+    (Cause.PEER_PAUSE, _req(), PEER_PAUSE),
+    (Cause.PEER_REJECTION, _req(), REJECTION),
+    (Cause.PEER_ABORT, _req(), upstream_abort_reason()),
+    (Cause.PEER_ABORT, _req(), verdict.peer_reason("r", 5, "decode")),
+    (Cause.PEER_DEADLINE, _req(), DEADLINE),
+    (Cause.PAUSE_REASON, _req(), verdict.PAUSE_ABORT_MESSAGE + " (room 5)"),
+    (Cause.LOST_PEER, _req(), LOST),
+    (Cause.LOST_PEER, _req(), upstream_prefill_lost_reason()),
+    (Cause.FAILURE, _req(), KV_FAILED),
 ]
 
 
 def test_every_row_is_reached_in_table_order():
-    assert [c for c, *_ in CASES] == [row.cause for row in verdict.TABLE]
+    reached = list(dict.fromkeys(c for c, *_ in CASES))
+    assert reached == [row.cause for row in verdict.TABLE]
 
 
-@pytest.mark.parametrize("cause,req,reason,expected", CASES, ids=[c.name for c, *_ in CASES])
-def test_each_row_answers_as_the_table_says(cause, req, reason, expected):
+def _row_status(row, req, caller):
+    """What a row's status value means (the docs say the same: `verdict.cells`)."""
+    if isinstance(row.status, HTTPStatus):
+        return row.status
+    return {verdict.From.ABORT_ANSWER: None, verdict.From.CALLER: caller,
+            verdict.From.RECORD: verdict.peek(req).requested and verdict.peek(req).requested[1]}[row.status]
+
+
+@pytest.mark.parametrize("cause,req,reason", CASES, ids=[f"{c.name}-{i}" for i, (c, *_) in enumerate(CASES)])
+def test_each_row_answers_as_the_table_says(cause, req, reason):
+    """The verdict finds the row, and answers with the row's values: its status, its message (a fixed one, or where
+    it comes from: the record, the peer's, the reason; opening as the row says), the end cause it tags."""
+    row = verdict.ROWS[cause]
     assert verdict.find(req, reason) is cause
-    message, status, tagged = verdict.verdict(req, reason, 500)
-    want_status, want_message, want_tag = expected
-    assert (status, tagged) == (want_status, want_tag)
-    assert message == (reason if want_message is None else want_message)
-    assert status is None or isinstance(status, HTTPStatus) or cause is Cause.FAILURE
+    message, status, tagged = verdict.verdict(req, reason, HTTPStatus.INTERNAL_SERVER_ERROR)
+    assert status == _row_status(row, req, HTTPStatus.INTERNAL_SERVER_ERROR)
+    assert status is None or isinstance(status, HTTPStatus)  # upstream's OpenAI stream checks the type
+    assert tagged == row.end_cause
+    if isinstance(row.message, str):
+        assert message == row.message
+    elif row.message is verdict.From.REASON:
+        assert message == reason
+    elif row.message is verdict.From.TOLD:
+        assert message != reason and message in reason  # the peer's own message, out of its reason
+    assert not row.opens or message.startswith(tuple(o.split("{")[0] for o in row.opens)), (message, row.opens)
+
+
+def test_a_message_naming_a_deadline_or_the_pause_is_answered_as_those_rows():
+    """`RESTATED`: an AbortReq whose message names the pause (the pause's abort_all) answers as row PAUSE_REASON, one
+    naming a deadline as row PEER_DEADLINE, whatever its asked status; the deadline's own row keeps its untagged
+    end (transfer_deadline tagged the room, with its peer)."""
+    req = _req(requested=(verdict.PAUSE_ABORT_MESSAGE, verdict.SLA_ABORT_STATUS))
+    assert verdict.verdict(req, KV_FAILED, 500) == (verdict.PAUSE_ABORT_MESSAGE, None, verdict.PAUSE)
+    req = _req(requested=(DEADLINE, None))
+    assert verdict.verdict(req, KV_FAILED, 500) == (DEADLINE, HTTPStatus.GATEWAY_TIMEOUT, verdict.TIMEOUT)
+    assert verdict.verdict(_req(deadline=DEADLINE), KV_FAILED, 500) == (DEADLINE, HTTPStatus.GATEWAY_TIMEOUT, None)
 
 
 # ----------------------------------------------------------------------------- the source checks
@@ -141,15 +219,18 @@ def test_message_wording_is_compared_only_in_the_verdict_module():
 
 def test_no_fork_attribute_is_set_on_a_request_outside_the_record():
     """A request (upstream's Req, `req` / `request` / `decode_req.req` in the fork's code; the tokenizer's ReqState,
-    `s` / `state`) carries one attribute, `verdict.ATTR` (the record): no module sets another on it (setattr, an
-    assignment, its __dict__)."""
+    `s` / `state`) carries one attribute, `request_record.ATTR` (a record per owner), set by request_record alone: no
+    other module sets another on it (setattr, an assignment, its __dict__)."""
     found = []
+    assert verdict.ATTR == request_record.ATTR
 
     def is_request(node) -> bool:
         return ((isinstance(node, ast.Name) and node.id in ("req", "request", "r", "s", "state"))
                 or (isinstance(node, ast.Attribute) and node.attr == "req"))
 
     for path in fork_modules():
+        if path == RECORD:
+            continue
         for node in ast.walk(ast.parse(path.read_text())):
             where = f"{path.relative_to(ROOT)}:{getattr(node, 'lineno', '?')}"
             if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr"
@@ -232,3 +313,12 @@ def test_no_fork_attribute_is_set_on_a_receiver_or_request():
              for p in fork_modules() + [VERDICT] for n, line in enumerate(p.read_text().splitlines(), 1)
              if re.search(r"\b(req|request|receiver|sender|decode_req)\w*\._fork_\w* = ", line)]
     assert not found, "\n".join(found)
+
+
+def test_the_record_holds_only_what_the_verdict_reads():
+    """The verdict's record on a request has the fields its rows are found by, the cause told with the room (rows
+    4-10) and the end cause tagged (`counted_cause`); the other per-request facts are their owners' records."""
+    import dataclasses
+
+    fields = {f.name for f in dataclasses.fields(verdict.ReqState)}
+    assert fields == {row.field for row in verdict.TABLE if row.field} | {"told", "end_cause"}

@@ -9,19 +9,24 @@ from __future__ import annotations
 
 import threading
 from collections import Counter, OrderedDict
+from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
 
-from sglang.srt.disaggregation.fork_ending import pd_queues, verdict
+from sglang.srt.disaggregation.fork_ending import pd_queues, request_record, verdict
 # The causes (the counter's labels) and which one a request's end counts as: the verdict's table.
 from sglang.srt.disaggregation.fork_ending.verdict import CAUSES, CLIENT_ABORT, PAUSE, PEER_FAILURE, TIMEOUT, TRANSPORT
+from sglang.srt.managers.fork_core.bounded import Cap, entry
 
 # (role, cause, stage) -> requests ended so in this process.
 COUNTS: Counter = Counter()
 
 # Per kv manager: room -> (cause, peer), newest last, bounded.
 _ROOMS_ATTR = "fork_end_causes"
-MAX_TAGGED_ROOMS = 4096
-# Per request: (cause, peer) once known and whether its end was counted: verdict.ReqState (end_cause, counted).
+MAX_TAGGED_ROOMS = Cap(4096, "a tag lives from a room's failure to its request's retirement, a scheduler pass or a "
+                             "few; more failing at once than a server's queues hold is a flood: the oldest tags go "
+                             "first (such an end counts by its request's own tag, else as transport)")
+# Per request: (cause, peer) once known, the verdict's (`verdict.tag`, ReqState.end_cause); whether its end was
+# counted, this module's (`Counted`).
 _lock = threading.Lock()  # guards the per-manager room tags (docs/layout.md, threading model)
 
 # One prefix for every metric the fork adds: `sglang:pd_` (upstream's `sglang:` namespace, then `pd_`); counters end
@@ -91,9 +96,9 @@ GAUGES = {
         (),
     ),
 }
-# The `peer` label takes at most this many values per process (the first peers counted); any later peer is
-# counted as OTHER_PEER, so a fleet that keeps restarting decodes on new ports cannot grow the series without bound.
-MAX_PEER_LABELS = 64
+# The `peer` label's values per process (the first peers counted); any later peer is counted as OTHER_PEER.
+MAX_PEER_LABELS = Cap(64, "a metric series per value: a fleet that keeps restarting decodes on new ports must not "
+                          "grow the series without bound; a deployment has far fewer peers")
 OTHER_PEER = "other"
 _peer_labels: set = set()
 _made: Dict[str, Any] = {}
@@ -226,18 +231,34 @@ def tagged_rooms(kv_manager: Any) -> int:
     return len(_rooms(kv_manager))
 
 
+def tables(kv_manager: Any) -> Dict[str, Dict[str, Any]]:
+    """The resource report's view (pd_resource_report `fork_tables`): the rooms tagged on `kv_manager`, the peer
+    label values of this process (kept: a label, once exported, stays)."""
+    return {"end_cause_rooms": entry(tagged_rooms(kv_manager), MAX_TAGGED_ROOMS,
+                                     "rooms tagged with their end's cause, until the end is counted"),
+            "end_cause_peer_labels": entry(len(_peer_labels), MAX_PEER_LABELS,
+                                           "peers named by the `peer` label of the fork's counters", per_peer=True)}
+
+
 def cause_of(req: Any, kv_manager: Any = None) -> Tuple[str, Optional[str]]:
     """(cause, peer) for `req`: its own tag, its room's, a client abort, else a transport failure (the verdict)."""
     return verdict.counted_cause(req, _rooms(kv_manager).get(getattr(req, "bootstrap_room", None)))
 
 
+@dataclass
+class Counted:
+    """This module's record on a request (`request_record`; scheduler thread): whether `record_end` counted its end."""
+
+    counted: bool = False
+
+
 def record_end(scheduler: Any, req: Any, role: str, stage: str, kv_manager: Any = None) -> Optional[str]:
     """Count `req`'s end once and forget its room's tag; the cause counted (later calls: None). The exported
     counter moves on the answering rank only (answering_rank); COUNTS is this process's own."""
-    if verdict.peek(req).counted:
+    if request_record.peek(req, Counted).counted:
         return None
     cause, _peer = cause_of(req, kv_manager)
-    verdict.of(req).counted = True
+    request_record.of(req, Counted).counted = True
     with _lock:
         _rooms(kv_manager).pop(getattr(req, "bootstrap_room", None), None)
     COUNTS[(role, cause, stage)] += 1

@@ -25,13 +25,15 @@ from sglang.srt.disaggregation.fork_ending.verdict import (CANCEL_REASON, DECODE
 from sglang.srt.disaggregation.base import KVPoll
 from sglang.srt.environ import envs
 from sglang.srt.managers.fork_core import fork_touch
+from sglang.srt.managers.fork_core.bounded import Cap, entry
 from sglang.srt.managers.fork_core.fork_touch import upstream
 from sglang.srt.managers.fork_core.rank_agreement import answers
 
 logger = logging.getLogger(__name__)
 
 ATTR = "fork_room_ledger"
-MAX_RECORDS = 65536
+MAX_RECORDS = Cap(65536, "a room is a few words and a number; far more rooms than a server ends within the bootstrap + "
+                         "waiting timeouts (oldest dropped first)")
 NEVER = float("inf")
 # Decode appends [WHY_FRAME, message] to the ABORT of a room its pause or a release ended (read by older fork builds),
 # then its cause (teller.CAUSE_FRAME, to every ABORT: `abort_frames`); prefill strips them before upstream's handler.
@@ -506,8 +508,8 @@ def ledger_tables(mgr: Any) -> Dict[str, Dict[str, Any]]:
         "told": "the cause kept with a room's failure record, until its request is answered",
     }
     cap = {"owned": "the senders alive", "told_early": "the receivers alive"}
-    return {f"ledger_{name}": {"size": size, "cap": cap.get(name, MAX_RECORDS), "why": why[name],
-                               **({"memory": True} if name in ("ended", "told_early") else {})}
+    return {f"ledger_{name}": entry(size, cap.get(name, MAX_RECORDS), why[name],
+                                   **({"memory": True} if name in ("ended", "told_early") else {}))
             for name, size in sizes.items()}
 
 

@@ -20,6 +20,7 @@ import time
 from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 
 from sglang.srt.disaggregation.fork_ending.verdict import Told, told_for
+from sglang.srt.managers.fork_core.bounded import Cap, entry
 
 logger = logging.getLogger(__name__)
 
@@ -32,15 +33,14 @@ ENDED_ON_PREFILL = b"~fork-ended-on-prefill"
 # (`told_in`); one of an older build ignores what follows its own frames.
 CAUSE_FRAME = b"fork-cause"
 
-# Caps, each with its reason (the resource report shows them: `Teller.tables`).
-# Tells pending in all: one is a room number and a short reason; more pending than this is a flood of rooms ended at
-# a gate while prefill cannot be reached, which prefill's deadline ends anyway.
-MAX_QUEUED = 4096
-# Targets with tells pending at once (one thread each): a deployment has a handful of prefill servers; the address
-# is the client's to choose, so without a cap a client naming many silent hosts would start a thread for each.
-MAX_TARGETS = 64
-# Targets whose rank endpoints are kept (least recently used dropped): one /route lookup per prefill, not per tell.
-MAX_CACHED_ENDPOINTS = 256
+# The tables' caps, each with its reason (the resource report shows them: `Teller.tables`).
+MAX_QUEUED = Cap(4096, "one tell is a room number and a short reason; more pending is a flood of rooms ended at a "
+                       "gate while prefill cannot be reached, which prefill's deadline ends anyway")
+MAX_TARGETS = Cap(64, "one thread each; a deployment has a handful of prefill servers, and the address is the "
+                      "client's to choose: without a cap a client naming many silent hosts would start a thread each")
+MAX_CACHED_ENDPOINTS = Cap(256, "one /route lookup per prefill, not per tell, for far more prefills than a "
+                                "deployment has (least recently used dropped)")
+# Other limits, each with its reason:
 # One HTTP call to a target, all of it (connect, request, every read of the answer): a bootstrap server on the
 # local network answers /route in milliseconds; a silent or trickling target is given up at this bound.
 ROUTE_TIMEOUT_S = 2.0
@@ -153,16 +153,13 @@ class Teller:
         `per_peer`: one entry per live peer may stay while idle; `counter`: a count, not a table."""
         with self._lock:
             return {
-                "teller_targets": {"size": len(self._targets), "cap": MAX_TARGETS,
-                                   "why": "prefill targets with tells pending, one thread each; the address is "
-                                          "the client's to choose"},
-                "teller_queued": {"size": self._queued, "cap": MAX_QUEUED,
-                                  "why": "tells pending in all; prefill's deadline ends a room whose tell is dropped"},
-                "teller_endpoints": {"size": len(self._endpoints), "cap": MAX_CACHED_ENDPOINTS, "per_peer": True,
-                                     "why": "prefill targets whose rank endpoints are kept (least recently used "
-                                            "dropped): one /route lookup per prefill"},
-                "teller_dropped": {"size": self.dropped, "cap": None, "counter": True,
-                                   "why": "tells dropped by a cap or given up with their target"},
+                "teller_targets": entry(len(self._targets), MAX_TARGETS, "prefill targets with tells pending"),
+                "teller_queued": entry(self._queued, MAX_QUEUED, "tells pending in all; prefill's deadline ends a "
+                                                                 "room whose tell is dropped"),
+                "teller_endpoints": entry(len(self._endpoints), MAX_CACHED_ENDPOINTS,
+                                          "prefill targets whose rank endpoints are kept", per_peer=True),
+                "teller_dropped": entry(self.dropped, None, "tells dropped by a cap or given up with their target",
+                                        counter=True),
             }
 
     def report(self) -> Dict[str, int]:

@@ -1,10 +1,12 @@
 """The verdict: what a PD request that ends without a completion is answered (HTTP status, message), what its end is
 counted as (`request_end_cause`), and which cause wins over which. Three things, each once:
 
-- `TABLE`: one row per cause, in the order the verdict tries them (first match wins): status, message, end cause and
-  why the row wins over those after it. docs/layout.md mirrors it (`markdown()`; a unit test compares the two).
-- `ReqState`: the one record the fork keeps on a request (`of(req)`, one attribute), written by the module each field
-  names, read here.
+- `TABLE`: one row per cause, in the order the verdict tries them (first match wins), each with its answer as values:
+  the HTTP status, the client's message (a text, or where it comes from and what it opens with), the end cause
+  tagged; deciding is `find` (the first row that matches) and the row's values (`verdict`). The docs
+  (docs/layout.md's `markdown()`, docs/operations.md's status table) and test_verdict.py read the same rows.
+- `ReqState`: what the verdict reads of a request (`of(req)`: its part of the one attribute the fork sets on a request,
+  `request_record`), written by the module each field names, read here.
 - `Told`: what the side that ended a room tells the other of why (the row its request answers by, and the message that
   row reads), carried to the peer as frames of its own (room_ledger: decode's ABORT, prefill's cause message, the
   teller's ENDED_ON_PREFILL), kept by the receiving ledger with the room's failure and moved into the request's
@@ -17,14 +19,16 @@ counted as (`request_end_cause`), and which cause wins over which. Three things,
 Callers: room_ledger (`prepare_abort`'s verdict, the abort hooks, `record_failure`'s precedence), pd_pause (the answers
 of the pause and of aborts while paused), request_end_cause (the counted cause), room_agreement (which rank's reason),
 peer_liveness and transfer_deadline (their reasons' tags). Pure functions of their arguments and the record, on the
-calling thread; no lock. A leaf: imports no fork module."""
+calling thread; no lock. Imports no fork module but `request_record`."""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
 from http import HTTPStatus
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple, Union
+
+from sglang.srt.disaggregation.fork_ending import request_record
 
 # ----------------------------------------------------------------------------- end causes (the counter's labels)
 
@@ -72,142 +76,30 @@ PAUSED_ABORT_REASON = UPSTREAM_ABORT_REASON + " while prefill was paused (room {
 
 # ----------------------------------------------------------------------------- the per-request record
 
-ATTR = "fork_state"  # the one attribute the fork sets on a request (upstream's Req, decode's DecodeRequest.req,
-# the tokenizer's ReqState)
+ATTR = request_record.ATTR  # the one attribute the fork sets on a request: this record is the verdict's part of it
 
 
 @dataclass
 class ReqState:
-    """All the fork keeps on one request, each field written by the module named (scheduler thread; the gate's two
-    on the tokenizer's event loop) and read by the verdict / the modules named. Created at first write (`of`); a
-    request without one has none of them."""
+    """What the verdict reads of one request (`find`, `verdict`, the counted cause), each field written by the module
+    named (scheduler thread). Created at first write (`of`); a request without one has none of them. Other
+    per-request facts live with their owners, in records of their own (`request_record`)."""
 
     deadline: Optional[str] = None  # transfer_deadline: its message; the request is answered 504
     pause: Optional[str] = None  # pd_pause: the pause's or a release's message that ended it
     requested: Optional[Tuple[str, Any]] = None  # room_ledger.before_abort_request: (message, status) asked for
-    end_cause: Optional[Tuple[str, Optional[str]]] = None  # (cause, peer) it is counted as; first tag wins
-    counted: bool = False  # request_end_cause.record_end counted its end
-    stage: Optional[Tuple[str, float]] = None  # transfer_deadline: (stage, entered at, engine clock)
-    handshake_wait_since: Optional[float] = None  # peer_liveness: first seen waiting for decode's handshake
-    lost_decode: Optional[str] = None  # peer_liveness: the message ending it (no decode took it, its decode lost)
     told: Optional["Told"] = None  # room_ledger.prepare_abort_verdict: what the room's ender told of why (its ledger)
-    # On the tokenizer's request state (upstream's tokenizer_manager.ReqState), by pause_gate (tokenizer event loop):
-    at_gate: Optional[bool] = None  # waiting at the pause gate now (False: passed it; None: never reached it)
-    gate_abort: Optional[str] = None  # the answer of an abort that reached it while it waited at the gate
+    end_cause: Optional[Tuple[str, Optional[str]]] = None  # (cause, peer) it is counted as (`tag`); first tag wins
 
 
 def of(req: Any) -> ReqState:
     """`req`'s record, made at first use."""
-    state = req.__dict__.get(ATTR)
-    if state is None:
-        state = req.__dict__[ATTR] = ReqState()
-    return state
+    return request_record.of(req, ReqState)
 
 
 def peek(req: Any) -> ReqState:
     """`req`'s record, or an empty one (not stored): for reads that must not add state to a request."""
-    return getattr(req, "__dict__", {}).get(ATTR) or _EMPTY
-
-
-_EMPTY = ReqState()
-
-
-# ----------------------------------------------------------------------------- the table
-
-
-class Cause(enum.Enum):
-    """Why a PD request ended without a completion, as the verdict decides it (the rows of `TABLE`)."""
-
-    DEADLINE = "deadline"
-    PAUSE = "pause"
-    REQUESTED_ABORT = "requested abort"
-    PEER_PAUSE = "peer's pause"
-    PEER_REJECTION = "peer's rejection"
-    PEER_ABORT = "peer's abort"
-    PEER_DEADLINE = "peer's deadline"
-    PAUSE_REASON = "reason naming the pause"
-    LOST_PEER = "lost peer"
-    FAILURE = "failure"
-
-
-@dataclass(frozen=True)
-class Row:
-    cause: Cause
-    found: str  # what the verdict finds (the record's field, or what the room's failure reason names)
-    status: str  # the HTTP status answered (HTTPStatus members, never ints: upstream's OpenAI stream checks the type)
-    message: str  # the client's message
-    end_cause: str  # the end-cause label counted
-    wins: str  # why it wins over the rows after it
-
-
-ABORT_ANSWER = "upstream's abort answer (200, finish_reason abort)"
-TABLE: Tuple[Row, ...] = (
-    Row(Cause.DEADLINE, "record's `deadline` (set by transfer_deadline)", "504",
-        "the deadline's (`DEADLINE_TAG` ...)", TIMEOUT,
-        "whatever failed meanwhile is a consequence of waiting too long"),
-    Row(Cause.PAUSE, "record's `pause` (set by pd_pause)", ABORT_ANSWER,
-        "the pause's or release's (`PAUSE_ABORT_MESSAGE`, `RELEASE_*_MESSAGE`)", PAUSE,
-        "pause/release ended it; the transfer failure it caused is not the client's"),
-    Row(Cause.REQUESTED_ABORT, "record's `requested` (set by room_ledger.before_abort_request, pd_pause.keep_abort_verdict)",
-        "the AbortReq's: client abort: " + ABORT_ANSWER + "; SLA abort: 503",
-        "the AbortReq's (a client's: `CLIENT_ABORT_MESSAGE`)", "client_abort / timeout (SLA) / pause",
-        "the room's failure is the abort's consequence"),
-    Row(Cause.PEER_PAUSE, "reason carries `ABORT_TAG` or `UPSTREAM_ABORT_REASON` and names the pause (`PAUSE_MARKERS`)", ABORT_ANSWER,
-        "the peer's pause or release message", PAUSE,
-        "the peer ended the room because its pause or release ended the request there"),
-    Row(Cause.PEER_REJECTION, "reason carries `ABORT_TAG` or `UPSTREAM_ABORT_REASON`, and `PEER_WHY` + `REJECTED`", ABORT_ANSWER,
-        "the rejection, as the peer's tokenizer or scheduler said it", CLIENT_ABORT,
-        "the peer rejected the request: nothing failed"),
-    Row(Cause.PEER_ABORT, "reason carries `ABORT_TAG` or `UPSTREAM_ABORT_REASON`", ABORT_ANSWER,
-        "`CLIENT_ABORT_MESSAGE`", CLIENT_ABORT,
-        "the peer ended the room because its request was aborted there"),
-    Row(Cause.PEER_DEADLINE, "reason carries `DEADLINE_TAG` (the peer's deadline)", "504",
-        "the reason", TIMEOUT, "the peer waited too long: a deadline, as above"),
-    Row(Cause.PAUSE_REASON, "reason names the pause or a release (`PAUSE_MARKERS`: a room prefill's pause ended)", ABORT_ANSWER,
-        "the reason", PAUSE, "pause/release ended it, as above"),
-    Row(Cause.LOST_PEER, "reason carries `PEER_LOST_TAG` or `UPSTREAM_PREFILL_LOST`", "502",
-        "the reason", "peer_failure (tagged by whoever lost it), else transport", "a peer is gone: not this server's fault"),
-    Row(Cause.FAILURE, "anything else", "the caller's (500)", "the reason", TRANSPORT, ""),
-)
-ROWS: Dict[Cause, Row] = {row.cause: row for row in TABLE}
-
-
-@dataclass(frozen=True)
-class Told:
-    """Why a room ended, as the side that ended it tells the other: the row the reader's request answers by (`TABLE`)
-    and the message that row answers with (the pause's, a rejection's; None: the row's own). On the wire: the cause's
-    enum name and the message, each a frame (`frames`, `from_frames`)."""
-
-    cause: Cause
-    message: Optional[str] = None
-
-    def frames(self) -> Tuple[bytes, bytes]:
-        return self.cause.name.encode("ascii"), (self.message or "").encode("utf-8")
-
-    @staticmethod
-    def from_frames(frames: Any) -> Optional["Told"]:
-        """The Told in (name, message) frames, or None (missing, or a cause this build does not know: the reason's
-        text is read then, as for a peer that sends none)."""
-        if len(frames) < 2:
-            return None
-        cause = Cause.__members__.get(frames[0].decode("ascii", "replace"))
-        return Told(cause, frames[1].decode("utf-8", "replace") or None) if cause in TOLD_CAUSES else None
-
-
-# The rows a peer can tell (the others are this side's own record's fields).
-TOLD_CAUSES = frozenset(Cause) - {Cause.DEADLINE, Cause.PAUSE, Cause.REQUESTED_ABORT}
-# Whichever row chose the message, one naming a deadline is answered as PEER_DEADLINE says (504, timeout) and one
-# naming the pause as PAUSE_REASON says (the abort answer, pause): an AbortReq's message can name them.
-
-
-def markdown() -> str:
-    """`TABLE` as docs/layout.md shows it (test_verdict checks the doc holds exactly this)."""
-    lines = ["| # | cause | found | status | client message | end cause | why it wins over what follows |",
-             "|---|---|---|---|---|---|---|"]
-    for i, row in enumerate(TABLE, 1):
-        lines.append(f"| {i} | {row.cause.value} | {row.found} | {row.status} | {row.message} | {row.end_cause} "
-                     f"| {row.wins} |")
-    return "\n".join(lines)
+    return request_record.peek(req, ReqState)
 
 
 # ----------------------------------------------------------------------------- what a text names
@@ -264,6 +156,181 @@ def is_dead_session(reason: Any) -> bool:
     return str(reason or "").startswith(UPSTREAM_SESSION_DEAD)
 
 
+# ----------------------------------------------------------------------------- the table
+
+
+class Cause(enum.Enum):
+    """Why a PD request ended without a completion, as the verdict decides it (the rows of `TABLE`)."""
+
+    DEADLINE = "deadline"
+    PAUSE = "pause"
+    REQUESTED_ABORT = "requested abort"
+    PEER_PAUSE = "peer's pause"
+    PEER_REJECTION = "peer's rejection"
+    PEER_ABORT = "peer's abort"
+    PEER_DEADLINE = "peer's deadline"
+    PAUSE_REASON = "reason naming the pause"
+    LOST_PEER = "lost peer"
+    FAILURE = "failure"
+
+
+class From(enum.Enum):
+    """Where a row's status or message comes from when the row does not hold it as a value (the enum's value is how
+    the docs say it)."""
+
+    ABORT_ANSWER = "upstream's abort answer (200, finish_reason abort)"  # status None: upstream answers an abort so
+    CALLER = "the caller's (500)"  # the status prepare_abort was called with
+    RECORD = "the record's"  # the record's field the row is found by (`Row.field`): its message, or (message, status)
+    TOLD = "the peer's message"  # the message the room's ender told (`Told.message`), else its reason's after `PEER_WHY`
+    REASON = "the reason"  # the room's failure reason itself
+
+
+Status = Union[HTTPStatus, From]  # HTTPStatus members, never ints: upstream's OpenAI stream checks the type
+
+
+@dataclass(frozen=True)
+class Row:
+    """One row of `TABLE`: how it is found, and the answer as values: the status, the message (a fixed text or
+    where it comes from, and what it opens with), the end cause the verdict tags (None: `counted` says who does)."""
+
+    cause: Cause
+    status: Status
+    message: Union[str, From]
+    end_cause: Optional[str]  # the end cause the verdict tags the request with
+    counted: str  # what is counted when the verdict tags none (who tags it instead), for the docs
+    found: str  # how the verdict finds it: the record's field, or what the room's failure reason names (the docs)
+    wins: str  # why it wins over the rows after it
+    field: Optional[str] = None  # the record's field that finds the row (rows 1-3)
+    reads: Optional[Callable[[str], bool]] = None  # what a reason's text names, for a room no cause was told with
+    opens: Tuple[str, ...] = ()  # what the client's message opens with (the wording constants), where it is known
+    message_note: str = ""  # the docs' word on the message, beside its values (a record row's: whose it is)
+    restated: bool = True  # a message naming a deadline or the pause is answered as `RESTATED` says
+
+
+def _names_peer_pause(text: str) -> bool:
+    return names_abort(text) and names_pause(text)
+
+
+def _names_peer_rejection(text: str) -> bool:
+    return names_abort(text) and PEER_WHY + REJECTED in text
+
+
+def _anything(text: str) -> bool:
+    return True
+
+
+_R = HTTPStatus
+SLA_ABORT_STATUS = _R.SERVICE_UNAVAILABLE  # an AbortReq with an abort_message (an SLA abort): `requested`
+TABLE: Tuple[Row, ...] = (
+    Row(Cause.DEADLINE, _R.GATEWAY_TIMEOUT, From.RECORD, None, TIMEOUT + " (transfer_deadline tags the room)",
+        "record's `deadline` (set by transfer_deadline)",
+        "whatever failed meanwhile is a consequence of waiting too long", field="deadline", opens=(DEADLINE_TAG,),
+        message_note="the deadline's", restated=False),  # its message is the deadline's own; the room's tag (and its peer) is transfer_deadline's
+    Row(Cause.PAUSE, From.ABORT_ANSWER, From.RECORD, PAUSE, "", "record's `pause` (set by pd_pause)",
+        "pause/release ended it; the transfer failure it caused is not the client's", field="pause",
+        opens=(PAUSE_ABORT_MESSAGE, RELEASE_ABORT_MESSAGE, RELEASE_NO_PAUSE_MESSAGE),
+        message_note="the pause's or release's"),
+    Row(Cause.REQUESTED_ABORT, From.RECORD, From.RECORD, None,
+        "client_abort / timeout (SLA) / pause (room_ledger.before_abort_request tags it)",
+        "record's `requested` (set by room_ledger.before_abort_request, pd_pause.keep_abort_verdict)",
+        "the room's failure is the abort's consequence", field="requested",
+        message_note="the AbortReq's (a client's: `CLIENT_ABORT_MESSAGE`)"),
+    Row(Cause.PEER_PAUSE, From.ABORT_ANSWER, From.TOLD, PAUSE, "",
+        "reason carries `ABORT_TAG` or `UPSTREAM_ABORT_REASON` and names the pause (`PAUSE_MARKERS`)",
+        "the peer ended the room because its pause or release ended the request there", reads=_names_peer_pause,
+        message_note="its pause's or release's"),
+    Row(Cause.PEER_REJECTION, From.ABORT_ANSWER, From.TOLD, CLIENT_ABORT, "",
+        "reason carries `ABORT_TAG` or `UPSTREAM_ABORT_REASON`, and `PEER_WHY` + `REJECTED`",
+        "the peer rejected the request: nothing failed", reads=_names_peer_rejection, opens=(REJECTED,),
+        message_note="the rejection, as the peer's tokenizer or scheduler said it"),
+    Row(Cause.PEER_ABORT, From.ABORT_ANSWER, CLIENT_ABORT_MESSAGE, CLIENT_ABORT, "",
+        "reason carries `ABORT_TAG` or `UPSTREAM_ABORT_REASON`",
+        "the peer ended the room because its request was aborted there", reads=names_abort),
+    Row(Cause.PEER_DEADLINE, _R.GATEWAY_TIMEOUT, From.REASON, TIMEOUT, "",
+        "reason carries `DEADLINE_TAG` (the peer's deadline)", "the peer waited too long: a deadline, as above",
+        reads=names_deadline),
+    Row(Cause.PAUSE_REASON, From.ABORT_ANSWER, From.REASON, PAUSE, "",
+        "reason names the pause or a release (`PAUSE_MARKERS`: a room prefill's pause ended)",
+        "pause/release ended it, as above", reads=names_pause),
+    Row(Cause.LOST_PEER, _R.BAD_GATEWAY, From.REASON, None,
+        PEER_FAILURE + " (tagged by whoever lost it), else " + TRANSPORT,
+        "reason carries `PEER_LOST_TAG` or `UPSTREAM_PREFILL_LOST`", "a peer is gone: not this server's fault",
+        reads=names_lost_peer),
+    Row(Cause.FAILURE, From.CALLER, From.REASON, None, TRANSPORT + " (untagged)", "anything else", "",
+        reads=_anything),
+)
+ROWS: Dict[Cause, Row] = {row.cause: row for row in TABLE}
+# Whichever row chose the message, one naming a deadline is answered as PEER_DEADLINE says (its status, and its end
+# cause unless the row tagged one) and one naming the pause as PAUSE_REASON says: an AbortReq's message can name them.
+RESTATED: Tuple[Tuple[Callable[[Any], bool], Cause], ...] = ((names_deadline, Cause.PEER_DEADLINE),
+                                                             (names_pause, Cause.PAUSE_REASON))
+
+
+@dataclass(frozen=True)
+class Told:
+    """Why a room ended, as the side that ended it tells the other: the row the reader's request answers by (`TABLE`)
+    and the message that row answers with (the pause's, a rejection's; None: the row's own). On the wire: the cause's
+    enum name and the message, each a frame (`frames`, `from_frames`)."""
+
+    cause: Cause
+    message: Optional[str] = None
+
+    def frames(self) -> Tuple[bytes, bytes]:
+        return self.cause.name.encode("ascii"), (self.message or "").encode("utf-8")
+
+    @staticmethod
+    def from_frames(frames: Any) -> Optional["Told"]:
+        """The Told in (name, message) frames, or None (missing, or a cause this build does not know: the reason's
+        text is read then, as for a peer that sends none)."""
+        if len(frames) < 2:
+            return None
+        cause = Cause.__members__.get(frames[0].decode("ascii", "replace"))
+        return Told(cause, frames[1].decode("utf-8", "replace") or None) if cause in TOLD_CAUSES else None
+
+
+# The rows a peer can tell (the others are this side's own record's fields).
+TOLD_CAUSES = frozenset(Cause) - {Cause.DEADLINE, Cause.PAUSE, Cause.REQUESTED_ABORT}
+
+
+def _spelled(value: str) -> str:
+    """A wording constant as the docs name it (`NAME`), else the text itself."""
+    names = [name for name, v in globals().items() if name.isupper() and v == value]
+    return f"`{names[0]}`" if names else value
+
+
+def cells(row: Row) -> Tuple[str, str, str]:
+    """(status, client message, end cause) of `row` as the docs show them, from its values (wording constants by
+    name: docs/operations.md spells them out)."""
+    if isinstance(row.status, HTTPStatus):
+        status = str(int(row.status))
+    elif row.status is From.RECORD:  # the AbortReq's (`requested`)
+        status = (f"the AbortReq's: client abort: {From.ABORT_ANSWER.value}; SLA abort: "
+                  f"{int(SLA_ABORT_STATUS)}")
+    else:
+        status = row.status.value
+    if isinstance(row.message, str):
+        message = _spelled(row.message)
+    elif row.message is From.RECORD:  # the record's field holds what the request's ender wrote: says whose
+        message = row.message_note
+    else:
+        message = row.message.value
+    said = ([f"opens as {', '.join(_spelled(o) for o in row.opens)}"] if row.opens else []) + (
+        [row.message_note] if row.message_note and row.message is not From.RECORD else [])
+    if said:
+        message += f" ({'; '.join(said)})"
+    return status, message, row.end_cause or row.counted
+
+
+def markdown() -> str:
+    """`TABLE` as docs/layout.md shows it (test_verdict checks the doc holds exactly this)."""
+    lines = ["| # | cause | found | status | client message | end cause | why it wins over what follows |",
+             "|---|---|---|---|---|---|---|"]
+    for i, row in enumerate(TABLE, 1):
+        status, message, end_cause = cells(row)
+        lines.append(f"| {i} | {row.cause.value} | {row.found} | {status} | {message} | {end_cause} | {row.wins} |")
+    return "\n".join(lines)
+
+
 # ----------------------------------------------------------------------------- building what the peer is told
 
 
@@ -306,70 +373,59 @@ def with_why(reason: str, why: Optional[str]) -> str:
 
 
 def find(req: Any, text: str) -> Cause:
-    """The row of `TABLE` that decides `req`'s answer, the room's failure reason being `text`: the record's own
-    fields, then the cause the room's ender told (`ReqState.told`, a field), and only without one the text
-    (`from_text`)."""
+    """The first row of `TABLE` that matches `req`, the room's failure reason being `text`: rows 1-3 by the record's
+    own field (`Row.field`); the others by the cause the room's ender told (`ReqState.told`, a field), and only
+    without one by what the reason's text names (`Row.reads`: upstream's own reasons, and the fork's tags as an
+    older fork build or this side itself wrote them)."""
     state = peek(req)
-    if state.deadline is not None:
-        return Cause.DEADLINE
-    if state.pause is not None:
-        return Cause.PAUSE
-    if state.requested is not None:
-        return Cause.REQUESTED_ABORT
-    if state.told is not None:
-        return state.told.cause
-    return from_text(text)
-
-
-def from_text(text: str) -> Cause:
-    """The row a failure reason's text names, for a room whose ender told no cause: upstream's own reasons (its bare
-    abort `UPSTREAM_ABORT_REASON`, decode's heartbeat `UPSTREAM_PREFILL_LOST`; anything else is a failure), and the
-    fork's tags as an older fork build or this side itself wrote them (`ABORT_TAG`, `PEER_WHY`, `DEADLINE_TAG`,
-    `PEER_LOST_TAG`, `PAUSE_MARKERS`)."""
-    if names_abort(text):
-        if names_pause(text):
-            return Cause.PEER_PAUSE
-        return Cause.PEER_REJECTION if PEER_WHY + REJECTED in text else Cause.PEER_ABORT
-    if names_deadline(text):
-        return Cause.PEER_DEADLINE
-    if names_pause(text):
-        return Cause.PAUSE_REASON
-    return Cause.LOST_PEER if names_lost_peer(text) else Cause.FAILURE
+    told = state.told
+    for row in TABLE:
+        if row.field is not None:
+            if getattr(state, row.field) is not None:
+                return row.cause
+        elif told is not None:
+            return told.cause
+        elif row.reads(text):
+            return row.cause
+    raise AssertionError("the last row reads anything")
 
 
 def verdict(req: Any, error_message: Any, status_code: Any) -> Tuple[Any, Any, Optional[str]]:
-    """(message, status, end cause to tag or None) `prepare_abort` reports for `req`, by `TABLE`."""
+    """(message, status, end cause to tag or None) `prepare_abort` reports for `req`: the values of its row
+    (`find`), then `RESTATED` for a message naming a deadline or the pause; the first tag wins."""
     text = str(error_message or "")
     state = peek(req)
-    cause = find(req, text)
-    told = state.told if state.told is not None and state.told.cause is cause else None
-    if cause is Cause.DEADLINE:
-        return state.deadline, HTTPStatus.GATEWAY_TIMEOUT, None  # the room is tagged by transfer_deadline
-    tagged = None
-    if cause is Cause.PAUSE:
-        message, status = state.pause, None
-    elif cause is Cause.REQUESTED_ABORT:
-        message, status = state.requested
-    elif cause is Cause.PEER_PAUSE:
-        message, status = _told_message(told, text), None
-    elif cause is Cause.PEER_REJECTION:
-        message, status, tagged = _told_message(told, text), None, CLIENT_ABORT
-    elif cause is Cause.PEER_ABORT:
-        message, status, tagged = CLIENT_ABORT_MESSAGE, None, CLIENT_ABORT
-    elif told is not None:  # PEER_DEADLINE, PAUSE_REASON, LOST_PEER, FAILURE told: the reason, the row's status
-        message = error_message
-        status = {Cause.PEER_DEADLINE: HTTPStatus.GATEWAY_TIMEOUT, Cause.LOST_PEER: HTTPStatus.BAD_GATEWAY}.get(
-            cause, None if cause is Cause.PAUSE_REASON else status_code)
-        tagged = {Cause.PEER_DEADLINE: TIMEOUT, Cause.PAUSE_REASON: PAUSE}.get(cause)
-    else:  # PEER_DEADLINE, PAUSE_REASON, LOST_PEER, FAILURE read from the text: the reason itself
-        message, status = error_message, lost_peer_status(text, status_code)
-    # Whatever row chose it, a message naming a deadline answers 504 and one naming the pause the abort answer
-    # (the rows PEER_DEADLINE and PAUSE_REASON); the first tag wins.
-    if names_deadline(message):
-        return message, HTTPStatus.GATEWAY_TIMEOUT, tagged or TIMEOUT
-    if names_pause(message):
-        return message, None, tagged or PAUSE
+    row = ROWS[find(req, text)]
+    told = state.told if state.told is not None and state.told.cause is row.cause else None
+    message = _message(row, state, told, text, error_message)
+    status, tagged = _status(row, state, status_code), row.end_cause
+    if row.restated:
+        for names, cause in RESTATED:
+            if names(message):
+                return message, _status(ROWS[cause], state, status_code), tagged or ROWS[cause].end_cause
     return message, status, tagged
+
+
+def _recorded(row: Row, state: ReqState) -> Tuple[Any, Any]:
+    """(message, status) the record's field of `row` holds (`requested` holds both; the others a message)."""
+    value = getattr(state, row.field)
+    return value if isinstance(value, tuple) else (value, None)
+
+
+def _status(row: Row, state: ReqState, status_code: Any) -> Any:
+    if isinstance(row.status, HTTPStatus):
+        return row.status
+    if row.status is From.CALLER:
+        return status_code
+    return _recorded(row, state)[1] if row.status is From.RECORD else None  # ABORT_ANSWER: no status
+
+
+def _message(row: Row, state: ReqState, told: Optional[Told], text: str, error_message: Any) -> Any:
+    if isinstance(row.message, str):
+        return row.message
+    if row.message is From.RECORD:
+        return _recorded(row, state)[0]
+    return _told_message(told, text) if row.message is From.TOLD else error_message  # REASON
 
 
 def _told_message(told: Optional[Told], text: str) -> str:
@@ -380,8 +436,9 @@ def _told_message(told: Optional[Told], text: str) -> str:
 
 
 def lost_peer_status(error_message: Any, status_code: Any) -> Any:
-    """502 for a reason naming a lost peer, else `status_code` (the LOST_PEER row)."""
-    return HTTPStatus.BAD_GATEWAY if error_message and names_lost_peer(error_message) else status_code
+    """The LOST_PEER row's status for a reason naming a lost peer, else `status_code`."""
+    lost = ROWS[Cause.LOST_PEER]
+    return lost.status if error_message and lost.reads(str(error_message)) else status_code
 
 
 def kept_over(current: Optional[str], new: str) -> bool:
@@ -417,7 +474,7 @@ def pause_message(finished_reason: Optional[dict]) -> Optional[str]:
 def requested(recv_req: Any) -> Tuple[str, Optional[int], str]:
     """(message, status, end cause) an AbortReq asks for (client abort: no status; SLA abort: 503)."""
     if recv_req.abort_message:
-        return recv_req.abort_message, HTTPStatus.SERVICE_UNAVAILABLE, TIMEOUT
+        return recv_req.abort_message, SLA_ABORT_STATUS, TIMEOUT
     reason = recv_req.finished_reason or {}
     if reason.get("status_code") is not None:
         return reason.get("message") or UPSTREAM_BARE_ABORT, reason["status_code"], CLIENT_ABORT

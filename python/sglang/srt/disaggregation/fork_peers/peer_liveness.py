@@ -16,13 +16,15 @@ import socket
 import threading
 import time
 from collections import Counter, OrderedDict
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from sglang.srt.disaggregation.fork_ending import pd_queues, request_end_cause, room_ledger, verdict
+from sglang.srt.disaggregation.fork_ending import pd_queues, request_end_cause, request_record, room_ledger, verdict
 from sglang.srt.disaggregation.base import KVPoll
 from sglang.srt.disaggregation.fork_ending.engine_clock import engine_clock
 from sglang.srt.environ import envs
 from sglang.srt.managers.fork_core import fork_touch, knobs
+from sglang.srt.managers.fork_core.bounded import Cap, entry
 from sglang.srt.managers.fork_core.rank_agreement import answers
 
 logger = logging.getLogger(__name__)
@@ -31,7 +33,8 @@ TAG = verdict.PEER_LOST_TAG  # opens every failure reason this module records; t
 
 ALIVE, REFUSED, SILENT = "alive", "refused", "silent"
 CONNECT_TIMEOUT = 1.0
-MAX_GONE = 256
+MAX_GONE = Cap(256, "lost decode sessions and host:port remembered for `departed_after`: far more decodes than a "
+                    "deployment loses in that time (oldest dropped first)")
 # decode -> prefill (bootstrap thread): [ABORT, CLAIM_TAG, room, decode ip, decode rank port] "this decode holds the
 # request". Behind upstream's ABORT tag so that a stock prefill (a rolling upgrade) takes it for a malformed ABORT
 # (`AbortNotification.from_zmq`: a warning, nothing else) instead of a handshake, whose parse would raise and end its
@@ -529,9 +532,13 @@ def monitor_tables(mgr: Any) -> Dict[str, Dict[str, Any]]:
             "held": (len(monitor.held), peers, "prefill: sessions lost while they may be alive"),
             "probing": (len(monitor._probing), peers, "prefill: held sessions with a probe running"),
             "unanswered_at": (len(monitor.unanswered_at), peers, "peers with a heartbeat unanswered since"),
+            "lost_at": (len(monitor.lost_at), peers, "lost peers, with when they were lost (aged out)"),
+            "silent_since": (len(monitor.silent_since), peers, "prefill: held sessions whose endpoint is silent"),
         }
-    return {f"monitor_{name}": {"size": size, "cap": cap, "why": why, "per_peer": True}
-            for name, (size, cap, why) in tables.items()}
+        claims = entry(len(monitor.claims), f"dropped with the room, or after {CLAIM_GRACE:g} s without its "
+                       "request", "prefill: rooms a decode holds, its handshake to follow", memory=True)
+    return {"monitor_claims": claims, **{f"monitor_{name}": entry(size, cap, why, per_peer=True)
+                                         for name, (size, cap, why) in tables.items()}}
 
 
 def _start(queue: Any, mgr: Any, role: str) -> None:
@@ -710,8 +717,17 @@ def around_send_multipart_locked(original, mgr, endpoint, parts, *args, **kwargs
 
 
 HANDSHAKE_ENV = knobs.LOST_DECODE_HANDSHAKE_TIMEOUT.name  # a gateway's lost decode (docs/gateway.md)
-# Per request (verdict.ReqState): `handshake_wait_since` (engine-clock time first seen waiting for its handshake),
-# `lost_decode` (the message that ended it).
+
+
+
+@dataclass
+class HandshakeWait:
+    """The lost-handshake rule's record on a request (`request_record`; scheduler thread): when it was first seen
+    waiting for its handshake (engine clock), and the message that ended it."""
+
+    since: Optional[float] = None
+    lost_decode: Optional[str] = None
+
 SCAN_INTERVAL = 0.5
 _next_scan = [float("-inf")]
 
@@ -729,12 +745,12 @@ def orphans(reqs: Sequence[Any], waits, now: float, timeout: float) -> List[Tupl
     after `timeout`; one seen unexcused for the first time is stamped `now`."""
     out = []
     for req in reqs:
-        state = verdict.of(req)
+        state = request_record.of(req, HandshakeWait)
         if state.lost_decode is not None or waits(req.bootstrap_room):
             continue
-        since = state.handshake_wait_since
+        since = state.since
         if since is None:
-            state.handshake_wait_since = now
+            state.since = now
         elif now - since > timeout:
             out.append((req, now - since))
     return out
@@ -774,14 +790,14 @@ def before_pop_bootstrapped(queue, *args, **kwargs):
     lost = lost_decodes(monitor)
     if not lost or timeout == 0:
         for req in queue.queue:  # nothing is lost: forget the stamps
-            verdict.of(req).handshake_wait_since = None
+            request_record.of(req, HandshakeWait).since = None
         return
     waits = functools.partial(waits_for_live_decode, handshaken=kv_mgr.transfer_infos.__contains__,
                               claimed_by=monitor.claimed_by, lost=lost)
     for req, waited in orphans(queue.queue, waits, now, timeout):
         holder = monitor.claimed_by(req.bootstrap_room)
         text = orphan_message(req, waited, lost, timeout, holder)
-        verdict.of(req).lost_decode = text
+        request_record.of(req, HandshakeWait).lost_decode = text
         logger.warning(text)
         # remembered: the handshake a silent decode queued for it may still arrive once the link is back
         room_ledger.end_room(kv_mgr, req.bootstrap_room, request_end_cause.PEER_FAILURE, text,

@@ -23,6 +23,7 @@ from sglang.srt.disaggregation.fork_ending.room_ledger import end_room
 from sglang.srt.disaggregation.fork_transfer import idle_pacing, worker_handoff
 from sglang.srt.environ import envs
 from sglang.srt.managers.fork_core import fork_touch, knobs
+from sglang.srt.managers.fork_core.bounded import Cap, entry
 from sglang.srt.managers.fork_core.rank_agreement import answers, attn_tp_rank
 
 logger = logging.getLogger(__name__)
@@ -133,10 +134,10 @@ def conclude_transfer(mgr: Any, *, bootstrap_room: int, status: int, targets: Op
     return emitted
 
 
-# Rooms whose poison mark waits for its expiry, per manager: a failed write in each; more within decode's release
-# deadline (30 s) is a flood, whose oldest marks go early (their drain ACK is no longer refused: decode's deadline
-# releases those pages anyway).
-MAX_POISON_EXPIRIES = 65536
+# Rooms whose poison mark waits for its expiry, per manager.
+MAX_POISON_EXPIRIES = Cap(65536, "a failed write in each room; more within decode's release deadline (30 s) is a "
+                                 "flood, whose oldest marks go early: their drain ACK is no longer refused, and "
+                                 "decode's deadline releases those pages anyway")
 POISON_ATTR = "fork_poison_expiry"
 
 
@@ -212,8 +213,8 @@ def expire_poison(queue: Any, *args: Any, **kwargs: Any) -> None:
 def poison_table(mgr: Any) -> Dict[str, Any]:
     """The resource report's view of the pending poison expiries (`fork_tables`)."""
     expiry = getattr(mgr, "__dict__", {}).get(POISON_ATTR)
-    return {"size": 0 if expiry is None else len(expiry.until), "cap": MAX_POISON_EXPIRIES,
-            "why": "rooms whose failed write's poison mark waits for decode's release deadline (engine clock)"}
+    return entry(0 if expiry is None else len(expiry.until), MAX_POISON_EXPIRIES,
+                 "rooms whose failed write's poison mark waits for decode's release deadline (engine clock)")
 
 
 # A session is let back in only once a read from it completes (docs/chunk-failures.md).

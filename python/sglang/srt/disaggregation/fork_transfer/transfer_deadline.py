@@ -12,21 +12,23 @@ import time
 import types
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, NamedTuple, Optional, Sequence, Tuple
 
 from sglang.srt.disaggregation.base import KVPoll
-from sglang.srt.disaggregation.fork_ending import request_end_cause, room_ledger, verdict
+from sglang.srt.disaggregation.fork_ending import request_end_cause, request_record, room_ledger, verdict
 from sglang.srt.disaggregation.fork_ending.pd_queues import (
     DECODE_PREALLOC, DECODE_TRANSFER, PREFILL_BOOTSTRAP, PREFILL_INFLIGHT, PREFILL_WAITING,
 )
 from sglang.srt.disaggregation.fork_ending.engine_clock import engine_clock
 from sglang.srt.disaggregation.fork_transfer.transfer_deadline_knob import ARG, ENV, configured
 from sglang.srt.managers.fork_core import fork_touch
+from sglang.srt.managers.fork_core.bounded import Cap, entry
 from sglang.srt.managers.fork_core.rank_agreement import answers
 
 logger = logging.getLogger(__name__)
 
-# Per request (verdict.ReqState): `stage` (stage, entered_at on engine_clock), `deadline` (its message).
+# Per request: its `Stamp` (this module's record) and, once overdue, the verdict's `deadline` (its message).
 TAG = verdict.DEADLINE_TAG  # opens every deadline message, the room's failure reason at the peer too
 # What prefill tells decode with a room its deadline ended (a field: decode answers 504 without reading TAG); decode's
 # own deadline reaches prefill as its receiver's ABORT, whose frames carry the cause prefill answers (the peer's abort).
@@ -38,6 +40,19 @@ COUNTS: Counter = Counter()
 _next_scan: dict = {}
 
 
+@dataclass
+class Stamp:
+    """This module's record on a request (`request_record`; scheduler thread): the stage it was first seen in at a
+    scan, and when (engine clock). pd_metrics reads it (`stamp`) for the oldest request of each stage."""
+
+    stage: Optional[Tuple[str, float]] = None
+
+
+def stamp(req: Any) -> Optional[Tuple[str, float]]:
+    """(stage, entered at) of `req` as the deadline stamped it, or None."""
+    return request_record.peek(req, Stamp).stage
+
+
 def _expire(scheduler, stage: str, queue: Sequence[Any], side: str, keep=None) -> None:
     """Stamp `queue`'s entries (Req / DecodeRequest) new to `stage`; end the overdue ones `keep` accepts."""
     now = engine_clock.now()
@@ -47,21 +62,21 @@ def _expire(scheduler, stage: str, queue: Sequence[Any], side: str, keep=None) -
     _next_scan[stage] = now + min(deadline / SCAN_DIVISOR, MAX_SCAN_INTERVAL)
     for entry in list(queue):
         req = entry if side == "prefill" else entry.req
-        state = verdict.of(req)
-        stamp = state.stage
-        if stamp is None or stamp[0] != stage:
-            state.stage = (stage, now)
+        record = request_record.of(req, Stamp)
+        stamped = record.stage
+        if stamped is None or stamped[0] != stage:
+            record.stage = (stage, now)
             continue
-        if now - stamp[1] <= deadline or state.deadline is not None:
+        if now - stamped[1] <= deadline or verdict.peek(req).deadline is not None:
             continue
         endpoint = req.disagg_kv_sender if side == "prefill" else entry.kv_receiver
         # `keep` only for the overdue ones: upstream's is_aborted costs ~8 µs a request
         if endpoint is None or (keep is not None and not keep(entry)):
             continue
-        text = (f"{TAG}: request {req.rid} (bootstrap_room={req.bootstrap_room}) spent {now - stamp[1]:.1f}s in "
+        text = (f"{TAG}: request {req.rid} (bootstrap_room={req.bootstrap_room}) spent {now - stamped[1]:.1f}s in "
                 f"stage {stage}, over the {deadline:g}s deadline. Raise {ENV} or {ARG} if transfers legitimately "
                 "take longer.")
-        state.deadline = text
+        verdict.of(req).deadline = text
         logger.warning(text)
         if room_ledger.has_room_tables(fork_touch.upstream(endpoint, "kv_mgr")):  # the peer told; prefill: a late handshake fails too
             room_ledger.end_room(endpoint.kv_mgr, req.bootstrap_room, request_end_cause.TIMEOUT, text,
@@ -110,9 +125,9 @@ ATTR = "fork_bootstrap_fetch"  # the one attribute on a decode kv manager
 WORKERS = 4  # fetches in flight at once (one per prefill, or per prefill dp rank)
 # An outcome nobody collected by then is dropped: a new request starts a fresh fetch.
 STALE_S = 10.0
-# Fetches running or outcomes waiting per decode manager: one per prefill address (the client's to choose) and rank
-# route; a deployment has a handful of prefills, each a few ranks.
-MAX_FETCHES = 1024
+# Fetches running or outcomes waiting per decode manager, together (more are started at a later pass).
+MAX_FETCHES = Cap(1024, "one per prefill address (the client's to choose) and rank route; a deployment has a "
+                        "handful of prefills, each a few ranks")
 
 Key = Tuple[Any, ...]  # ("info", addr) or ("routes", addr, prefill_dp_rank)
 
@@ -208,11 +223,11 @@ def fetch_tables(mgr: Any) -> Dict[str, Dict[str, Any]]:
         if fetch is not None:
             fetch.drop_stale()
         running, outcomes = (0, 0) if fetch is None else (len(fetch.running), len(fetch.outcomes))
-        return {"fetch_running": {"size": running, "cap": MAX_FETCHES,
-                                  "why": "prefill info / endpoint fetches running (one per prefill address)"},
-                "fetch_outcomes": {"size": outcomes, "cap": MAX_FETCHES,
-                                   "why": f"fetch outcomes not collected yet, keyed by the client's bootstrap address "
-                                          f"(dropped after {STALE_S:g} s, engine clock)"}}
+        return {"fetch_running": entry(running, MAX_FETCHES,
+                                       "prefill info / endpoint fetches running (one per prefill address)"),
+                "fetch_outcomes": entry(outcomes, MAX_FETCHES,
+                                        f"fetch outcomes not collected yet, keyed by the client's bootstrap address "
+                                        f"(dropped after {STALE_S:g} s, engine clock)")}
 
 
 def fetch_report(mgr: Any) -> Optional[Dict[str, int]]:

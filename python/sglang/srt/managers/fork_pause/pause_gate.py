@@ -12,10 +12,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
 from sglang.srt.constants import HEALTH_CHECK_RID_PREFIX
-from sglang.srt.disaggregation.fork_ending import room_ledger, verdict
+from sglang.srt.disaggregation.fork_ending import request_record, room_ledger
 from sglang.srt.managers.fork_pause import pd_pause
 from sglang.srt.managers.fork_pause.engine_pause_state import PAUSE, state_of
 from sglang.srt.managers.io_struct import AbortReq
@@ -25,8 +26,26 @@ logger = logging.getLogger(__name__)
 ATTR = "fork_pause_gate"  # on the tokenizer manager: its PauseGate
 
 
+@dataclass
+class GateMark:
+    """The gate's record on a tokenizer's request state (`request_record`; tokenizer event loop)."""
+
+    at_gate: Optional[bool] = None  # waiting at the pause gate now (False: passed it; None: never reached it)
+    gate_abort: Optional[str] = None  # the answer of an abort that reached it while it waited at the gate
+
+
+def marks(state: Any) -> GateMark:
+    """`state`'s gate record, made at first use."""
+    return request_record.of(state, GateMark)
+
+
+def mark_of(state: Any) -> GateMark:
+    """`state`'s gate record, or an empty one (not stored): for reads."""
+    return request_record.peek(state, GateMark)
+
+
 class PauseGate:
-    """The gate's marks on the tokenizer's request states, in each one's record (`verdict.of(state)`: `at_gate`,
+    """The gate's marks on the tokenizer's request states, in each one's record (`marks(state)`: `at_gate`,
     where it is; `gate_abort`, an abort's answer), and the closing / opening of upstream's gate."""
 
     def __init__(self, tokenizer_manager: Any):
@@ -36,7 +55,7 @@ class PauseGate:
         """Open when not paused, or for an aborted request (notes who waits)."""
         is_open = not self.tm.is_pause or gate_aborted(request_states)
         for state in request_states.values():
-            verdict.of(state).at_gate = not is_open
+            marks(state).at_gate = not is_open
         return is_open
 
     async def set(self, closed: Optional[bool] = None) -> None:
@@ -52,9 +71,9 @@ class PauseGate:
                  else "while the engine was paused")
         why = f"Aborted by {'abort_all' if abort_all else 'the client'} {where} (rid={{rid}})."
         hits = {state_rid: s for state_rid, s in list(self.tm.rid_to_state.items())
-                if (abort_all or state_rid == rid) and verdict.peek(s).gate_abort is None}
+                if (abort_all or state_rid == rid) and mark_of(s).gate_abort is None}
         for state_rid, s in hits.items():
-            verdict.of(s).gate_abort = why.format(rid=state_rid)
+            marks(s).gate_abort = why.format(rid=state_rid)
         logger.info("pd_pause: abort while paused (rid=%r, all=%s): %s", rid, abort_all,
                     "waking the pause gate" if hits else "no request state")
         return bool(hits)
@@ -63,13 +82,13 @@ class PauseGate:
         """What generate_request yields for a request aborted at the gate (its states are dropped: nothing was sent
         to the scheduler). A batch ends whole: sub-requests not aborted by name get the same abort."""
         tm = self.tm
-        first = next(verdict.peek(s).gate_abort for s in request_states.values()
-                     if verdict.peek(s).gate_abort is not None)
+        first = next(mark_of(s).gate_abort for s in request_states.values()
+                     if mark_of(s).gate_abort is not None)
         outs = []
         for index, (rid, state) in enumerate(request_states.items()):
             if tm.rid_to_state.get(rid) is state:
                 del tm.rid_to_state[rid]
-            reason = {"type": "abort", "message": verdict.peek(state).gate_abort or first, "status_code": None}
+            reason = {"type": "abort", "message": mark_of(state).gate_abort or first, "status_code": None}
             meta = {"id": rid, "finish_reason": reason, "prompt_tokens": 0, "completion_tokens": 0,
                     "cached_tokens": 0, "e2e_latency": 0.0}
             # upstream's answer to an abort that produced nothing
@@ -83,7 +102,7 @@ class PauseGate:
 
     def held(self) -> int:
         """Requests waiting at the gate now."""
-        return sum(1 for state in list(self.tm.rid_to_state.values()) if verdict.peek(state).at_gate)
+        return sum(1 for state in list(self.tm.rid_to_state.values()) if mark_of(state).at_gate)
 
     def client_states(self) -> List[Tuple[str, Any]]:
         """(rid, state) of the requests in the tokenizer that a client sent: health probes aside (`/health`,
@@ -94,7 +113,7 @@ class PauseGate:
     def client_requests_running(self) -> List[str]:
         """Rids of requests a client sent that are still running: not a health probe (the scheduler ends one on
         release), not answered, not held at the pause gate (nothing of it reached the scheduler)."""
-        return [rid for rid, s in self.client_states() if not s.finished and not verdict.peek(s).at_gate]
+        return [rid for rid, s in self.client_states() if not s.finished and not mark_of(s).at_gate]
 
     async def client_requests_settled(self, timeout: float) -> List[str]:
         """Client requests still running after waiting up to `timeout` for them to end (bounded poll)."""
@@ -110,7 +129,7 @@ class PauseGate:
         scheduler drops a probe (upstream: "ongoing requests already carry health info"), so it is never answered;
         its /health(_generate) handler holds it, and the model-update reader lock, until its 1 s sleep ends, and
         the abort_all sent before the pause's answer ends it too if it did reach the scheduler."""
-        return [s for _, s in self.client_states() if verdict.peek(s).at_gate is False]
+        return [s for _, s in self.client_states() if mark_of(s).at_gate is False]
 
 
 def gate_of(tokenizer_manager) -> PauseGate:
@@ -149,7 +168,7 @@ def gate_open(tokenizer_manager, request_states: Dict[str, Any]) -> bool:
 
 
 def gate_aborted(request_states: Dict[str, Any]) -> bool:
-    return any(verdict.peek(s).gate_abort is not None for s in request_states.values())
+    return any(mark_of(s).gate_abort is not None for s in request_states.values())
 
 
 def gate_abort_answers(tokenizer_manager, obj: Any, request_states: Dict[str, Any]) -> List[Any]:

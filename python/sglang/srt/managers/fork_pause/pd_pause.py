@@ -15,6 +15,7 @@ from sglang.srt.disaggregation.fork_ending.engine_clock import engine_clock
 from sglang.srt.disaggregation.fork_ending.verdict import (  # the pause's messages and answer: the verdict's
     PAUSE_ABORT_MESSAGE, RELEASE_ABORT_MESSAGE, RELEASE_NO_PAUSE_MESSAGE, pause_finish_reason)
 from sglang.srt.managers.fork_core import fork_touch
+from sglang.srt.managers.fork_core.bounded import Cap, entry
 from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
 logger = logging.getLogger(__name__)
@@ -65,10 +66,9 @@ def _matches(recv_req, rid: str) -> bool:
 # room -> (message, until) decode's ABORT of a room its pause or a release ended carries (room_ledger.abort_frames)
 # (docs/pause-release-resume.md): set by the scheduler, read by the thread sending the ABORT; only for WHY_TTL_S on
 # the engine clock (a room re-bootstrapped after a retract pause and aborted later by its client must not carry it;
-# a pause does not count), then dropped (at the next note or report). MAX_WHY_ROOMS: rooms one pause or release
-# ends in that window, far above a server's queues.
-MAX_WHY_ROOMS = 4096
+# a pause does not count), then dropped (at the next note or report).
 WHY_TTL_S = 30.0
+MAX_WHY_ROOMS = Cap(4096, f"the rooms one pause or release ends within {WHY_TTL_S:g} s: far above a server's queues")
 _why: "OrderedDict[int, tuple]" = OrderedDict()
 _why_lock = threading.Lock()
 
@@ -110,5 +110,6 @@ def why_table() -> Dict[str, Any]:
     """The resource report's view of `_why` (`fork_tables`)."""
     with _why_lock:
         _expire_why()
-        return {"size": len(_why), "cap": MAX_WHY_ROOMS, "memory": True,
-                "why": f"rooms a pause or release ended whose ABORT carries its message ({WHY_TTL_S:g} s, engine clock)"}
+        return entry(len(_why), MAX_WHY_ROOMS,
+                     f"rooms a pause or release ended whose ABORT carries its message ({WHY_TTL_S:g} s, engine clock)",
+                     memory=True)

@@ -11,6 +11,7 @@ from typing import Any, Dict, Optional
 
 from sglang.srt.disaggregation.fork_ending import pd_queues, request_end_cause, verdict
 from sglang.srt.disaggregation.fork_ending.engine_clock import engine_clock
+from sglang.srt.disaggregation.fork_transfer import transfer_deadline
 from sglang.srt.managers.fork_core import fork_touch
 
 PERIOD = 1.0  # seconds between two settings of one scheduler's gauges
@@ -46,7 +47,7 @@ def oldest_by_stage(scheduler: Any, role: str, now: float) -> Dict[str, float]:
     stamped; the deadline stamps a request at its first scan of the stage, on the answering rank)."""
     oldest = {stage: 0.0 for stage in TRANSFER_STAGES[role]}
     for stage, req in pd_queues.walk(scheduler):
-        stamp = verdict.peek(req).stage
+        stamp = transfer_deadline.stamp(req)
         if stage in oldest and stamp is not None and stamp[0] == stage:
             oldest[stage] = max(oldest[stage], now - stamp[1])
     return oldest

@@ -62,9 +62,7 @@ def fork_tables(kv_manager) -> Dict[str, Dict[str, Any]]:
         **transfer_deadline.fetch_tables(kv_manager),
         "poison_expiry": chunk_failures.poison_table(kv_manager),
         "pause_why": pd_pause.why_table(),
-        "end_cause_rooms": {"size": request_end_cause.tagged_rooms(kv_manager),
-                            "cap": request_end_cause.MAX_TAGGED_ROOMS,
-                            "why": "rooms tagged with their end's cause, until the end is counted"},
+        **request_end_cause.tables(kv_manager),
         **monitor_tables(kv_manager),
     }
 
