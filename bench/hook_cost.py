@@ -425,7 +425,7 @@ def peer_monitor_cost(peers: Sequence[int], repeats: int, log) -> List[Dict[str,
         try:
             prefill_mgr = SimpleNamespace(
                 session_lock=threading.Lock(), failed_sessions=set(), _socket_cache={},
-                _deferred_ack_poisoned_rooms=set(), transfer_infos={},
+                _deferred_ack_poisoned_rooms=set(), transfer_infos={}, request_status={},
                 decode_kv_args_table={
                     f"session-{i}": SimpleNamespace(endpoint="127.0.0.1", dst_port=port)
                     for i, port in enumerate(lis.ports)
