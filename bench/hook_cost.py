@@ -26,7 +26,7 @@ figure is the median over repetitions of the on/off ratio of a pair. The
 mean ratio (total on / total off) is printed too: it includes work a hook does only
 every so often (the transfer deadline scans a queue at most once a second).
 
-Also: the peer monitor's (peer_liveness.PeerMonitor) cost per probe with 1, 8 and
+Also: the peer monitors' (fork_peers prefill_side_monitor / decode_side_monitor) cost per probe with 1, 8 and
 64 peers listening on loopback, prefill (decode sessions) and decode (prefill
 bootstrap servers) side; its manager is a stand-in holding the tables it reads.
 
@@ -416,7 +416,8 @@ class Listeners:
 
 
 def peer_monitor_cost(peers: Sequence[int], repeats: int, log) -> List[Dict[str, float]]:
-    from sglang.srt.disaggregation.fork_peers import peer_liveness as pl
+    from sglang.srt.disaggregation.fork_peers.decode_side_monitor import DecodeSideMonitor
+    from sglang.srt.disaggregation.fork_peers.prefill_side_monitor import PrefillSideMonitor
 
     out = []
     for n in peers:
@@ -424,7 +425,7 @@ def peer_monitor_cost(peers: Sequence[int], repeats: int, log) -> List[Dict[str,
         try:
             prefill_mgr = SimpleNamespace(
                 session_lock=threading.Lock(), failed_sessions=set(), _socket_cache={},
-                _deferred_ack_poisoned_rooms=set(), transfer_infos={},
+                _deferred_ack_poisoned_rooms=set(), transfer_infos={}, request_status={},
                 decode_kv_args_table={
                     f"session-{i}": SimpleNamespace(endpoint="127.0.0.1", dst_port=port)
                     for i, port in enumerate(lis.ports)
@@ -435,8 +436,9 @@ def peer_monitor_cost(peers: Sequence[int], repeats: int, log) -> List[Dict[str,
                 prefill_info_table={f"127.0.0.1:{port}": None for port in lis.ports},
                 _handle_node_failure=lambda addr: None,
             )
-            for role, mgr in (("prefill", prefill_mgr), ("decode", decode_mgr)):
-                monitor = pl.PeerMonitor(mgr, role, {}, metrics=False)  # not started: ticked here
+            sides = (("prefill", PrefillSideMonitor, prefill_mgr), ("decode", DecodeSideMonitor, decode_mgr))
+            for role, side, mgr in sides:
+                monitor = side(mgr, {}, metrics=False)  # not started: ticked here
                 monitor.tick()  # first pass registers the sessions
                 cpu, wall = [], []
                 for _ in range(repeats):
@@ -444,7 +446,7 @@ def peer_monitor_cost(peers: Sequence[int], repeats: int, log) -> List[Dict[str,
                     monitor.tick()
                     cpu.append(time.thread_time() - c0)
                     wall.append(time.perf_counter() - w0)
-                lost = sum(len(v) for v in monitor.lost.values())
+                lost = monitor.gauges()["lost"]
                 if lost:
                     raise RuntimeError(f"peer monitor ({role}) lost {lost} live peers")
                 row = {

@@ -402,14 +402,14 @@ class _Worker:
         return None if final is None or final.reason is None else final.reason.get("message")
 
     def peers(self) -> dict:
-        """Sizes of the kv manager's per-peer tables (see peer_liveness.peer_tables)."""
-        from sglang.srt.disaggregation.fork_peers.peer_liveness import peer_tables
+        """Sizes of the kv manager's per-peer tables (see peer_monitor.peer_tables)."""
+        from sglang.srt.disaggregation.fork_peers.peer_monitor import peer_tables
 
         return peer_tables(self.h.kv_manager)
 
     def peer_counts(self) -> dict:
         """(kind, role, peer) -> peer losses/recoveries counted in this process."""
-        from sglang.srt.disaggregation.fork_peers.peer_liveness import COUNTS
+        from sglang.srt.disaggregation.fork_peers.peer_monitor import COUNTS
 
         return {"/".join(k): v for k, v in COUNTS.items()}
 

@@ -101,8 +101,8 @@ def assert_idle(deployment, roles, baseline: dict | None = None, timeout: float 
 # decode heartbeat adds per prefill on its own schedule (0 or 1 each between two
 # beats) are bounded by the prefills known, and compared as such.
 HEARTBEAT_TABLES = ("heartbeat_failures", "session_pool")
-# Per-peer entries kept for a while after a peer's loss and aged out `monitor_departed_after_s` later (peer_liveness:
-# the names of lost decodes, so nothing is pushed to them): not compared across a restart.
+# Per-peer entries kept for a while after a peer's loss and aged out `monitor_departed_after_s` later
+# (prefill_side_monitor: the names of lost decodes, so nothing is pushed to them): not compared across a restart.
 AGING_TABLES = ("monitor_gone",)
 
 
@@ -348,7 +348,7 @@ PARTITION_ENV = {
     # the decode past the heal (30 s by default)
     "MC_TCP_PROGRESS_TIMEOUT_SEC": str(int(PARTITION_MAX_FAILURE * PARTITION_HEARTBEAT + 1)),
 }
-PARTITION_CONNECT_TIMEOUT = 1.0  # peer_liveness.CONNECT_TIMEOUT: what a silent heartbeat costs
+PARTITION_CONNECT_TIMEOUT = 1.0  # peer_monitor.CONNECT_TIMEOUT: what a silent heartbeat costs
 PARTITION_MARGIN = 3.0  # a busy 2-core machine: scheduler ticks, metric export
 # declared lost on the MAX_FAILURE-th silent heartbeat, the first within one interval of the cut
 PARTITION_DETECT_BOUND = PARTITION_MAX_FAILURE * PARTITION_HEARTBEAT + PARTITION_CONNECT_TIMEOUT + PARTITION_MARGIN

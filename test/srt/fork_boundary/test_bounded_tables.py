@@ -51,11 +51,12 @@ def test_every_cap_is_declared_with_its_reason():
 def _manager_with_every_table():
     """A kv manager as the fork's components see one, each of them attached (ledger, peer monitor)."""
     from sglang.srt.disaggregation.fork_ending import room_ledger
-    from sglang.srt.disaggregation.fork_peers import peer_liveness
+    from sglang.srt.disaggregation.fork_peers.peer_monitor import _MONITOR
+    from sglang.srt.disaggregation.fork_peers.prefill_side_monitor import PrefillSideMonitor
 
     mgr = SimpleNamespace()
     room_ledger.ledger_for(mgr)
-    mgr.__dict__[peer_liveness._MONITOR] = peer_liveness.PeerMonitor(mgr, "prefill", {}, False)
+    mgr.__dict__[_MONITOR] = PrefillSideMonitor(mgr, {}, False)
     return mgr
 
 

@@ -90,7 +90,7 @@ def test_decode_killed_removed_restarted_registered_serves_within_15s(gateway_de
     once where every request then got 503 "No available prefill workers"): kill ->
     DELETE /workers/{id} -> restart on the same port -> POST /workers. Requests in
     flight and the gateway's retries end within seconds (the retries that reached
-    prefill while the dead decode was still listed: peer_liveness.before_pop_bootstrapped), the
+    prefill while the dead decode was still listed: lost_handshake.before_pop_bootstrapped), the
     prefill's circuit never opens, and within 15 s of the registration the deployment
     serves again."""
     cluster, _, _ = gateway_deployment

@@ -3,7 +3,7 @@ autoscaler does it (`DELETE /workers/{id}`, then SIGTERM), then a burst larger t
 `--max-running-requests` is small), so requests wait in decode 2's prealloc queue for seconds before their
 handshake reaches prefill.
 
-The lost-decode handshake rule (peer_liveness.before_pop_bootstrapped) ends a prefill request whose handshake has not
+The lost-decode handshake rule (lost_handshake.before_pop_bootstrapped) ends a prefill request whose handshake has not
 come 5 s after a decode was lost; decode 2 claims each request as it enters its prealloc queue, so the rule leaves
 those to wait, and the departed decode is forgotten from prefill's tables within SGLANG_FORK_DEPARTED_DECODE_AFTER.
 

@@ -1,5 +1,5 @@
-"""peer_liveness' lost-decode handshake rule, its pure parts (no servers): which bootstrap-queue requests are
-orphans of a lost decode, the message (answered 502 as a peer loss). Its knob: test_knobs.py."""
+"""The lost-decode handshake rule (fork_peers.lost_handshake), its pure parts (no servers): which bootstrap-queue
+requests are orphans of a lost decode, the message (answered 502 as a peer loss). Its knob: test_knobs.py."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ from types import SimpleNamespace
 import pytest
 
 from sglang.srt.disaggregation.common.conn import ABORT_TAG, AbortNotification
-from sglang.srt.disaggregation.fork_peers import peer_liveness as ldh
-from sglang.srt.disaggregation.fork_peers.peer_liveness import abort_status
+from sglang.srt.disaggregation.fork_peers import lost_handshake as ldh
+from sglang.srt.disaggregation.fork_peers.peer_monitor import CLAIM_TAG, abort_status, claim_frames
+from sglang.srt.disaggregation.fork_peers.prefill_side_monitor import PrefillSideMonitor, _handle_claim
 
 pytestmark = pytest.mark.unit
 
@@ -70,16 +71,16 @@ def test_the_rule_leaves_a_request_a_live_decode_claimed_and_ends_one_the_lost_d
 
 def test_a_claim_is_read_on_prefill_s_bootstrap_thread_and_nothing_else_is_taken():
     monitor = SimpleNamespace(lock=threading.Lock(), claims={})
-    monitor.claim = functools.partial(ldh.PeerMonitor.claim, monitor)
+    monitor.claim = functools.partial(PrefillSideMonitor.claim, monitor)
     passed = []
     handle = lambda msg: passed.append(msg) or False  # noqa: E731 (upstream's ABORT handler: not its message)
-    assert ldh._handle_claim(monitor, handle, ldh.claim_frames(42, "10.0.0.2", 17001)) is True
+    assert _handle_claim(monitor, handle, claim_frames(42, "10.0.0.2", 17001)) is True
     assert {room: peer for room, (peer, _) in monitor.claims.items()} == {42: "10.0.0.2:17001"}
-    assert ldh._handle_claim(monitor, handle, [ABORT_TAG, ldh.CLAIM_TAG, b"x"]) is True  # malformed: dropped, logged
+    assert _handle_claim(monitor, handle, [ABORT_TAG, CLAIM_TAG, b"x"]) is True  # malformed: dropped, logged
     abort = AbortNotification(room=5, decode_ip="10.0.0.2", decode_port=17001, generation=3).to_zmq()
-    assert ldh._handle_claim(monitor, handle, abort) is False and passed == [abort]  # upstream's ABORT: not ours
+    assert _handle_claim(monitor, handle, abort) is False and passed == [abort]  # upstream's ABORT: not ours
     passed.clear()
-    assert ldh._handle_claim(monitor, handle, [b"123", b"10.0.0.2"]) is False and passed == [[b"123", b"10.0.0.2"]]
+    assert _handle_claim(monitor, handle, [b"123", b"10.0.0.2"]) is False and passed == [[b"123", b"10.0.0.2"]]
 
 
 def test_a_stock_prefill_takes_a_claim_for_a_malformed_abort():
@@ -87,7 +88,7 @@ def test_a_stock_prefill_takes_a_claim_for_a_malformed_abort():
     message to its ABORT handler, which parses it with `AbortNotification.from_zmq`; a claim is an ABORT whose room
     does not parse (None: a warning, the message taken), so it never reaches the handshake parse, which would raise
     on it and end the thread."""
-    assert AbortNotification.from_zmq(ldh.claim_frames(42, "10.0.0.2", 17001)) is None
+    assert AbortNotification.from_zmq(claim_frames(42, "10.0.0.2", 17001)) is None
 
 
 def test_the_message_names_the_lost_decode_that_took_the_request():

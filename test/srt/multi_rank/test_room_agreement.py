@@ -249,7 +249,7 @@ def _rank_blacklisted(rank: int, store: str, out) -> None:
 
 
 def test_a_write_to_a_blacklisted_session_tells_every_decode_its_peer_lost():
-    """peer_liveness rewords upstream's reason for a write to a blacklisted session to name the lost decode: the
+    """prefill_side_monitor rewords upstream's reason for a write to a blacklisted session to name the lost decode: the
     rank that concluded tells LOST_PEER as a field right before its Failed status, keeps it with its record, and the
     rank that learns the failure from it tells its own decode peers the same; a room cleared before its conclusion
     is told nothing (no cause left waiting for a status that never comes); a room whose first record was another

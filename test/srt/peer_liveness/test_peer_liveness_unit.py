@@ -1,4 +1,4 @@
-"""peer_liveness's pure parts: the TCP probe's verdicts, the 502 mapping, and the
+"""The peer monitors' pure parts (fork_peers.peer_monitor): the TCP probe's verdicts, the 502 mapping, and the
 heartbeat knobs' validation (a bad value stops the kv manager, i.e. the server, at
 start-up)."""
 
@@ -7,7 +7,7 @@ from http import HTTPStatus
 
 import pytest
 
-from sglang.srt.disaggregation.fork_peers import peer_liveness as pl
+from sglang.srt.disaggregation.fork_peers import peer_monitor as pl
 
 pytestmark = pytest.mark.unit
 
@@ -48,7 +48,7 @@ def test_heartbeat_knobs(monkeypatch, interval, failures, expected):
 
 def test_a_probe_started_while_the_link_was_cut_is_not_joined_after_the_heal():
     """chunk_failures.bounded_probe: a transfer engine probe started during a silent cut hangs in the transport's
-    connect retries past the heal. A caller that asks for a probe started after `since` (peer_liveness, once the
+    connect retries past the heal. A caller that asks for a probe started after `since` (held_decodes, once the
     peer answers again) gets a new one, answered at once; a caller without `since` joins the one running."""
     import threading
     import time

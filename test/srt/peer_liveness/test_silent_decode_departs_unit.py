@@ -19,7 +19,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from sglang.srt.disaggregation.fork_peers import peer_liveness as pl
+from sglang.srt.disaggregation.fork_peers import peer_monitor as pl
+from sglang.srt.disaggregation.fork_peers.lost_handshake import lost_decodes
+from sglang.srt.disaggregation.fork_peers.prefill_side_monitor import PrefillSideMonitor
 
 pytestmark = pytest.mark.unit
 
@@ -72,14 +74,14 @@ def test_silent_held_out_decodes_cost_one_connect_timeout_a_tick_and_depart(monk
     monkeypatch.setenv("SGLANG_FORK_DEPARTED_DECODE_AFTER", str(DEPARTED_AFTER))
     with silent_endpoints(N_SILENT) as ports:
         mgr = _prefill_manager(ports)
-        monitor = pl.PeerMonitor(mgr, "prefill", {}, metrics=False)  # its thread not started: the test ticks
+        monitor = PrefillSideMonitor(mgr, {}, metrics=False)  # its thread not started: the test ticks
         mgr.__dict__[pl._MONITOR] = monitor
         sessions = set(mgr.decode_kv_args_table)
 
         # two silent heartbeats: each decode lost, held out (it may be a partition that heals)
         ticks = [_timed_tick(monitor), _timed_tick(monitor)]
         assert set(monitor.held) == sessions, monitor.held
-        assert pl.lost_decodes(monitor) and len(pl.lost_decodes(monitor)) == N_SILENT
+        assert lost_decodes(monitor) and len(lost_decodes(monitor)) == N_SILENT
         # a tick waits one connect timeout for all of them, not one each (before: N_SILENT x 1 s a tick)
         ticks.append(_timed_tick(monitor))
         print(f"ticks with {N_SILENT} silent decodes: {[round(t, 2) for t in ticks]} s")
@@ -88,8 +90,8 @@ def test_silent_held_out_decodes_cost_one_connect_timeout_a_tick_and_depart(monk
         # still silent DEPARTED_AFTER after the loss: departed, dropped from every table at the next tick
         t_lost = time.monotonic() - ticks[-1]
         deadline = t_lost + DEPARTED_AFTER + 2 * pl.CONNECT_TIMEOUT + 2.0
-        while monitor.held or pl.lost_decodes(monitor):
-            assert time.monotonic() < deadline, (monitor.held, pl.lost_decodes(monitor))
+        while monitor.held or lost_decodes(monitor):
+            assert time.monotonic() < deadline, (monitor.held, lost_decodes(monitor))
             monitor.tick()
         departed_s = time.monotonic() - t_lost
         print(f"departed {departed_s:.1f}s after the loss (bound {DEPARTED_AFTER:g}s + a tick)")

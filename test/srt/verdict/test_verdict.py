@@ -79,9 +79,9 @@ def upstream_prefill_lost_reason() -> str:
 
 def fork_loss_reason() -> str:
     """What the fork's peer monitor records for a room of a lost decode."""
-    from sglang.srt.disaggregation.fork_peers import peer_liveness
+    from sglang.srt.disaggregation.fork_peers import peer_monitor
 
-    return peer_liveness.loss_message("decode", "10.0.0.2:7000", "silent")
+    return peer_monitor.loss_message("decode", "10.0.0.2:7000", "silent")
 
 
 DEADLINE = f"{verdict.DEADLINE_TAG}: request r (bootstrap_room=5) spent 31.0s in stage prefill_inflight"

@@ -1,7 +1,7 @@
 """The engine clock: monotonic seconds that do not count the time the engine stood paused, one per process.
 
 Invariant: `now()` never advances while paused, so a PD deadline or the ledger's memory of ended rooms never expires
-because of a pause. Read by any thread (`transfer_deadline`, `peer_liveness`, `RoomLedger`); moved only by the
+because of a pause. Read by any thread (`transfer_deadline`, `lost_handshake`, `RoomLedger`); moved only by the
 scheduler thread (`scheduler_pause`: `pause()` on pause_generation, `resume()` on continue_generation, both
 idempotent). No lock: one writer, and a reader racing a pause reads either side of it."""
 

@@ -257,7 +257,7 @@ PROBE_TIMEOUT_ENV = knobs.SESSION_PROBE_TIMEOUT.name
 def bounded_probe(mgr: Any, send_probe: Any, timeout: float) -> Callable[..., int]:
     """The manager's `_send_probe`: `probe_session` on its own thread (one per session), awaited at most `timeout` s.
     A caller joins the probe already running for the session, unless that one started before `since` (a probe
-    started while the link was cut stays in the transport's connect retries after the heal: peer_liveness asks
+    started while the link was cut stays in the transport's connect retries after the heal: held_decodes asks
     for one started once the peer answered again)."""
     lock, running = threading.Lock(), {}  # session -> (started, future)
 

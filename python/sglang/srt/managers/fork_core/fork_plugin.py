@@ -10,7 +10,8 @@ OURS = {name.rpartition(".")[2]: SRT + name for name in (
     "disaggregation.fork_ending.room_ledger", "disaggregation.fork_ending.pd_queues",
     "disaggregation.fork_ending.request_end_cause", "disaggregation.fork_ending.room_agreement",
     "disaggregation.fork_ending.bootstrap_door",
-    "disaggregation.fork_peers.peer_liveness",
+    "disaggregation.fork_peers.prefill_side_monitor", "disaggregation.fork_peers.decode_side_monitor",
+    "disaggregation.fork_peers.lost_handshake",
     "disaggregation.fork_transfer.transfer_deadline", "disaggregation.fork_transfer.chunk_failures",
     "disaggregation.fork_transfer.idle_pacing", "disaggregation.fork_transfer.paced_write",
     "disaggregation.fork_transfer.worker_handoff",
@@ -36,24 +37,25 @@ HOOKS: list[tuple[str, str, str]] = [_full(target, ref) + (kind,) for target, re
     ("disaggregation.common.conn.CommonKVManager._get_prefill_recompute_session",
      "resend_wait:fresh_connection_per_resend", AFTER),
     ("disaggregation.common.conn.CommonKVManager._handle_node_failure",
-     "peer_liveness:around_handle_node_failure", AROUND),
+     "decode_side_monitor:around_handle_node_failure", AROUND),
     ("disaggregation.common.conn.CommonKVManager._send_multipart_locked",
-     "peer_liveness:around_send_multipart_locked", AROUND),
+     "prefill_side_monitor:around_send_multipart_locked", AROUND),
     # the ledger's AROUND (inner), then decode's scheduler is woken from its idle pace (idle_pacing's AFTER, outer)
     ("disaggregation.common.conn.CommonKVManager.apply_prefill_status", "room_ledger:around_apply_prefill_status",
      AROUND),
     ("disaggregation.common.conn.CommonKVManager.apply_prefill_status", "idle_pacing:after_apply_prefill_status",
      AFTER),
-    ("disaggregation.common.conn.CommonKVManager.conclude_transfer", "peer_liveness:around_conclude_transfer", AROUND),
+    ("disaggregation.common.conn.CommonKVManager.conclude_transfer", "prefill_side_monitor:around_conclude_transfer",
+     AROUND),
     ("disaggregation.common.conn.CommonKVManager.parse_kv_status_message",
      "room_ledger:around_parse_kv_status_message", AROUND),
     ("disaggregation.common.conn.CommonKVManager.record_failure", "room_ledger:around_record_failure", AROUND),
     # a poison mark (every path upstream adds one) expires with decode's release deadline, noted once it exists
     ("disaggregation.common.conn.CommonKVManager.poison_deferred_ack_room", "chunk_failures:after_poison", AFTER),
-    # peer_liveness' AFTER (inner): a lost prefill fetched again is back; transfer_deadline's AROUND (outer): the
+    # decode_side_monitor's AFTER (inner): a lost prefill fetched again is back; transfer_deadline's AROUND (outer): the
     # scheduler takes a pool thread's fetched outcome
     ("disaggregation.common.conn.CommonKVManager.try_ensure_parallel_info",
-     "peer_liveness:after_try_ensure_parallel_info", AFTER),
+     "decode_side_monitor:after_try_ensure_parallel_info", AFTER),
     ("disaggregation.common.conn.CommonKVManager.try_ensure_parallel_info",
      "transfer_deadline:around_try_ensure_parallel_info", AROUND),
     ("disaggregation.common.conn.CommonKVManager.update_status", "room_ledger:around_update_status", AROUND),
@@ -62,19 +64,20 @@ HOOKS: list[tuple[str, str, str]] = [_full(target, ref) + (kind,) for target, re
     ("disaggregation.common.conn.CommonKVReceiver.ensure_abort_notified",
      "room_ledger:after_ensure_abort_notified", AFTER),
     # decode claims the room with prefill as the request enters its prealloc queue (the lost-decode handshake rule)
-    ("disaggregation.common.conn.CommonKVReceiver.init", "peer_liveness:after_receiver_init", AFTER),
+    ("disaggregation.common.conn.CommonKVReceiver.init", "decode_side_monitor:after_receiver_init", AFTER),
     # room_ledger's AFTER runs first (a failed room remembered as ended), then chunk_failures'
     ("disaggregation.common.conn.CommonKVSender.clear", "room_ledger:on_sender_clear", AFTER),
     ("disaggregation.common.conn.CommonKVSender.clear", "chunk_failures:on_sender_clear", AFTER),
-    ("disaggregation.common.conn.CommonKVSender.clear", "peer_liveness:on_sender_clear", AFTER),
+    ("disaggregation.common.conn.CommonKVSender.clear", "prefill_side_monitor:on_sender_clear", AFTER),
     # prefill's scheduler lets a parked transfer worker take the chunk it just queued before going on (worker_handoff;
     # on the sender, not on mooncake's add_transfer_request: loading the hooks must not import mooncake/conn.py)
     ("disaggregation.common.conn.CommonKVSender.send", "worker_handoff:after_send", AFTER),
     ("disaggregation.decode.DecodePreallocQueue._ensure_prefill_info",
      "transfer_deadline:around_ensure_prefill_info", AROUND),
-    # the ledger first (the monitor registers with it: RoomLedger.watch_peers); the start-up check of SWAPS last
+    # the ledger first (decode's monitor registers with it: RoomLedger.watch_peers); the start-up check of SWAPS last
     ("disaggregation.decode.DecodePreallocQueue._init_kv_manager", "room_ledger:on_manager_init", AFTER),
-    ("disaggregation.decode.DecodePreallocQueue._init_kv_manager", "peer_liveness:on_decode_manager_init", AFTER),
+    ("disaggregation.decode.DecodePreallocQueue._init_kv_manager", "decode_side_monitor:on_decode_manager_init",
+     AFTER),
     ("disaggregation.decode.DecodePreallocQueue._init_kv_manager", "fork_touch:check_at_start", AFTER),
     ("disaggregation.decode.DecodePreallocQueue._init_receiver", "transfer_deadline:around_init_receiver", AROUND),
     ("disaggregation.decode.DecodePreallocQueue.pop_preallocated", "transfer_deadline:before_pop_preallocated", BEFORE),
@@ -84,21 +87,22 @@ HOOKS: list[tuple[str, str, str]] = [_full(target, ref) + (kind,) for target, re
      "chunk_failures:on_decode_transfer_failure", AFTER),
     ("disaggregation.decode.DecodeTransferQueue.pop_transferred", "transfer_deadline:before_pop_transferred", BEFORE),
     ("disaggregation.decode._bootstrap_addr", "pd_queues:fake_bootstrap_addr", AROUND),
-    # the ledger first (the monitor registers with it); guard_transfer_worker's BEFORE patches the class before
+    # the ledger first; guard_transfer_worker's BEFORE patches the class before
     # upstream builds the manager; the start-up check of SWAPS last, after every AFTER hook that makes a swap
     ("disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager", "room_ledger:on_manager_init", AFTER),
     ("disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager", "chunk_failures:guard_transfer_worker", BEFORE),
     ("disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager", "chunk_failures:on_prefill_manager_init", AFTER),
-    ("disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager", "peer_liveness:on_prefill_manager_init", AFTER),
+    ("disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager", "prefill_side_monitor:on_prefill_manager_init",
+     AFTER),
     ("disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager", "paced_write:on_prefill_manager_init", AFTER),
     ("disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager", "fork_touch:check_at_start", AFTER),
     ("disaggregation.prefill.PrefillBootstrapQueue.add", "chunk_failures:on_prefill_add", AFTER),
     ("disaggregation.prefill.PrefillBootstrapQueue.create_sender", "room_ledger:on_prefill_create_sender", AFTER),
-    # outermost first: expired poison marks dropped (chunk_failures), a lost decode's handshake (peer_liveness),
+    # outermost first: expired poison marks dropped (chunk_failures), a lost decode's handshake (lost_handshake),
     # then the deadlines
     ("disaggregation.prefill.PrefillBootstrapQueue.pop_bootstrapped",
      "transfer_deadline:before_pop_bootstrapped", BEFORE),
-    ("disaggregation.prefill.PrefillBootstrapQueue.pop_bootstrapped", "peer_liveness:before_pop_bootstrapped", BEFORE),
+    ("disaggregation.prefill.PrefillBootstrapQueue.pop_bootstrapped", "lost_handshake:before_pop_bootstrapped", BEFORE),
     ("disaggregation.prefill.PrefillBootstrapQueue.pop_bootstrapped", "chunk_failures:expire_poison", BEFORE),
     ("disaggregation.prefill.PrefillBootstrapQueue.release_memory_occupation", "queue_buffers:queue_release", AROUND),
     ("disaggregation.prefill.PrefillBootstrapQueue.resume_memory_occupation", "queue_buffers:queue_resume", AROUND),
@@ -168,12 +172,12 @@ HOOKS: list[tuple[str, str, str]] = [_full(target, ref) + (kind,) for target, re
 #  kind "instance" (each object of the class) or "class", role whose kv manager gets it); why each: docs/layout.md
 SWAPS: list[tuple[str, str, str, str]] = [_full(target, ref) + (kind, role) for target, ref, kind, role in [
     ("disaggregation.mooncake.conn.MooncakeKVManager._publish_peer_registration",
-     "peer_liveness:on_prefill_manager_init", "instance", "prefill"),
+     "prefill_side_monitor:on_prefill_manager_init", "instance", "prefill"),
     ("disaggregation.mooncake.conn.MooncakeKVManager._handle_abort_notification",
      "room_ledger:on_manager_init", "instance", "prefill"),
     # decode's claims, read beside its ABORTs (outside the ledger's handler)
     ("disaggregation.mooncake.conn.MooncakeKVManager._handle_abort_notification",
-     "peer_liveness:on_prefill_manager_init", "instance", "prefill"),
+     "prefill_side_monitor:on_prefill_manager_init", "instance", "prefill"),
     ("disaggregation.nixl.conn.NixlKVManager._handle_abort_notification",
      "room_ledger:on_manager_init", "instance", "prefill"),
     ("disaggregation.mooncake.conn.MooncakeKVManager.failed_sessions",

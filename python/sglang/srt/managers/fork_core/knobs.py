@@ -65,14 +65,14 @@ DAY = 86400.0
 TRANSFER_TIMEOUT = Seconds(  # transfer_deadline (its server arg wins, with the same bound)
     "SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT", DAY,
     "a day: a longer deadline holds a lost transfer's KV and slots for longer than any client waits")
-LOST_DECODE_HANDSHAKE_TIMEOUT = Seconds(  # peer_liveness, gateway.md
+LOST_DECODE_HANDSHAKE_TIMEOUT = Seconds(  # lost_handshake, gateway.md
     "SGLANG_FORK_LOST_DECODE_HANDSHAKE_TIMEOUT", 600.0,
     "the default transfer deadline: longer, the deadline ends the request first and the rule never acts",
     zero="turns the rule off")
 SESSION_PROBE_TIMEOUT = Seconds(  # chunk_failures.bounded_probe
     "SGLANG_FORK_SESSION_PROBE_TIMEOUT", 60.0,
     "a probe holds a transfer worker: every room queued on it waits as long")
-DEPARTED_DECODE_AFTER = Seconds(  # peer_liveness: a lost peer left for good
+DEPARTED_DECODE_AFTER = Seconds(  # fork_peers' monitors: a lost peer left for good
     "SGLANG_FORK_DEPARTED_DECODE_AFTER", DAY,
     "a day: a departed peer's entries (and the lost-decode rule's count of it) last as long")
 GLOO_TIMEOUT = Seconds(  # rank_agreement

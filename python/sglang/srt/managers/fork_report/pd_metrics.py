@@ -55,13 +55,9 @@ def oldest_by_stage(scheduler: Any, role: str, now: float) -> Dict[str, float]:
 
 def _peers(kv_manager: Any) -> Optional[Dict[str, int]]:
     """{"lost": n, "held_out": n} of the kv manager's peer monitor; None without one (fake transfer backend)."""
-    from sglang.srt.disaggregation.fork_peers.peer_liveness import monitor_of
+    from sglang.srt.disaggregation.fork_peers.peer_monitor import gauges
 
-    monitor = monitor_of(kv_manager) if kv_manager is not None else None
-    if monitor is None:
-        return None
-    with monitor.lock:
-        return {"lost": sum(map(len, monitor.lost.values())), "held_out": len(monitor.held)}
+    return gauges(kv_manager)
 
 
 def set_gauges(scheduler: Any, labels: Dict[str, str], role: str) -> None:

@@ -52,7 +52,7 @@ def fork_tables(kv_manager) -> Dict[str, Dict[str, Any]]:
     when the server is idle (testing/pd_checks.held counts them)."""
     from sglang.srt.disaggregation.fork_ending import room_ledger
     from sglang.srt.disaggregation.fork_ending.teller import teller
-    from sglang.srt.disaggregation.fork_peers.peer_liveness import monitor_tables
+    from sglang.srt.disaggregation.fork_peers.peer_monitor import monitor_tables
     from sglang.srt.disaggregation.fork_transfer import chunk_failures, transfer_deadline
     from sglang.srt.managers.fork_pause import pd_pause
 
@@ -70,7 +70,7 @@ def fork_tables(kv_manager) -> Dict[str, Dict[str, Any]]:
 def build_report(scheduler) -> Dict[str, Any]:
     from sglang.srt.disaggregation.fork_ending import room_ledger
     from sglang.srt.disaggregation.fork_transfer import transfer_deadline
-    from sglang.srt.disaggregation.fork_peers.peer_liveness import peer_tables
+    from sglang.srt.disaggregation.fork_peers.peer_monitor import peer_tables
     from sglang.srt.managers.fork_cache import weight_epoch
     from sglang.srt.managers.fork_pause import queue_buffers, scheduler_pause
     from sglang.srt.managers.fork_core.fork_plugin import hooks_applied
