@@ -16,6 +16,7 @@ from typing import Any, List, NamedTuple, Optional, Sequence, Tuple
 
 from sglang.srt.disaggregation.fork_ending import request_end_cause as end_cause
 from sglang.srt.disaggregation.fork_ending.room_ledger import failure_record, ledger_of
+from sglang.srt.disaggregation.fork_ending.room_transitions import Transition
 from sglang.srt.disaggregation.fork_ending.verdict import Told, reason_weight
 from sglang.srt.managers.fork_core.rank_agreement import gather, group_size
 from sglang.srt.managers.fork_core.fork_touch import upstream
@@ -87,7 +88,7 @@ def adopt(poller: Any, by_rank: Sequence[Optional[Known]]) -> None:
         end_cause.retag(mgr, room, *tag)
     ledger = ledger_of(mgr)
     if late is not None and ledger is not None:
-        ledger.remember(room, late, told=late_told)
+        ledger.make(Transition.REMEMBER_ENDED, room, late, told=late_told)
     if reason:
         with mgr.failure_lock:  # only while the room exists (a cleared room's record would reach its next request)
             if room in mgr.request_status:
@@ -99,7 +100,8 @@ def adopt(poller: Any, by_rank: Sequence[Optional[Known]]) -> None:
         # remembered (unless a late answer was agreed above): decode's handshake may reach this rank only after its
         # sender is cleared (decode TP 1 handshakes each prefill rank on its own socket), and would otherwise open
         # the room again with no sender to close it
-        ledger.end(room, None, reason or OTHER_RANK_REASON, fail=False, remember=late is None, told=told if reason else None)
+        ledger.make(Transition.TELL_AND_REMEMBER if late is None else Transition.ANSWER_LATE, room,
+                    reason or OTHER_RANK_REASON, told=told if reason else None)
 
 
 def share_failures(pollers: Sequence[Any], polls: Sequence[int], group: Any) -> None:

@@ -320,8 +320,12 @@ class PeerMonitor:
             targets = None if keep else [t for t in mgr._room_notify_targets(room) if t != (host, port)]
             # remembered: a held-out decode's queued handshake for it, delivered once the link is back, is
             # answered Failed instead of opening the room again (nothing would close it)
-            room_ledger.end_room(mgr, room, request_end_cause.PEER_FAILURE, reason, peer=peer, targets=targets,
-                                 remember=keep, told=LOST)
+            if keep:
+                room_ledger.end_room(mgr, room_ledger.Transition.FAIL_TELL_REMEMBER, room, reason,
+                                     cause=request_end_cause.PEER_FAILURE, peer=peer, told=LOST)
+            else:
+                room_ledger.end_room(mgr, room_ledger.Transition.FAIL_AND_TELL, room, reason,
+                                     cause=request_end_cause.PEER_FAILURE, peer=peer, targets=targets, told=LOST)
         with self.lock:
             self.lost.setdefault(host, []).append(peer)
             self.lost_at[peer] = time.monotonic()
@@ -632,7 +636,8 @@ def around_handle_node_failure(original, mgr, peer, *args, **kwargs):
     failed = [room for room in list(mgr.addr_to_rooms_tracker.get(peer, ()))
               if mgr.request_status.get(room) not in (None, KVPoll.Success)]
     for room in failed:
-        room_ledger.end_room(mgr, room, request_end_cause.PEER_FAILURE, reason, peer=peer, tell=False)
+        room_ledger.end_room(mgr, room_ledger.Transition.FAIL_UNTOLD, room, reason,
+                             cause=request_end_cause.PEER_FAILURE, peer=peer)
     result = original(mgr, peer, *args, **kwargs)
     # drains this prefill owes: nobody will ack (a room parked after `lost` is acked at once)
     ledger = room_ledger.ledger_of(mgr)
@@ -693,7 +698,7 @@ def around_conclude_transfer(original, mgr, *args, bootstrap_room=None, status=N
                 # with the cause it came with)
                 ledger = room_ledger.ledger_for(mgr)
                 if not ledger.has_record(bootstrap_room):
-                    ledger.end(bootstrap_room, None, failure_reason, tell=False, mark=False, told=LOST)
+                    ledger.make(room_ledger.Transition.RECORD_FOR_UPSTREAM, bootstrap_room, failure_reason, told=LOST)
                 with room_ledger.concluding(bootstrap_room, kwargs.get("targets")):  # told only if a status is sent
                     return original(mgr, *args, bootstrap_room=bootstrap_room, status=status,
                                     failure_reason=failure_reason, **kwargs)
@@ -784,5 +789,5 @@ def before_pop_bootstrapped(queue, *args, **kwargs):
         verdict.of(req).lost_decode = text
         logger.warning(text)
         # remembered: the handshake a silent decode queued for it may still arrive once the link is back
-        room_ledger.end_room(kv_mgr, req.bootstrap_room, request_end_cause.PEER_FAILURE, text,
-                             peer=holder or lost[0], remember=True, told=LOST)
+        room_ledger.end_room(kv_mgr, room_ledger.Transition.FAIL_TELL_REMEMBER, req.bootstrap_room, text,
+                             cause=request_end_cause.PEER_FAILURE, peer=holder or lost[0], told=LOST)
