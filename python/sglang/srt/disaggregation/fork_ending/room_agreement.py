@@ -29,7 +29,7 @@ COUNTS: Counter = Counter()  # "gathers": collectives made in this process; "roo
 class Known(NamedTuple):
     """What one rank knows of a failed room: its failure record, its end-cause tag (cause, peer), the reason a
     late handshake for it is answered with; the cause each of the two came with (the peer's frames, this side's
-    `end`), so every rank answers and tells the same one."""
+    `make`), so every rank answers and tells the same one."""
 
     reason: Optional[str]
     tag: Optional[Tuple[str, Optional[str]]]

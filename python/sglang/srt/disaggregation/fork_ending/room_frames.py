@@ -18,7 +18,7 @@ logger = logging.getLogger(__name__)
 # then its cause (teller.CAUSE_FRAME, to every ABORT: `abort_frames`); prefill strips them before upstream's handler.
 WHY_FRAME = b"fork-why"
 # Prefill tells decode a room's cause as a message of its own, right before the Failed status (upstream's frame, left
-# as it is) on the same socket: [PEER_CAUSE, room, prefill rank, cause name, message] (`RoomLedger.end`). A decode of
+# as it is) on the same socket: [PEER_CAUSE, room, prefill rank, cause name, message] (`RoomLedger.tell_cause`). A decode of
 # an older build or stock upstream drops it as an unparsable status (mooncake logs a warning; nixl/mori: a tag mismatch).
 PEER_CAUSE = b"~fork-cause"
 FORK_FRAMES = (WHY_FRAME, CAUSE_FRAME)

@@ -67,7 +67,7 @@ class RoomLedger:
         self.ttl_s = float(envs.SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT.get()
                            + envs.SGLANG_DISAGGREGATION_WAITING_TIMEOUT.get())
         self.peer_lost: Optional[Callable[[str], bool]] = None  # watch_peers: whether a peer is lost now
-        # room -> (the cause its failure record came with: the peer's frames, or this side's `end`; that record),
+        # room -> (the cause its failure record came with: the peer's frames, or this side's `make`; that record),
         # under upstream's `failure_lock` with the record; the verdict hook moves it into the request's record
         # (`take_told`)
         self.told: "OrderedDict[int, Tuple[Told, str]]" = OrderedDict()

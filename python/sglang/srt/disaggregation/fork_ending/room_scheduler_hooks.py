@@ -67,7 +67,7 @@ def before_abort_request(scheduler, recv_req, *args, **kwargs) -> None:
         table.of(req).requested = (message, status)
         end_cause.tag_req(req, cause)
         kv_mgr = _kv_mgr(req) if role == "prefill" else None  # decode: none; the fake one cannot send
-        room = req.bootstrap_room  # None: `end` ends nothing
+        room = req.bootstrap_room  # None: `end_room` ends nothing
         if has_room_tables(kv_mgr) and upstream(kv_mgr, "request_status").get(room) != KVPoll.Success:
             end_room(kv_mgr, Transition.TELL_AND_REMEMBER, room, peer_reason(req.rid, room, "prefill", message),
                      told=told_for(message))
