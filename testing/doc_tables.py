@@ -4,7 +4,8 @@ benchmark summary of README.md (from the bench blocks in bench/README.md), and t
 and caps the docs quote. test/srt/fork_boundary/test_docs_consistency.py checks every doc against this.
 
 `python -m testing.doc_tables --write` rewrites the generated blocks (between `<!-- NAME:begin ... -->` and
-`<!-- NAME:end -->`) in README.md and docs/operations.md; without `--write` it prints the ones that differ.
+`<!-- NAME:end -->`) in README.md, docs/operations.md and docs/layout.md (a room's states, from
+`room_transitions.TRANSITIONS`); without `--write` it prints the ones that differ.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Callable, Dict, List, Tuple
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 OPERATIONS = ROOT / "docs" / "operations.md"
+LAYOUT = ROOT / "docs" / "layout.md"
 BENCH_README = ROOT / "bench" / "README.md"
 CHANGELOG = ROOT / "CHANGELOG.md"
 
@@ -229,6 +231,37 @@ def status_table() -> str:
     return "\n".join(lines)
 
 
+# ----------------------------------------------------------------------------- a room's states
+
+
+def room_states() -> str:
+    """docs/layout.md's diagram of a room's states and its table of transitions, from `room_transitions`."""
+    from sglang.srt.disaggregation.fork_ending.room_transitions import TRANSITIONS, Phase, Tell
+
+    edges: Dict[Tuple[str, str], List[str]] = {}
+    for transition, row in TRANSITIONS.items():
+        for a in row.before:
+            for b in row.after:
+                edges.setdefault((a.name, b.name), []).append(transition.value)
+    lines = ["```mermaid", "stateDiagram-v2"]
+    lines += [f"    {a} --> {b}: {', '.join(names)}" for (a, b), names in edges.items()]
+    lines += ["```", "", "| state | what it means |", "|---|---|"]
+    lines += [f"| `{p.name}` | {p.value} |" for p in Phase]
+    lines += ["", "| transition | side | from | to | steps (in this order) | who makes it |", "|---|---|---|---|---|---|"]
+    for transition, row in TRANSITIONS.items():
+        steps = [step for step, on in (("clear the sender", row.clear),
+                                       ("remember" + (" (answer late)" if row.answer else "")
+                                        + (" (cancel)" if row.cancel else ""), row.remembers),
+                                       ("record" + (" and mark Failed" if row.mark else " (not marked)"), row.fail),
+                                       ({Tell.STATUS: "tell decode (cause, Failed)",
+                                         Tell.ABORT: "tell prefill (ABORT)"}.get(row.tell, ""),
+                                        row.tell is not Tell.NONE)) if on]
+        lines.append(f"| `{transition.value}` | {'/'.join(sorted(row.sides))} "
+                     f"| {', '.join(p.name for p in row.before)} | {', '.join(p.name for p in row.after)} "
+                     f"| {'; '.join(['tag the cause (if given)'] + steps)} | {row.who} |")
+    return "\n".join(lines)
+
+
 # ----------------------------------------------------------------------------- bench summary
 
 
@@ -303,6 +336,7 @@ def counts() -> Dict[str, int]:
 GENERATED: Dict[Path, Dict[str, Callable[[], str]]] = {
     README: {"bench-summary": bench_summary},
     OPERATIONS: {"knobs": knob_table, "statuses": status_table},
+    LAYOUT: {"room-states": room_states},
 }
 
 

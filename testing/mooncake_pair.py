@@ -184,14 +184,14 @@ class _Worker:
             scheduler_pause.pause_of(self.h.scheduler).abort_all_and_drain(message)
 
     def end_room(self, room: int, reason: str, cause: Optional[str] = None, message: Optional[str] = None) -> None:
-        """End the room through the ledger (`RoomLedger.end`, as the fork's modules do), its failure `reason` told to
+        """End the room through the ledger (`RoomLedger.make`: fail_and_tell), its failure `reason` told to
         the peer with the cause named `cause` (a verdict.Cause name, and its `message`), or without one (as a peer of
         an older build or stock upstream tells it)."""
         from sglang.srt.disaggregation.fork_ending import room_ledger, verdict
 
         told = None if cause is None else verdict.Told(verdict.Cause[cause], message)
         with self.h.active():
-            room_ledger.end_room(self.h.kv_manager, room, None, reason, told=told)
+            room_ledger.end_room(self.h.kv_manager, room_ledger.Transition.FAIL_AND_TELL, room, reason, told=told)
 
     def disown(self, room: int, failed: bool) -> None:
         """What clearing a sender of the room tells the ledger (`RoomLedger.disown`; no sender owns it here): a failed
@@ -201,14 +201,14 @@ class _Worker:
         room_ledger.ledger_for(self.h.kv_manager).disown(room, None, failed)
 
     def hold_unowned_drops(self) -> None:
-        """Prefill: the bootstrap thread's drop of a room no sender owns (room_ledger._drop_unowned_room, after an
+        """Prefill: the bootstrap thread's drop of a room no sender owns (room_ledger.drop_unowned_room, after an
         ABORT it kept as a cancellation) waits, once reached, until `release_unowned_drops`: a test puts the
         scheduler's sender creation for that room in between (the interleaving the ledger must survive)."""
         import threading
 
         from sglang.srt.disaggregation.fork_ending import room_ledger
 
-        real = self._real_drop = room_ledger._drop_unowned_room
+        real = self._real_drop = room_ledger.drop_unowned_room
         reached, go = self._drop_reached, self._drop_go = threading.Event(), threading.Event()
 
         def gated(mgr, room):  # the real drop, later
@@ -216,7 +216,7 @@ class _Worker:
             go.wait(60)
             return real(mgr, room)
 
-        room_ledger._drop_unowned_room = gated
+        room_ledger.drop_unowned_room = gated
 
     def unowned_drop_reached(self) -> bool:
         return self._drop_reached.is_set()
@@ -224,14 +224,14 @@ class _Worker:
     def release_unowned_drops(self) -> None:
         from sglang.srt.disaggregation.fork_ending import room_ledger
 
-        room_ledger._drop_unowned_room = self._real_drop
+        room_ledger.drop_unowned_room = self._real_drop
         self._drop_go.set()
 
     def cancelled_rooms(self) -> Optional[int]:
         """Peer cancellations this side remembers (disaggregation.fork_ending.room_ledger)."""
-        from sglang.srt.disaggregation.fork_ending import room_ledger
+        from sglang.srt.disaggregation.fork_ending import room_reads
 
-        return room_ledger.report(self.h.kv_manager)
+        return room_reads.report(self.h.kv_manager)
 
     def late_answer(self, room: int) -> Optional[str]:
         """The reason this side answers a late handshake for `room` with (the room

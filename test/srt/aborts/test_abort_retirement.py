@@ -11,7 +11,7 @@ import pytest
 
 from sglang.srt.disaggregation.fork_ending import pd_queues
 from sglang.srt.disaggregation.fork_ending import request_end_cause as ec
-from sglang.srt.disaggregation.fork_ending import room_ledger as ar
+from sglang.srt.disaggregation.fork_ending import room_kv_hooks as ar
 from sglang.srt.disaggregation.fork_ending import verdict
 from sglang.srt.managers.schedule_batch import FINISH_ABORT
 from testing.pd_checks import is_client_abort

@@ -466,24 +466,24 @@ def test_hooks_on_one_target_sit_together_in_wrap_order():
     for target, ref, _ in hooks:
         order.setdefault(target.removeprefix("sglang.srt."), []).append(ref.rpartition(".")[2])
     assert order["managers.scheduler.Scheduler.send_abort_output"] == [
-        "pd_pause:pause_answer_kept", "room_ledger:after_send_abort_output", "request_end_cause:before_send_abort_output"]
+        "pd_pause:pause_answer_kept", "room_scheduler_hooks:after_send_abort_output", "request_end_cause:before_send_abort_output"]
     assert order["managers.scheduler.Scheduler.abort_request"] == [
-        "scheduler_pause:abort_while_paused", "room_ledger:before_abort_request"]
+        "scheduler_pause:abort_while_paused", "room_scheduler_hooks:before_abort_request"]
     assert order["disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager"] == [
-        "room_ledger:on_manager_init", "chunk_failures:guard_transfer_worker", "chunk_failures:on_prefill_manager_init",
+        "room_kv_hooks:on_manager_init", "chunk_failures:guard_transfer_worker", "chunk_failures:on_prefill_manager_init",
         "prefill_side_monitor:on_prefill_manager_init", "paced_write:on_prefill_manager_init",
         "fork_touch:check_at_start"]
     assert order["disaggregation.decode.DecodePreallocQueue._init_kv_manager"] == [
-        "room_ledger:on_manager_init", "decode_side_monitor:on_decode_manager_init", "fork_touch:check_at_start"]
+        "room_kv_hooks:on_manager_init", "decode_side_monitor:on_decode_manager_init", "fork_touch:check_at_start"]
     assert order["disaggregation.prefill.PrefillBootstrapQueue.pop_bootstrapped"] == [
         "transfer_deadline:before_pop_bootstrapped", "lost_handshake:before_pop_bootstrapped",
         "chunk_failures:expire_poison"]
     assert order["disaggregation.common.conn.CommonKVManager.try_ensure_parallel_info"] == [
         "decode_side_monitor:after_try_ensure_parallel_info", "transfer_deadline:around_try_ensure_parallel_info"]
     assert order["disaggregation.common.conn.CommonKVSender.clear"] == [
-        "room_ledger:on_sender_clear", "chunk_failures:on_sender_clear", "prefill_side_monitor:on_sender_clear"]
+        "room_kv_hooks:on_sender_clear", "chunk_failures:on_sender_clear", "prefill_side_monitor:on_sender_clear"]
     assert order["disaggregation.common.conn.CommonKVManager.apply_prefill_status"] == [
-        "room_ledger:around_apply_prefill_status", "idle_pacing:after_apply_prefill_status"]
+        "room_kv_hooks:around_apply_prefill_status", "idle_pacing:after_apply_prefill_status"]
     assert order["managers.scheduler.Scheduler.process_input_requests"] == [
         "weight_epoch:after_process_input_requests", "pd_metrics:after_process_input_requests"]
     assert order["managers.tokenizer_manager.TokenizerManager.generate_request"] == [

@@ -21,7 +21,7 @@ MOONCAKE = "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager"
 D = "sglang.srt.disaggregation"
 SWAPPED = {  # "target <- the hook that makes the swap"
     f"{MOONCAKE}._publish_peer_registration <- {D}.fork_peers.prefill_side_monitor:on_prefill_manager_init",
-    f"{MOONCAKE}._handle_abort_notification <- {D}.fork_ending.room_ledger:on_manager_init",
+    f"{MOONCAKE}._handle_abort_notification <- {D}.fork_ending.room_kv_hooks:on_manager_init",
     f"{MOONCAKE}._handle_abort_notification <- {D}.fork_peers.prefill_side_monitor:on_prefill_manager_init",
     f"{MOONCAKE}.failed_sessions <- {D}.fork_transfer.chunk_failures:on_prefill_manager_init",
     f"{MOONCAKE}._send_probe <- {D}.fork_transfer.chunk_failures:on_prefill_manager_init",

@@ -7,7 +7,7 @@ import weakref
 
 import pytest
 
-from sglang.srt.disaggregation.fork_ending import room_ledger
+from sglang.srt.disaggregation.fork_ending import room_kv_hooks
 from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
 from sglang.srt.disaggregation.utils import DisaggregationMode
 from sglang.srt.managers.fork_core import fork_touch
@@ -15,14 +15,14 @@ from sglang.srt.managers.fork_core import fork_touch
 pytestmark = pytest.mark.unit
 
 TARGET = "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager._handle_abort_notification <- " \
-         "sglang.srt.disaggregation.fork_ending.room_ledger:on_manager_init"
+         "sglang.srt.disaggregation.fork_ending.room_kv_hooks:on_manager_init"
 
 
 def _prefill_manager():
     """A MooncakeKVManager as the ledger's hook sees it (no engine: only what `on_manager_init` reads)."""
     mgr = object.__new__(MooncakeKVManager)
     mgr.disaggregation_mode = DisaggregationMode.PREFILL
-    room_ledger.on_manager_init(mgr, None)  # the real hook: the ledger, the ABORT handler swapped (SWAPS)
+    room_kv_hooks.on_manager_init(mgr, None)  # the real hook: the ledger, the ABORT handler swapped (SWAPS)
     return mgr
 
 

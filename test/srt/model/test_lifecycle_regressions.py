@@ -31,7 +31,7 @@ def test_release_on_prefill_keeps_a_handshake_that_came_before_its_request(model
     prefill's tokenizer, paused for the RL step) when prefill releases and resumes its memory. The copy then
     arrives: it must complete with the handshake decode already sent (decode does not send it again).
     Found by the model (ci profile, shrunk by hand from a 14-step counterexample). Fixed: release/resume keeps a handshake whose request is
-    still on its way (`room_ledger.awaits_its_request`). Stock upstream 0.5.23: its
+    still on its way (`room_reads.awaits_its_request`). Stock upstream 0.5.23: its
     release clears nothing of the kv manager's tables, so the handshake stays and the request completes."""
     steps(model,
           ("new_request_decode_first", {}),

@@ -12,6 +12,7 @@ import pytest
 
 from sglang.srt.disaggregation.fork_ending.room_agreement import Known, agreed
 from sglang.srt.disaggregation.fork_ending.room_ledger import CANCEL_REASON
+from sglang.srt.disaggregation.fork_ending.room_transitions import Transition
 from testing.gloo_ranks import apply_fork_hooks, run_ranks
 
 pytestmark = pytest.mark.pair
@@ -79,7 +80,7 @@ def _rank(rank: int, store: str, out) -> None:
     from sglang.srt.disaggregation import utils
     from sglang.srt.disaggregation.base import KVPoll
     from sglang.srt.disaggregation.fork_ending import request_end_cause as end_cause
-    from sglang.srt.disaggregation.fork_ending import room_agreement, room_ledger, verdict
+    from sglang.srt.disaggregation.fork_ending import room_agreement, room_kv_hooks, room_ledger, verdict
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
     try:
@@ -104,12 +105,14 @@ def _rank(rank: int, store: str, out) -> None:
         sender = CommonKVSender.__new__(CommonKVSender)
         cancelled = ledger.claim(15, sender)
         if cancelled is not None:
-            ledger.end(15, None, cancelled[0], tell=False)
+            ledger.make(Transition.FAIL_UNTOLD, 15, cancelled[0])
         if rank == 1:
             mgr.failure_records[11] = KV_FAILED
-            room_ledger.end_room(mgr, 12, end_cause.PEER_FAILURE, LOST, peer="127.0.0.1:7001", tell=False)
+            room_ledger.end_room(mgr, Transition.FAIL_UNTOLD, 12, LOST, cause=end_cause.PEER_FAILURE,
+                                 peer="127.0.0.1:7001")
         else:
-            room_ledger.end_room(mgr, 13, end_cause.TIMEOUT, DEADLINE, remember=True, tell=False)
+            room_ledger.end_room(mgr, Transition.REMEMBER_ENDED, 13, DEADLINE)  # a deadline, its telling left out
+            room_ledger.end_room(mgr, Transition.FAIL_UNTOLD, 13, DEADLINE, cause=end_cause.TIMEOUT)
         gathers = room_agreement.COUNTS["gathers"]
         polls = utils.poll_and_all_reduce([Poller(mgr, r) for r in (11, 12, 13, 14, 15)], group)
         seen = {
@@ -131,11 +134,11 @@ def _rank(rank: int, store: str, out) -> None:
         for room in (13, 15):
             mgr.request_status.pop(room)
             mgr.failure_records.pop(room, None)
-            room_ledger.on_sender_clear(None, type("Sender", (), {"kv_mgr": mgr, "bootstrap_room": room,
+            room_kv_hooks.on_sender_clear(None, type("Sender", (), {"kv_mgr": mgr, "bootstrap_room": room,
                                                                     "conclude_state": S.Failed})())
         # ... and decode's late handshake reaches this rank: answered Failed with the reason, nothing re-created
         for room in (13, 15) if rank == 0 else (13,):
-            room_ledger.around_update_status(type(mgr).update_status, mgr, room, S.WaitingForInput)
+            room_kv_hooks.around_update_status(type(mgr).update_status, mgr, room, S.WaitingForInput)
             seen[f"handshake_{room}"] = {"request_status": mgr.request_status.get(room), "told": list(mgr.told)}
             mgr.told.clear()
         out.put((rank, seen))

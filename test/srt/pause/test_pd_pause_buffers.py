@@ -49,7 +49,7 @@ def _handshaken(pair, prompt_len: int) -> int:
 
 def test_a_handshake_for_a_request_still_at_the_gate_survives_release_and_resume(pair):
     """Prefill released and resumed (its buffers moved) between decode's handshake and the request's arrival at its
-    scheduler (the request waited at prefill's pause gate): the handshake is kept (`room_ledger.awaits_its_request`),
+    scheduler (the request waited at prefill's pause gate): the handshake is kept (`room_reads.awaits_its_request`),
     the request then transfers from prefill's new buffers to the addresses decode's handshake named, byte for byte,
     and nothing is left. Before the fix the release dropped the handshake and the request waited for one that never
     came again (the transfer deadline: 504 on both sides; upstream 0.5.23 keeps it and completes)."""

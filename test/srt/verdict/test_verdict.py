@@ -283,21 +283,21 @@ def test_a_told_cause_decides_over_misleading_text():
 
 def test_the_cause_frames_round_trip_and_an_older_peer_falls_back():
     from sglang.srt.disaggregation.common.conn import ABORT_TAG, AbortNotification
-    from sglang.srt.disaggregation.fork_ending import room_ledger
+    from sglang.srt.disaggregation.fork_ending import room_frames
 
     note = AbortNotification(room=7, decode_ip="10.0.0.2", decode_port=7000, generation=3)
     upstreams = [ABORT_TAG, b"7", b"10.0.0.2", b"7000", b"3"]  # upstream's to_zmq (the fork's hook may wrap it)
-    frames = room_ledger.abort_frames(upstreams, verdict.PAUSE_ABORT_MESSAGE)
+    frames = room_frames.abort_frames(upstreams, verdict.PAUSE_ABORT_MESSAGE)
     # stock upstream prefill: the fork's frames after the generation are not read
     assert AbortNotification.from_zmq(frames) == note
-    ours, why, told = room_ledger.split_abort(frames)
+    ours, why, told = room_frames.split_abort(frames)
     assert (ours, why, told) == (upstreams, verdict.PAUSE_ABORT_MESSAGE,
                                  verdict.Told(Cause.PEER_PAUSE, verdict.PAUSE_ABORT_MESSAGE))
-    assert room_ledger.split_abort(room_ledger.abort_frames(upstreams, None))[2] == verdict.Told(Cause.PEER_ABORT)
+    assert room_frames.split_abort(room_frames.abort_frames(upstreams, None))[2] == verdict.Told(Cause.PEER_ABORT)
     # an older fork build: the why, no cause; stock upstream: neither (the reason's text is read)
-    older = list(upstreams) + [room_ledger.WHY_FRAME, verdict.PAUSE_ABORT_MESSAGE.encode()]
-    assert room_ledger.split_abort(older) == (upstreams, verdict.PAUSE_ABORT_MESSAGE, None)
-    assert room_ledger.split_abort(upstreams) == (upstreams, None, None)
+    older = list(upstreams) + [room_frames.WHY_FRAME, verdict.PAUSE_ABORT_MESSAGE.encode()]
+    assert room_frames.split_abort(older) == (upstreams, verdict.PAUSE_ABORT_MESSAGE, None)
+    assert room_frames.split_abort(upstreams) == (upstreams, None, None)
     # a cause this build does not know, or one only this side's record holds: read as none
     assert verdict.Told.from_frames([b"NEWER_CAUSE", b""]) is None
     assert verdict.Told.from_frames([b"DEADLINE", b""]) is None

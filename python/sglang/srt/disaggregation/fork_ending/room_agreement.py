@@ -16,6 +16,7 @@ from typing import Any, List, NamedTuple, Optional, Sequence, Tuple
 
 from sglang.srt.disaggregation.fork_ending import request_end_cause as end_cause
 from sglang.srt.disaggregation.fork_ending.room_ledger import failure_record, ledger_of
+from sglang.srt.disaggregation.fork_ending.room_transitions import Transition
 from sglang.srt.disaggregation.fork_ending.verdict import Told, reason_weight
 from sglang.srt.managers.fork_core.rank_agreement import gather, group_size
 from sglang.srt.managers.fork_core.fork_touch import upstream
@@ -28,7 +29,7 @@ COUNTS: Counter = Counter()  # "gathers": collectives made in this process; "roo
 class Known(NamedTuple):
     """What one rank knows of a failed room: its failure record, its end-cause tag (cause, peer), the reason a
     late handshake for it is answered with; the cause each of the two came with (the peer's frames, this side's
-    `end`), so every rank answers and tells the same one."""
+    `make`), so every rank answers and tells the same one."""
 
     reason: Optional[str]
     tag: Optional[Tuple[str, Optional[str]]]
@@ -87,7 +88,7 @@ def adopt(poller: Any, by_rank: Sequence[Optional[Known]]) -> None:
         end_cause.retag(mgr, room, *tag)
     ledger = ledger_of(mgr)
     if late is not None and ledger is not None:
-        ledger.remember(room, late, told=late_told)
+        ledger.make(Transition.REMEMBER_ENDED, room, late, told=late_told)
     if reason:
         with mgr.failure_lock:  # only while the room exists (a cleared room's record would reach its next request)
             if room in mgr.request_status:
@@ -99,7 +100,8 @@ def adopt(poller: Any, by_rank: Sequence[Optional[Known]]) -> None:
         # remembered (unless a late answer was agreed above): decode's handshake may reach this rank only after its
         # sender is cleared (decode TP 1 handshakes each prefill rank on its own socket), and would otherwise open
         # the room again with no sender to close it
-        ledger.end(room, None, reason or OTHER_RANK_REASON, fail=False, remember=late is None, told=told if reason else None)
+        ledger.make(Transition.TELL_AND_REMEMBER if late is None else Transition.ANSWER_LATE, room,
+                    reason or OTHER_RANK_REASON, told=told if reason else None)
 
 
 def share_failures(pollers: Sequence[Any], polls: Sequence[int], group: Any) -> None:

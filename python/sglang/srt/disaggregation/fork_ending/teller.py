@@ -5,8 +5,8 @@ bootstrap address, chosen by the request's client) costs only its own tells: eac
 daemon thread sending them in turn (`ForkRoomLedgerTeller-<addr>`, gone once its tells are), every call to it ends
 within a deadline, and what it answers is read up to a cap. The tables (`_targets`, `_endpoints`, the counts) are
 guarded by `Teller._lock` (a leaf: no call, no send under it); each cap drops a tell with a warning. Best effort:
-prefill's deadline remains the fallback. Callers: `room_ledger.ended_at_gate` and
-`room_ledger.after_ensure_abort_notified`."""
+prefill's deadline remains the fallback. Callers: `room_telling.ended_at_gate` and
+`room_kv_hooks.after_ensure_abort_notified`."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 # only fails the room.
 ENDED_ON_PREFILL = b"~fork-ended-on-prefill"
 # What the fork's frames tell the peer of why a room ended: [CAUSE_FRAME, the verdict.Cause's name, its message],
-# appended to the fork's own frames and to decode's ABORT (room_ledger.abort_frames). A receiver reads it as a field
+# appended to the fork's own frames and to decode's ABORT (room_frames.abort_frames). A receiver reads it as a field
 # (`told_in`); one of an older build ignores what follows its own frames.
 CAUSE_FRAME = b"fork-cause"
 
@@ -84,7 +84,7 @@ class Teller:
     def tell(self, host: Optional[str], port: Optional[int], room: Optional[int], why: str,
              reason: Optional[str] = None, told: Optional[Told] = None) -> None:
         """Queue the tell that `room` ended before that side's scheduler saw it: `reason` None: decode's ABORT for
-        it (its frames as decode's other ABORTs: room_ledger.abort_frames); else prefill's own end of it, `told` its
+        it (its frames as decode's other ABORTs: room_frames.abort_frames); else prefill's own end of it, `told` its
         cause (answered at decode's handshake)."""
         if host is None or port is None or room is None:
             return

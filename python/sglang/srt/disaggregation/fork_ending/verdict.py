@@ -18,7 +18,7 @@ counted as (`request_end_cause`), and which cause wins over which. Three things,
 
 Callers: room_ledger (`prepare_abort`'s verdict, the abort hooks, `record_failure`'s precedence), pd_pause (the answers
 of the pause and of aborts while paused), request_end_cause (the counted cause), room_agreement (which rank's reason),
-peer_liveness and transfer_deadline (their reasons' tags). Pure functions of their arguments and the record, on the
+the peer monitors and transfer_deadline (their reasons' tags). Pure functions of their arguments and the record, on the
 calling thread; no lock. Imports no fork module but `request_record`."""
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ PAUSE_MARKERS = ("pause_generation", RELEASE_MARKER)
 
 # How the fork's failure reasons open (a room's reason also reaches the peer: upstream's status message carries it).
 DEADLINE_TAG = "PD transfer deadline exceeded"  # transfer_deadline's reasons
-PEER_LOST_TAG = "PD peer lost"  # peer_liveness's reasons (and transfer_deadline's unreachable prefill)
+PEER_LOST_TAG = "PD peer lost"  # the peer monitors' reasons (and transfer_deadline's unreachable prefill)
 ABORT_TAG = "PD request aborted"  # the reason a room carries to the peer when its request was aborted (peer_reason)
 PEER_WHY = " was aborted: "  # peer_reason: what the peer is told, then why
 REJECTED = "rejected by"  # a tokenizer's or scheduler's rejection, told to the peer with its message

@@ -130,7 +130,8 @@ def around_handle_node_failure(original, mgr, peer, *args, **kwargs):
     failed = [room for room in list(mgr.addr_to_rooms_tracker.get(peer, ()))
               if mgr.request_status.get(room) not in (None, KVPoll.Success)]
     for room in failed:
-        room_ledger.end_room(mgr, room, request_end_cause.PEER_FAILURE, reason, peer=peer, tell=False)
+        room_ledger.end_room(mgr, room_ledger.Transition.FAIL_UNTOLD, room, reason,
+                             cause=request_end_cause.PEER_FAILURE, peer=peer)
     result = original(mgr, peer, *args, **kwargs)
     # drains this prefill owes: nobody will ack (a room parked after `lost` is acked at once)
     ledger = room_ledger.ledger_of(mgr)

@@ -110,5 +110,5 @@ def before_pop_bootstrapped(queue, *args, **kwargs):
         request_record.of(req, HandshakeWait).lost_decode = text
         logger.warning(text)
         # remembered: the handshake a silent decode queued for it may still arrive once the link is back
-        room_ledger.end_room(kv_mgr, req.bootstrap_room, request_end_cause.PEER_FAILURE, text,
-                             peer=holder or lost[0], remember=True, told=LOST)
+        room_ledger.end_room(kv_mgr, room_ledger.Transition.FAIL_TELL_REMEMBER, req.bootstrap_room, text,
+                             cause=request_end_cause.PEER_FAILURE, peer=holder or lost[0], told=LOST)

@@ -201,8 +201,12 @@ class PrefillSideMonitor(held_decodes.HeldDecodes, PeerMonitor):
             targets = None if keep else [t for t in mgr._room_notify_targets(room) if t != (host, port)]
             # remembered: a held-out decode's queued handshake for it, delivered once the link is back, is
             # answered Failed instead of opening the room again (nothing would close it)
-            room_ledger.end_room(mgr, room, request_end_cause.PEER_FAILURE, reason, peer=peer, targets=targets,
-                                 remember=keep, told=LOST)
+            if keep:
+                room_ledger.end_room(mgr, room_ledger.Transition.FAIL_TELL_REMEMBER, room, reason,
+                                     cause=request_end_cause.PEER_FAILURE, peer=peer, told=LOST)
+            else:
+                room_ledger.end_room(mgr, room_ledger.Transition.FAIL_AND_TELL, room, reason,
+                                     cause=request_end_cause.PEER_FAILURE, peer=peer, targets=targets, told=LOST)
         with self.lock:
             self.lost.setdefault(host, []).append(peer)
             self.lost_at[peer] = time.monotonic()
@@ -367,7 +371,7 @@ def around_conclude_transfer(original, mgr, *args, bootstrap_room=None, status=N
                 # with the cause it came with)
                 ledger = room_ledger.ledger_for(mgr)
                 if not ledger.has_record(bootstrap_room):
-                    ledger.end(bootstrap_room, None, failure_reason, tell=False, mark=False, told=LOST)
+                    ledger.make(room_ledger.Transition.RECORD_FOR_UPSTREAM, bootstrap_room, failure_reason, told=LOST)
                 with room_ledger.concluding(bootstrap_room, kwargs.get("targets")):  # told only if a status is sent
                     return original(mgr, *args, bootstrap_room=bootstrap_room, status=status,
                                     failure_reason=failure_reason, **kwargs)

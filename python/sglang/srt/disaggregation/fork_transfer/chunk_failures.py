@@ -20,6 +20,7 @@ from sglang.srt.disaggregation.fork_ending import request_end_cause, verdict
 from sglang.srt.disaggregation.base import KVPoll
 from sglang.srt.disaggregation.fork_ending.engine_clock import engine_clock
 from sglang.srt.disaggregation.fork_ending.room_ledger import end_room
+from sglang.srt.disaggregation.fork_ending.room_transitions import Transition
 from sglang.srt.disaggregation.fork_transfer import idle_pacing, worker_handoff
 from sglang.srt.environ import envs
 from sglang.srt.managers.fork_core import fork_touch, knobs
@@ -96,7 +97,8 @@ def checked(mgr: Any, room: int, kind: str, rc: int) -> int:
             time.sleep(fault.delay)
         elif fault is not None:
             if fault.mark_failed_first:  # as a concurrent local abort would (the write tells decode)
-                end_room(mgr, room, None, f"room {room} failed locally during its {kind} write (injected)", tell=False)
+                end_room(mgr, Transition.FAIL_UNTOLD, room,
+                         f"room {room} failed locally during its {kind} write (injected)")
             logger.warning("Injected %s chunk write failure for room %s", kind, room)
             rc = -1
     if rc != 0:
@@ -129,7 +131,8 @@ def conclude_transfer(mgr: Any, *, bootstrap_room: int, status: int, targets: Op
     if emitted is None and status == KVPoll.Failed:
         to = targets or fallback_targets or []
         logger.warning("Room %s was already concluded on prefill; telling decode %s of its failed write", bootstrap_room, to)
-        end_room(mgr, bootstrap_room, None, f"{failure_reason} (room already failed on prefill)", targets=to)
+        end_room(mgr, Transition.FAIL_AND_TELL, bootstrap_room,
+                 f"{failure_reason} (room already failed on prefill)", targets=to)
     idle_pacing.wake_scheduler(mgr)
     return emitted
 
@@ -390,7 +393,7 @@ def _guarded(original: Any) -> Any:
                     reason = f"KV transfer worker raised while sending room {room}: {exc!r}; restarted"
                     logger.error(reason)
                     if kv_mgr.request_status.get(room) not in (None, KVPoll.Success):
-                        end_room(kv_mgr, room, None, reason)
+                        end_room(kv_mgr, Transition.FAIL_AND_TELL, room, reason)
                     kv_mgr._staging_outstanding.pop(room, None)
 
     transfer_worker.fork_guarded = True

@@ -79,9 +79,12 @@ def _expire(scheduler, stage: str, queue: Sequence[Any], side: str, keep=None) -
         verdict.of(req).deadline = text
         logger.warning(text)
         if room_ledger.has_room_tables(fork_touch.upstream(endpoint, "kv_mgr")):  # the peer told; prefill: a late handshake fails too
-            room_ledger.end_room(endpoint.kv_mgr, req.bootstrap_room, request_end_cause.TIMEOUT, text,
-                                 remember=side == "prefill", receiver=endpoint if side == "decode" else None,
-                                 told=TOLD if side == "prefill" else None)
+            if side == "prefill":
+                room_ledger.end_room(endpoint.kv_mgr, room_ledger.Transition.FAIL_TELL_REMEMBER, req.bootstrap_room,
+                                     text, cause=request_end_cause.TIMEOUT, told=TOLD)
+            else:
+                room_ledger.end_room(endpoint.kv_mgr, room_ledger.Transition.FAIL_AND_ABORT, req.bootstrap_room,
+                                     text, cause=request_end_cause.TIMEOUT, receiver=endpoint)
             if fork_touch.upstream(endpoint, "conclude_state") == KVPoll.Success:
                 # this rank's part is done, another rank's is not (or decode's metadata has not landed): the poll
                 # returns the endpoint's cached Success, so fail it here (its record stays the deadline's)
@@ -281,7 +284,8 @@ def around_ensure_prefill_info(original, queue, addr_to_reqs, *args, **kwargs):
                   f"parallel info after {n} attempts")
         for decode_req in reqs:
             if decode_req.kv_receiver is not None:  # recorded only: upstream's last attempt fails it
-                room_ledger.end_room(mgr, decode_req.req.bootstrap_room, None, reason, tell=False, mark=False)
+                room_ledger.end_room(mgr, room_ledger.Transition.RECORD_FOR_UPSTREAM, decode_req.req.bootstrap_room,
+                                     reason)
     ready, remaining = original(queue, asked, *args, **kwargs)  # upstream's: ({}, []) for no addrs
     return ready, remaining + waiting
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
 from sglang.srt.constants import HEALTH_CHECK_RID_PREFIX
-from sglang.srt.disaggregation.fork_ending import request_record, room_ledger
+from sglang.srt.disaggregation.fork_ending import request_record, room_telling
 from sglang.srt.managers.fork_pause import pd_pause
 from sglang.srt.managers.fork_pause.engine_pause_state import PAUSE, state_of
 from sglang.srt.managers.io_struct import AbortReq
@@ -97,7 +97,7 @@ class PauseGate:
                 out["index"] = index
             outs.append(out)
         # Decode's copy ends here; its prefill copy must not wait for a handshake.
-        room_ledger.ended_at_gate(tm.disaggregation_mode, obj, first)
+        room_telling.ended_at_gate(tm.disaggregation_mode, obj, first)
         return outs if obj.is_single or getattr(obj, "stream", False) else [outs]
 
     def held(self) -> int:

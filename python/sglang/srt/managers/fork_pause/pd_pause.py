@@ -10,7 +10,8 @@ import threading
 from collections import OrderedDict
 from typing import Any, Dict, List
 
-from sglang.srt.disaggregation.fork_ending import pd_queues, room_ledger, verdict
+from sglang.srt.disaggregation.fork_ending import pd_queues, room_frames, room_ledger, verdict
+from sglang.srt.disaggregation.fork_ending.room_transitions import Transition
 from sglang.srt.disaggregation.fork_ending.engine_clock import engine_clock
 from sglang.srt.disaggregation.fork_ending.verdict import (  # the pause's messages and answer: the verdict's
     PAUSE_ABORT_MESSAGE, RELEASE_ABORT_MESSAGE, RELEASE_NO_PAUSE_MESSAGE, pause_finish_reason)
@@ -31,12 +32,13 @@ def end_prefill_rooms(scheduler, reqs: List[Any], reason: str) -> None:
         room = req.bootstrap_room
         if sender is None or id(req) in held or room is None:
             continue
-        room_ledger.end_room(mgr, room, None, reason.format(room=room), fail=False, tell=False, remember=True,
-                             cancel=True, clear=sender, told=verdict.told_for_ended_room(reason))
+        room_ledger.end_room(mgr, Transition.RETIRE_HELD, room, reason.format(room=room), sender=sender,
+                             told=verdict.told_for_ended_room(reason))
 
 
 def keep_abort_verdict(scheduler, recv_req) -> None:
-    """A running request an abort reached answers the verdict it was marked with (room_ledger.before_abort_request),
+    """A running request an abort reached answers the verdict it was marked with (room_scheduler_hooks.
+    before_abort_request),
     not upstream's bare FINISH_ABORT() ("Aborted"): the pause's or a release's message (each repeat of the
     abort-mode pause's abort_all sets the bare one again), or the client's ("Aborted by the client.", docs/aborts.md).
     Which answer: verdict.abort_answer."""
@@ -63,7 +65,7 @@ def _matches(recv_req, rid: str) -> bool:
 
 # ----------------------------------------------------------------------------- why, to prefill
 
-# room -> (message, until) decode's ABORT of a room its pause or a release ended carries (room_ledger.abort_frames)
+# room -> (message, until) decode's ABORT of a room its pause or a release ended carries (room_frames.abort_frames)
 # (docs/pause-release-resume.md): set by the scheduler, read by the thread sending the ABORT; only for WHY_TTL_S on
 # the engine clock (a room re-bootstrapped after a retract pause and aborted later by its client must not carry it;
 # a pause does not count), then dropped (at the next note or report).
@@ -92,11 +94,11 @@ def note_why(scheduler, recv_req) -> None:
 
 def abort_notification_with_why(original, note, *args, **kwargs):
     """AROUND AbortNotification.to_zmq (decode's ABORT): the message of the pause that ended the room and the
-    cause prefill answers by (room_ledger.abort_frames: its pause, else an abort)."""
+    cause prefill answers by (room_frames.abort_frames: its pause, else an abort)."""
     frames = original(note, *args, **kwargs)
     with _why_lock:
         message, until = _why.get(note.room, (None, 0.0))
-    return room_ledger.abort_frames(frames, message if message is not None and engine_clock.now() <= until else None)
+    return room_frames.abort_frames(frames, message if message is not None and engine_clock.now() <= until else None)
 
 
 def _expire_why() -> None:

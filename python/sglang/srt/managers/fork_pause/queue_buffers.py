@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Dict, List
 
-from sglang.srt.disaggregation.fork_ending import pd_queues, room_ledger
+from sglang.srt.disaggregation.fork_ending import pd_queues, room_reads
 from sglang.srt.managers.fork_core import fork_touch
 from sglang.srt.managers.fork_pause.scheduler_pause import not_idle_reasons, pause_of
 
@@ -95,14 +95,14 @@ def weight_updater_release(original, weight_updater, recv_req, *args, **kwargs):
 def forget_orphan_rooms(scheduler, kv_manager) -> None:
     """Drop room state no live request owns (no transfer can run at release or resume). Alive: a request in the
     scheduler's queues, running or parked, and one this scheduler has not seen yet whose decode handshake is stored
-    (`room_ledger.awaits_its_request`: held at the tokenizer's pause gate, waiting in a re-send's wait, on the wire;
+    (`room_reads.awaits_its_request`: held at the tokenizer's pause gate, waiting in a re-send's wait, on the wire;
     its sender takes the handshake over after continue). Dropping that handshake left the request waiting for one
     that never came again (decode had sent it), until the transfer deadline."""
     reqs = pd_queues.queued_reqs(scheduler) + list(scheduler.running_batch.reqs) + pd_queues.parked_reqs(scheduler)
     live = {fork_touch.upstream(r, "bootstrap_room") for r in reqs}
     tables = [t for name in pd_queues.ROOM_TABLES if isinstance(t := getattr(kv_manager, name, None), dict)]
     rooms = {room for table in tables for room in table if room not in live}
-    live |= {room for room in rooms if room_ledger.awaits_its_request(kv_manager, room)}
+    live |= {room for room in rooms if room_reads.awaits_its_request(kv_manager, room)}
     orphans = [(table, room) for table in tables for room in list(table) if room not in live]
     for table, room in orphans:
         table.pop(room, None)

@@ -50,14 +50,14 @@ def fork_tables(kv_manager) -> Dict[str, Dict[str, Any]]:
     (cap: a number, or what bounds it); `per_peer`: one entry per live peer may stay while idle; `memory`: kept
     after its request ended by design, until it expires; `counter`: a count, not a table. The others are empty
     when the server is idle (testing/pd_checks.held counts them)."""
-    from sglang.srt.disaggregation.fork_ending import room_ledger
+    from sglang.srt.disaggregation.fork_ending import room_reads
     from sglang.srt.disaggregation.fork_ending.teller import teller
     from sglang.srt.disaggregation.fork_peers.peer_monitor import monitor_tables
     from sglang.srt.disaggregation.fork_transfer import chunk_failures, transfer_deadline
     from sglang.srt.managers.fork_pause import pd_pause
 
     return {
-        **room_ledger.ledger_tables(kv_manager),
+        **room_reads.ledger_tables(kv_manager),
         **teller.tables(),
         **transfer_deadline.fetch_tables(kv_manager),
         "poison_expiry": chunk_failures.poison_table(kv_manager),
@@ -68,7 +68,7 @@ def fork_tables(kv_manager) -> Dict[str, Dict[str, Any]]:
 
 
 def build_report(scheduler) -> Dict[str, Any]:
-    from sglang.srt.disaggregation.fork_ending import room_ledger
+    from sglang.srt.disaggregation.fork_ending import room_reads
     from sglang.srt.disaggregation.fork_transfer import transfer_deadline
     from sglang.srt.disaggregation.fork_peers.peer_monitor import peer_tables
     from sglang.srt.managers.fork_cache import weight_epoch
@@ -99,7 +99,7 @@ def build_report(scheduler) -> Dict[str, Any]:
         # decode: prefill info / endpoint fetches running on transfer_deadline's pool, totals
         "bootstrap_fetch": None if kv_manager is None else transfer_deadline.fetch_report(kv_manager),
         # Peer cancellations kept for rooms not created yet (bounded; held by no request).
-        "cancelled_rooms": None if kv_manager is None else room_ledger.report(kv_manager),
+        "cancelled_rooms": None if kv_manager is None else room_reads.report(kv_manager),
         # every per-room / per-peer table of the fork's, with its size, cap and why (`fork_tables`)
         "fork_tables": None if kv_manager is None else fork_tables(kv_manager),
     }

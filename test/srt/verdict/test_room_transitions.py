@@ -1,0 +1,100 @@
+"""A room's end as named transitions (docs/layout.md, "How a room ends"): every way a room ends is a row of
+`room_transitions.TRANSITIONS`, `RoomLedger.make` takes a row's steps in the one order, and a call along no row
+changes nothing (raises under pytest, logged at error in production). Real ledger over upstream's own
+`record_failure` / `update_status` on a kv manager's room tables (no transfer engine). Fast; starts no server.
+
+Stock upstream 0.5.23 has no ledger: its failure paths record and mark a room where they are (no remembered room, no
+told cause); the statuses these transitions lead to are the verdict's (test_verdict.py), unchanged by this table."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import pytest
+
+from sglang.srt.disaggregation.base import KVPoll
+from sglang.srt.disaggregation.fork_ending import request_end_cause as end_cause, room_ledger, room_transitions
+from sglang.srt.disaggregation.fork_ending.room_transitions import (DECODE, PREFILL, TRANSITIONS, IllegalTransition,
+                                                                    Tell, Transition)
+
+pytestmark = pytest.mark.unit
+
+REASON = "PD transfer deadline exceeded: request r7 (bootstrap_room=7) spent 10.1s in stage prefill_bootstrap"
+
+
+def _manager(role: str):
+    """A kv manager's room tables and upstream's own record_failure / update_status over them."""
+    from sglang.srt.disaggregation.common.conn import CommonKVManager
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+
+    class Manager:
+        record_failure = CommonKVManager.record_failure
+        update_status = CommonKVManager.update_status
+        disaggregation_mode = DisaggregationMode(role)
+
+        def __init__(self):
+            self.request_status, self.failure_records, self.transfer_infos = {}, {}, {}
+            self.req_to_decode_prefix_len, self.deferred_bootstrap = {}, None
+            self.failure_lock = threading.Lock()
+            self.told = []  # Failed statuses sent to decode: (room, reason)
+
+        def _room_notify_targets(self, room):
+            return [("127.0.0.1", 7000)]
+
+        def send_kv_status_message(self, targets, bootstrap_room, status, failure_reason=None):
+            self.told.extend((bootstrap_room, failure_reason) for _ in targets)
+
+    mgr = Manager()
+    mgr.__dict__[room_ledger.ATTR] = room_ledger.RoomLedger(mgr)
+    return mgr
+
+
+def test_every_transition_has_a_row_whose_steps_agree():
+    assert set(TRANSITIONS) == set(Transition)
+    for transition, row in TRANSITIONS.items():
+        assert row.sides and row.before and row.after and row.who, transition
+        assert not row.mark or row.fail, f"{transition}: marks Failed without recording"
+        assert row.tell is not Tell.ABORT or row.sides == {DECODE}, f"{transition}: only decode sends an ABORT"
+        assert row.tell is not Tell.STATUS or DECODE not in row.sides, f"{transition}: only prefill sends a status"
+
+
+def test_a_transition_takes_its_rows_steps():
+    mgr = _manager(PREFILL)
+    mgr.request_status[7] = KVPoll.Bootstrapping
+    room_ledger.end_room(mgr, Transition.FAIL_TELL_REMEMBER, 7, REASON, cause=end_cause.TIMEOUT)
+    assert mgr.request_status[7] == KVPoll.Failed and mgr.failure_records[7] == REASON
+    assert mgr.told == [(7, REASON)]
+    assert end_cause.room_tag(mgr, 7) is not None
+    assert room_ledger.ledger_of(mgr).late(7) == (REASON, None)  # a late handshake is answered Failed
+    # recorded only: the upstream path about to fail the room marks it and tells
+    mgr.request_status[8] = KVPoll.Transferring
+    room_ledger.end_room(mgr, Transition.RECORD_FOR_UPSTREAM, 8, REASON)
+    assert mgr.request_status[8] == KVPoll.Transferring and mgr.failure_records[8] == REASON
+    assert mgr.told == [(7, REASON)]
+
+
+@pytest.mark.parametrize("role,transition,data", [
+    (DECODE, Transition.FAIL_AND_TELL, {}),  # decode tells prefill by its receiver's ABORT, never a status
+    (PREFILL, Transition.FAIL_AND_ABORT, {}),  # prefill has no receiver
+    (PREFILL, Transition.RETIRE_HELD, {}),  # nothing to clear
+    (PREFILL, Transition.FAIL_UNTOLD, {"targets": [("127.0.0.1", 7000)]}),  # tells nobody
+    (PREFILL, Transition.CANCEL_AND_TELL, {"targets": []}),  # tells no endpoint
+])
+def test_an_illegal_transition_raises_in_tests_and_changes_nothing(role, transition, data):
+    mgr = _manager(role)
+    mgr.request_status[7] = KVPoll.Bootstrapping
+    with pytest.raises(IllegalTransition):
+        room_ledger.end_room(mgr, transition, 7, REASON, cause=end_cause.TIMEOUT, **data)
+    assert mgr.request_status[7] == KVPoll.Bootstrapping and mgr.failure_records == {} and mgr.told == []
+    assert end_cause.room_tag(mgr, 7) is None and not room_ledger.ledger_of(mgr).knows_of(7)
+
+
+def test_an_illegal_transition_is_logged_in_production(monkeypatch, caplog):
+    monkeypatch.setattr(room_transitions, "strict", lambda: False)
+    mgr = _manager(DECODE)
+    mgr.request_status[7] = KVPoll.Bootstrapping
+    with caplog.at_level(logging.ERROR):
+        room_ledger.end_room(mgr, Transition.FAIL_AND_TELL, 7, REASON)
+    assert "illegal transition for room 7: fail_and_tell runs on prefill, not on decode" in caplog.text
+    assert mgr.request_status[7] == KVPoll.Bootstrapping and mgr.failure_records == {} and mgr.told == []
