@@ -5,7 +5,7 @@ VPY    := $(VENV)/bin/python
 # Inputs of the fork wheel: rebuilt and reinstalled when any of them changes.
 SOURCES := $(shell git ls-files -co --exclude-standard pyproject.toml upstream.lock patches python build_backend 2>/dev/null)
 
-.PHONY: venv demo test test-model test-tp bench bench-hooks bench-deadline bench-rl bench-transfer wheel system-deps clean
+.PHONY: venv demo test test-model test-tp bench bench-hooks bench-deadline bench-rl bench-serving bench-transfer wheel system-deps clean
 
 venv: $(VENV)/.fork-installed
 
@@ -38,6 +38,11 @@ bench-deadline: venv
 # RL step calls (pause/release/resume/update/continue) timed, fork vs upstream (~10 min).
 bench-rl: venv
 	$(VPY) -m bench.rl_step $(ARGS)
+# Upstream's own client (python -m sglang.benchmark.serving: streaming, random 128 in / 32 out, concurrency
+# 1, 4, 16) against a 1P1D of the fork and one of stock upstream, rounds alternated, then the lone request's
+# cost in ms (~10 min). ARGS: --rounds N, --concurrency ..., --lone N, --write-readme (bench/README.md).
+bench-serving: venv
+	$(VPY) -m bench.serving $(ARGS)
 # KV moved prefill -> decode over mooncake TCP between test hosts, fork vs upstream, against raw TCP
 # (~3 min; root). ARGS: --rate MBIT, --paced, --repeats N, --sides ..., --limits-only POLLS, --write-readme (bench/README.md).
 bench-transfer: venv

@@ -285,6 +285,46 @@ def test_on_decode_a_status_from_prefill_ends_the_wait(monkeypatch, sockets):
         assert took >= PACE * 0.95, f"a status that is no end ended the wait ({took:.3f}s)"
 
 
+def test_on_prefill_decodes_handshake_ends_the_wait(monkeypatch, sockets):
+    """Prefill's bootstrap thread, once decode's handshake for a room arrived (upstream's mooncake bootstrap thread
+    calls `CommonKVManager.update_status(room, WaitingForInput)`, with the fork's AFTER hook), ends prefill's
+    scheduler's paced wait at once: a lone request's prefill starts without waiting out the pace (before, it waited up
+    to one pace: ~0.5 ms of a lone request's time to first token at the default 1 ms, bench/README.md "The lone
+    request"). The scheduler thread's own WaitingForInput (decode's receiver init, a dummy CP rank) sets no wake, and
+    another status (Transferring) none either: the next wait lasts the whole pace. Upstream spins instead (no wait)."""
+    from sglang.srt.disaggregation.base import KVPoll
+    from sglang.srt.disaggregation.common.conn import CommonKVManager
+
+    target = "sglang.srt.disaggregation.common.conn.CommonKVManager.update_status"
+    assert (target, "sglang.srt.disaggregation.fork_transfer.idle_pacing:after_update_status",
+            "AFTER") in fork_plugin.HOOKS
+    pull, rpc, push = sockets
+    monkeypatch.setenv(KNOB, "2")
+    with PrefillHarness() as h:
+        s = idle_ready(h, sockets=(pull, rpc))
+        room = pending(h).bootstrap_room
+        mgr = s.disagg_prefill_bootstrap_queue.kv_manager
+        assert mgr.request_status[room] == KVPoll.Bootstrapping  # waiting for decode's handshake
+        assert fork_plugin.hooks_applied()[target]
+
+        def from_bootstrap_thread(value):
+            return threading.Timer(0.1, CommonKVManager.update_status, args=(mgr, room, value))
+
+        took = idle_pass_during(h, from_bootstrap_thread(KVPoll.WaitingForInput))
+        pacer = idle_pacing.pacer_of(s)
+        assert pacer.mode is idle_pacing.Mode.POLL and vars(mgr)[idle_pacing.WAKE_ATTR] is pacer.wake
+        assert mgr.request_status[room] == KVPoll.WaitingForInput  # upstream applied it
+        # 0.1 s until the handshake, then the poll returns at once: far below the 2 s pace even on a loaded machine
+        assert took < 1.0, f"the wait lasted {took:.3f}s after decode's handshake arrived at 0.1s"
+        pacer.pace, pacer._poll_ms = PACE, int(PACE * 1000)
+        took = idle_pass_during(h, from_bootstrap_thread(KVPoll.Transferring))  # no handshake: the whole pace
+        assert took >= PACE * 0.95, f"a status that is no handshake ended the wait ({took:.3f}s)"
+        other = pending(h).bootstrap_room
+        CommonKVManager.update_status(mgr, other, KVPoll.WaitingForInput)  # on the scheduler thread itself
+        took = idle_pass(h)
+        assert took >= PACE * 0.95, f"the scheduler thread's own WaitingForInput woke it ({took:.3f}s)"
+
+
 def test_the_ranks_that_read_no_requests_wait_on_no_wake(monkeypatch):
     monkeypatch.setenv(KNOB, str(PACE))
     for harness, queue in ((PrefillHarness, "disagg_prefill_bootstrap_queue"),

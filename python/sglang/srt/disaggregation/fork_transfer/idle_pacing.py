@@ -13,7 +13,9 @@ a new request or call ends the wait at once; other ranks (and an ingress that is
 also waits on a wake (an eventfd, `Wake`, hung on its kv manager) set once a room's transfer ended: on prefill by the
 transfer worker that concluded it (`chunk_failures.conclude_transfer`: Success or Failed), on decode by the thread
 that applied prefill's Success or Failed for it (`after_apply_prefill_status`); so a finished transfer ends the wait
-at once too. Elsewhere a transfer that completes is noticed at most one pace later.
+at once too. The wake is also set when another thread moves a room to WaitingForInput (`after_update_status`): on
+prefill, its bootstrap thread once decode's handshake for the room arrived, so a lone request's prefill starts at once
+instead of up to one pace later. Elsewhere a transfer that completes is noticed at most one pace later.
 
 Invariant: only an idle pass of a PD server is paced (upstream calls `on_idle` only when the pass ran no batch), once
 per pass, for at most the knob's time; a pass in which upstream's own idle sleeper already waited (fully idle, with
@@ -22,14 +24,16 @@ pacer changes when a rank reaches its next collective, never which one (the loop
 step, as before).
 
 Called by: the AROUND hook on `Scheduler.on_idle` (`paced_on_idle`, fork_plugin.HOOKS), on the scheduler thread only;
-the wake's setters on the transfer worker (prefill) and decode's status thread (the AFTER hook on
-`CommonKVManager.apply_prefill_status`).
+the wake's setters on the transfer worker (prefill), decode's status thread (the AFTER hook on
+`CommonKVManager.apply_prefill_status`) and any thread but the scheduler's that marks a room WaitingForInput (the AFTER
+hook on `CommonKVManager.update_status`: prefill's bootstrap thread).
 """
 
 from __future__ import annotations
 
 import enum
 import os
+import threading
 import time
 from typing import Any, Optional
 
@@ -52,6 +56,7 @@ class Wake:
 
     def __init__(self) -> None:
         self.fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self.waiter = threading.get_ident()  # the scheduler thread (made there): it never needs to wake itself
 
     def set(self) -> None:
         os.eventfd_write(self.fd, 1)
@@ -150,6 +155,19 @@ def after_apply_prefill_status(result: Any, mgr: Any, *args: Any, status: Any = 
     ends decode's scheduler's paced wait, so it takes the transferred request (or its failure) at once."""
     if status in (KVPoll.Success, KVPoll.Failed):
         wake_scheduler(mgr)
+
+
+def after_update_status(result: Any, mgr: Any, *args: Any, **kwargs: Any) -> None:
+    """AFTER CommonKVManager.update_status(bootstrap_room, status): a room moved to WaitingForInput by a thread other
+    than its scheduler's -- prefill's bootstrap thread, once decode's handshake (its KV indices) arrived -- ends the
+    scheduler's paced wait, so the pass that follows starts the room's prefill at once. The scheduler thread's own
+    calls (decode's receiver init) never set it: that thread is not waiting."""
+    status = args[1] if len(args) > 1 else kwargs.get("status")
+    if status != KVPoll.WaitingForInput:
+        return
+    wake = vars(mgr).get(WAKE_ATTR)
+    if wake is not None and wake.waiter != threading.get_ident():
+        wake.set()
 
 
 # ----------------------------------------------------------------------------- hook (scheduler thread)

@@ -59,7 +59,10 @@ HOOKS: list[tuple[str, str, str]] = [_full(target, ref) + (kind,) for target, re
      "decode_side_monitor:after_try_ensure_parallel_info", AFTER),
     ("disaggregation.common.conn.CommonKVManager.try_ensure_parallel_info",
      "transfer_deadline:around_try_ensure_parallel_info", AROUND),
+    # the ledger's AROUND (inner); then a room another thread made WaitingForInput (prefill: decode's handshake
+    # arrived) wakes the scheduler from its idle pace (idle_pacing's AFTER, outer)
     ("disaggregation.common.conn.CommonKVManager.update_status", "room_kv_hooks:around_update_status", AROUND),
+    ("disaggregation.common.conn.CommonKVManager.update_status", "idle_pacing:after_update_status", AFTER),
     ("disaggregation.common.conn.CommonKVReceiver._get_bootstrap_info_from_server",
      "transfer_deadline:around_get_bootstrap_info_from_server", AROUND),
     ("disaggregation.common.conn.CommonKVReceiver.ensure_abort_notified",
