@@ -250,7 +250,7 @@ class _Worker:
         self.wake_count = 0
 
     def wakes(self) -> int:
-        """How many times the transfer workers set the wake since `attach_wake`."""
+        """How many times the transfer workers and the bootstrap thread set the wake since `attach_wake`."""
         import select
 
         if select.select([self.wake.fd], [], [], 0)[0]:

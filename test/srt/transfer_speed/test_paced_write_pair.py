@@ -264,13 +264,16 @@ def test_sglang_send_path_writes_through_the_paced_write(pair):
 
 def test_a_concluded_transfer_sets_the_schedulers_wake(pair):
     """Upstream's transfer worker, once it concluded a room (Success, the status told to decode: the fork's
-    chunk_failures.conclude_transfer), sets the wake the prefill scheduler's paced idle wait polls (idle_pacing)."""
+    chunk_failures.conclude_transfer), sets the wake the prefill scheduler's paced idle wait polls (idle_pacing), as
+    the bootstrap thread did when decode's handshake for the room arrived."""
     pair.prefill.call("attach_wake")
     assert pair.prefill.call("wakes") == 0
     room = pair.submit(prompt_len=40)
     pair.run_until(lambda: pair.decode.call("transferred", room) and pair.prefill.call("status", room) == 200,
                    timeout=60)
     deadline = time.monotonic() + 10  # set right after the status went out: at most a moment after prefill's 200
-    while pair.prefill.call("wakes") == 0 and time.monotonic() < deadline:
+    while pair.prefill.call("wakes") < 2 and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert pair.prefill.call("wakes") == 1  # one room, one chunk: one conclusion
+    # one room, one chunk: decode's handshake arriving (the bootstrap thread, idle_pacing.after_update_status) and
+    # the one conclusion (the transfer worker)
+    assert pair.prefill.call("wakes") == 2
