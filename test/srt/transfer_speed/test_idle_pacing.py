@@ -8,6 +8,7 @@ scheduler over upstream's real PD queues (stubs only for what upstream's idle pa
 from __future__ import annotations
 
 import ast
+import contextlib
 import inspect
 import threading
 import time
@@ -82,6 +83,21 @@ def idle_pass(h) -> float:
         t0 = time.monotonic()
         Scheduler.on_idle(h.scheduler)
         return time.monotonic() - t0
+
+
+@contextlib.contextmanager
+def woken_by(method: str, hook: str, harness, sockets, monkeypatch):
+    """A harness (on the rank that reads requests) whose scheduler's paced wait, 2 s, the fork's AFTER hook `hook` on
+    CommonKVManager.`method` is to end; yields (harness, scheduler, a pending request's room)."""
+    target = f"sglang.srt.disaggregation.common.conn.CommonKVManager.{method}"
+    assert (target, f"sglang.srt.disaggregation.fork_transfer.idle_pacing:{hook}", "AFTER") in fork_plugin.HOOKS
+    pull, rpc, _push = sockets
+    monkeypatch.setenv(KNOB, "2")
+    with harness() as h:
+        s = idle_ready(h, sockets=(pull, rpc))
+        room = pending(h).bootstrap_room
+        assert fork_plugin.hooks_applied()[target]
+        yield h, s, room
 
 
 def idle_pass_during(h, timer: threading.Timer) -> float:
@@ -256,17 +272,10 @@ def test_on_decode_a_status_from_prefill_ends_the_wait(monkeypatch, sockets):
     from sglang.srt.disaggregation.base import KVPoll
     from sglang.srt.disaggregation.common.conn import CommonKVManager
 
-    target = "sglang.srt.disaggregation.common.conn.CommonKVManager.apply_prefill_status"
-    assert (target, "sglang.srt.disaggregation.fork_transfer.idle_pacing:after_apply_prefill_status",
-            "AFTER") in fork_plugin.HOOKS
-    pull, rpc, push = sockets
-    monkeypatch.setenv(KNOB, "2")
-    with DecodeHarness() as h:
-        s = idle_ready(h, sockets=(pull, rpc))
-        room = pending(h).bootstrap_room
+    with woken_by("apply_prefill_status", "after_apply_prefill_status", DecodeHarness, sockets, monkeypatch) as (
+            h, s, room):
         mgr = s.disagg_decode_prealloc_queue.kv_manager
         mgr.request_status[room] = KVPoll.WaitingForInput  # a room whose transfer runs
-        assert fork_plugin.hooks_applied()[target]
 
         def status(value):
             return threading.Timer(0.1, CommonKVManager.apply_prefill_status, args=(mgr,), kwargs=dict(
@@ -295,17 +304,9 @@ def test_on_prefill_decodes_handshake_ends_the_wait(monkeypatch, sockets):
     from sglang.srt.disaggregation.base import KVPoll
     from sglang.srt.disaggregation.common.conn import CommonKVManager
 
-    target = "sglang.srt.disaggregation.common.conn.CommonKVManager.update_status"
-    assert (target, "sglang.srt.disaggregation.fork_transfer.idle_pacing:after_update_status",
-            "AFTER") in fork_plugin.HOOKS
-    pull, rpc, push = sockets
-    monkeypatch.setenv(KNOB, "2")
-    with PrefillHarness() as h:
-        s = idle_ready(h, sockets=(pull, rpc))
-        room = pending(h).bootstrap_room
+    with woken_by("update_status", "after_update_status", PrefillHarness, sockets, monkeypatch) as (h, s, room):
         mgr = s.disagg_prefill_bootstrap_queue.kv_manager
         assert mgr.request_status[room] == KVPoll.Bootstrapping  # waiting for decode's handshake
-        assert fork_plugin.hooks_applied()[target]
 
         def from_bootstrap_thread(value):
             return threading.Timer(0.1, CommonKVManager.update_status, args=(mgr, room, value))
