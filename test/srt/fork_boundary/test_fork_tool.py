@@ -484,6 +484,8 @@ def test_hooks_on_one_target_sit_together_in_wrap_order():
         "room_kv_hooks:on_sender_clear", "chunk_failures:on_sender_clear", "prefill_side_monitor:on_sender_clear"]
     assert order["disaggregation.common.conn.CommonKVManager.apply_prefill_status"] == [
         "room_kv_hooks:around_apply_prefill_status", "idle_pacing:after_apply_prefill_status"]
+    assert order["disaggregation.common.conn.CommonKVManager.update_status"] == [
+        "room_kv_hooks:around_update_status", "idle_pacing:after_update_status"]
     assert order["managers.scheduler.Scheduler.process_input_requests"] == [
         "weight_epoch:after_process_input_requests", "pd_metrics:after_process_input_requests"]
     assert order["managers.tokenizer_manager.TokenizerManager.generate_request"] == [
@@ -497,7 +499,8 @@ def test_hooks_on_one_target_sit_together_in_wrap_order():
         "disaggregation.prefill.PrefillBootstrapQueue.pop_bootstrapped",
         "disaggregation.common.conn.CommonKVManager.try_ensure_parallel_info",
         "disaggregation.common.conn.CommonKVSender.clear",
-        "disaggregation.common.conn.CommonKVManager.apply_prefill_status"}
+        "disaggregation.common.conn.CommonKVManager.apply_prefill_status",
+        "disaggregation.common.conn.CommonKVManager.update_status"}
 
 
 def test_check_rejects_an_import_against_the_layers_and_hooks_apart(repo_copy):
