@@ -181,11 +181,6 @@ def after_poison(result: Any, mgr: Any, room: int, *args: Any, **kwargs: Any) ->
     the mark, now set, is dropped once decode's release deadline passed (`PoisonExpiry`). Noted after upstream's mark,
     never before: a bootstrap-queue pass in between would find an unmarked room and forget its expiry (the mark
     then stayed for the server's life; seen under load)."""
-    _expire_poison_later(mgr, room)
-
-
-def _expire_poison_later(mgr: Any, room: int) -> None:
-    """Drop a poison mark once decode's release deadline passed (`PoisonExpiry`)."""
     if not fork_touch.upstream(mgr, "enable_deferred_decode_kv_release"):
         return
     expiry = mgr.__dict__.get(POISON_ATTR)
