@@ -188,14 +188,19 @@ def summary_line(cmp: Mapping[int, Mapping[str, Mapping[str, object]]], lone: Op
         hi = max(cmp[c][key]["spread"][1] for c in concs)  # type: ignore[index]
         return f"{lo:.2f}-{hi:.2f}x"
 
+    def medians(key: str, concs: Sequence[int]) -> str:
+        return "/".join(f"{cmp[c][key]['ratio']:.2f}" for c in concs) + "x"  # type: ignore[index]
+
     text = (f"- **Upstream's client** (`make bench-serving`): at concurrency {'/'.join(map(str, loaded))} fork/upstream "
-            f"output throughput {span('output_throughput', loaded)}, TTFT p50 {span('median_ttft_ms', loaded)}, "
-            f"TPOT p50 {span('median_tpot_ms', loaded)} (per round)")
+            f"output throughput {medians('output_throughput', loaded)}, TTFT p50 {medians('median_ttft_ms', loaded)}, "
+            f"TPOT p50 {medians('median_tpot_ms', loaded)} (median of rounds; per round "
+            f"{span('output_throughput', loaded)}, {span('median_ttft_ms', loaded)}, {span('median_tpot_ms', loaded)})")
     if 1 in cmp:
-        text += f"; alone, TTFT p50 {span('median_ttft_ms', [1])}"
+        text += f"; alone, TTFT p50 {medians('median_ttft_ms', [1])} (per round {span('median_ttft_ms', [1])})"
     if lone:
-        text += (f"; a lone request's TTFT: the fork adds {lone['fork_added_ms']:+.2f} ± {lone['fork_added_se']:.2f} ms "
-                 f"(idle pace {lone['pace_ms']:+.2f} ± {lone['pace_se']:.2f} ms)")
+        text += (f"; a lone request: the fork adds {lone['thread_added_ms']:+.2f} ± {lone['thread_added_se']:.2f} ms on "
+                 f"the scheduler-thread stages ({thread_verdict(lone)}), {lone['fork_added_ms']:+.2f} ± "
+                 f"{lone['fork_added_se']:.2f} ms to its TTFT at the client")
     return text + "."
 
 
@@ -242,6 +247,10 @@ def stream_ttft(base_url: str, text: str, max_new_tokens: int, rid: str, timeout
 # stages on the path to the first token, by server: upstream's ReqTimeStats names
 PREFILL_STAGES = ("bootstrap_duration", "queue_duration", "forward_duration")
 DECODE_STAGES = ("bootstrap_duration", "alloc_wait_duration", "transfer_duration", "queue_duration")
+# the stages spent on one scheduler thread alone (no wait on another thread, process or the peer): what the fork's
+# own code adds to a lone request shows here; the others wait for decode's handshake, the forward or the transfer
+THREAD_STAGES = ("prefill queue", "decode bootstrap", "decode alloc_wait", "decode queue")
+THREAD_STAGES_GOAL_MS = 0.5
 
 
 def paired(a: Sequence[Optional[float]], b: Sequence[Optional[float]]) -> Tuple[float, float, int]:
@@ -266,6 +275,14 @@ def lone_summary(ttft: Mapping[str, List[float]], stages: Mapping[str, Mapping[s
     diffs = {k: {"vs upstream": paired(stages["fork"].get(k, []), stages["upstream"].get(k, [])),
                  "vs pace 0": paired(stages["fork"].get(k, []), stages.get("fork-pace0", {}).get(k, []))}
              for k in keys}
+
+    def thread_sum(side: str) -> List[Optional[float]]:  # per cycle; None where a stamp is missing
+        per = [stages[side].get(k, []) for k in THREAD_STAGES]
+        cycles = max(map(len, per), default=0)
+        cols = [[col[i] if i < len(col) else None for col in per] for i in range(cycles)]
+        return [None if None in c else sum(c) for c in cols]  # type: ignore[arg-type]
+
+    thread, thread_se, thread_n = paired(thread_sum("fork"), thread_sum("upstream"))
     return {
         "n": n,
         "fork_added_ms": added, "fork_added_se": added_se,
@@ -274,8 +291,19 @@ def lone_summary(ttft: Mapping[str, List[float]], stages: Mapping[str, Mapping[s
         "stages": {s: {k: statistics.median([x for x in v if x is not None]) for k, v in per.items()
                        if any(x is not None for x in v)} for s, per in stages.items()},
         "stage_diffs": diffs,
+        "thread_added_ms": thread, "thread_added_se": thread_se, "thread_n": thread_n,
         "cpu_ms": dict(cpu_ms),
     }
+
+
+def thread_verdict(lone: Mapping[str, object]) -> str:
+    """Whether the fork's addition on the scheduler-thread stages is within the goal (decided by its upper bound)."""
+    added, se = float(lone["thread_added_ms"]), float(lone["thread_added_se"])  # type: ignore[arg-type]
+    if not lone["thread_n"]:
+        return "not measured"
+    if added + 2 * se <= THREAD_STAGES_GOAL_MS:
+        return f"within the {THREAD_STAGES_GOAL_MS:g} ms goal"
+    return f"OVER the {THREAD_STAGES_GOAL_MS:g} ms goal" if added - 2 * se > THREAD_STAGES_GOAL_MS else "undecided"
 
 
 def _stage_order(key: str) -> int:
@@ -442,7 +470,10 @@ def main(argv=None) -> int:
                 f"out) to each of fork, fork with `SGLANG_FORK_PD_IDLE_PACE=0` and upstream in turn, nothing else in "
                 f"flight. TTFT the fork adds (median of the per-cycle fork - upstream differences ± robust SE): "
                 f"**{lone['fork_added_ms']:+.2f} ± {lone['fork_added_se']:.2f} ms**; of it the idle pace (fork - fork "
-                f"with pace 0): {lone['pace_ms']:+.2f} ± {lone['pace_se']:.2f} ms.",
+                f"with pace 0): {lone['pace_ms']:+.2f} ± {lone['pace_se']:.2f} ms. On the stages that run on one "
+                f"scheduler thread alone ({', '.join(THREAD_STAGES)}; summed per cycle, paired the same way) the fork "
+                f"adds **{lone['thread_added_ms']:+.2f} ± {lone['thread_added_se']:.2f} ms**: {thread_verdict(lone)} "
+                f"(decided when the figure ± 2 SE is on one side of it).",
                 "",
                 lone_table(lone),
             ]

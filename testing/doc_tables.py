@@ -66,7 +66,8 @@ FORK_KNOBS = {
     "SGLANG_FORK_GLOO_TIMEOUT": (
         "with `--tp-size` > 1: a rank left in a CPU collective fails after this instead of hanging", None),
     "SGLANG_FORK_PD_IDLE_PACE": (
-        "longest wait of an idle PD scheduler pass (a new request or a finished transfer ends it at once)", None),
+        "longest wait of an idle PD scheduler pass (a new request, a finished transfer or, on prefill, decode's "
+        "handshake for a waiting request ends it at once)", None),
     "SGLANG_FORK_KV_WRITE_POLL": (
         "poll interval of prefill's paced KV write (each block submitted on its own, checked with short sleeps)",
         None),

@@ -144,3 +144,21 @@ def test_lone_figures_are_paired_differences_of_the_same_cycles():
     assert lone["fork_added_se"] == pytest.approx(serving.se_of_median(diffs))
     assert lone["stage_diffs"]["prefill bootstrap"]["vs upstream"][::2] == (pytest.approx(1.0 - 0.5), 1)
     assert "| TTFT at the client |" in serving.lone_table(lone)
+
+
+def test_the_scheduler_thread_stages_are_summed_per_cycle_then_paired():
+    """The lone request's decided figure: per cycle, the sum of the stages that run on one scheduler thread alone
+    (serving.THREAD_STAGES), fork - upstream, median ± robust SE; a cycle missing any of them on either side is left
+    out; the verdict holds the figure + 2 SE against the goal."""
+    sides = ("fork", "fork-pace0", "upstream")
+    ttft = {s: [0.03, 0.03, 0.03, 0.03] for s in sides}
+    stages = {s: {k: [0.1, 0.1, 0.1, 0.1] for k in serving.THREAD_STAGES} for s in sides}
+    stages["fork"]["decode bootstrap"] = [0.2, 0.3, None, 0.25]  # +0.1, +0.2, (left out), +0.15
+    stages["fork"]["prefill forward"] = [9.0, 9.0, 9.0, 9.0]  # not a thread stage: not in the sum
+    lone = serving.lone_summary(ttft, stages, {s: 1.0 for s in sides})
+    assert lone["thread_n"] == 3
+    assert lone["thread_added_ms"] == pytest.approx(0.15)
+    assert lone["thread_added_se"] == pytest.approx(serving.se_of_median([0.1, 0.2, 0.15]))
+    assert serving.thread_verdict(lone) == "within the 0.5 ms goal"
+    stages["fork"]["decode queue"] = [1.1, 1.1, 1.1, 1.1]  # +1 ms on every cycle
+    assert serving.thread_verdict(serving.lone_summary(ttft, stages, {s: 1.0 for s in sides})) == "OVER the 0.5 ms goal"

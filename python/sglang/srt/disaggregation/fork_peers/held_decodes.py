@@ -96,17 +96,15 @@ class HeldDecodes:
             if rc != 0:  # still out (upstream's probe loop may have let it back in)
                 set.add(mgr.failed_sessions, session)
                 return
+            with self.lock:  # it answers again: served again
+                peer = self.unhold(session)
+                # else a new decode there counted it
+                counted = peer is not None and self.unlost(peer.rpartition(":")[0], peer) is not None
+            if counted:  # before it is let back in: whoever finds it served finds the recovery counted
+                self.count("recovery", peer)
             mgr._unblacklist_session(session)
-        with self.lock:  # it answers again: served again
-            peer = self.unhold(session)
-            if peer is None:
-                return
-        with self.lock:
-            host = peer.rpartition(":")[0]
-            counted = self.unlost(host, peer) is not None  # else a new decode there counted it
-        logger.warning("PD peer recovered: decode peer %s answers again (session %s); served again", peer, session)
-        if counted:
-            self.count("recovery", peer)
+        if peer is not None:
+            logger.warning("PD peer recovered: decode peer %s answers again (session %s); served again", peer, session)
 
     def drop_held(self, session: str, why: str, addr_gone: bool = True, since: Optional[float] = None) -> None:
         """A decode held out as lost is gone (its loss was counted already), since `since` (default: now)."""
