@@ -725,8 +725,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except Exception as e:  # the bench could not measure: not a gate verdict
-        print(f"BENCH ERROR: {e}", file=sys.stderr)
-        sys.exit(2)
+    import bench
+
+    bench.run(main)

@@ -440,8 +440,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except Exception as e:
-        print(f"BENCH ERROR: {e!r}", file=sys.stderr)
-        sys.exit(2)
+    import bench
+
+    bench.run(main)

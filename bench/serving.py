@@ -191,12 +191,16 @@ def summary_line(cmp: Mapping[int, Mapping[str, Mapping[str, object]]], lone: Op
     def medians(key: str, concs: Sequence[int]) -> str:
         return "/".join(f"{cmp[c][key]['ratio']:.2f}" for c in concs) + "x"  # type: ignore[index]
 
-    text = (f"- **Upstream's client** (`make bench-serving`): at concurrency {'/'.join(map(str, loaded))} fork/upstream "
-            f"output throughput {medians('output_throughput', loaded)}, TTFT p50 {medians('median_ttft_ms', loaded)}, "
-            f"TPOT p50 {medians('median_tpot_ms', loaded)} (median of rounds; per round "
-            f"{span('output_throughput', loaded)}, {span('median_ttft_ms', loaded)}, {span('median_tpot_ms', loaded)})")
+    parts = []
+    if loaded:
+        parts.append(f"at concurrency {'/'.join(map(str, loaded))} fork/upstream output throughput "
+                     f"{medians('output_throughput', loaded)}, TTFT p50 {medians('median_ttft_ms', loaded)}, TPOT p50 "
+                     f"{medians('median_tpot_ms', loaded)} (median of rounds; per round "
+                     f"{span('output_throughput', loaded)}, {span('median_ttft_ms', loaded)}, "
+                     f"{span('median_tpot_ms', loaded)})")
     if 1 in cmp:
-        text += f"; alone, TTFT p50 {medians('median_ttft_ms', [1])} (per round {span('median_ttft_ms', [1])})"
+        parts.append(f"alone, TTFT p50 {medians('median_ttft_ms', [1])} (per round {span('median_ttft_ms', [1])})")
+    text = "- **Upstream's client** (`make bench-serving`): " + "; ".join(parts)
     if lone:
         text += (f"; a lone request: the fork adds {lone['thread_added_ms']:+.2f} ± {lone['thread_added_se']:.2f} ms on "
                  f"the scheduler-thread stages ({thread_verdict(lone)}), {lone['fork_added_ms']:+.2f} ± "
@@ -489,8 +493,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except Exception as e:
-        print(f"BENCH ERROR: {e}", file=sys.stderr)
-        sys.exit(2)
+    import bench
+
+    bench.run(main)

@@ -101,6 +101,11 @@ def test_ratios_come_from_upstreams_result_lines(tmp_path):
     assert f"{fork[-1]['output_throughput'] / upstream[-1]['output_throughput']:.2f}" in row
     line = serving.summary_line(cmp, None)
     assert line.startswith("- **Upstream's client** (`make bench-serving`)") and "alone, TTFT p50" in line
+    loaded = [c for c in cmp if c > 1]
+    assert f"at concurrency {'/'.join(map(str, loaded))} " in line
+    # a run at concurrency 1 alone has a line too (no loaded rows to summarise)
+    alone = serving.summary_line({1: cmp[1]}, None)
+    assert "alone, TTFT p50" in alone and "at concurrency" not in alone
 
 
 def test_read_result_rejects_a_run_without_figures(tmp_path):
