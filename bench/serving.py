@@ -179,8 +179,9 @@ def ratio_table(cmp: Mapping[int, Mapping[str, Mapping[str, object]]]) -> str:
     return "\n".join(lines)
 
 
-def summary_line(cmp: Mapping[int, Mapping[str, Mapping[str, object]]], lone: Optional[Mapping[str, object]]) -> str:
-    """README.md's one line for this bench."""
+def summary_line(cmp: Mapping[int, Mapping[str, Mapping[str, object]]], lone: Optional[Mapping[str, object]],
+                 where: str = "") -> str:
+    """README.md's one line for this bench; `where`: the run's date and machine, in brackets at its end."""
     loaded = [c for c in cmp if c > 1]
 
     def span(key: str, concs: Sequence[int]) -> str:
@@ -205,7 +206,7 @@ def summary_line(cmp: Mapping[int, Mapping[str, Mapping[str, object]]], lone: Op
         text += (f"; a lone request: the fork adds {lone['thread_added_ms']:+.2f} ± {lone['thread_added_se']:.2f} ms on "
                  f"the scheduler-thread stages ({thread_verdict(lone)}), {lone['fork_added_ms']:+.2f} ± "
                  f"{lone['fork_added_se']:.2f} ms to its TTFT at the client")
-    return text + "."
+    return text + (f" ({where})." if where else ".")
 
 
 # ----------------------------------------------------------------------------- the lone request
@@ -482,7 +483,8 @@ def main(argv=None) -> int:
                 lone_table(lone),
             ]
         if cmp:
-            block += ["", "README line: " + summary_line(cmp, lone)]
+            where = f"{time.strftime('%Y-%m-%d', time.gmtime())}, {mach['nproc']} CPUs, {args.rounds} rounds"
+            block += ["", "README line: " + summary_line(cmp, lone, where)]
         text = "\n".join(block)
         print("\n" + text + "\n")
         if args.write_readme:
