@@ -12,9 +12,10 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
 
-from sglang.srt.disaggregation.fork_ending import pd_queues, request_record, verdict
+from sglang.srt.disaggregation.fork_ending import pd_queues, request_record, verdict, verdict_wording
 # The causes (the counter's labels) and which one a request's end counts as: the verdict's table.
-from sglang.srt.disaggregation.fork_ending.verdict import CAUSES, CLIENT_ABORT, PAUSE, PEER_FAILURE, TIMEOUT, TRANSPORT
+from sglang.srt.disaggregation.fork_ending.verdict_wording import (CAUSES, CLIENT_ABORT, PAUSE, PEER_FAILURE, TIMEOUT,
+                                                                   TRANSPORT)
 from sglang.srt.managers.fork_core.bounded import Cap, entry
 
 # (role, cause, stage) -> requests ended so in this process.
@@ -190,7 +191,7 @@ def set_gauge(key: str, base_labels: Optional[Dict[str, str]], value: float, **l
         _child(key, base_labels, labels).set(value)
 
 
-_check = verdict.check_cause
+_check = verdict_wording.check_cause
 
 
 def tag(kv_manager: Any, room: int, cause: str, peer: Optional[str] = None) -> None:

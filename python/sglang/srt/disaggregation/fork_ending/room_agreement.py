@@ -17,7 +17,8 @@ from typing import Any, List, NamedTuple, Optional, Sequence, Tuple
 from sglang.srt.disaggregation.fork_ending import request_end_cause as end_cause
 from sglang.srt.disaggregation.fork_ending.room_ledger import failure_record, ledger_of
 from sglang.srt.disaggregation.fork_ending.room_transitions import Transition
-from sglang.srt.disaggregation.fork_ending.verdict import Told, reason_weight
+from sglang.srt.disaggregation.fork_ending.verdict import reason_weight
+from sglang.srt.disaggregation.fork_ending.verdict_rows import Told
 from sglang.srt.managers.fork_core.rank_agreement import gather, group_size
 from sglang.srt.managers.fork_core.fork_touch import upstream
 

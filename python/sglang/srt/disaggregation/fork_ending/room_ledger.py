@@ -24,7 +24,9 @@ from sglang.srt.disaggregation.fork_ending.engine_clock import engine_clock
 from sglang.srt.disaggregation.fork_ending.room_frames import cause_frames
 from sglang.srt.disaggregation.fork_ending.room_threads import attaching, concluding  # noqa: F401 (prefill_side_monitor)
 from sglang.srt.disaggregation.fork_ending.room_transitions import TRANSITIONS, Tell, Transition, check
-from sglang.srt.disaggregation.fork_ending.verdict import CANCEL_REASON, Told, with_why
+from sglang.srt.disaggregation.fork_ending.verdict import with_why
+from sglang.srt.disaggregation.fork_ending.verdict_rows import Told
+from sglang.srt.disaggregation.fork_ending.verdict_wording import CANCEL_REASON
 from sglang.srt.disaggregation.base import KVPoll
 from sglang.srt.environ import envs
 from sglang.srt.managers.fork_core.bounded import Cap

@@ -11,7 +11,7 @@ from typing import Any, Dict, Optional
 
 from sglang.srt.disaggregation.fork_ending.room_ledger import (DECODE_LEDGERS, MAX_RECORDS, has_room_tables,
                                                                ledger_of)
-from sglang.srt.disaggregation.fork_ending.verdict import Told
+from sglang.srt.disaggregation.fork_ending.verdict_rows import Told
 from sglang.srt.disaggregation.base import KVPoll
 from sglang.srt.managers.fork_core.bounded import entry
 from sglang.srt.managers.fork_core.fork_touch import upstream

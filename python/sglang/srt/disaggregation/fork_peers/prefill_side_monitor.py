@@ -20,7 +20,7 @@ from collections import OrderedDict
 from typing import Any, Dict, List, Optional, Set, Tuple
 
 from sglang.srt.disaggregation.base import KVPoll
-from sglang.srt.disaggregation.fork_ending import request_end_cause, room_ledger, verdict
+from sglang.srt.disaggregation.fork_ending import request_end_cause, room_ledger, verdict_wording
 from sglang.srt.disaggregation.fork_peers import held_decodes, peer_sockets
 from sglang.srt.disaggregation.fork_peers.peer_monitor import (
     ALIVE, CLAIM_TAG, LOST, REFUSED, PeerMonitor, attach, loss_message, monitor_of, probe, probe_all)
@@ -339,7 +339,7 @@ def around_conclude_transfer(original, mgr, *args, bootstrap_room=None, status=N
     if status == KVPoll.Failed:
         infos = mgr.transfer_infos.get(bootstrap_room) or {}
         monitor = monitor_of(mgr, PrefillSideMonitor)
-        if monitor is not None and verdict.is_failed_write(failure_reason):
+        if monitor is not None and verdict_wording.is_failed_write(failure_reason):
             # nothing listens at the peer of a failed write: gone before the status is pushed (it would block)
             for session, info in list(infos.items()):
                 peer = f"{info.endpoint}:{info.dst_port}"
@@ -357,7 +357,7 @@ def around_conclude_transfer(original, mgr, *args, bootstrap_room=None, status=N
                 with monitor.lock:
                     for session in sessions:
                         monitor.poisoned.setdefault(session, set()).add(bootstrap_room)
-        if verdict.is_dead_session(failure_reason):  # upstream's reason for a blacklisted session: reworded
+        if verdict_wording.is_dead_session(failure_reason):  # upstream's reason for a blacklisted session: reworded
             failed = fork_touch.upstream_on(mgr, "failed_sessions", fork_touch.MOONCAKE_MANAGER, default=())
             dead = [(s, i) for s, i in list(infos.items()) if s in failed]
             if dead:

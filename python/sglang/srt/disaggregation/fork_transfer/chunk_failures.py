@@ -16,7 +16,7 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Set, Tuple
 
-from sglang.srt.disaggregation.fork_ending import request_end_cause, verdict
+from sglang.srt.disaggregation.fork_ending import request_end_cause, verdict_wording
 from sglang.srt.disaggregation.base import KVPoll
 from sglang.srt.disaggregation.fork_ending.engine_clock import engine_clock
 from sglang.srt.disaggregation.fork_ending.room_ledger import end_room
@@ -30,7 +30,7 @@ from sglang.srt.managers.fork_core.rank_agreement import answers, attn_tp_rank
 logger = logging.getLogger(__name__)
 
 # The chunk kind a transfer failure reason names (upstream's wording: the verdict's), or None (abort, timeout...).
-chunk_kind = verdict.failed_chunk_kind
+chunk_kind = verdict_wording.failed_chunk_kind
 
 
 class _Fault(NamedTuple):

@@ -13,8 +13,10 @@ from typing import Any, Dict, List
 from sglang.srt.disaggregation.fork_ending import pd_queues, room_frames, room_ledger, verdict
 from sglang.srt.disaggregation.fork_ending.room_transitions import Transition
 from sglang.srt.disaggregation.fork_ending.engine_clock import engine_clock
-from sglang.srt.disaggregation.fork_ending.verdict import (  # the pause's messages and answer: the verdict's
-    PAUSE_ABORT_MESSAGE, RELEASE_ABORT_MESSAGE, RELEASE_NO_PAUSE_MESSAGE, pause_finish_reason)
+# the pause's messages and answer: the verdict's
+from sglang.srt.disaggregation.fork_ending.verdict import pause_finish_reason
+from sglang.srt.disaggregation.fork_ending.verdict_wording import (PAUSE_ABORT_MESSAGE, RELEASE_ABORT_MESSAGE,
+                                                                   RELEASE_NO_PAUSE_MESSAGE)
 from sglang.srt.managers.fork_core import fork_touch
 from sglang.srt.managers.fork_core.bounded import Cap, entry
 from sglang.srt.managers.schedule_batch import FINISH_ABORT
