@@ -256,14 +256,21 @@ def test_no_fork_attribute_is_set_on_a_request_outside_the_record():
 
 
 def test_only_the_ledger_records_or_drops_a_room_failure():
-    """Every room ends through RoomLedger.end (docs/layout.md "How a room ends"): no fork module but room_ledger
-    calls a kv manager's record_failure or pops its failure_records."""
+    """Every room ends through RoomLedger.make (docs/layout.md "How a room ends"): no fork module but room_ledger
+    calls a kv manager's record_failure, pops its failure_records or writes one into it (upstream's per-room failure
+    table has one owner on the fork's side: an agreed record and one decode's ABORT brings go through
+    `room_ledger.write_failure`)."""
     ledger = SRT / "disaggregation" / "fork_ending" / "room_ledger.py"
     found = []
     for path in fork_modules():
         if path == ledger:
             continue
         for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.Assign, ast.AugAssign)):
+                for t in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                    if (isinstance(t, ast.Subscript) and isinstance(t.value, ast.Attribute)
+                            and t.value.attr == "failure_records"):
+                        found.append(f"{path.relative_to(ROOT)}:{node.lineno} writes {ast.unparse(t)}")
             if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
                 continue
             if node.func.attr == "record_failure" or (

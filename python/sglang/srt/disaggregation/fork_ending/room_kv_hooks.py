@@ -9,7 +9,8 @@ Threads: the bootstrap thread (ABORTs, handshakes, status messages), the transfe
 `update_status` inside `conclude_transfer`), the scheduler (sender creation and clear, `ensure_abort_notified`), the
 re-bootstrap pool (`_fail_prefill_recompute`). Locks: the ledger's and upstream's `failure_lock` (ledger inside it),
 never ours around a call into upstream. Invariant: every end these hooks make is a named transition of the ledger
-(`RoomLedger.make`); a failure record and the cause kept with it change together, under `failure_lock`."""
+(`RoomLedger.make`); a failure record and the cause kept with it change together, under `failure_lock` (the record an
+ABORT brings is written by the ledger, `room_ledger.write_failure`)."""
 
 from __future__ import annotations
 
@@ -68,10 +69,9 @@ def handle_abort(ledger: RoomLedger, original: Any, msg: List[bytes]) -> bool:
         if kept:  # decode's handshake may have created it, though no sender owns it
             room_ledger.drop_unowned_room(mgr, room)
         if mgr.request_status.get(room) not in (None, KVPoll.Success):
-            with mgr.failure_lock:  # re-checked: a room cleared meanwhile gets no record back
-                if room in mgr.request_status and room not in mgr.failure_records:
-                    mgr.failure_records[room] = with_why(DECODE_ABORT_REASON.format(room=room), why)
-                    ledger.keep_told(room, told, mgr.failure_records[room])
+            # re-checked under the failure lock: a room cleared meanwhile gets no record back, a recorded one keeps it
+            room_ledger.write_failure(mgr, room, with_why(DECODE_ABORT_REASON.format(room=room), why), told,
+                                      replace=False)
     handled = original(msg)
     if kept and note.room in mgr.request_status:
         ledger.drop_cancel(note.room)  # the sender appeared meanwhile; upstream failed it

@@ -286,6 +286,24 @@ def failure_record(mgr: Any, room: int) -> Optional[str]:
         return upstream(mgr, "failure_records").get(room)
 
 
+def write_failure(mgr: Any, room: int, reason: str, told: Optional[Told], *, replace: bool) -> bool:
+    """Write `room`'s failure record `reason` with its cause `told` into upstream's table, under its failure lock,
+    only while the room exists (a cleared room's record would reach the next request with that number): `replace`
+    the one there (room_agreement: the reason every rank agreed on), else only if it has none (decode's ABORT handled
+    before upstream's: the first record stays). Whether it wrote. Not through `record_failure`: its hook keeps a
+    recorded reason over a new one (`verdict.kept_over`), right for a new failure, wrong for an agreed one; and
+    neither marks the room (upstream's poll or handler does)."""
+    ledger = ledger_of(mgr)
+    with upstream(mgr, "failure_lock"):
+        records = upstream(mgr, "failure_records")
+        if room not in upstream(mgr, "request_status") or (not replace and room in records):
+            return False
+        records[room] = reason
+        if ledger is not None:  # the cause the record came with, with it
+            ledger.keep_told(room, told, reason)
+    return True
+
+
 def forget_failure(mgr: Any, room: int) -> None:
     """Drop `room`'s failure record (upstream's table, under its failure lock) and its cause: its request was
     retired."""
