@@ -3,6 +3,14 @@
 Whoever ends a room `tag()`s it first (any thread; first tag wins); the queue that retires the request
 calls `record_end()` (scheduler thread), which counts it and forgets the tag. `COUNTERS`: names and
 labels are public; each is made at first use (importing prometheus_client early leaves multiprocess mode).
+
+The per-room tags (room -> (cause, peer), `fork_end_causes` on the kv manager) are this module's, not the room
+ledger's: a tag lives from the first step of a room's end (`RoomLedger.make`, or a hook that names the lost peer
+first) to the counting of its request's end (`record_end`, which pops it), and counting is this module's; the ledger
+imports this module to tag, so reading the tags through the ledger would make the counter import the ledger (a
+circle) or move the counting into it. Lock: `_lock`, a leaf (taken alone, never while calling upstream). No clock: a
+tag does not expire, it is popped when counted, bounded by `MAX_TAGGED_ROOMS` (oldest dropped) and shown in the
+resource report (`fork_tables.end_cause_rooms`).
 """
 
 from __future__ import annotations

@@ -8,6 +8,14 @@ dropped) and the scheduler (`claimed_by`, `lost`: the lost-handshake rule; a sen
 a decode session is in `known` from its registration until its incarnation is dropped; a lost decode's host:port is
 in `lost` until a new decode registers on its host, it answers again, or it departs (`departed_after`); `gone` and
 `claims` are bounded (MAX_GONE and `departed_after`; the room's clear and CLAIM_GRACE).
+
+`poisoned` (session -> the rooms a failed write to it poison-marked) is the monitor's, not the room ledger's: it is
+a per-peer index of upstream's per-room marks (`_deferred_ack_poisoned_rooms`), so a decode session's marks go with
+the session when the monitor forgets it (`drop_incarnation`, under `PeerMonitor.lock` as its other tables) and a mark
+whose decode is gone goes at once (`around_conclude_transfer`). It holds no time (no clock): each tick prunes it to
+the marks upstream still holds, so a mark dropped another way (`poison_expiry`'s deadline on the engine clock, which
+in turn forgets a mark the monitor dropped) leaves nothing here; shown in the resource report as `monitor_poisoned`,
+bounded by upstream's marks.
 """
 
 from __future__ import annotations
