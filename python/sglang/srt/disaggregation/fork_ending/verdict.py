@@ -59,8 +59,8 @@ class ReqState:
 
     deadline: Optional[str] = None  # transfer_deadline: its message; the request is answered 504
     pause: Optional[str] = None  # pd_pause: the pause's or a release's message that ended it
-    requested: Optional[Tuple[str, Any]] = None  # room_ledger.before_abort_request: (message, status) asked for
-    told: Optional["Told"] = None  # room_ledger.prepare_abort_verdict: what the room's ender told of why (its ledger)
+    requested: Optional[Tuple[str, Any]] = None  # room_scheduler_hooks.before_abort_request: (message, status)
+    told: Optional["Told"] = None  # room_scheduler_hooks.prepare_abort_verdict: what the room's ender told (ledger)
     end_cause: Optional[Tuple[str, Optional[str]]] = None  # (cause, peer) it is counted as (`tag`); first tag wins
 
 
@@ -108,7 +108,7 @@ def peer_reason(rid: Any, room: int, side: str, why: Optional[str] = None) -> st
 
 def with_why(reason: str, why: Optional[str]) -> str:
     """Decode's reason, with the pause's or release's message that ended the room (decode's ABORT carries it as a
-    separate frame: room_ledger.WHY_FRAME)."""
+    separate frame: room_frames.WHY_FRAME)."""
     return f"{reason.rstrip('.')}{PEER_WHY}{why}" if why else reason
 
 
