@@ -1,5 +1,5 @@
 """The figures the user docs show, made from their sources: the knob table and the status table of
-docs/operations.md (from `knobs.py`, upstream's `Envs`, sglang-router's `RouterArgs`, `verdict.TABLE`), the
+docs/operations.md (from `knobs.py`, upstream's `Envs`, sglang-router's `RouterArgs`, `verdict_rows.TABLE`), the
 benchmark summary of README.md (from the bench blocks in bench/README.md), and the counts (patches, hooks, swaps)
 and caps the docs quote. test/srt/fork_boundary/test_docs_consistency.py checks every doc against this.
 
@@ -213,18 +213,18 @@ OTHER_STATUSES = (
 
 
 def status_table() -> str:
-    from sglang.srt.disaggregation.fork_ending import verdict
+    from sglang.srt.disaggregation.fork_ending import verdict_rows, verdict_wording
 
-    def spelled(text: str) -> str:  # verdict's wording constants as the client reads them
+    def spelled(text: str) -> str:  # verdict_wording's constants as the client reads them
         def one(m: "re.Match[str]") -> str:
-            value = getattr(verdict, m.group(1), None)
+            value = getattr(verdict_wording, m.group(1), None)
             return f'"{re.sub(r"[{][a-z_]+[}]", "...", value)}"' if isinstance(value, str) else m.group(0)
         return re.sub(r"`([A-Z_]+)`", one, text)
 
     lines = ["| # | why it ended | status | message | end cause counted | what to do |",
              "|---|---|---|---|---|---|"]
-    for i, row in enumerate(verdict.TABLE, 1):
-        status, message, end_cause = verdict.cells(row)
+    for i, row in enumerate(verdict_rows.TABLE, 1):
+        status, message, end_cause = verdict_rows.cells(row)
         lines.append(f"| {i} | {row.cause.value} | {status} | {spelled(message)} | {end_cause} "
                      f"| {ADVICE[row.cause.name]} |")
     lines += ["", "Outside the table:", "", "| status | answered to | message | what to do |", "|---|---|---|---|"]

@@ -42,7 +42,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from sglang.srt.disaggregation.base import KVPoll
-from sglang.srt.disaggregation.fork_ending import verdict
+from sglang.srt.disaggregation.fork_ending import verdict_wording
 from sglang.srt.disaggregation.fork_ending.engine_clock import engine_clock
 from sglang.srt.disaggregation.fork_transfer import transfer_deadline as td
 from sglang.srt.managers.fork_pause.scheduler_pause import pause_of
@@ -342,7 +342,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         r.handshake_delivered = True
         if r.prefill.answer is not None:
             # prefill already ended the room: the late handshake is answered Failed (room_ledger, real backend)
-            self._tell("decode", r.room, verdict.ABORT_TAG + " on prefill before decode's handshake came")
+            self._tell("decode", r.room, verdict_wording.ABORT_TAG + " on prefill before decode's handshake came")
             self._allow(r, "decode", ABORT, 500, 504)
             return
         self.h["prefill"].kv_manager.transfer_infos[r.room] = "decode handshake"
@@ -380,7 +380,7 @@ class LifecycleMachine(RuleBasedStateMachine):
             if r is None:
                 continue
             self._allow(r, "prefill", ABORT)
-            self._tell("prefill", n.room, verdict.DECODE_ABORT_REASON.format(room=n.room))
+            self._tell("prefill", n.room, verdict_wording.DECODE_ABORT_REASON.format(room=n.room))
         self.delivered_notices["decode"] = len(d.faults.notices)
 
     # ------------------------------------------------------------------ rules: faults
@@ -390,7 +390,8 @@ class LifecycleMachine(RuleBasedStateMachine):
     def chunk_fails(self, i: int, kind: str) -> None:
         """The room's next chunk of that kind fails in the transfer worker (decode told)."""
         r = pick(self.eligible_unanswered("prefill"), i)
-        self.h["prefill"].faults.fail_chunk(r.room, kind, reason=verdict.UPSTREAM_CHUNK_FAILED["kv"] + " (model)")
+        self.h["prefill"].faults.fail_chunk(r.room, kind,
+                                            reason=verdict_wording.UPSTREAM_CHUNK_FAILED["kv"] + " (model)")
         self._allow(r, "prefill", 500)
         self._allow(r, "decode", 500)
 
@@ -400,7 +401,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         """A transfer worker concludes the room Failed mid-transfer (the write failed; decode told)."""
         r = pick(self.eligible_live_transfers(), i)
         self.h["prefill"].kv_manager.conclude_failure(
-            bootstrap_room=r.room, failure_reason=verdict.UPSTREAM_SESSION_DEAD + " (model)")
+            bootstrap_room=r.room, failure_reason=verdict_wording.UPSTREAM_SESSION_DEAD + " (model)")
         self._allow(r, "prefill", 500)
         self._allow(r, "decode", 500)
 

@@ -185,11 +185,11 @@ class _Worker:
 
     def end_room(self, room: int, reason: str, cause: Optional[str] = None, message: Optional[str] = None) -> None:
         """End the room through the ledger (`RoomLedger.make`: fail_and_tell), its failure `reason` told to
-        the peer with the cause named `cause` (a verdict.Cause name, and its `message`), or without one (as a peer of
-        an older build or stock upstream tells it)."""
-        from sglang.srt.disaggregation.fork_ending import room_ledger, verdict
+        the peer with the cause named `cause` (a verdict_rows.Cause name, and its `message`), or without one (as a
+        peer of an older build or stock upstream tells it)."""
+        from sglang.srt.disaggregation.fork_ending import room_ledger, verdict, verdict_rows
 
-        told = None if cause is None else verdict.Told(verdict.Cause[cause], message)
+        told = None if cause is None else verdict_rows.Told(verdict_rows.Cause[cause], message)
         with self.h.active():
             room_ledger.end_room(self.h.kv_manager, room_ledger.Transition.FAIL_AND_TELL, room, reason, told=told)
 
@@ -267,7 +267,7 @@ class _Worker:
         return None if status is None else _kv_poll_name(status)
 
     def told(self, room: int) -> Optional[str]:
-        """The name of the cause the room's ender told this side (verdict.Cause, the request's record `told`, which
+        """The name of the cause the room's ender told this side (verdict_rows.Cause, the request's record `told`, which
         the verdict read before any text), or None: none came with the room's failure."""
         from sglang.srt.disaggregation.fork_ending import verdict
 

@@ -12,7 +12,7 @@ import pytest
 from sglang.srt.disaggregation.fork_ending import pd_queues
 from sglang.srt.disaggregation.fork_ending import request_end_cause as ec
 from sglang.srt.disaggregation.fork_ending import room_kv_hooks as ar
-from sglang.srt.disaggregation.fork_ending import verdict
+from sglang.srt.disaggregation.fork_ending import verdict, verdict_wording
 from sglang.srt.managers.schedule_batch import FINISH_ABORT
 from testing.pd_checks import is_client_abort
 from testing.queue_harness import KVPoll, Notice, PrefillHarness
@@ -64,7 +64,7 @@ def assert_room_gone(h, room):
 
 def told_decode(h, room):
     return [n for n in h.faults.notices_for(room) if n.to == "decode" and n.status == KVPoll.Failed
-            and verdict.ABORT_TAG in (n.reason or "")]
+            and verdict_wording.ABORT_TAG in (n.reason or "")]
 
 
 def assert_prefill_abort_sent_nothing(h, req, stage):

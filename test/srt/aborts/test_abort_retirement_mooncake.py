@@ -15,7 +15,7 @@ import time
 import pytest
 
 from sglang.srt.disaggregation.fork_ending import room_ledger as ar
-from sglang.srt.disaggregation.fork_ending import verdict
+from sglang.srt.disaggregation.fork_ending import verdict_wording
 from testing.pd_checks import is_client_abort, pair_fixture, pair_is_idle, pair_new_causes, wait_pair_idle
 from testing.pd_cluster import wait_until
 
@@ -144,7 +144,7 @@ def test_late_handshake_after_prefill_abort_is_refused(pair, before):
     assert _client_abort(pair.prefill, room)
     # only the room ledger's bounded memory of ended rooms holds it
     assert pair.prefill.call("room_entries", room) == []
-    assert verdict.ABORT_TAG in pair.prefill.call("late_answer", room)
+    assert verdict_wording.ABORT_TAG in pair.prefill.call("late_answer", room)
 
     pair.decode.call("add", room, 12)  # now decode hands prefill its pages
     # decode's handshake crosses to prefill's bootstrap thread, which answers Failed at

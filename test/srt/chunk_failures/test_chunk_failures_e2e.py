@@ -30,7 +30,7 @@ FAILING = 5
 MAX_NEW_TOKENS = 16
 # Decode holds a failed room's pages until prefill acks a drain or this deadline passes
 # (upstream's deferred release, 30 s by default); prefill forgets the room's poison mark
-# after the same time (chunk_failures.after_poison).
+# after the same time (poison_expiry.after_poison).
 RELEASE_ENV = {"SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT": "3"}
 FAULTS = "kv:rid=e2e-fail-kv-,aux:rid=e2e-fail-aux-"
 # upstream's failed-session probe loop, fast enough for a test (defaults: 30 s / 300 s)

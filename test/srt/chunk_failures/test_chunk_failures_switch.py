@@ -3,7 +3,8 @@ selects, and that it fails each selected write exactly once."""
 
 import pytest
 
-from sglang.srt.disaggregation.fork_transfer.chunk_failures import FaultPlan, chunk_kind
+from sglang.srt.disaggregation.fork_transfer.chunk_failures import chunk_kind
+from sglang.srt.disaggregation.fork_transfer.chunk_faults import FaultPlan
 
 pytestmark = pytest.mark.unit
 

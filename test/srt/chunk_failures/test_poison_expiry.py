@@ -1,7 +1,7 @@
 """A failed chunk write poison-marks its room's drain ACK (upstream's `_deferred_ack_poisoned_rooms`); prefill forgets
 the mark once decode's release deadline passed. That costs no thread per failed write (it was a 30 s
 `threading.Timer` each), and the deadline is read on the engine clock (a paused engine does not expire it), checked on
-the scheduler's bootstrap-queue pass (`chunk_failures.expire_poison`, the hook on `pop_bootstrapped`).
+the scheduler's bootstrap-queue pass (`poison_expiry.expire_poison`, the hook on `pop_bootstrapped`).
 Stock upstream 0.5.23 never drops the mark (the room's number stays poisoned until a new request reuses it)."""
 
 import threading
@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from sglang.srt.disaggregation.fork_ending.engine_clock import EngineClock
-from sglang.srt.disaggregation.fork_transfer import chunk_failures
+from sglang.srt.disaggregation.fork_transfer import chunk_failures, poison_expiry
 from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
 from sglang.srt.managers.fork_core import fork_plugin
 from sglang.srt.plugins import load_plugins
@@ -26,7 +26,7 @@ DELAY_S = 30.0  # SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT's def
 def clock(monkeypatch):
     now = [1000.0]
     clock = EngineClock(monotonic=lambda: now[0])
-    monkeypatch.setattr(chunk_failures, "engine_clock", clock, raising=False)  # was: none (a Timer each)
+    monkeypatch.setattr(poison_expiry, "engine_clock", clock, raising=False)  # was: none (a Timer each)
     clock.advance = lambda s: now.__setitem__(0, now[0] + s)
     return clock
 
@@ -61,21 +61,21 @@ def test_poison_marks_expire_on_the_engine_clock_without_a_thread_each(clock):
         _failed_write(mgr, room)
     assert threading.active_count() - threads < 5, threading.active_count() - threads
     assert len(mgr._deferred_ack_poisoned_rooms) == FAILED
-    assert chunk_failures.poison_table(mgr)["size"] == FAILED
+    assert poison_expiry.poison_table(mgr)["size"] == FAILED
 
     clock.pause()  # a paused engine: its time does not count
     clock.advance(2 * DELAY_S)
-    chunk_failures.expire_poison(queue)
+    poison_expiry.expire_poison(queue)
     assert len(mgr._deferred_ack_poisoned_rooms) == FAILED
     clock.resume()
 
     clock.advance(DELAY_S - 1)
-    chunk_failures.expire_poison(queue)
+    poison_expiry.expire_poison(queue)
     assert len(mgr._deferred_ack_poisoned_rooms) == FAILED
     clock.advance(1)
-    chunk_failures.expire_poison(queue)
+    poison_expiry.expire_poison(queue)
     assert mgr._deferred_ack_poisoned_rooms == set()
-    assert chunk_failures.poison_table(mgr)["size"] == 0
+    assert poison_expiry.poison_table(mgr)["size"] == 0
 
 
 def test_a_mark_dropped_another_way_leaves_no_pending_expiry(clock):
@@ -86,11 +86,11 @@ def test_a_mark_dropped_another_way_leaves_no_pending_expiry(clock):
     for room in (1, 2, 3):
         _failed_write(mgr, room)
     mgr._deferred_ack_poisoned_rooms.difference_update({1, 2})  # as `_drop_incarnation` does
-    chunk_failures.expire_poison(queue)
-    assert chunk_failures.poison_table(mgr)["size"] == 1 and mgr._deferred_ack_poisoned_rooms == {3}
+    poison_expiry.expire_poison(queue)
+    assert poison_expiry.poison_table(mgr)["size"] == 1 and mgr._deferred_ack_poisoned_rooms == {3}
     clock.advance(DELAY_S)
-    chunk_failures.expire_poison(queue)
-    assert chunk_failures.poison_table(mgr)["size"] == 0 and mgr._deferred_ack_poisoned_rooms == set()
+    poison_expiry.expire_poison(queue)
+    assert poison_expiry.poison_table(mgr)["size"] == 0 and mgr._deferred_ack_poisoned_rooms == set()
 
 
 def test_a_bootstrap_pass_between_the_failed_write_and_its_mark_keeps_the_expiry(clock):
@@ -100,13 +100,13 @@ def test_a_bootstrap_pass_between_the_failed_write_and_its_mark_keeps_the_expiry
     mgr = _prefill_manager()
     queue = SimpleNamespace(kv_manager=mgr)
     assert chunk_failures.checked(mgr, 7, "kv", -1) == -1
-    chunk_failures.expire_poison(queue)  # the scheduler's pass, before upstream's mark
+    poison_expiry.expire_poison(queue)  # the scheduler's pass, before upstream's mark
     mgr.poison_deferred_ack_room(7)
-    chunk_failures.expire_poison(queue)
-    assert mgr._deferred_ack_poisoned_rooms == {7} and chunk_failures.poison_table(mgr)["size"] == 1
+    poison_expiry.expire_poison(queue)
+    assert mgr._deferred_ack_poisoned_rooms == {7} and poison_expiry.poison_table(mgr)["size"] == 1
     clock.advance(DELAY_S)
-    chunk_failures.expire_poison(queue)
-    assert mgr._deferred_ack_poisoned_rooms == set() and chunk_failures.poison_table(mgr)["size"] == 0
+    poison_expiry.expire_poison(queue)
+    assert mgr._deferred_ack_poisoned_rooms == set() and poison_expiry.poison_table(mgr)["size"] == 0
 
 
 def test_the_transfer_workers_own_crash_mark_expires_too(clock):
@@ -115,5 +115,5 @@ def test_the_transfer_workers_own_crash_mark_expires_too(clock):
     mgr = _prefill_manager()
     mgr.poison_deferred_ack_room(9)
     clock.advance(DELAY_S)
-    chunk_failures.expire_poison(SimpleNamespace(kv_manager=mgr))
+    poison_expiry.expire_poison(SimpleNamespace(kv_manager=mgr))
     assert mgr._deferred_ack_poisoned_rooms == set()

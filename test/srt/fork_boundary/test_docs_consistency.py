@@ -2,7 +2,7 @@
 them that disagrees with the code, the tree or bench/README.md's latest bench blocks fails here.
 
 Sources: the generated blocks (`testing/doc_tables.py`: the knob and status tables of docs/operations.md from
-`knobs.py`, upstream's `Envs`, sglang-router's `RouterArgs` and `verdict.TABLE`; README's bench summary from
+`knobs.py`, upstream's `Envs`, sglang-router's `RouterArgs` and `verdict_rows.TABLE`; README's bench summary from
 bench/README.md), the patch series and `fork_plugin.HOOKS`/`SWAPS` (counts), `room_ledger.MAX_RECORDS` and the
 other caps, every knob's default wherever a doc quotes one, the fork/upstream KV rate wherever a doc quotes it.
 Fast; starts no server."""
@@ -15,7 +15,7 @@ from typing import Dict, List, Tuple
 
 import pytest
 
-from sglang.srt.disaggregation.fork_ending import request_end_cause, room_ledger, teller, verdict
+from sglang.srt.disaggregation.fork_ending import request_end_cause, room_ledger, teller, verdict_rows
 from sglang.srt.disaggregation.fork_transfer import transfer_deadline
 from sglang.srt.environ import envs
 from sglang.srt.managers.fork_core import knobs
@@ -55,12 +55,12 @@ def test_each_generated_block_equals_what_its_source_makes(path, name):
 
 def test_every_knob_and_every_verdict_row_is_described():
     assert set(doc_tables.FORK_KNOBS) == {k.name for k in knobs.KNOBS}, "a knob without a line in doc_tables"
-    assert set(doc_tables.ADVICE) == {c.name for c in verdict.Cause}, "a verdict cause without advice"
+    assert set(doc_tables.ADVICE) == {c.name for c in verdict_rows.Cause}, "a verdict cause without advice"
     ops = doc_tables.OPERATIONS.read_text()
     for knob in knobs.KNOBS:
         assert f"`{knob.name}`" in ops
-    for row in verdict.TABLE:
-        assert f"| {row.cause.value} | {verdict.cells(row)[0]} |" in ops
+    for row in verdict_rows.TABLE:
+        assert f"| {row.cause.value} | {verdict_rows.cells(row)[0]} |" in ops
 
 
 # ----------------------------------------------------------------------------- counts and caps

@@ -477,7 +477,7 @@ def test_hooks_on_one_target_sit_together_in_wrap_order():
         "room_kv_hooks:on_manager_init", "decode_side_monitor:on_decode_manager_init", "fork_touch:check_at_start"]
     assert order["disaggregation.prefill.PrefillBootstrapQueue.pop_bootstrapped"] == [
         "transfer_deadline:before_pop_bootstrapped", "lost_handshake:before_pop_bootstrapped",
-        "chunk_failures:expire_poison"]
+        "poison_expiry:expire_poison"]
     assert order["disaggregation.common.conn.CommonKVManager.try_ensure_parallel_info"] == [
         "decode_side_monitor:after_try_ensure_parallel_info", "transfer_deadline:around_try_ensure_parallel_info"]
     assert order["disaggregation.common.conn.CommonKVSender.clear"] == [

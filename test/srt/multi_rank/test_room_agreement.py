@@ -189,7 +189,7 @@ def test_agreed_is_rank_0s_unless_a_higher_rank_outranks_it():
 def test_the_cause_told_with_a_reason_is_agreed_with_it():
     """Every rank answers by, and tells decode, the cause that came with the agreed reason (the rank that chose it),
     whatever the reason's text reads as; a told peer's abort ranks last as its text would."""
-    from sglang.srt.disaggregation.fork_ending.verdict import Cause, Told
+    from sglang.srt.disaggregation.fork_ending.verdict_rows import Cause, Told
 
     paused = Told(Cause.PEER_PAUSE, "Aborted by pause_generation(mode=abort).")
     echo = "PD request aborted on decode: bootstrap_room=11 was aborted by the decode peer."

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from sglang.srt.disaggregation.fork_ending import pd_queues, verdict
+from sglang.srt.disaggregation.fork_ending import pd_queues, verdict_wording
 from sglang.srt.managers.fork_pause import engine_pause_state, pause_gate, pd_pause, scheduler_pause, tokenizer_pause
 from sglang.srt.managers.fork_pause.engine_pause_state import ALL_TAGS, EnginePauseState, PauseStateError
 
@@ -316,7 +316,7 @@ def test_running_request_answers_the_abort_verdict_not_upstreams_bare_abort():
             table.of(req).requested = verdict
         return req
 
-    client = (table.CLIENT_ABORT_MESSAGE, None)
+    client = (verdict_wording.CLIENT_ABORT_MESSAGE, None)
     marked = running("marked", verdict=client)
     unseen = running("unseen")  # e.g. decode's last batch, which the marking does not walk
     paused = running("paused", verdict=(pd_pause.PAUSE_ABORT_MESSAGE, None))

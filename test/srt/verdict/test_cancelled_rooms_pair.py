@@ -188,9 +188,9 @@ def test_abort_of_a_room_only_decode_handshake_created(pair):
 
 # A failure reason that names the pause (a peer's pause, by its text) told with another cause: the field decides.
 def _misleading(room):
-    from sglang.srt.disaggregation.fork_ending import verdict
+    from sglang.srt.disaggregation.fork_ending import verdict, verdict_wording
 
-    return verdict.peer_reason("r", room, "prefill", verdict.PAUSE_ABORT_MESSAGE)
+    return verdict.peer_reason("r", room, "prefill", verdict_wording.PAUSE_ABORT_MESSAGE)
 
 
 def _ended_by_prefill(pair, cause):

@@ -1,5 +1,6 @@
-"""The verdict table (disaggregation/fork_ending/verdict.py): docs/layout.md shows the code's table; each row is
-what the verdict answers; no fork module but the verdict's compares message wording; no fork module sets a
+"""The verdict table (disaggregation/fork_ending/verdict_rows.py, decided by verdict.py, its texts in
+verdict_wording.py): docs/layout.md shows the code's table; each row is what the verdict answers; no fork module but
+the verdict's three compares message wording; no fork module sets a
 `fork_*` attribute on a request outside the one record."""
 
 from __future__ import annotations
@@ -13,24 +14,26 @@ import pytest
 
 pytestmark = pytest.mark.unit
 
-from sglang.srt.disaggregation.fork_ending import request_record, verdict
-from sglang.srt.disaggregation.fork_ending.verdict import Cause
+from sglang.srt.disaggregation.fork_ending import request_record, verdict, verdict_rows, verdict_wording
+from sglang.srt.disaggregation.fork_ending.verdict_rows import Cause
 
 ROOT = Path(__file__).resolve().parents[3]
 SRT = ROOT / "python" / "sglang" / "srt"
-VERDICT = SRT / "disaggregation" / "fork_ending" / "verdict.py"
+VERDICT = tuple(SRT / "disaggregation" / "fork_ending" / f"{name}.py"  # the verdict's modules
+                for name in ("verdict", "verdict_rows", "verdict_wording"))
 RECORD = SRT / "disaggregation" / "fork_ending" / "request_record.py"  # sets the one attribute
 
 
 def fork_modules():
-    return sorted(p for p in SRT.glob("*/fork_*/*.py") if p != VERDICT)
+    return sorted(p for p in SRT.glob("*/fork_*/*.py") if p not in VERDICT)
 
 
 def test_the_doc_shows_the_code_table():
     doc = (ROOT / "docs" / "layout.md").read_text()
     start = doc.index("<!-- verdict table:")
     body = doc[doc.index("\n", start) + 1:doc.index("<!-- end verdict table -->")].strip()
-    assert body == verdict.markdown(), "docs/layout.md's verdict table differs from verdict.markdown(): paste it"
+    assert body == verdict_rows.markdown(), ("docs/layout.md's verdict table differs from verdict_rows.markdown(): "
+                                            "paste it")
 
 
 def _req(**fields):
@@ -84,25 +87,25 @@ def fork_loss_reason() -> str:
     return peer_monitor.loss_message("decode", "10.0.0.2:7000", "silent")
 
 
-DEADLINE = f"{verdict.DEADLINE_TAG}: request r (bootstrap_room=5) spent 31.0s in stage prefill_inflight"
+DEADLINE = f"{verdict_wording.DEADLINE_TAG}: request r (bootstrap_room=5) spent 31.0s in stage prefill_inflight"
 LOST = fork_loss_reason()
-PEER_PAUSE = verdict.peer_reason("r", 5, "prefill", verdict.PAUSE_ABORT_MESSAGE)
+PEER_PAUSE = verdict.peer_reason("r", 5, "prefill", verdict_wording.PAUSE_ABORT_MESSAGE)
 REJECTION = verdict.peer_reason("r", 5, "decode", verdict.rejected_by("decode's scheduler", "too long"))
-KV_FAILED = verdict.UPSTREAM_CHUNK_FAILED["kv"] + " of 5 to 10.0.0.2:7000"  # mooncake's transfer worker
-SLA = ("SLA exceeded", verdict.SLA_ABORT_STATUS)
+KV_FAILED = verdict_wording.UPSTREAM_CHUNK_FAILED["kv"] + " of 5 to 10.0.0.2:7000"  # mooncake's transfer worker
+SLA = ("SLA exceeded", verdict_rows.SLA_ABORT_STATUS)
 # (row, request record, the room's failure reason): each row reached by what really ends a room that way
 CASES = [
-    (Cause.DEADLINE, _req(deadline=DEADLINE, pause=verdict.PAUSE_ABORT_MESSAGE), LOST),
-    (Cause.PAUSE, _req(pause=verdict.PAUSE_ABORT_MESSAGE, requested=SLA), LOST),
-    (Cause.PAUSE, _req(pause=verdict.RELEASE_ABORT_MESSAGE.format(mode="in_place")), KV_FAILED),
+    (Cause.DEADLINE, _req(deadline=DEADLINE, pause=verdict_wording.PAUSE_ABORT_MESSAGE), LOST),
+    (Cause.PAUSE, _req(pause=verdict_wording.PAUSE_ABORT_MESSAGE, requested=SLA), LOST),
+    (Cause.PAUSE, _req(pause=verdict_wording.RELEASE_ABORT_MESSAGE.format(mode="in_place")), KV_FAILED),
     (Cause.REQUESTED_ABORT, _req(requested=SLA), LOST),
-    (Cause.REQUESTED_ABORT, _req(requested=(verdict.CLIENT_ABORT_MESSAGE, None)), KV_FAILED),
+    (Cause.REQUESTED_ABORT, _req(requested=(verdict_wording.CLIENT_ABORT_MESSAGE, None)), KV_FAILED),
     (Cause.PEER_PAUSE, _req(), PEER_PAUSE),
     (Cause.PEER_REJECTION, _req(), REJECTION),
     (Cause.PEER_ABORT, _req(), upstream_abort_reason()),
     (Cause.PEER_ABORT, _req(), verdict.peer_reason("r", 5, "decode")),
     (Cause.PEER_DEADLINE, _req(), DEADLINE),
-    (Cause.PAUSE_REASON, _req(), verdict.PAUSE_ABORT_MESSAGE + " (room 5)"),
+    (Cause.PAUSE_REASON, _req(), verdict_wording.PAUSE_ABORT_MESSAGE + " (room 5)"),
     (Cause.LOST_PEER, _req(), LOST),
     (Cause.LOST_PEER, _req(), upstream_prefill_lost_reason()),
     (Cause.FAILURE, _req(), KV_FAILED),
@@ -111,22 +114,22 @@ CASES = [
 
 def test_every_row_is_reached_in_table_order():
     reached = list(dict.fromkeys(c for c, *_ in CASES))
-    assert reached == [row.cause for row in verdict.TABLE]
+    assert reached == [row.cause for row in verdict_rows.TABLE]
 
 
 def _row_status(row, req, caller):
-    """What a row's status value means (the docs say the same: `verdict.cells`)."""
+    """What a row's status value means (the docs say the same: `verdict_rows.cells`)."""
     if isinstance(row.status, HTTPStatus):
         return row.status
-    return {verdict.From.ABORT_ANSWER: None, verdict.From.CALLER: caller,
-            verdict.From.RECORD: verdict.peek(req).requested and verdict.peek(req).requested[1]}[row.status]
+    return {verdict_rows.From.ABORT_ANSWER: None, verdict_rows.From.CALLER: caller,
+            verdict_rows.From.RECORD: verdict.peek(req).requested and verdict.peek(req).requested[1]}[row.status]
 
 
 @pytest.mark.parametrize("cause,req,reason", CASES, ids=[f"{c.name}-{i}" for i, (c, *_) in enumerate(CASES)])
 def test_each_row_answers_as_the_table_says(cause, req, reason):
     """The verdict finds the row, and answers with the row's values: its status, its message (a fixed one, or where
     it comes from: the record, the peer's, the reason; opening as the row says), the end cause it tags."""
-    row = verdict.ROWS[cause]
+    row = verdict_rows.ROWS[cause]
     assert verdict.find(req, reason) is cause
     message, status, tagged = verdict.verdict(req, reason, HTTPStatus.INTERNAL_SERVER_ERROR)
     assert status == _row_status(row, req, HTTPStatus.INTERNAL_SERVER_ERROR)
@@ -134,9 +137,9 @@ def test_each_row_answers_as_the_table_says(cause, req, reason):
     assert tagged == row.end_cause
     if isinstance(row.message, str):
         assert message == row.message
-    elif row.message is verdict.From.REASON:
+    elif row.message is verdict_rows.From.REASON:
         assert message == reason
-    elif row.message is verdict.From.TOLD:
+    elif row.message is verdict_rows.From.TOLD:
         assert message != reason and message in reason  # the peer's own message, out of its reason
     assert not row.opens or message.startswith(tuple(o.split("{")[0] for o in row.opens)), (message, row.opens)
 
@@ -145,10 +148,10 @@ def test_a_message_naming_a_deadline_or_the_pause_is_answered_as_those_rows():
     """`RESTATED`: an AbortReq whose message names the pause (the pause's abort_all) answers as row PAUSE_REASON, one
     naming a deadline as row PEER_DEADLINE, whatever its asked status; the deadline's own row keeps its untagged
     end (transfer_deadline tagged the room, with its peer)."""
-    req = _req(requested=(verdict.PAUSE_ABORT_MESSAGE, verdict.SLA_ABORT_STATUS))
-    assert verdict.verdict(req, KV_FAILED, 500) == (verdict.PAUSE_ABORT_MESSAGE, None, verdict.PAUSE)
+    req = _req(requested=(verdict_wording.PAUSE_ABORT_MESSAGE, verdict_rows.SLA_ABORT_STATUS))
+    assert verdict.verdict(req, KV_FAILED, 500) == (verdict_wording.PAUSE_ABORT_MESSAGE, None, verdict_wording.PAUSE)
     req = _req(requested=(DEADLINE, None))
-    assert verdict.verdict(req, KV_FAILED, 500) == (DEADLINE, HTTPStatus.GATEWAY_TIMEOUT, verdict.TIMEOUT)
+    assert verdict.verdict(req, KV_FAILED, 500) == (DEADLINE, HTTPStatus.GATEWAY_TIMEOUT, verdict_wording.TIMEOUT)
     assert verdict.verdict(_req(deadline=DEADLINE), KV_FAILED, 500) == (DEADLINE, HTTPStatus.GATEWAY_TIMEOUT, None)
 
 
@@ -158,8 +161,8 @@ def test_a_message_naming_a_deadline_or_the_pause_is_answered_as_those_rows():
 def _wording():
     """(name, value) of the verdict's wording constants: the texts the fork writes and the upstream texts it reads."""
     out = []
-    for name in dir(verdict):
-        value = getattr(verdict, name)
+    for name in dir(verdict_wording):
+        value = getattr(verdict_wording, name)
         if name.isupper() and (name.endswith(("_MESSAGE", "_TAG", "_REASON", "_MARKER", "_MARKERS", "_WHY"))
                                or name.startswith("UPSTREAM_") or name == "REJECTED"):
             for v in value.values() if isinstance(value, dict) else value if isinstance(value, tuple) else (value,):
@@ -168,15 +171,20 @@ def _wording():
     return out
 
 
+VERDICT_NAMES = tuple(path.stem for path in VERDICT)
+VERDICT_MODULES = tuple(f"fork_ending.{name}" for name in VERDICT_NAMES)
+
+
 def _verdict_refs(tree: ast.Module):
-    """Names bound to verdict's wording in a module (`from ...verdict import X`), and its module aliases."""
+    """Names bound to verdict's wording in a module (`from ...verdict_wording import X`, or from the other verdict
+    modules), and the verdict modules' aliases."""
     wording = {name for name, _ in _wording()}
     names, aliases = set(), set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and (node.module or "").endswith("fork_ending.verdict"):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").endswith(VERDICT_MODULES):
             names |= {a.asname or a.name for a in node.names if a.name in wording}
         if isinstance(node, ast.ImportFrom) and (node.module or "").endswith("fork_ending"):
-            aliases |= {a.asname or a.name for a in node.names if a.name == "verdict"}
+            aliases |= {a.asname or a.name for a in node.names if a.name in VERDICT_NAMES}
     return names, aliases, wording
 
 
@@ -191,8 +199,8 @@ def _names_wording(node, names, aliases, wording) -> bool:
 
 
 def test_message_wording_is_compared_only_in_the_verdict_module():
-    """No fork module but verdict.py compares a text against the fork's or upstream's wording (`in`, `==`,
-    startswith/endswith, rsplit on it), nor spells that wording itself."""
+    """No fork module but the verdict's (verdict, verdict_rows, verdict_wording) compares a text against the fork's or
+    upstream's wording (`in`, `==`, startswith/endswith, rsplit on it), nor spells that wording itself."""
     found = []
     # whole messages and tags (the markers are words a hook's target names too: compared, they are caught above)
     spelled = [(n, v) for n, v in _wording() if len(v) >= 12 and not n.endswith(("_MARKER", "_MARKERS"))]
@@ -248,14 +256,21 @@ def test_no_fork_attribute_is_set_on_a_request_outside_the_record():
 
 
 def test_only_the_ledger_records_or_drops_a_room_failure():
-    """Every room ends through RoomLedger.end (docs/layout.md "How a room ends"): no fork module but room_ledger
-    calls a kv manager's record_failure or pops its failure_records."""
+    """Every room ends through RoomLedger.make (docs/layout.md "How a room ends"): no fork module but room_ledger
+    calls a kv manager's record_failure, pops its failure_records or writes one into it (upstream's per-room failure
+    table has one owner on the fork's side: an agreed record and one decode's ABORT brings go through
+    `room_ledger.write_failure`)."""
     ledger = SRT / "disaggregation" / "fork_ending" / "room_ledger.py"
     found = []
     for path in fork_modules():
         if path == ledger:
             continue
         for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.Assign, ast.AugAssign)):
+                for t in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                    if (isinstance(t, ast.Subscript) and isinstance(t.value, ast.Attribute)
+                            and t.value.attr == "failure_records"):
+                        found.append(f"{path.relative_to(ROOT)}:{node.lineno} writes {ast.unparse(t)}")
             if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
                 continue
             if node.func.attr == "record_failure" or (
@@ -271,14 +286,17 @@ def test_only_the_ledger_records_or_drops_a_room_failure():
 def test_a_told_cause_decides_over_misleading_text():
     """The room's told cause (the record's `told`, moved there from the ledger) wins over a reason whose text reads as
     another row: a reason naming the peer's pause, told as the peer's abort, is a client abort."""
-    req = _req(told=verdict.Told(Cause.PEER_ABORT))
+    req = _req(told=verdict_rows.Told(Cause.PEER_ABORT))
     assert verdict.find(req, PEER_PAUSE) is Cause.PEER_ABORT
-    assert verdict.verdict(req, PEER_PAUSE, 500) == (verdict.CLIENT_ABORT_MESSAGE, None, verdict.CLIENT_ABORT)
+    assert verdict.verdict(req, PEER_PAUSE, 500) == (verdict_wording.CLIENT_ABORT_MESSAGE, None,
+                                                     verdict_wording.CLIENT_ABORT)
     # the message of a told pause is the field's, whatever the text says
-    req = _req(told=verdict.Told(Cause.PEER_PAUSE, verdict.RELEASE_NO_PAUSE_MESSAGE))
-    assert verdict.verdict(req, "Failed to send kv chunk", 500) == (verdict.RELEASE_NO_PAUSE_MESSAGE, None, verdict.PAUSE)
+    req = _req(told=verdict_rows.Told(Cause.PEER_PAUSE, verdict_wording.RELEASE_NO_PAUSE_MESSAGE))
+    assert verdict.verdict(req, "Failed to send kv chunk", 500) == (verdict_wording.RELEASE_NO_PAUSE_MESSAGE, None,
+                                                                    verdict_wording.PAUSE)
     # without a told cause, the same text is read as before (a peer of an older build, stock upstream)
-    assert verdict.verdict(_req(), PEER_PAUSE, 500) == (verdict.PAUSE_ABORT_MESSAGE, None, verdict.PAUSE)
+    assert verdict.verdict(_req(), PEER_PAUSE, 500) == (verdict_wording.PAUSE_ABORT_MESSAGE, None,
+                                                        verdict_wording.PAUSE)
 
 
 def test_the_cause_frames_round_trip_and_an_older_peer_falls_back():
@@ -287,20 +305,20 @@ def test_the_cause_frames_round_trip_and_an_older_peer_falls_back():
 
     note = AbortNotification(room=7, decode_ip="10.0.0.2", decode_port=7000, generation=3)
     upstreams = [ABORT_TAG, b"7", b"10.0.0.2", b"7000", b"3"]  # upstream's to_zmq (the fork's hook may wrap it)
-    frames = room_frames.abort_frames(upstreams, verdict.PAUSE_ABORT_MESSAGE)
+    frames = room_frames.abort_frames(upstreams, verdict_wording.PAUSE_ABORT_MESSAGE)
     # stock upstream prefill: the fork's frames after the generation are not read
     assert AbortNotification.from_zmq(frames) == note
     ours, why, told = room_frames.split_abort(frames)
-    assert (ours, why, told) == (upstreams, verdict.PAUSE_ABORT_MESSAGE,
-                                 verdict.Told(Cause.PEER_PAUSE, verdict.PAUSE_ABORT_MESSAGE))
-    assert room_frames.split_abort(room_frames.abort_frames(upstreams, None))[2] == verdict.Told(Cause.PEER_ABORT)
+    assert (ours, why, told) == (upstreams, verdict_wording.PAUSE_ABORT_MESSAGE,
+                                 verdict_rows.Told(Cause.PEER_PAUSE, verdict_wording.PAUSE_ABORT_MESSAGE))
+    assert room_frames.split_abort(room_frames.abort_frames(upstreams, None))[2] == verdict_rows.Told(Cause.PEER_ABORT)
     # an older fork build: the why, no cause; stock upstream: neither (the reason's text is read)
-    older = list(upstreams) + [room_frames.WHY_FRAME, verdict.PAUSE_ABORT_MESSAGE.encode()]
-    assert room_frames.split_abort(older) == (upstreams, verdict.PAUSE_ABORT_MESSAGE, None)
+    older = list(upstreams) + [room_frames.WHY_FRAME, verdict_wording.PAUSE_ABORT_MESSAGE.encode()]
+    assert room_frames.split_abort(older) == (upstreams, verdict_wording.PAUSE_ABORT_MESSAGE, None)
     assert room_frames.split_abort(upstreams) == (upstreams, None, None)
     # a cause this build does not know, or one only this side's record holds: read as none
-    assert verdict.Told.from_frames([b"NEWER_CAUSE", b""]) is None
-    assert verdict.Told.from_frames([b"DEADLINE", b""]) is None
+    assert verdict_rows.Told.from_frames([b"NEWER_CAUSE", b""]) is None
+    assert verdict_rows.Told.from_frames([b"DEADLINE", b""]) is None
 
 
 def test_no_fork_attribute_is_set_on_a_receiver_or_request():
@@ -310,7 +328,7 @@ def test_no_fork_attribute_is_set_on_a_receiver_or_request():
     import re
 
     found = [f"{p.relative_to(ROOT)}:{n}: {line.strip()}"
-             for p in fork_modules() + [VERDICT] for n, line in enumerate(p.read_text().splitlines(), 1)
+             for p in fork_modules() + list(VERDICT) for n, line in enumerate(p.read_text().splitlines(), 1)
              if re.search(r"\b(req|request|receiver|sender|decode_req)\w*\._fork_\w* = ", line)]
     assert not found, "\n".join(found)
 
@@ -321,4 +339,4 @@ def test_the_record_holds_only_what_the_verdict_reads():
     import dataclasses
 
     fields = {f.name for f in dataclasses.fields(verdict.ReqState)}
-    assert fields == {row.field for row in verdict.TABLE if row.field} | {"told", "end_cause"}
+    assert fields == {row.field for row in verdict_rows.TABLE if row.field} | {"told", "end_cause"}

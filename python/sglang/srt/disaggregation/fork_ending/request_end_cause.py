@@ -3,6 +3,14 @@
 Whoever ends a room `tag()`s it first (any thread; first tag wins); the queue that retires the request
 calls `record_end()` (scheduler thread), which counts it and forgets the tag. `COUNTERS`: names and
 labels are public; each is made at first use (importing prometheus_client early leaves multiprocess mode).
+
+The per-room tags (room -> (cause, peer), `fork_end_causes` on the kv manager) are this module's, not the room
+ledger's: a tag lives from the first step of a room's end (`RoomLedger.make`, or a hook that names the lost peer
+first) to the counting of its request's end (`record_end`, which pops it), and counting is this module's; the ledger
+imports this module to tag, so reading the tags through the ledger would make the counter import the ledger (a
+circle) or move the counting into it. Lock: `_lock`, a leaf (taken alone, never while calling upstream). No clock: a
+tag does not expire, it is popped when counted, bounded by `MAX_TAGGED_ROOMS` (oldest dropped) and shown in the
+resource report (`fork_tables.end_cause_rooms`).
 """
 
 from __future__ import annotations
@@ -12,9 +20,10 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
 
-from sglang.srt.disaggregation.fork_ending import pd_queues, request_record, verdict
+from sglang.srt.disaggregation.fork_ending import pd_queues, request_record, verdict, verdict_wording
 # The causes (the counter's labels) and which one a request's end counts as: the verdict's table.
-from sglang.srt.disaggregation.fork_ending.verdict import CAUSES, CLIENT_ABORT, PAUSE, PEER_FAILURE, TIMEOUT, TRANSPORT
+from sglang.srt.disaggregation.fork_ending.verdict_wording import (CAUSES, CLIENT_ABORT, PAUSE, PEER_FAILURE, TIMEOUT,
+                                                                   TRANSPORT)
 from sglang.srt.managers.fork_core.bounded import Cap, entry
 
 # (role, cause, stage) -> requests ended so in this process.
@@ -190,7 +199,7 @@ def set_gauge(key: str, base_labels: Optional[Dict[str, str]], value: float, **l
         _child(key, base_labels, labels).set(value)
 
 
-_check = verdict.check_cause
+_check = verdict_wording.check_cause
 
 
 def tag(kv_manager: Any, room: int, cause: str, peer: Optional[str] = None) -> None:

@@ -6,7 +6,9 @@ queue's polls, but its reason, end-cause tag and late-handshake answer stay on t
 "Failed due to an unknown reason from another rank"). Right after the all-reduce, the Failed set is the same on
 every rank, so `share_failures` makes one all-gather of what each rank knows of exactly those rooms (none when no
 room failed) and every rank adopts the same `agreed` reason, tag and late answer before its queue reads the failure.
-Hooks AROUND upstream's poll functions (scheduler thread); docs/layout.md, "More than one rank per server".
+Hooks AROUND upstream's poll functions (scheduler thread); docs/layout.md, "More than one rank per server". It keeps
+no per-room table: the agreed record is written by the ledger (`room_ledger.write_failure`), the tag by
+`request_end_cause.retag`, the late answer by a ledger transition.
 """
 
 from __future__ import annotations
@@ -15,9 +17,10 @@ from collections import Counter
 from typing import Any, List, NamedTuple, Optional, Sequence, Tuple
 
 from sglang.srt.disaggregation.fork_ending import request_end_cause as end_cause
-from sglang.srt.disaggregation.fork_ending.room_ledger import failure_record, ledger_of
+from sglang.srt.disaggregation.fork_ending.room_ledger import failure_record, ledger_of, write_failure
 from sglang.srt.disaggregation.fork_ending.room_transitions import Transition
-from sglang.srt.disaggregation.fork_ending.verdict import Told, reason_weight
+from sglang.srt.disaggregation.fork_ending.verdict import reason_weight
+from sglang.srt.disaggregation.fork_ending.verdict_rows import Told
 from sglang.srt.managers.fork_core.rank_agreement import gather, group_size
 from sglang.srt.managers.fork_core.fork_touch import upstream
 
@@ -89,12 +92,8 @@ def adopt(poller: Any, by_rank: Sequence[Optional[Known]]) -> None:
     ledger = ledger_of(mgr)
     if late is not None and ledger is not None:
         ledger.make(Transition.REMEMBER_ENDED, room, late, told=late_told)
-    if reason:
-        with mgr.failure_lock:  # only while the room exists (a cleared room's record would reach its next request)
-            if room in mgr.request_status:
-                mgr.failure_records[room] = reason
-                if ledger is not None:  # the cause the agreed record came with, with it
-                    ledger.keep_told(room, told, reason)
+    if reason:  # the agreed record and its cause, over this rank's (only while the room exists)
+        write_failure(mgr, room, reason, told, replace=True)
     learned = mgr.request_status.get(room) not in (None, KVPoll.Failed)
     if learned and ledger is not None and upstream(mgr, "disaggregation_mode") == DisaggregationMode.PREFILL:
         # remembered (unless a late answer was agreed above): decode's handshake may reach this rank only after its

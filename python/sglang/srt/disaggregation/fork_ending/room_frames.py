@@ -10,7 +10,8 @@ import logging
 from typing import List, Optional, Tuple
 
 from sglang.srt.disaggregation.fork_ending.teller import CAUSE_FRAME, told_frames, told_in
-from sglang.srt.disaggregation.fork_ending.verdict import Told, told_for
+from sglang.srt.disaggregation.fork_ending.verdict import told_for
+from sglang.srt.disaggregation.fork_ending.verdict_rows import Told
 
 logger = logging.getLogger(__name__)
 

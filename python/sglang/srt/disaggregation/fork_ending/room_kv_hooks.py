@@ -9,14 +9,15 @@ Threads: the bootstrap thread (ABORTs, handshakes, status messages), the transfe
 `update_status` inside `conclude_transfer`), the scheduler (sender creation and clear, `ensure_abort_notified`), the
 re-bootstrap pool (`_fail_prefill_recompute`). Locks: the ledger's and upstream's `failure_lock` (ledger inside it),
 never ours around a call into upstream. Invariant: every end these hooks make is a named transition of the ledger
-(`RoomLedger.make`); a failure record and the cause kept with it change together, under `failure_lock`."""
+(`RoomLedger.make`); a failure record and the cause kept with it change together, under `failure_lock` (the record an
+ABORT brings is written by the ledger, `room_ledger.write_failure`)."""
 
 from __future__ import annotations
 
 import logging
 from typing import Any, List, Optional
 
-from sglang.srt.disaggregation.fork_ending import request_end_cause as end_cause, verdict as table
+from sglang.srt.disaggregation.fork_ending import request_end_cause as end_cause, verdict as table, verdict_wording
 from sglang.srt.disaggregation.fork_ending.room_frames import parsed_cause, split_abort
 from sglang.srt.disaggregation.fork_ending import room_ledger  # drop_unowned_room through it: a pair test gates it
 from sglang.srt.disaggregation.fork_ending.room_ledger import (ATTR, DECODE_LEDGERS, RoomLedger, has_room_tables,
@@ -26,7 +27,9 @@ from sglang.srt.disaggregation.fork_ending.room_threads import attached, attachi
     recomputing
 from sglang.srt.disaggregation.fork_ending.room_transitions import Transition
 from sglang.srt.disaggregation.fork_ending.teller import ENDED_ON_PREFILL, tell_prefill, told_in
-from sglang.srt.disaggregation.fork_ending.verdict import DECODE_ABORT_REASON, Told, with_why
+from sglang.srt.disaggregation.fork_ending.verdict import with_why
+from sglang.srt.disaggregation.fork_ending.verdict_rows import Told
+from sglang.srt.disaggregation.fork_ending.verdict_wording import DECODE_ABORT_REASON
 from sglang.srt.disaggregation.base import KVPoll
 from sglang.srt.managers.fork_core import fork_touch
 from sglang.srt.managers.fork_core.fork_touch import upstream
@@ -66,10 +69,9 @@ def handle_abort(ledger: RoomLedger, original: Any, msg: List[bytes]) -> bool:
         if kept:  # decode's handshake may have created it, though no sender owns it
             room_ledger.drop_unowned_room(mgr, room)
         if mgr.request_status.get(room) not in (None, KVPoll.Success):
-            with mgr.failure_lock:  # re-checked: a room cleared meanwhile gets no record back
-                if room in mgr.request_status and room not in mgr.failure_records:
-                    mgr.failure_records[room] = with_why(DECODE_ABORT_REASON.format(room=room), why)
-                    ledger.keep_told(room, told, mgr.failure_records[room])
+            # re-checked under the failure lock: a room cleared meanwhile gets no record back, a recorded one keeps it
+            room_ledger.write_failure(mgr, room, with_why(DECODE_ABORT_REASON.format(room=room), why), told,
+                                      replace=False)
     handled = original(msg)
     if kept and note.room in mgr.request_status:
         ledger.drop_cancel(note.room)  # the sender appeared meanwhile; upstream failed it
@@ -128,12 +130,12 @@ def around_record_failure(original, mgr, bootstrap_room, failure_reason, *args, 
         if bootstrap_room not in mgr.request_status:
             logger.debug("room_ledger: dropping failure for ended room %s: %s", bootstrap_room, failure_reason)
             return None
-        if table.is_lost_peer(failure_reason):
+        if verdict_wording.is_lost_peer(failure_reason):
             end_cause.tag(mgr, bootstrap_room, end_cause.PEER_FAILURE)
     new = failure_reason or ""
     if table.kept_over(mgr.failure_records.get(bootstrap_room), new):
         return None
-    if table.is_bare_abort(new) and recomputing.reason:
+    if verdict_wording.is_bare_abort(new) and recomputing.reason:
         failure_reason = recomputing.reason  # the re-send's failure, not a client's abort
     ledger = ledger_of(mgr)
     if ledger is None:

@@ -1,7 +1,9 @@
 """The room ledger: the one owner of a room's end on this side (docs/layout.md, "How a room ends"). Per kv manager,
-one `RoomLedger` holds the per-room memory (ended and cancelled rooms, owners, drains owed, the cause kept with each
-failure record, the causes prefill announced) and makes every end along a named transition of `room_transitions`
-(`RoomLedger.make`, `end_room`), in the one order that cannot leak.
+one `RoomLedger` holds the per-room memory (ended and cancelled rooms, owners, drains owed; its causes part,
+`room_causes`: the cause kept with each failure record, the causes prefill announced, the receivers told early) and
+makes every end along a named transition of `room_transitions` (`RoomLedger.make`, `end_room`), in the one order
+that cannot leak; here too the few reads and drops of upstream's per-room tables that go with an end
+(`forget_failure`, `drop_unowned_room`, `failure_record`) and "is this our manager" (`has_room_tables`).
 
 Threads: any (scheduler, bootstrap, transfer workers, the peer monitor). Lock: `RoomLedger.lock`, a leaf guarding
 the ledger's tables only, never held while calling upstream (taken inside upstream's `failure_lock` where both are
@@ -21,10 +23,12 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 from sglang.srt.disaggregation.fork_ending import request_end_cause as end_cause
 from sglang.srt.disaggregation.fork_ending.engine_clock import engine_clock
-from sglang.srt.disaggregation.fork_ending.room_frames import cause_frames
+from sglang.srt.disaggregation.fork_ending.room_causes import RoomCauses
 from sglang.srt.disaggregation.fork_ending.room_threads import attaching, concluding  # noqa: F401 (prefill_side_monitor)
 from sglang.srt.disaggregation.fork_ending.room_transitions import TRANSITIONS, Tell, Transition, check
-from sglang.srt.disaggregation.fork_ending.verdict import CANCEL_REASON, Told, with_why
+from sglang.srt.disaggregation.fork_ending.verdict import with_why
+from sglang.srt.disaggregation.fork_ending.verdict_rows import Told
+from sglang.srt.disaggregation.fork_ending.verdict_wording import CANCEL_REASON
 from sglang.srt.disaggregation.base import KVPoll
 from sglang.srt.environ import envs
 from sglang.srt.managers.fork_core.bounded import Cap
@@ -51,9 +55,10 @@ class Ended:
     told: Optional[Told] = None  # the cause that goes with `reason` (told with a late answer; a cancel's, recorded)
 
 
-class RoomLedger:
-    """Per kv manager: drains owed by peers (decode), ended/cancelled/owned rooms (prefill), the cause each room's
-    failure came with (`told`, both sides), the receivers whose prefill was told early (decode)."""
+class RoomLedger(RoomCauses):
+    """Per kv manager: drains owed by peers (decode), ended/cancelled/owned rooms (prefill); its causes part
+    (`RoomCauses`): the cause each room's failure came with (`told`, both sides), the causes prefill announced and
+    the receivers whose prefill was told early (decode)."""
 
     def __init__(self, mgr: Any):
         self.mgr = mgr
@@ -67,15 +72,7 @@ class RoomLedger:
         self.ttl_s = float(envs.SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT.get()
                            + envs.SGLANG_DISAGGREGATION_WAITING_TIMEOUT.get())
         self.peer_lost: Optional[Callable[[str], bool]] = None  # watch_peers: whether a peer is lost now
-        # room -> (the cause its failure record came with: the peer's frames, or this side's `make`; that record),
-        # under upstream's `failure_lock` with the record; the verdict hook moves it into the request's record
-        # (`take_told`)
-        self.told: "OrderedDict[int, Tuple[Told, str]]" = OrderedDict()
-        # (room, prefill rank) -> the cause a PEER_CAUSE message announced for that rank's next Failed status
-        # (decode's bootstrap thread alone)
-        self.announced: "OrderedDict[Tuple[int, int], Told]" = OrderedDict()
-        # decode: receivers ended before their prefill's rank endpoints were known, whose prefill was told (once)
-        self.told_early: "weakref.WeakSet[Any]" = weakref.WeakSet()
+        self.init_causes()  # the causes part (room_causes): told, announced, told_early
 
     def watch_peers(self, lost: Callable[[str], bool]) -> None:
         """decode_side_monitor, when its monitor starts on this manager: `lost(addr)` says whether that peer is lost now.
@@ -122,23 +119,6 @@ class RoomLedger:
             upstream(mgr, "send_kv_status_message")(targets=targets, bootstrap_room=room, status=KVPoll.Failed,
                                                     failure_reason=reason)
 
-    def tell_cause(self, targets: list, room: int, told: Told) -> None:
-        """Prefill: `told` to each of the room's decode endpoints, before the Failed status it goes with (one socket
-        per endpoint, so it arrives first). Every prefill rank that tells decode sends the same one (room_agreement
-        agrees on it first)."""
-        from sglang.srt.utils.network import NetworkAddress
-
-        if not targets:
-            return
-        send = upstream(self.mgr, "_send_multipart_locked")
-        frames = cause_frames(room, upstream(self.mgr, "_prefill_unique_rank")(), told)
-        for endpoint, port in targets:
-            address = NetworkAddress(endpoint, port)
-            try:
-                send(address.to_tcp(), frames, is_ipv6=address.is_ipv6)
-            except Exception as e:  # as upstream's status send: the status follows; its reason is read as text
-                logger.warning("room_ledger: could not tell %s room %s's cause: %r", address.to_host_port_str(), room, e)
-
     def remember(self, room: int, reason: str, *, answer: bool = True, cancel: bool = False,
                  told: Optional[Told] = None) -> None:
         now = engine_clock.now()
@@ -180,65 +160,6 @@ class RoomLedger:
                 del self.ended[room]  # consumed, or a new lifecycle (decode re-bootstraps rooms)
             return claimed
 
-    # ------------------------------------------------------------------- the cause a room's failure came with
-
-    def keep_told(self, room: int, told: Optional[Told], reason: str = "") -> None:
-        """The room's failure record `reason` was just written with `told` (None: without a cause; a stale one
-        goes). Caller holds upstream's `failure_lock` (the record and its cause change together)."""
-        self.told.pop(room, None)
-        if told is not None:
-            self.told[room] = (told, reason)
-            while len(self.told) > MAX_RECORDS:
-                self.told.popitem(last=False)
-
-    def take_told(self, room: int, message: str) -> Optional[Told]:
-        """The cause `room`'s failure came with, handed to the request that answers it (once): only if `message` (the
-        answer upstream built around the popped record) holds that record, so a cause never outlives its record
-        (a room number used again, a record replaced meanwhile)."""
-        with upstream(self.mgr, "failure_lock"):
-            kept = self.told.get(room)
-            if kept is None or kept[1] not in message:
-                return None
-            del self.told[room]
-        return kept[0]
-
-    def told_with(self, room: int) -> Optional[Told]:
-        """The cause kept with `room`'s failure record now (room_agreement shares it; a Failed status prefill's
-        `conclude_transfer` sends carries it), or None: none, or one kept with a record popped or replaced since."""
-        with upstream(self.mgr, "failure_lock"):
-            kept = self.told.get(room)
-            if kept is None or upstream(self.mgr, "failure_records").get(room) != kept[1]:
-                return None
-        return kept[0]
-
-    def has_record(self, room: int) -> bool:
-        """Whether `room` has a failure record now (upstream's `failure_records`, read under its `failure_lock`).
-        Upstream keeps a room's first record, so a caller about to record one reads here whether it would be the
-        first (prefill_side_monitor's hook for a write to a blacklisted session); the table is read only in this module."""
-        with upstream(self.mgr, "failure_lock"):
-            return room in upstream(self.mgr, "failure_records")
-
-    def announce(self, room: int, rank: int, told: Optional[Told]) -> None:
-        """Decode, bootstrap thread: prefill rank `rank` announced `told` for its next Failed status of `room`."""
-        with self.lock:
-            self.announced.pop((room, rank), None)
-            if told is not None:
-                self.announced[(room, rank)] = told
-                while len(self.announced) > MAX_RECORDS:
-                    self.announced.popitem(last=False)
-
-    def announced_for(self, room: int, rank: int) -> Optional[Told]:
-        with self.lock:
-            return self.announced.pop((room, rank), None)
-
-    def told_prefill_early(self, receiver: Any) -> bool:
-        """Decode: whether `receiver`'s prefill is to be told now (the first call for it); the receiver's entry is
-        the ledger's (a weak set: it goes with the receiver)."""
-        with self.lock:
-            if receiver in self.told_early:
-                return False
-            self.told_early.add(receiver)
-            return True
 
     def owns(self, room: int) -> bool:
         """Whether a live sender owns `room` (an owner gone without its clear is forgotten here). Caller holds the
@@ -363,6 +284,24 @@ def failure_record(mgr: Any, room: int) -> Optional[str]:
     with the other ranks (a manager whose ledger may not exist yet: read by manager, not through the ledger)."""
     with upstream(mgr, "failure_lock"):
         return upstream(mgr, "failure_records").get(room)
+
+
+def write_failure(mgr: Any, room: int, reason: str, told: Optional[Told], *, replace: bool) -> bool:
+    """Write `room`'s failure record `reason` with its cause `told` into upstream's table, under its failure lock,
+    only while the room exists (a cleared room's record would reach the next request with that number): `replace`
+    the one there (room_agreement: the reason every rank agreed on), else only if it has none (decode's ABORT handled
+    before upstream's: the first record stays). Whether it wrote. Not through `record_failure`: its hook keeps a
+    recorded reason over a new one (`verdict.kept_over`), right for a new failure, wrong for an agreed one; and
+    neither marks the room (upstream's poll or handler does)."""
+    ledger = ledger_of(mgr)
+    with upstream(mgr, "failure_lock"):
+        records = upstream(mgr, "failure_records")
+        if room not in upstream(mgr, "request_status") or (not replace and room in records):
+            return False
+        records[room] = reason
+        if ledger is not None:  # the cause the record came with, with it
+            ledger.keep_told(room, told, reason)
+    return True
 
 
 def forget_failure(mgr: Any, room: int) -> None:

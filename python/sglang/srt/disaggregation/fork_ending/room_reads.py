@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional
 
+from sglang.srt.disaggregation.fork_ending.room_causes import MAX_CAUSES
 from sglang.srt.disaggregation.fork_ending.room_ledger import (DECODE_LEDGERS, MAX_RECORDS, has_room_tables,
                                                                ledger_of)
-from sglang.srt.disaggregation.fork_ending.verdict import Told
+from sglang.srt.disaggregation.fork_ending.verdict_rows import Told
 from sglang.srt.disaggregation.base import KVPoll
 from sglang.srt.managers.fork_core.bounded import entry
 from sglang.srt.managers.fork_core.fork_touch import upstream
@@ -90,7 +91,8 @@ def ledger_tables(mgr: Any) -> Dict[str, Dict[str, Any]]:
         "told_early": "decode: receivers whose prefill was told before its endpoints were known (weak: go with them)",
         "told": "the cause kept with a room's failure record, until its request is answered",
     }
-    cap = {"owned": "the senders alive", "told_early": "the receivers alive"}
+    cap = {"owned": "the senders alive", "told_early": "the receivers alive", "announced": MAX_CAUSES,
+           "told": MAX_CAUSES}
     return {f"ledger_{name}": entry(size, cap.get(name, MAX_RECORDS), why[name],
                                    **({"memory": True} if name in ("ended", "told_early") else {}))
             for name, size in sizes.items()}

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from sglang.srt.disaggregation.fork_ending import pd_queues, request_end_cause as end_cause, verdict as table
+from sglang.srt.disaggregation.fork_ending import verdict_wording
 from sglang.srt.disaggregation.fork_ending.room_ledger import end_room, forget_failure, has_room_tables
 from sglang.srt.disaggregation.fork_ending.room_reads import told_for_req
 from sglang.srt.disaggregation.fork_ending.room_telling import ended_at_gate
@@ -113,7 +114,7 @@ def finish_transferred(scheduler, req) -> bool:
         table.of(req).requested = asked
         end_cause.tag_req(req, cause)
     req.to_finish = None
-    prepare_abort(req, table.CLIENT_ABORT_MESSAGE)
+    prepare_abort(req, verdict_wording.CLIENT_ABORT_MESSAGE)
     kv_mgr = _kv_mgr(req)
     end_cause.record_end(scheduler, req, "prefill", pd_queues.PREFILL_INFLIGHT, kv_mgr)
     if has_room_tables(kv_mgr):  # the fake backend has no peer

@@ -10,7 +10,7 @@ import contextlib
 import threading
 from typing import Any, Optional
 
-from sglang.srt.disaggregation.fork_ending.verdict import Told
+from sglang.srt.disaggregation.fork_ending.verdict_rows import Told
 
 
 @contextlib.contextmanager

@@ -19,7 +19,8 @@ import threading
 import time
 from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 
-from sglang.srt.disaggregation.fork_ending.verdict import Told, told_for
+from sglang.srt.disaggregation.fork_ending.verdict import told_for
+from sglang.srt.disaggregation.fork_ending.verdict_rows import Told
 from sglang.srt.managers.fork_core.bounded import Cap, entry
 
 logger = logging.getLogger(__name__)

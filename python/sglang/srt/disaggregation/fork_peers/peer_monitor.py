@@ -18,13 +18,13 @@ import time
 from collections import Counter
 from typing import Any, Dict, List, Optional, Tuple, Type, TypeVar
 
-from sglang.srt.disaggregation.fork_ending import pd_queues, request_end_cause, verdict
+from sglang.srt.disaggregation.fork_ending import pd_queues, request_end_cause, verdict, verdict_rows, verdict_wording
 from sglang.srt.environ import envs
 from sglang.srt.managers.fork_core import fork_touch, knobs
 
 logger = logging.getLogger(__name__)
 
-TAG = verdict.PEER_LOST_TAG  # opens every failure reason the monitors record; the verdict answers it 502
+TAG = verdict_wording.PEER_LOST_TAG  # opens every failure reason the monitors record; the verdict answers it 502
 
 ALIVE, REFUSED, SILENT = "alive", "refused", "silent"
 CONNECT_TIMEOUT = 1.0
@@ -40,7 +40,7 @@ MORI_MANAGER = "sglang.srt.disaggregation.mori.conn.MoriKVManager"  # has moonca
 _MONITOR = "fork_peer_monitor"  # the monitor's attribute on its kv manager (monitor_of)
 
 abort_status = verdict.lost_peer_status  # the verdict's 502 (row LOST_PEER)
-LOST = verdict.Told(verdict.Cause.LOST_PEER)  # the cause told with every room a monitor ends (a field, not TAG)
+LOST = verdict_rows.Told(verdict_rows.Cause.LOST_PEER)  # the cause told with every room a monitor ends (not TAG)
 
 
 def probe(host: str, port: int, timeout: float = CONNECT_TIMEOUT) -> str:

@@ -8,6 +8,14 @@ dropped) and the scheduler (`claimed_by`, `lost`: the lost-handshake rule; a sen
 a decode session is in `known` from its registration until its incarnation is dropped; a lost decode's host:port is
 in `lost` until a new decode registers on its host, it answers again, or it departs (`departed_after`); `gone` and
 `claims` are bounded (MAX_GONE and `departed_after`; the room's clear and CLAIM_GRACE).
+
+`poisoned` (session -> the rooms a failed write to it poison-marked) is the monitor's, not the room ledger's: it is
+a per-peer index of upstream's per-room marks (`_deferred_ack_poisoned_rooms`), so a decode session's marks go with
+the session when the monitor forgets it (`drop_incarnation`, under `PeerMonitor.lock` as its other tables) and a mark
+whose decode is gone goes at once (`around_conclude_transfer`). It holds no time (no clock): each tick prunes it to
+the marks upstream still holds, so a mark dropped another way (`poison_expiry`'s deadline on the engine clock, which
+in turn forgets a mark the monitor dropped) leaves nothing here; shown in the resource report as `monitor_poisoned`,
+bounded by upstream's marks.
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ from collections import OrderedDict
 from typing import Any, Dict, List, Optional, Set, Tuple
 
 from sglang.srt.disaggregation.base import KVPoll
-from sglang.srt.disaggregation.fork_ending import request_end_cause, room_ledger, verdict
+from sglang.srt.disaggregation.fork_ending import request_end_cause, room_ledger, verdict_wording
 from sglang.srt.disaggregation.fork_peers import held_decodes, peer_sockets
 from sglang.srt.disaggregation.fork_peers.peer_monitor import (
     ALIVE, CLAIM_TAG, LOST, REFUSED, PeerMonitor, attach, loss_message, monitor_of, probe, probe_all)
@@ -339,7 +347,7 @@ def around_conclude_transfer(original, mgr, *args, bootstrap_room=None, status=N
     if status == KVPoll.Failed:
         infos = mgr.transfer_infos.get(bootstrap_room) or {}
         monitor = monitor_of(mgr, PrefillSideMonitor)
-        if monitor is not None and verdict.is_failed_write(failure_reason):
+        if monitor is not None and verdict_wording.is_failed_write(failure_reason):
             # nothing listens at the peer of a failed write: gone before the status is pushed (it would block)
             for session, info in list(infos.items()):
                 peer = f"{info.endpoint}:{info.dst_port}"
@@ -357,7 +365,7 @@ def around_conclude_transfer(original, mgr, *args, bootstrap_room=None, status=N
                 with monitor.lock:
                     for session in sessions:
                         monitor.poisoned.setdefault(session, set()).add(bootstrap_room)
-        if verdict.is_dead_session(failure_reason):  # upstream's reason for a blacklisted session: reworded
+        if verdict_wording.is_dead_session(failure_reason):  # upstream's reason for a blacklisted session: reworded
             failed = fork_touch.upstream_on(mgr, "failed_sessions", fork_touch.MOONCAKE_MANAGER, default=())
             dead = [(s, i) for s, i in list(infos.items()) if s in failed]
             if dead:

@@ -1,90 +1,40 @@
 """A failed chunk write fails that room on both sides, and only that room; a decode session is blacklisted only
 once a probe shows it dead; a transfer worker that raises ends its rooms in flight and starts again.
-Called by the transfer workers (patch lines) and hooks. docs/chunk-failures.md, docs/transfer-deadline.md.
-"""
+Called by the transfer workers (patch lines) and hooks. docs/chunk-failures.md, docs/transfer-deadline.md. Its
+parts: the test-only fault switch (`chunk_faults`), a failed write's poison mark expiring (`poison_expiry`).
+
+Threads: transfer workers (`checked`, `conclude_*`, the guarded worker loop), `ForkSessionProbe` /
+`ForkSessionProbeIO` (a nominated session's probe and its read), the scheduler (the hooks on the queues and the
+sender). Locks: upstream's `session_lock` over the blacklist (`SessionBlacklist`); each bounded probe's own lock
+over the probes running; none of its own else (rooms end through the ledger, `end_room`). Invariant: a failed write
+ends its own room alone (decode told even if the room was cleared meanwhile), and a session leaves service only once
+a probe of it fails."""
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import contextlib
 import ctypes
 import functools
 import logging
-import re
 import threading
 import time
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Set, Tuple
+from typing import Any, Callable, List, Optional, Set, Tuple
 
-from sglang.srt.disaggregation.fork_ending import request_end_cause, verdict
+from sglang.srt.disaggregation.fork_ending import request_end_cause, verdict_wording
 from sglang.srt.disaggregation.base import KVPoll
-from sglang.srt.disaggregation.fork_ending.engine_clock import engine_clock
 from sglang.srt.disaggregation.fork_ending.room_ledger import end_room
 from sglang.srt.disaggregation.fork_ending.room_transitions import Transition
 from sglang.srt.disaggregation.fork_transfer import idle_pacing, worker_handoff
+from sglang.srt.disaggregation.fork_transfer.chunk_faults import FaultPlan
 from sglang.srt.environ import envs
 from sglang.srt.managers.fork_core import fork_touch, knobs
-from sglang.srt.managers.fork_core.bounded import Cap, entry
 from sglang.srt.managers.fork_core.rank_agreement import answers, attn_tp_rank
 
 logger = logging.getLogger(__name__)
 
 # The chunk kind a transfer failure reason names (upstream's wording: the verdict's), or None (abort, timeout...).
-chunk_kind = verdict.failed_chunk_kind
-
-
-class _Fault(NamedTuple):
-    kind: str  # kv | aux | state
-    rid: Optional[str]  # a rid prefix, or None
-    room: Optional[int]  # a room number, or None
-    mark_failed_first: bool  # the room is Failed locally before the write reports
-    delay: float = 0.0  # > 0: the write succeeds, its transfer worker reports it this many seconds late
-    rank: Optional[int] = None  # only on this attention TP rank (None: every rank)
-
-
-_FAULT = re.compile(r"(kv|aux|state)(\+failed|\+delay=(\d+(?:\.\d*)?))?(?:@(\d+))?:(?:rid=(.+)|room=(\d+))")
-
-
-class FaultPlan:
-    """`SGLANG_TEST_DISAGG_FAIL_CHUNKS`: a matching room's first write of a kind reports -1 once (or, `+delay=S`,
-    holds its transfer worker S seconds); `@R` aims an entry at attention TP rank R alone."""
-
-    def __init__(self, faults: List[_Fault]):
-        self.faults = faults
-        self._rids: Dict[int, str] = {}  # room -> rid, for rooms a rid selector matches
-        self._fired: Set[Tuple[int, int]] = set()  # (fault index, room)
-        self._lock = threading.Lock()
-
-    @classmethod
-    def parse(cls, spec: str, rank: Optional[int] = None) -> Optional["FaultPlan"]:
-        """The entries of `spec` for attention TP rank `rank` (None: every entry); None if there are none."""
-        faults = []
-        for item in filter(None, (s.strip() for s in spec.split(","))):
-            match = _FAULT.fullmatch(item)
-            if match is None:
-                raise ValueError(f"SGLANG_TEST_DISAGG_FAIL_CHUNKS: bad entry {item!r}; expected "
-                                 "kind[+failed|+delay=S][@RANK]:rid=PREFIX or ...:room=N, kind in kv/aux/state")
-            kind, option, delay, on_rank, rid, room = match.groups()
-            fault = _Fault(kind, rid, None if room is None else int(room), option == "+failed",
-                           float(delay or 0.0), None if on_rank is None else int(on_rank))
-            if rank is None or fault.rank is None or fault.rank == rank:
-                faults.append(fault)
-        return cls(faults) if faults else None
-
-    def bind(self, rid: str, room: int) -> None:
-        if isinstance(rid, str) and any(f.rid is not None and rid.startswith(f.rid) for f in self.faults):
-            with self._lock:
-                self._rids[room] = rid
-
-    def take(self, room: int, kind: str) -> Optional[_Fault]:
-        with self._lock:
-            rid = self._rids.get(room)
-            for i, f in enumerate(self.faults):
-                hit = f.room == room if f.rid is None else rid is not None and rid.startswith(f.rid)
-                if f.kind == kind and hit and (i, room) not in self._fired:
-                    self._fired.add((i, room))
-                    return f
-        return None
+chunk_kind = verdict_wording.failed_chunk_kind
 
 
 def checked(mgr: Any, room: int, kind: str, rc: int) -> int:
@@ -135,84 +85,6 @@ def conclude_transfer(mgr: Any, *, bootstrap_room: int, status: int, targets: Op
                  f"{failure_reason} (room already failed on prefill)", targets=to)
     idle_pacing.wake_scheduler(mgr)
     return emitted
-
-
-# Rooms whose poison mark waits for its expiry, per manager.
-MAX_POISON_EXPIRIES = Cap(65536, "a failed write in each room; more within decode's release deadline (30 s) is a "
-                                 "flood, whose oldest marks go early: their drain ACK is no longer refused, and "
-                                 "decode's deadline releases those pages anyway")
-POISON_ATTR = "fork_poison_expiry"
-
-
-class PoisonExpiry:
-    """A failed write's poison mark (upstream's `_deferred_ack_poisoned_rooms`, which refuses the room's drain ACK)
-    goes once decode's release deadline passed on the engine clock: `note` (a transfer worker, at the failed write),
-    `expire` (the scheduler thread, each bootstrap-queue pass: `before_pop_bootstrapped`). `until` (room -> its
-    expiry, in order of expiry: one deadline for all) is guarded by `lock`, a leaf; upstream's set is changed outside
-    it (a set operation)."""
-
-    def __init__(self, delay_s: float):
-        self.delay_s = delay_s
-        self.lock = threading.Lock()
-        self.until: "collections.OrderedDict[int, float]" = collections.OrderedDict()
-
-    def note(self, room: int) -> List[int]:
-        """`room` was just poison-marked; the rooms whose marks go now to keep the cap."""
-        with self.lock:
-            self.until.pop(room, None)
-            self.until[room] = engine_clock.now() + self.delay_s
-            return [self.until.popitem(last=False)[0] for _ in range(len(self.until) - MAX_POISON_EXPIRIES)]
-
-    def due(self, marked: Any) -> List[int]:
-        """The rooms whose marks go now; a room no longer `marked` (its mark went another way: the peer monitor
-        dropped its decode session) is forgotten."""
-        now = engine_clock.now()
-        out = []
-        with self.lock:
-            while self.until and next(iter(self.until.values())) <= now:
-                out.append(self.until.popitem(last=False)[0])
-            for room in [r for r in self.until if r not in marked]:
-                del self.until[room]
-        return out
-
-
-def after_poison(result: Any, mgr: Any, room: int, *args: Any, **kwargs: Any) -> None:
-    """AFTER CommonKVManager.poison_deferred_ack_room (a transfer worker: a failed write, or the worker's own crash):
-    the mark, now set, is dropped once decode's release deadline passed (`PoisonExpiry`). Noted after upstream's mark,
-    never before: a bootstrap-queue pass in between would find an unmarked room and forget its expiry (the mark
-    then stayed for the server's life; seen under load)."""
-    if not fork_touch.upstream(mgr, "enable_deferred_decode_kv_release"):
-        return
-    expiry = mgr.__dict__.get(POISON_ATTR)
-    if expiry is None:  # the first failed write (a transfer worker; a race makes two, one is kept)
-        delay = envs.SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT.get()
-        expiry = mgr.__dict__.setdefault(POISON_ATTR, PoisonExpiry(delay))
-    early = expiry.note(room)
-    if early:
-        logger.warning("%d poison marks dropped before their expiry (more than %d pending)", len(early),
-                       MAX_POISON_EXPIRIES)
-    _discard_poison(mgr, early)
-
-
-def _discard_poison(mgr: Any, rooms: List[int]) -> None:
-    poisoned = fork_touch.upstream(mgr, "_deferred_ack_poisoned_rooms")
-    for room in rooms:
-        poisoned.discard(room)
-
-
-def expire_poison(queue: Any, *args: Any, **kwargs: Any) -> None:
-    """BEFORE PrefillBootstrapQueue.pop_bootstrapped (scheduler thread, every loop pass): the poison marks due."""
-    expiry = getattr(queue.kv_manager, "__dict__", {}).get(POISON_ATTR)
-    if expiry is not None and expiry.until:
-        marked = fork_touch.upstream(queue.kv_manager, "_deferred_ack_poisoned_rooms")
-        _discard_poison(queue.kv_manager, expiry.due(marked))
-
-
-def poison_table(mgr: Any) -> Dict[str, Any]:
-    """The resource report's view of the pending poison expiries (`fork_tables`)."""
-    expiry = getattr(mgr, "__dict__", {}).get(POISON_ATTR)
-    return entry(0 if expiry is None else len(expiry.until), MAX_POISON_EXPIRIES,
-                 "rooms whose failed write's poison mark waits for decode's release deadline (engine clock)")
 
 
 # A session is let back in only once a read from it completes (docs/chunk-failures.md).

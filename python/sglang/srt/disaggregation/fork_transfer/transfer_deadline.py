@@ -17,6 +17,7 @@ from typing import Any, Callable, Dict, NamedTuple, Optional, Sequence, Tuple
 
 from sglang.srt.disaggregation.base import KVPoll
 from sglang.srt.disaggregation.fork_ending import request_end_cause, request_record, room_ledger, verdict
+from sglang.srt.disaggregation.fork_ending import verdict_rows, verdict_wording
 from sglang.srt.disaggregation.fork_ending.pd_queues import (
     DECODE_PREALLOC, DECODE_TRANSFER, PREFILL_BOOTSTRAP, PREFILL_INFLIGHT, PREFILL_WAITING,
 )
@@ -29,10 +30,10 @@ from sglang.srt.managers.fork_core.rank_agreement import answers
 logger = logging.getLogger(__name__)
 
 # Per request: its `Stamp` (this module's record) and, once overdue, the verdict's `deadline` (its message).
-TAG = verdict.DEADLINE_TAG  # opens every deadline message, the room's failure reason at the peer too
+TAG = verdict_wording.DEADLINE_TAG  # opens every deadline message, the room's failure reason at the peer too
 # What prefill tells decode with a room its deadline ended (a field: decode answers 504 without reading TAG); decode's
 # own deadline reaches prefill as its receiver's ABORT, whose frames carry the cause prefill answers (the peer's abort).
-TOLD = verdict.Told(verdict.Cause.PEER_DEADLINE)
+TOLD = verdict_rows.Told(verdict_rows.Cause.PEER_DEADLINE)
 # A queue is scanned at most every deadline/SCAN_DIVISOR s (capped): why in docs/transfer-deadline.md ("Cost").
 SCAN_DIVISOR = 50
 MAX_SCAN_INTERVAL = 1.0
@@ -280,7 +281,7 @@ def around_ensure_prefill_info(original, queue, addr_to_reqs, *args, **kwargs):
         n = counts.get(addr, 0) + 1
         if outcome is None or n < last or (outcome.error is None and outcome.value):
             continue
-        reason = (f"{verdict.PEER_LOST_TAG}: prefill bootstrap server {addr} unreachable: could not fetch its "
+        reason = (f"{verdict_wording.PEER_LOST_TAG}: prefill bootstrap server {addr} unreachable: could not fetch its "
                   f"parallel info after {n} attempts")
         for decode_req in reqs:
             if decode_req.kv_receiver is not None:  # recorded only: upstream's last attempt fails it

@@ -14,6 +14,7 @@ OURS = {name.rpartition(".")[2]: SRT + name for name in (
     "disaggregation.fork_peers.prefill_side_monitor", "disaggregation.fork_peers.decode_side_monitor",
     "disaggregation.fork_peers.lost_handshake",
     "disaggregation.fork_transfer.transfer_deadline", "disaggregation.fork_transfer.chunk_failures",
+    "disaggregation.fork_transfer.poison_expiry",
     "disaggregation.fork_transfer.idle_pacing", "disaggregation.fork_transfer.paced_write",
     "disaggregation.fork_transfer.worker_handoff",
     "managers.fork_pause.pd_pause", "managers.fork_pause.scheduler_pause", "managers.fork_pause.queue_buffers",
@@ -52,7 +53,7 @@ HOOKS: list[tuple[str, str, str]] = [_full(target, ref) + (kind,) for target, re
      "room_kv_hooks:around_parse_kv_status_message", AROUND),
     ("disaggregation.common.conn.CommonKVManager.record_failure", "room_kv_hooks:around_record_failure", AROUND),
     # a poison mark (every path upstream adds one) expires with decode's release deadline, noted once it exists
-    ("disaggregation.common.conn.CommonKVManager.poison_deferred_ack_room", "chunk_failures:after_poison", AFTER),
+    ("disaggregation.common.conn.CommonKVManager.poison_deferred_ack_room", "poison_expiry:after_poison", AFTER),
     # decode_side_monitor's AFTER (inner): a lost prefill fetched again is back; transfer_deadline's AROUND (outer): the
     # scheduler takes a pool thread's fetched outcome
     ("disaggregation.common.conn.CommonKVManager.try_ensure_parallel_info",
@@ -102,12 +103,12 @@ HOOKS: list[tuple[str, str, str]] = [_full(target, ref) + (kind,) for target, re
     ("disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager", "fork_touch:check_at_start", AFTER),
     ("disaggregation.prefill.PrefillBootstrapQueue.add", "chunk_failures:on_prefill_add", AFTER),
     ("disaggregation.prefill.PrefillBootstrapQueue.create_sender", "room_kv_hooks:on_prefill_create_sender", AFTER),
-    # outermost first: expired poison marks dropped (chunk_failures), a lost decode's handshake (lost_handshake),
+    # outermost first: expired poison marks dropped (poison_expiry), a lost decode's handshake (lost_handshake),
     # then the deadlines
     ("disaggregation.prefill.PrefillBootstrapQueue.pop_bootstrapped",
      "transfer_deadline:before_pop_bootstrapped", BEFORE),
     ("disaggregation.prefill.PrefillBootstrapQueue.pop_bootstrapped", "lost_handshake:before_pop_bootstrapped", BEFORE),
-    ("disaggregation.prefill.PrefillBootstrapQueue.pop_bootstrapped", "chunk_failures:expire_poison", BEFORE),
+    ("disaggregation.prefill.PrefillBootstrapQueue.pop_bootstrapped", "poison_expiry:expire_poison", BEFORE),
     ("disaggregation.prefill.PrefillBootstrapQueue.release_memory_occupation", "queue_buffers:queue_release", AROUND),
     ("disaggregation.prefill.PrefillBootstrapQueue.resume_memory_occupation", "queue_buffers:queue_resume", AROUND),
     ("disaggregation.prefill.SchedulerDisaggregationPrefillMixin._retire_aborted_prefill_result",

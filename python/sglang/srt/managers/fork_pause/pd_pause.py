@@ -1,7 +1,15 @@
 """How the pause and a release answer what they end (docs/pause-release-resume.md): their messages, the verdict a
 request an abort reached keeps, decode's "why" for prefill, the rooms prefill ends. The pause's components import
 this module: `scheduler_pause`, `queue_buffers` (scheduler thread), `engine_pause_state`, `pause_gate`,
-`tokenizer_pause`, `resend_wait` (the tokenizer's event loop); docs/layout.md lists each with its thread and lock."""
+`tokenizer_pause`, `resend_wait` (the tokenizer's event loop); docs/layout.md lists each with its thread and lock.
+
+Its one per-room table, `_why` (decode: room -> the pause's or release's message its ABORT carries, and until when),
+is this module's, not the room ledger's: it is written by the scheduler's abort (`note_why`, which alone knows the
+pause's message) and read by the AROUND hook on upstream's `AbortNotification.to_zmq` (`abort_notification_with_why`,
+on the thread sending the ABORT), which holds the room number but no kv manager, so no ledger to look in (a lookup by
+room across the process's decode ledgers would pick the wrong one with two decode managers in a process). Lock:
+`_why_lock`, a leaf; clock: the engine clock, as the ledger's (a pause does not count); bounded by `MAX_WHY_ROOMS`
+and shown in the resource report (`why_table`, `fork_tables.pause_why`)."""
 
 from __future__ import annotations
 
@@ -13,8 +21,10 @@ from typing import Any, Dict, List
 from sglang.srt.disaggregation.fork_ending import pd_queues, room_frames, room_ledger, verdict
 from sglang.srt.disaggregation.fork_ending.room_transitions import Transition
 from sglang.srt.disaggregation.fork_ending.engine_clock import engine_clock
-from sglang.srt.disaggregation.fork_ending.verdict import (  # the pause's messages and answer: the verdict's
-    PAUSE_ABORT_MESSAGE, RELEASE_ABORT_MESSAGE, RELEASE_NO_PAUSE_MESSAGE, pause_finish_reason)
+# the pause's messages and answer: the verdict's
+from sglang.srt.disaggregation.fork_ending.verdict import pause_finish_reason
+from sglang.srt.disaggregation.fork_ending.verdict_wording import (PAUSE_ABORT_MESSAGE, RELEASE_ABORT_MESSAGE,
+                                                                   RELEASE_NO_PAUSE_MESSAGE)
 from sglang.srt.managers.fork_core import fork_touch
 from sglang.srt.managers.fork_core.bounded import Cap, entry
 from sglang.srt.managers.schedule_batch import FINISH_ABORT

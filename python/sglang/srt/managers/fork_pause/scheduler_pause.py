@@ -13,7 +13,7 @@ import logging
 import time
 from typing import Any, Dict, List
 
-from sglang.srt.disaggregation.fork_ending import pd_queues, verdict
+from sglang.srt.disaggregation.fork_ending import pd_queues, verdict, verdict_wording
 from sglang.srt.disaggregation.fork_ending.engine_clock import engine_clock
 from sglang.srt.managers.fork_core import fork_touch
 from sglang.srt.managers.fork_core.rank_agreement import any_rank
@@ -267,7 +267,7 @@ def abort_while_paused(original, scheduler, recv_req, *args, **kwargs):
     pd_pause.keep_abort_verdict(scheduler, recv_req)
     sp.pump()
     if role == "prefill":
-        pd_pause.end_prefill_rooms(scheduler, matched, verdict.PAUSED_ABORT_REASON)
+        pd_pause.end_prefill_rooms(scheduler, matched, verdict_wording.PAUSED_ABORT_REASON)
     return result
 
 
@@ -367,5 +367,5 @@ def _abort_held_rebootstrap(scheduler, recv_req) -> None:
     matched = [r for r in prealloc.held_rebootstrap_reqs if pd_pause._matches(recv_req, r.rid)]
     prealloc.held_rebootstrap_reqs = [r for r in prealloc.held_rebootstrap_reqs if r not in matched]
     for req in matched:
-        prepare_abort(req, verdict.UPSTREAM_ABORT_MESSAGE)
+        prepare_abort(req, verdict_wording.UPSTREAM_ABORT_MESSAGE)
         scheduler.send_abort_output(_make_abort_req(req, finished_reason=recv_req.finished_reason), req)

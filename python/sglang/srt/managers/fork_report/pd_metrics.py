@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from typing import Any, Dict, Optional
 
-from sglang.srt.disaggregation.fork_ending import pd_queues, request_end_cause, verdict
+from sglang.srt.disaggregation.fork_ending import pd_queues, request_end_cause, verdict_wording
 from sglang.srt.disaggregation.fork_ending.engine_clock import engine_clock
 from sglang.srt.disaggregation.fork_transfer import transfer_deadline
 from sglang.srt.managers.fork_core import fork_touch
@@ -38,7 +38,7 @@ def _zero_counters(scheduler: Any, labels: Dict[str, str], role: str) -> None:
     for stage in TRANSFER_STAGES[role]:
         request_end_cause.zero("transfer_timeout", labels, stage=stage)
     for stage in TRANSFER_STAGES[role] + (RUNNING[role],):
-        for cause in verdict.CAUSES:
+        for cause in verdict_wording.CAUSES:
             request_end_cause.zero("end_cause", labels, role=role, cause=cause, stage=stage)
 
 

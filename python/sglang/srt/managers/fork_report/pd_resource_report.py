@@ -53,14 +53,14 @@ def fork_tables(kv_manager) -> Dict[str, Dict[str, Any]]:
     from sglang.srt.disaggregation.fork_ending import room_reads
     from sglang.srt.disaggregation.fork_ending.teller import teller
     from sglang.srt.disaggregation.fork_peers.peer_monitor import monitor_tables
-    from sglang.srt.disaggregation.fork_transfer import chunk_failures, transfer_deadline
+    from sglang.srt.disaggregation.fork_transfer import poison_expiry, transfer_deadline
     from sglang.srt.managers.fork_pause import pd_pause
 
     return {
         **room_reads.ledger_tables(kv_manager),
         **teller.tables(),
         **transfer_deadline.fetch_tables(kv_manager),
-        "poison_expiry": chunk_failures.poison_table(kv_manager),
+        "poison_expiry": poison_expiry.poison_table(kv_manager),
         "pause_why": pd_pause.why_table(),
         **request_end_cause.tables(kv_manager),
         **monitor_tables(kv_manager),
