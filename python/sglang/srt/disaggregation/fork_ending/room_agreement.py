@@ -17,7 +17,7 @@ from collections import Counter
 from typing import Any, List, NamedTuple, Optional, Sequence, Tuple
 
 from sglang.srt.disaggregation.fork_ending import request_end_cause as end_cause
-from sglang.srt.disaggregation.fork_ending.room_ledger import failure_record, ledger_of, write_failure
+from sglang.srt.disaggregation.fork_ending.room_ledger import failure_record, has_room_tables, ledger_of, write_failure
 from sglang.srt.disaggregation.fork_ending.room_transitions import Transition
 from sglang.srt.disaggregation.fork_ending.verdict import reason_weight
 from sglang.srt.disaggregation.fork_ending.verdict_rows import Told
@@ -43,10 +43,10 @@ class Known(NamedTuple):
 
 def _room_of(poller: Any) -> Tuple[Any, Optional[int]]:
     """A poller's (kv manager, room); (None, None) for one without (fake transfer, a wrapper without them)."""
-    # Defaults genuinely needed: the fake backend's pollers have neither, and a poller counts as ours by what it has
+    # Defaults genuinely needed: a poller of the fake backend or a wrapper may have neither. Whether its manager is
+    # ours is the one rule, by class (`room_ledger.has_room_tables`), not by the attributes it happens to have
     mgr, room = getattr(poller, "kv_mgr", None), getattr(poller, "bootstrap_room", None)
-    ours = hasattr(mgr, "failure_records") and hasattr(mgr, "failure_lock") and room is not None
-    return (mgr, room) if ours else (None, None)
+    return (mgr, room) if room is not None and has_room_tables(mgr) else (None, None)
 
 
 def known(poller: Any) -> Optional[Known]:
