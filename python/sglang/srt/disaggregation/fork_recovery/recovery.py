@@ -50,10 +50,12 @@ def _cause(finish_reason: Any) -> Optional[str]:
 
 
 def _eligible(tm: Any, obj: Any) -> bool:
-    """Requests recovery may re-run: decode's, one prompt, no input logprobs, no session, no multimodal input."""
+    """Requests recovery may re-run: decode's, one prompt, n = 1, no logprobs, no session, no multimodal input, no LoRA."""
     if getattr(tm.server_args, "disaggregation_mode", "null") != "decode":
         return False
     if not isinstance(getattr(obj, "rid", None), str) or not obj.bootstrap_host or obj.bootstrap_port is None:
+        return False
+    if isinstance(obj.sampling_params, dict) and obj.sampling_params.get("n", 1) != 1:
         return False
     return not (obj.return_logprob or obj.session_params or obj.image_data or obj.audio_data or obj.video_data
                 or obj.lora_path or obj.input_embeds is not None)
