@@ -77,6 +77,13 @@ FORK_KNOBS = {
         "a PD peer lost this long ago and not back has left for good (scaled in, moved, replaced): forgotten, and "
         "the lost-decode rule stops counting it; a held-out decode silent this long is dropped",
         "cannot be off: set it above the time your balancer takes to remove a dead worker"),
+    "SGLANG_FORK_RECOVERY_ATTEMPTS": (
+        "how many times a PD request whose transfer failed while prefill was alive, before decode's first token, "
+        "has its prefill re-run under a new bootstrap room (docs/recovery.md)", None),
+    "SGLANG_FORK_RECOVERY_BUDGET": (
+        "from a request's first transfer failure, how long a recovery may start or run; past it the failure's own "
+        "answer is given (each attempt also has its own transfer deadline)",
+        "cannot be off: `SGLANG_FORK_RECOVERY_ATTEMPTS=0` turns recovery off"),
 }
 
 # Upstream sglang knobs the guarantees depend on: (name, what the fork uses it for, off). Defaults read from `Envs`.
@@ -116,9 +123,6 @@ GATEWAY_FLAGS = (  # (RouterArgs field, the field that turns its mechanism off, 
 )
 
 
-def _seconds(value: float) -> str:
-    return f"{value:g} s"
-
 
 def fork_knob_rows() -> List[Tuple[str, str, str, str, str]]:
     from sglang.srt.managers.fork_core import knobs
@@ -128,7 +132,7 @@ def fork_knob_rows() -> List[Tuple[str, str, str, str, str]]:
         what, off = FORK_KNOBS[knob.name]
         if off is None:
             off = f"`0` {knob.zero}" if knob.zero is not None else "cannot be off"
-        rows.append((f"`{knob.name}`", _seconds(knob.default), f"{_seconds(knob.maximum)} ({knob.why_maximum})",
+        rows.append((f"`{knob.name}`", knob.show(knob.default), f"{knob.show(knob.maximum)} ({knob.why_maximum})",
                      what, off))
     return rows
 

@@ -43,6 +43,41 @@ def test_selects_by_rid_prefix_and_room_once_per_kind():
     assert plan.take(7, "kv") is None
 
 
+def test_first_entry_fires_on_a_requests_first_attempt_only():
+    """`+first`: a recovery attempt's prefill leg (the rid with recovery_attempt's mark, a new room) is written
+    cleanly, so a recovery can be shown to succeed; without it the entry fires again on the new room."""
+    from sglang.srt.disaggregation.fork_ending.recovery_attempt import attempt_rid
+
+    plan = FaultPlan.parse("kv+first:rid=bad-,aux:rid=bad-")
+    plan.bind("bad-1", 100)
+    plan.bind(attempt_rid("bad-1", 1), 200)
+    plan.bind(attempt_rid("bad-1", 2), 300)
+    first = plan.take(100, "kv")
+    assert first is not None and first.first_only and not first.mark_failed_first
+    assert plan.take(100, "kv") is None  # once per room, as any entry
+    assert plan.take(200, "kv") is None and plan.take(300, "kv") is None  # never on a recovery attempt
+    assert plan.take(200, "aux").kind == "aux" and plan.take(300, "aux").kind == "aux"  # without +first: every room
+    assert [f.first_only for f in FaultPlan.parse("kv+failed+first@0:rid=x").faults] == [True]
+    assert FaultPlan.parse("kv+delay=1+first:rid=x").faults[0].delay == 1.0
+
+
+@pytest.mark.parametrize("spec", ["kv+first:room=7", "kv+first+failed:rid=x", "kv+firsts:rid=x"])
+def test_first_needs_a_rid_and_comes_after_the_option(spec):
+    with pytest.raises(ValueError, match="SGLANG_TEST_DISAGG_FAIL_CHUNKS"):
+        FaultPlan.parse(spec)
+
+
+def test_recovery_attempt_rids_round_trip():
+    from sglang.srt.disaggregation.fork_ending import recovery_attempt as ra
+
+    assert ra.split("r-1") == ("r-1", 0) and ra.is_first_attempt("r-1")
+    assert ra.attempt_rid("r-1", 2) == "r-1" + ra.RID_MARK + "2"
+    assert ra.split(ra.attempt_rid("r-1", 2)) == ("r-1", 2)
+    assert ra.attempt_rid(ra.attempt_rid("r-1", 1), 2) == ra.attempt_rid("r-1", 2)  # never nested
+    with pytest.raises(ValueError):
+        ra.attempt_rid("r-1", 0)
+
+
 def test_decode_classifies_upstream_reasons():
     assert chunk_kind("Failed to send kv chunk of 5 to 1.2.3.4:5") == "kv"
     assert chunk_kind("Failed to send aux data of 5") == "aux"

@@ -98,3 +98,32 @@ def test_an_illegal_transition_is_logged_in_production(monkeypatch, caplog):
         room_ledger.end_room(mgr, Transition.FAIL_AND_TELL, 7, REASON)
     assert "illegal transition for room 7: fail_and_tell runs on prefill, not on decode" in caplog.text
     assert mgr.request_status[7] == KVPoll.Bootstrapping and mgr.failure_records == {} and mgr.told == []
+
+
+def test_hand_to_recovery_remembers_the_failed_room_and_aborts_it_on_prefill_and_runs_on_decode_only():
+    """A decode room whose transfer failed before the first token is handed to recovery (docs/recovery.md): the room
+    is remembered as ended (anything late about it is answered Failed; the request goes on under a new room, never
+    this one), prefill is told by the receiver's ABORT (its copy of the room ends), and no new failure is recorded
+    (the request's answer is the recovery's, or the failure's own once recovery gives up). Stock upstream 0.5.23 has no
+    recovery: the request ends with the failure (500 naming the chunk)."""
+    mgr = _manager(DECODE)
+    mgr.request_status[7] = KVPoll.Failed
+    mgr.failure_records[7] = "Failed to send kv chunk of 7 to 127.0.0.1:7000"
+
+    class Receiver:
+        aborts = 0
+
+        def ensure_abort_notified(self):
+            Receiver.aborts += 1
+
+    room_ledger.end_room(mgr, Transition.HAND_TO_RECOVERY, 7, "handed to recovery attempt 1", receiver=Receiver())
+    assert Receiver.aborts == 1
+    assert room_ledger.ledger_of(mgr).late(7) == ("handed to recovery attempt 1", None)
+    assert mgr.request_status[7] == KVPoll.Failed
+    assert mgr.failure_records[7] == "Failed to send kv chunk of 7 to 127.0.0.1:7000"  # the failure's own, kept
+    prefill = _manager(PREFILL)
+    prefill.request_status[7] = KVPoll.Failed
+    with pytest.raises(IllegalTransition, match="hand_to_recovery runs on decode, not on prefill"):
+        room_ledger.end_room(prefill, Transition.HAND_TO_RECOVERY, 7, "x")
+    with pytest.raises(IllegalTransition, match="needs receiver"):
+        room_ledger.end_room(mgr, Transition.HAND_TO_RECOVERY, 7, "x")

@@ -57,6 +57,7 @@ class Transition(str, enum.Enum):
     CANCEL_AND_TELL = "cancel_and_tell"
     CANCEL_BEFORE_CREATE = "cancel_before_create"
     RETIRE_HELD = "retire_held"
+    HAND_TO_RECOVERY = "hand_to_recovery"
 
 
 @dataclass(frozen=True)
@@ -126,6 +127,11 @@ TRANSITIONS: Dict[Transition, Row] = {
         frozenset((PREFILL,)), LIVE, (_P.CLEARED, _P.CANCELLED, _P.ENDED),
         "pd_pause (a request the pause path ended, held nowhere now)",
         clear=True, answer=True, cancel=True),
+    T.HAND_TO_RECOVERY: Row(
+        frozenset((DECODE,)), LIVE, (_P.ENDED,),
+        "fork_recovery (a transfer that failed, prefill alive, before the first token: the request goes on under a "
+        "new room, docs/recovery.md)",
+        answer=True, tell=Tell.ABORT),
 }
 
 

@@ -58,6 +58,43 @@ class Seconds:
         return positive_seconds(value, self.name, "valid", self.accepted, zero=self.zero is not None,
                                 maximum=self.maximum)
 
+    def show(self, value: float) -> str:
+        return f"{value:g} s"
+
+
+@dataclass(frozen=True)
+class Count:
+    """A count knob declared in upstream's `Envs` as an `EnvInt` (0 accepted: what it means is `zero`)."""
+
+    name: str
+    maximum: int  # the largest value accepted
+    why_maximum: str  # why nothing larger is: said in the error
+    zero: str  # what 0 means
+
+    @property
+    def default(self) -> int:
+        return int(getattr(envs, self.name).default)  # its declaration: a missing one raises AttributeError
+
+    @property
+    def accepted(self) -> str:
+        return (f"a whole number >= 0, 0 {self.zero}, and <= {self.maximum} ({self.why_maximum}) "
+                f"(default {self.default})")
+
+    def get(self) -> int:
+        value = os.environ.get(self.name)
+        if value is None:
+            return self.default
+        try:
+            count = int(value.strip())
+        except ValueError:
+            count = -1
+        if not 0 <= count <= self.maximum:
+            raise ValueError(f"{self.name}={value!r} is not valid: expected {self.accepted}.")
+        return count
+
+    def show(self, value: int) -> str:
+        return f"{value}"
+
 
 DAY = 86400.0
 # Each knob's upper bound, and why (docs/layout.md, "The fork's knobs"): a value past it is a typo or a unit slip
@@ -91,8 +128,15 @@ TRANSFER_HANDOFF = Seconds(  # worker_handoff
     "SGLANG_FORK_TRANSFER_HANDOFF", 0.1,
     "the scheduler thread waits up to it after each chunk it hands to a parked worker",
     zero="keeps upstream's hand-off")
+RECOVERY_ATTEMPTS = Count(  # fork_recovery (docs/recovery.md)
+    "SGLANG_FORK_RECOVERY_ATTEMPTS", 3,
+    "each attempt is one more prefill of the whole prompt: a fault that persists is answered, not retried",
+    zero="keeps the failure's answer (no recovery)")
+RECOVERY_BUDGET = Seconds(  # fork_recovery (docs/recovery.md): counted from the request's first transfer failure
+    "SGLANG_FORK_RECOVERY_BUDGET", 600.0,
+    "the default transfer deadline: the client waits the failure's answer up to that much longer")
 KNOBS = (TRANSFER_TIMEOUT, LOST_DECODE_HANDSHAKE_TIMEOUT, SESSION_PROBE_TIMEOUT, GLOO_TIMEOUT, PD_IDLE_PACE,
-         KV_WRITE_POLL, TRANSFER_HANDOFF, DEPARTED_DECODE_AFTER)
+         KV_WRITE_POLL, TRANSFER_HANDOFF, DEPARTED_DECODE_AFTER, RECOVERY_ATTEMPTS, RECOVERY_BUDGET)
 
 
 def check() -> Dict[str, float]:

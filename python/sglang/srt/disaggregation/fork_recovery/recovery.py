@@ -1,0 +1,147 @@
+"""Recovery instead of failure (docs/recovery.md): decode's tokenizer holds back the end of a request whose transfer
+failed on prefill's side (a failed chunk write, prefill alive) before its first token, and runs the request again
+under a new bootstrap room: the prefill leg re-sent to the same prefill (its rid `recovery_attempt.attempt_rid`), the
+same request re-submitted to decode's scheduler (a fresh scheduler request, the client's rid kept). Past the attempts
+(`SGLANG_FORK_RECOVERY_ATTEMPTS`) or the budget (`SGLANG_FORK_RECOVERY_BUDGET`, from the first failure) the failure is
+answered as without recovery.
+
+Thread: the tokenizer's event loop only (the patched line in `_handle_batch_output`, the re-submission task); the
+per-request record (`Attempts`) lives on the tokenizer's ReqState (request_record); no lock.
+Invariant: an end is held back only while nothing of the request reached the client (no output token) and only for
+a cause that leaves prefill alive; a held-back end is followed by exactly one re-submission, whose answer is the
+client's."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import Any, Dict, Optional
+
+from sglang.srt.disaggregation.fork_ending import recovery_attempt, request_record, verdict
+from sglang.srt.managers.fork_core import knobs
+
+logger = logging.getLogger(__name__)
+
+CAUSE_CHUNK = "chunk_failure"
+_TASKS: set = set()  # re-submissions in flight (kept referenced until done)
+_PREFILL_URLS: Dict[str, str] = {}  # bootstrap address -> the prefill's HTTP base URL
+
+
+@dataclass
+class Attempts:
+    """A request's recoveries (the tokenizer's ReqState)."""
+
+    made: int = 0  # recovery attempts started
+    first_failure: Optional[float] = None  # monotonic time of the first failure held back
+    cause: Optional[str] = None  # the first failure's cause
+
+
+def _cause(finish_reason: Any) -> Optional[str]:
+    """The recoverable cause an abort's finish reason names, or None."""
+    if not isinstance(finish_reason, dict) or finish_reason.get("type") != "abort":
+        return None
+    if finish_reason.get("status_code") != HTTPStatus.INTERNAL_SERVER_ERROR:
+        return None
+    return CAUSE_CHUNK if verdict.failed_chunk_kind(finish_reason.get("message")) is not None else None
+
+
+def _eligible(tm: Any, obj: Any) -> bool:
+    """Requests recovery may re-run: decode's, one prompt, n = 1, no logprobs, no session, no multimodal input, no LoRA."""
+    if getattr(tm.server_args, "disaggregation_mode", "null") != "decode":
+        return False
+    if not isinstance(getattr(obj, "rid", None), str) or not obj.bootstrap_host or obj.bootstrap_port is None:
+        return False
+    if isinstance(obj.sampling_params, dict) and obj.sampling_params.get("n", 1) != 1:
+        return False
+    return not (obj.return_logprob or obj.session_params or obj.image_data or obj.audio_data or obj.video_data
+                or obj.lora_path or obj.input_embeds is not None)
+
+
+def holds_back(tm: Any, state: Any, recv_obj: Any, i: int, meta_info: Dict[str, Any]) -> bool:
+    """The patched line in `TokenizerManager._handle_batch_output`, for output `i` of `recv_obj` (its `meta_info`
+    built): True when this end is held back and the request re-run (the caller skips the output); else annotates
+    a recovered request's `meta_info` and returns False."""
+    record = request_record.peek(state, Attempts)
+    if record.made:
+        meta_info["recovery"] = {"attempts": record.made, "cause": record.cause}
+    cause = _cause(recv_obj.finished_reasons[i])
+    if cause is None:
+        return False
+    attempts = knobs.RECOVERY_ATTEMPTS.get()
+    if not attempts or recv_obj.completion_tokens[i] or state.obj is None or not _eligible(tm, state.obj):
+        return False
+    now = time.monotonic()
+    if record.made >= attempts:
+        logger.warning("Recovery of %s: %d attempt(s) made, none left; answering the failure", state.obj.rid,
+                       record.made)
+        return False
+    if record.first_failure is not None and now - record.first_failure >= knobs.RECOVERY_BUDGET.get():
+        logger.warning("Recovery of %s: budget spent; answering the failure", state.obj.rid)
+        return False
+    record = request_record.of(state, Attempts)
+    if record.first_failure is None:
+        record.first_failure, record.cause = now, cause
+    record.made += 1
+    task = asyncio.get_running_loop().create_task(_rerun(tm, state, record.made))
+    _TASKS.add(task)
+    task.add_done_callback(_TASKS.discard)
+    logger.warning("Recovery of %s: its transfer failed (%s) before its first token; attempt %d under a new room",
+                   state.obj.rid, cause, record.made)
+    return True
+
+
+async def _prefill_url(session: Any, host: str, port: int) -> str:
+    """The prefill's HTTP base URL, from its bootstrap server (as upstream's retract re-send finds it)."""
+    key = f"{host}:{port}"
+    url = _PREFILL_URLS.get(key)
+    if url is None:
+        from sglang.srt.utils.network import NetworkAddress
+
+        route = NetworkAddress(host, port).to_url() + "/route"
+        query = {"prefill_dp_rank": -1, "prefill_cp_rank": -1, "target_tp_rank": -1, "target_pp_rank": -1}
+        async with session.get(route, params=query) as response:
+            response.raise_for_status()
+            http_port = (await response.json())["prefill_http_port"]
+        url = _PREFILL_URLS[key] = NetworkAddress(host, int(http_port)).to_url()
+    return url
+
+
+def _prefill_leg(obj: Any, rid: str) -> Dict[str, Any]:
+    leg: Dict[str, Any] = {"sampling_params": obj.sampling_params, "rid": rid, "stream": False,
+                           "bootstrap_host": obj.bootstrap_host, "bootstrap_port": obj.bootstrap_port,
+                           "bootstrap_room": obj.bootstrap_room}
+    leg["input_ids" if obj.text is None else "text"] = obj.input_ids if obj.text is None else obj.text
+    return leg
+
+
+async def _post_leg(session: Any, url: str, leg: Dict[str, Any]) -> None:
+    async with session.post(url + "/generate", json=leg) as response:
+        if response.status >= 300:
+            logger.warning("Recovery: prefill leg %s answered %s: %s", leg["rid"], response.status,
+                           (await response.text())[:256])
+
+
+async def _rerun(tm: Any, state: Any, attempt: int) -> None:
+    """Attempt `attempt` of `state`'s request: a new room, the prefill leg re-sent, the request re-submitted.
+    A failure to start it (prefill's address not found, the leg refused) ends the request as decode's own path ends
+    an unanswered room (its transfer deadline)."""
+    import aiohttp
+
+    obj = state.obj
+    obj.bootstrap_room = random.randint(0, 2**63 - 1)
+    leg = _prefill_leg(obj, recovery_attempt.attempt_rid(obj.rid, attempt))
+    session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
+    try:
+        url = await _prefill_url(session, obj.bootstrap_host, obj.bootstrap_port)
+        post = asyncio.get_running_loop().create_task(_post_leg(session, url, leg))
+        tokenized = await tm._tokenize_one_request(obj)
+        await tm._send_one_request(tokenized)
+        await post
+    except Exception as e:  # aiohttp's and the tokenizer's errors alike: logged, the request's own path ends it
+        logger.error("Recovery of %s: attempt %d could not start: %r", obj.rid, attempt, e)
+    finally:
+        await session.close()
