@@ -21,8 +21,10 @@ from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any, Dict, Optional
 
-from sglang.srt.disaggregation.fork_ending import recovery_attempt, request_record, verdict
+from sglang.srt.disaggregation.fork_ending import recovery_attempt, request_record
+from sglang.srt.disaggregation.fork_ending.verdict_wording import failed_chunk_kind
 from sglang.srt.managers.fork_core import knobs
+from sglang.srt.managers.fork_core.fork_touch import upstream
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +40,7 @@ class Attempts:
     made: int = 0  # recovery attempts started
     first_failure: Optional[float] = None  # monotonic time of the first failure held back
     cause: Optional[str] = None  # the first failure's cause
+    failure: Optional[Dict[str, Any]] = None  # the last held-back end's finish reason (answered if no attempt starts)
 
 
 def _cause(finish_reason: Any) -> Optional[str]:
@@ -46,7 +49,7 @@ def _cause(finish_reason: Any) -> Optional[str]:
         return None
     if finish_reason.get("status_code") != HTTPStatus.INTERNAL_SERVER_ERROR:
         return None
-    return CAUSE_CHUNK if verdict.failed_chunk_kind(finish_reason.get("message")) is not None else None
+    return CAUSE_CHUNK if failed_chunk_kind(finish_reason.get("message")) is not None else None
 
 
 def _eligible(tm: Any, obj: Any) -> bool:
@@ -68,11 +71,14 @@ def holds_back(tm: Any, state: Any, recv_obj: Any, i: int, meta_info: Dict[str, 
     record = request_record.peek(state, Attempts)
     if record.made:
         meta_info["recovery"] = {"attempts": record.made, "cause": record.cause}
-    cause = _cause(recv_obj.finished_reasons[i])
-    if cause is None:
+    reason = recv_obj.finished_reasons[i]
+    if not isinstance(reason, dict) or reason.get("type") != "abort":  # every output but an abort's: one check
         return False
-    attempts = knobs.RECOVERY_ATTEMPTS.get()
-    if not attempts or recv_obj.completion_tokens[i] or state.obj is None or not _eligible(tm, state.obj):
+    attempts = knobs.RECOVERY_ATTEMPTS.get()  # off (the default): nothing more is read or decided
+    if not attempts:
+        return False
+    cause = _cause(reason)
+    if cause is None or recv_obj.completion_tokens[i] or state.obj is None or not _eligible(tm, state.obj):
         return False
     now = time.monotonic()
     if record.made >= attempts:
@@ -85,6 +91,7 @@ def holds_back(tm: Any, state: Any, recv_obj: Any, i: int, meta_info: Dict[str, 
     record = request_record.of(state, Attempts)
     if record.first_failure is None:
         record.first_failure, record.cause = now, cause
+    record.failure = recv_obj.finished_reasons[i]
     record.made += 1
     task = asyncio.get_running_loop().create_task(_rerun(tm, state, record.made))
     _TASKS.add(task)
@@ -125,23 +132,36 @@ async def _post_leg(session: Any, url: str, leg: Dict[str, Any]) -> None:
                            (await response.text())[:256])
 
 
+def _answer_failure(tm: Any, rid: str, failure: Dict[str, Any]) -> None:
+    """The held-back end answered after all (an attempt that could not start): upstream's own abort answer path with
+    the failure's finish reason, so the client sees exactly what it would have seen without recovery."""
+    from sglang.srt.managers.io_struct import AbortReq
+
+    upstream(tm, "_handle_abort_req")(AbortReq(rid=rid, finished_reason=failure, abort_message=failure.get("message")))
+
+
 async def _rerun(tm: Any, state: Any, attempt: int) -> None:
     """Attempt `attempt` of `state`'s request: a new room, the prefill leg re-sent, the request re-submitted.
-    A failure to start it (prefill's address not found, the leg refused) ends the request as decode's own path ends
-    an unanswered room (its transfer deadline)."""
+    If it cannot be re-submitted (prefill's address not found, re-tokenizing fails), the held-back failure is
+    answered at once; once re-submitted, a prefill leg that is refused leaves the attempt to decode's own path (its
+    transfer deadline)."""
     import aiohttp
 
     obj = state.obj
+    submitted = False
     obj.bootstrap_room = random.randint(0, 2**63 - 1)
     leg = _prefill_leg(obj, recovery_attempt.attempt_rid(obj.rid, attempt))
     session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
     try:
         url = await _prefill_url(session, obj.bootstrap_host, obj.bootstrap_port)
         post = asyncio.get_running_loop().create_task(_post_leg(session, url, leg))
-        tokenized = await tm._tokenize_one_request(obj)
-        await tm._send_one_request(tokenized)
+        tokenized = await upstream(tm, "_tokenize_one_request")(obj)
+        await upstream(tm, "_send_one_request")(tokenized)
+        submitted = True
         await post
-    except Exception as e:  # aiohttp's and the tokenizer's errors alike: logged, the request's own path ends it
+    except Exception as e:  # aiohttp's and the tokenizer's errors alike
         logger.error("Recovery of %s: attempt %d could not start: %r", obj.rid, attempt, e)
+        if not submitted:
+            _answer_failure(tm, obj.rid, request_record.of(state, Attempts).failure or {})
     finally:
         await session.close()
