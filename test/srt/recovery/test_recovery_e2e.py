@@ -66,14 +66,19 @@ def _calm(single, text):
     return calm
 
 
+def _timed(cluster, text, rid):
+    """(the PD deployment's answer to `text` under `rid`, the seconds it took)."""
+    t0 = time.monotonic()
+    got = generate(cluster.url, text, max_new_tokens=MAX_NEW_TOKENS, rid=rid)
+    return got, time.monotonic() - t0
+
+
 def test_a_failed_kv_write_before_the_first_token_is_recovered_non_streaming(deployment):
     cluster, single = deployment
     baseline = assert_idle(cluster, PD_ROLES)
     text = prompts(3)[1]
     calm = _calm(single, text)
-    t0 = time.monotonic()
-    got = generate(cluster.url, text, max_new_tokens=MAX_NEW_TOKENS, rid="rec-once-ns-1")
-    took = time.monotonic() - t0
+    got, took = _timed(cluster, text, "rec-once-ns-1")
     assert got["status"] == 200, got
     assert got["text"] == calm["text"] and got["output_ids"] == calm["output_ids"], (got, calm)
     assert got["meta"]["recovery"] == {"attempts": 1, "cause": "chunk_failure"}, got["meta"]
@@ -110,9 +115,7 @@ def test_a_fault_on_every_attempt_answers_the_failure_once_within_the_budget(dep
     baseline = assert_idle(cluster, PD_ROLES)
     text = prompts(5)[3]
     calm = _calm(single, text)
-    t0 = time.monotonic()
-    got = generate(cluster.url, text, max_new_tokens=MAX_NEW_TOKENS, rid="rec-always-ns-1")
-    took = time.monotonic() - t0
+    got, took = _timed(cluster, text, "rec-always-ns-1")
     assert got["status"] == 500 and CHUNK_REASON in str(got["error"]), got
     assert took < BUDGET_S + 10, took
     assert_idle(cluster, PD_ROLES, baseline=baseline, timeout=60)

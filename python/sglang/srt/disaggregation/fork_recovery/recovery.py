@@ -30,7 +30,6 @@ logger = logging.getLogger(__name__)
 
 CAUSE_CHUNK = "chunk_failure"
 _TASKS: set = set()  # re-submissions in flight (kept referenced until done)
-_PREFILL_URLS: Dict[str, str] = {}  # bootstrap address -> the prefill's HTTP base URL
 
 
 @dataclass
@@ -102,19 +101,16 @@ def holds_back(tm: Any, state: Any, recv_obj: Any, i: int, meta_info: Dict[str, 
 
 
 async def _prefill_url(session: Any, host: str, port: int) -> str:
-    """The prefill's HTTP base URL, from its bootstrap server (as upstream's retract re-send finds it)."""
-    key = f"{host}:{port}"
-    url = _PREFILL_URLS.get(key)
-    if url is None:
-        from sglang.srt.utils.network import NetworkAddress
+    """The prefill's HTTP base URL, from its bootstrap server (as upstream's retract re-send finds it). Asked on each
+    attempt (a rare path), not kept: a prefill restarted behind the same bootstrap port may serve on another port."""
+    from sglang.srt.utils.network import NetworkAddress
 
-        route = NetworkAddress(host, port).to_url() + "/route"
-        query = {"prefill_dp_rank": -1, "prefill_cp_rank": -1, "target_tp_rank": -1, "target_pp_rank": -1}
-        async with session.get(route, params=query) as response:
-            response.raise_for_status()
-            http_port = (await response.json())["prefill_http_port"]
-        url = _PREFILL_URLS[key] = NetworkAddress(host, int(http_port)).to_url()
-    return url
+    route = NetworkAddress(host, port).to_url() + "/route"
+    query = {"prefill_dp_rank": -1, "prefill_cp_rank": -1, "target_tp_rank": -1, "target_pp_rank": -1}
+    async with session.get(route, params=query) as response:
+        response.raise_for_status()
+        http_port = (await response.json())["prefill_http_port"]
+    return NetworkAddress(host, int(http_port)).to_url()
 
 
 def _prefill_leg(obj: Any, rid: str) -> Dict[str, Any]:
