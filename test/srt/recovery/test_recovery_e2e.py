@@ -1,12 +1,26 @@
-"""Real CPU servers (1P1D behind the mini load balancer, mooncake over TCP, float32, greedy): a KV chunk write that
-fails on prefill (prefill alive) before decode's first token is recovered: decode's tokenizer re-runs the request
-under a new bootstrap room (docs/recovery.md). The client gets 200 with the calm control's text, a stream has exactly
-one finish and no abort or error event, `meta_info` says it was recovered, both servers are idle after and keep
-serving. A fault on every attempt is answered as without recovery: 500 naming the chunk, within the budget.
+"""Real CPU servers (1P1D behind the mini load balancer, mooncake over TCP, float32, greedy), one deployment for every
+recoverable cause: a transfer that fails while prefill is alive, before decode's first token, is recovered: decode's
+tokenizer re-runs the request under a new bootstrap room (docs/recovery.md). The client gets 200 with the calm
+control's text, a stream has exactly one finish and no abort or error event, `meta_info` says it was recovered and
+why, both servers are idle after and keep serving. A fault on every attempt is answered as without recovery, once,
+within the budget. The causes (the fault switch SGLANG_TEST_DISAGG_FAIL_CHUNKS on prefill picks the request by rid):
 
-Stock upstream 0.5.23 (and the fork with SGLANG_FORK_RECOVERY_ATTEMPTS=0): the failed request answers 500 naming the
-failed KV chunk (non-streaming), a stream ends with finish_reason abort carrying the 500 (measured: 6 of 6 streams).
-The fault switch's `+first` fires on a request's first attempt only."""
+- `kv`: the first KV chunk write fails on prefill (`kv+first`). Stock upstream 0.5.23 (and the fork with
+  SGLANG_FORK_RECOVERY_ATTEMPTS=0): 500 naming the failed KV chunk (non-streaming); a stream ends with finish_reason
+  abort carrying the 500 (measured: 6 of 6 streams).
+- `aux`: the aux (metadata) write fails on prefill (`aux+first`). Upstream and the fork without recovery: 500 naming
+  the aux write ("Failed to send aux data"), as test_chunk_failures_e2e answers it.
+- `stall`: prefill's transfer worker reports the first KV write STALL_S late (`kv+delay=S+first`: prefill stays alive
+  and keeps serving), past the DEADLINE_S transfer deadline of both servers. Whichever deadline ends the room first
+  (decode's in decode_transfer, handed to recovery; or prefill's in prefill_inflight, told to decode), decode's
+  tokenizer re-runs it; the new attempt has its own deadline and meets the worker free again. The fork without
+  recovery: 504 on both legs at the deadline (test_transfer_deadline_e2e). Stock upstream 0.5.23 has no deadline in
+  these stages (decode_transfer / prefill_inflight unbounded, docs/transfer-deadline.md): it answers 200 once the
+  stalled worker reports, here after STALL_S; a worker stalled for good holds the request forever.
+
+An extra-state write (`state`) never happens with this model: a dense llama has no state pool, so prefill sends no
+state chunk (test_chunk_failures_pair fails one over the real transfer engine; its recovery is the same cause as
+`kv` and `aux`, `chunk_failure`, untested end to end). The `+first` option fires on a request's first attempt only."""
 
 from __future__ import annotations
 
@@ -14,29 +28,56 @@ import json
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 
 import pytest
 
 from testing.pd_checks import PD_ROLES, assert_idle
-from testing.pd_cluster import generate, prompts
+from testing.pd_cluster import generate, metric_sum, prompts
 
 pytestmark = pytest.mark.e2e
 
 MAX_NEW_TOKENS = 12
 RELEASE_ENV = {"SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT": "3"}
-FAULTS = "kv+first:rid=rec-once-,kv:rid=rec-always-"
+# Both servers' transfer deadline; the stall outlasts it but ends before a second attempt's own deadline would (that
+# attempt's KV waits behind the stalled worker: one transfer queue per decode session).
+DEADLINE_S = 5.0
+STALL_S = 7.0
+DEADLINE_ENV = {"SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT": str(DEADLINE_S)}
+FAULTS = ",".join(("kv+first:rid=rec-once-", "kv:rid=rec-always-",
+                   "aux+first:rid=rec-aux-once-", "aux:rid=rec-aux-always-",
+                   f"kv+delay={STALL_S:g}+first:rid=rec-stall-once-", f"kv+delay={STALL_S:g}:rid=rec-stall-always-"))
 BUDGET_S = 20.0
 RECOVERY_ENV = {"SGLANG_FORK_RECOVERY_ATTEMPTS": "1", "SGLANG_FORK_RECOVERY_BUDGET": str(BUDGET_S)}
-CHUNK_REASON = "Failed to send kv chunk"
-# a recovered request: its failed attempt (a scheduler tick or two on each side) plus a calm one, generously
+# a recovered request: its failed attempt (a scheduler tick or two on each side, or the deadline) plus a calm one
 RECOVERED_WITHIN_S = 30.0
+TIMEOUTS = "sglang:pd_transfer_timeouts_total"
+
+
+@dataclass(frozen=True)
+class Cause:
+    once: str  # rid prefix of a request whose first attempt fails
+    always: str  # ... whose every attempt fails
+    cause: str  # meta_info["recovery"]["cause"]
+    status: int  # the failure's own answer (without recovery, or when every attempt fails)
+    names: str  # what that answer's message says
+    earliest: float = 0.0  # a recovered answer comes no earlier (the deadline's)
+
+
+CAUSES = {
+    "kv": Cause("rec-once-", "rec-always-", "chunk_failure", 500, "Failed to send kv chunk"),
+    "aux": Cause("rec-aux-once-", "rec-aux-always-", "chunk_failure", 500, "Failed to send aux data"),
+    "stall": Cause("rec-stall-once-", "rec-stall-always-", "transfer_deadline", 504, "PD transfer deadline exceeded",
+                   earliest=DEADLINE_S),
+}
+PROMPT = {"kv": 1, "aux": 5, "stall": 7}  # each case its own prompt (testing.pd_cluster.prompts)
 
 
 @pytest.fixture(scope="module")
 def deployment(deployments, shared_single):
     cluster, single = deployments.pd_and_single(
-        shared_single, prefill_env={"SGLANG_TEST_DISAGG_FAIL_CHUNKS": FAULTS, **RELEASE_ENV},
-        decode_env={**RELEASE_ENV, **RECOVERY_ENV})
+        shared_single, prefill_env={"SGLANG_TEST_DISAGG_FAIL_CHUNKS": FAULTS, **RELEASE_ENV, **DEADLINE_ENV},
+        decode_env={**RELEASE_ENV, **DEADLINE_ENV, **RECOVERY_ENV})
     try:
         yield cluster, single
     finally:
@@ -73,27 +114,49 @@ def _timed(cluster, text, rid):
     return got, time.monotonic() - t0
 
 
-def test_a_failed_kv_write_before_the_first_token_is_recovered_non_streaming(deployment):
-    cluster, single = deployment
-    baseline = assert_idle(cluster, PD_ROLES)
-    text = prompts(3)[1]
-    calm = _calm(single, text)
-    got, took = _timed(cluster, text, "rec-once-ns-1")
-    assert got["status"] == 200, got
-    assert got["text"] == calm["text"] and got["output_ids"] == calm["output_ids"], (got, calm)
-    assert got["meta"]["recovery"] == {"attempts": 1, "cause": "chunk_failure"}, got["meta"]
-    assert took < RECOVERED_WITHIN_S, took
-    assert_idle(cluster, PD_ROLES, baseline=baseline, timeout=60)
-    again = generate(cluster.url, text, max_new_tokens=MAX_NEW_TOKENS, rid="calm-after-ns")
+def _timeouts(cluster) -> float:
+    """Transfer deadlines that fired, on both servers."""
+    return sum(metric_sum(cluster.metrics(role), TIMEOUTS) for role in PD_ROLES)
+
+
+def _deadline_fired(kind: str, cluster, before: float) -> None:
+    """A stall's room was ended by a deadline (decode's, prefill's, or both at once), a chunk failure's by none."""
+    fired = _timeouts(cluster) - before
+    assert (1 <= fired <= 2) if kind == "stall" else fired == 0, (kind, fired)
+
+
+def _serves(cluster, text, calm, rid) -> None:
+    again = generate(cluster.url, text, max_new_tokens=MAX_NEW_TOKENS, rid=rid)
     assert again["status"] == 200 and again["text"] == calm["text"] and "recovery" not in again["meta"], again
 
 
-def test_a_failed_kv_write_before_the_first_token_is_recovered_streaming(deployment):
+@pytest.mark.parametrize("kind", list(CAUSES))
+def test_a_transfer_failed_before_the_first_token_is_recovered_non_streaming(deployment, kind):
     cluster, single = deployment
+    cause = CAUSES[kind]
     baseline = assert_idle(cluster, PD_ROLES)
-    text = prompts(4)[2]
+    text = prompts(12)[PROMPT[kind]]
     calm = _calm(single, text)
-    payload = {"text": text, "rid": "rec-once-s-1", "stream": True,
+    timeouts = _timeouts(cluster)
+    got, took = _timed(cluster, text, f"{cause.once}ns-1")
+    assert got["status"] == 200, got
+    assert got["text"] == calm["text"] and got["output_ids"] == calm["output_ids"], (got, calm)
+    assert got["meta"]["recovery"] == {"attempts": 1, "cause": cause.cause}, got["meta"]
+    assert cause.earliest <= took < RECOVERED_WITHIN_S, took
+    _deadline_fired(kind, cluster, timeouts)
+    assert_idle(cluster, PD_ROLES, baseline=baseline, timeout=60)
+    _serves(cluster, text, calm, f"calm-after-ns-{kind}")
+
+
+@pytest.mark.parametrize("kind", list(CAUSES))
+def test_a_transfer_failed_before_the_first_token_is_recovered_streaming(deployment, kind):
+    cluster, single = deployment
+    cause = CAUSES[kind]
+    baseline = assert_idle(cluster, PD_ROLES)
+    text = prompts(12)[PROMPT[kind] + 1]
+    calm = _calm(single, text)
+    timeouts = _timeouts(cluster)
+    payload = {"text": text, "rid": f"{cause.once}s-1", "stream": True,
                "sampling_params": {"temperature": 0.0, "max_new_tokens": MAX_NEW_TOKENS}}
     t0 = time.monotonic()
     status, body = _stream(cluster.url, payload)
@@ -105,19 +168,27 @@ def test_a_failed_kv_write_before_the_first_token_is_recovered_streaming(deploym
     assert len(finishes) == 1 and finishes[0]["type"] != "abort", finishes
     assert not any("error" in e for e in events), body
     assert events[-1]["text"] == calm["text"], (events[-1], calm)  # /generate streams the text so far
-    assert events[-1]["meta_info"]["recovery"] == {"attempts": 1, "cause": "chunk_failure"}
-    assert took < RECOVERED_WITHIN_S, took
+    assert events[-1]["meta_info"]["recovery"] == {"attempts": 1, "cause": cause.cause}
+    assert cause.earliest <= took < RECOVERED_WITHIN_S, took
+    _deadline_fired(kind, cluster, timeouts)
     assert_idle(cluster, PD_ROLES, baseline=baseline, timeout=60)
+    _serves(cluster, text, calm, f"calm-after-s-{kind}")
 
 
-def test_a_fault_on_every_attempt_answers_the_failure_once_within_the_budget(deployment):
+@pytest.mark.parametrize("kind", ["kv", "stall"])
+def test_a_fault_on_every_attempt_answers_the_failure_once_within_the_budget(deployment, kind):
+    """Every attempt fails (the fault without `+first`): the failure's own answer (500 naming the chunk; the stall:
+    the deadline's 504, from the second attempt's own deadline), once, within the budget and the last attempt's own
+    deadline."""
     cluster, single = deployment
+    cause = CAUSES[kind]
     baseline = assert_idle(cluster, PD_ROLES)
-    text = prompts(5)[3]
+    text = prompts(12)[10 if kind == "kv" else 11]
     calm = _calm(single, text)
-    got, took = _timed(cluster, text, "rec-always-ns-1")
-    assert got["status"] == 500 and CHUNK_REASON in str(got["error"]), got
-    assert took < BUDGET_S + 10, took
+    got, took = _timed(cluster, text, f"{cause.always}ns-1")
+    assert got["status"] == cause.status and cause.names in str(got["error"]), got
+    assert took < BUDGET_S + DEADLINE_S + 10, took
+    # the stalled worker holds prefill's transfer queue for the second attempt's stall too
     assert_idle(cluster, PD_ROLES, baseline=baseline, timeout=60)
-    again = generate(cluster.url, text, max_new_tokens=MAX_NEW_TOKENS, rid="calm-after-always")
+    again = generate(cluster.url, text, max_new_tokens=MAX_NEW_TOKENS, rid=f"calm-after-always-{kind}")
     assert again["status"] == 200 and again["text"] == calm["text"], again

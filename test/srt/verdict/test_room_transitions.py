@@ -100,15 +100,14 @@ def test_an_illegal_transition_is_logged_in_production(monkeypatch, caplog):
     assert mgr.request_status[7] == KVPoll.Bootstrapping and mgr.failure_records == {} and mgr.told == []
 
 
-def test_hand_to_recovery_remembers_the_failed_room_and_aborts_it_on_prefill_and_runs_on_decode_only():
-    """A decode room whose transfer failed before the first token is handed to recovery (docs/recovery.md): the room
-    is remembered as ended (anything late about it is answered Failed; the request goes on under a new room, never
-    this one), prefill is told by the receiver's ABORT (its copy of the room ends), and no new failure is recorded
-    (the request's answer is the recovery's, or the failure's own once recovery gives up). Stock upstream 0.5.23 has no
-    recovery: the request ends with the failure (500 naming the chunk)."""
+def test_hand_to_recovery_fails_and_remembers_the_stalled_room_and_aborts_it_on_prefill_and_runs_on_decode_only():
+    """Decode's own transfer deadline in a recoverable stage, recovery on (docs/recovery.md): the stalled room is
+    failed with the deadline's reason (its request answers at its next poll: the tokenizer re-runs it under a new
+    room, or answers the 504), remembered as ended (the request never goes on under this room), and prefill is told by
+    the receiver's ABORT (its copy of the room ends). Stock upstream 0.5.23 has no deadline in decode_transfer (the
+    request waits for the stalled transfer); the fork without recovery ends the room by `fail_and_abort` (504)."""
     mgr = _manager(DECODE)
-    mgr.request_status[7] = KVPoll.Failed
-    mgr.failure_records[7] = "Failed to send kv chunk of 7 to 127.0.0.1:7000"
+    mgr.request_status[7] = KVPoll.Transferring
 
     class Receiver:
         aborts = 0
@@ -116,13 +115,13 @@ def test_hand_to_recovery_remembers_the_failed_room_and_aborts_it_on_prefill_and
         def ensure_abort_notified(self):
             Receiver.aborts += 1
 
-    room_ledger.end_room(mgr, Transition.HAND_TO_RECOVERY, 7, "handed to recovery attempt 1", receiver=Receiver())
+    room_ledger.end_room(mgr, Transition.HAND_TO_RECOVERY, 7, REASON, cause=end_cause.TIMEOUT, receiver=Receiver())
     assert Receiver.aborts == 1
-    assert room_ledger.ledger_of(mgr).late(7) == ("handed to recovery attempt 1", None)
-    assert mgr.request_status[7] == KVPoll.Failed
-    assert mgr.failure_records[7] == "Failed to send kv chunk of 7 to 127.0.0.1:7000"  # the failure's own, kept
+    assert mgr.request_status[7] == KVPoll.Failed and mgr.failure_records[7] == REASON
+    assert room_ledger.ledger_of(mgr).late(7) == (REASON, None)
+    assert end_cause.room_tag(mgr, 7) is not None
     prefill = _manager(PREFILL)
-    prefill.request_status[7] = KVPoll.Failed
+    prefill.request_status[7] = KVPoll.Transferring
     with pytest.raises(IllegalTransition, match="hand_to_recovery runs on decode, not on prefill"):
         room_ledger.end_room(prefill, Transition.HAND_TO_RECOVERY, 7, "x")
     with pytest.raises(IllegalTransition, match="needs receiver"):

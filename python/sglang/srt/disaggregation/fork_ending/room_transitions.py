@@ -128,10 +128,10 @@ TRANSITIONS: Dict[Transition, Row] = {
         "pd_pause (a request the pause path ended, held nowhere now)",
         clear=True, answer=True, cancel=True),
     T.HAND_TO_RECOVERY: Row(
-        frozenset((DECODE,)), LIVE, (_P.ENDED,),
-        "fork_recovery (a transfer that failed, prefill alive, before the first token: the request goes on under a "
-        "new room, docs/recovery.md)",
-        answer=True, tell=Tell.ABORT),
+        frozenset((DECODE,)), LIVE, (_P.FAILED, _P.ENDED),
+        "transfer_deadline (decode, a recoverable stage with recovery on: its transfer stalled, prefill alive, before "
+        "the first token; the request may go on under a new room, docs/recovery.md)",
+        answer=True, fail=True, mark=True, tell=Tell.ABORT),
 }
 
 

@@ -9,6 +9,7 @@ declared once, here, and compared only here. Imports no fork module."""
 
 from __future__ import annotations
 
+import re
 from typing import Any, Optional
 
 # ----------------------------------------------------------------------------- end causes (the counter's labels)
@@ -30,6 +31,10 @@ PAUSE_MARKERS = ("pause_generation", RELEASE_MARKER)
 
 # How the fork's failure reasons open (a room's reason also reaches the peer: upstream's status message carries it).
 DEADLINE_TAG = "PD transfer deadline exceeded"  # transfer_deadline's reasons
+# transfer_deadline's reason, whole (`deadline_stage` reads the stage back: recovery re-runs some stages' deadlines)
+DEADLINE_MESSAGE = (DEADLINE_TAG + ": request {rid} (bootstrap_room={room}) spent {spent:.1f}s in stage {stage}, over "
+                    "the {deadline:g}s deadline. Raise {env} or {arg} if transfers legitimately take longer.")
+_DEADLINE_STAGE = re.compile(re.escape(DEADLINE_TAG) + r": .*? in stage (\w+), over the ")
 PEER_LOST_TAG = "PD peer lost"  # the peer monitors' reasons (and transfer_deadline's unreachable prefill)
 ABORT_TAG = "PD request aborted"  # the reason a room carries to the peer when its request was aborted (peer_reason)
 PEER_WHY = " was aborted: "  # peer_reason: what the peer is told, then why
@@ -65,6 +70,12 @@ def names_pause(message: Any) -> bool:
 
 def names_deadline(text: Any) -> bool:
     return DEADLINE_TAG in str(text or "")
+
+
+def deadline_stage(text: Any) -> Optional[str]:
+    """The stage a deadline's reason (`DEADLINE_MESSAGE`, this side's or the peer's) names, or None (no deadline)."""
+    match = _DEADLINE_STAGE.search(str(text or ""))
+    return None if match is None else match.group(1)
 
 
 def names_abort(text: Any) -> bool:

@@ -22,13 +22,15 @@ from http import HTTPStatus
 from typing import Any, Dict, Optional
 
 from sglang.srt.disaggregation.fork_ending import recovery_attempt, request_record
-from sglang.srt.disaggregation.fork_ending.verdict_wording import failed_chunk_kind
+from sglang.srt.disaggregation.fork_ending.verdict_wording import deadline_stage, failed_chunk_kind
 from sglang.srt.managers.fork_core import knobs
 from sglang.srt.managers.fork_core.fork_touch import upstream
 
 logger = logging.getLogger(__name__)
 
 CAUSE_CHUNK = "chunk_failure"
+CAUSE_DEADLINE = "transfer_deadline"  # a transfer stalled past SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT
+ROUTE_TIMEOUT_S = 5.0  # asking prefill's bootstrap server for its HTTP address (upstream's own fetches wait 5 s)
 _TASKS: set = set()  # re-submissions in flight (kept referenced until done)
 
 
@@ -43,12 +45,18 @@ class Attempts:
 
 
 def _cause(finish_reason: Any) -> Optional[str]:
-    """The recoverable cause an abort's finish reason names, or None."""
+    """The recoverable cause an abort's finish reason names, or None: a failed chunk write (500, the verdict's
+    failure row, naming the chunk), or a transfer deadline (504, the verdict's deadline rows) in a stage
+    `recovery_attempt.DEADLINE_STAGES` names (decode's own, or prefill's told with its room's failure). The finish
+    reason is the one thing of the verdict's that reaches the tokenizer: its status and message are read."""
     if not isinstance(finish_reason, dict) or finish_reason.get("type") != "abort":
         return None
-    if finish_reason.get("status_code") != HTTPStatus.INTERNAL_SERVER_ERROR:
-        return None
-    return CAUSE_CHUNK if failed_chunk_kind(finish_reason.get("message")) is not None else None
+    status, message = finish_reason.get("status_code"), finish_reason.get("message")
+    if status == HTTPStatus.INTERNAL_SERVER_ERROR:
+        return CAUSE_CHUNK if failed_chunk_kind(message) is not None else None
+    if status == HTTPStatus.GATEWAY_TIMEOUT:
+        return CAUSE_DEADLINE if recovery_attempt.recovers_deadline_of(deadline_stage(message)) else None
+    return None
 
 
 def _eligible(tm: Any, obj: Any) -> bool:
@@ -103,11 +111,15 @@ def holds_back(tm: Any, state: Any, recv_obj: Any, i: int, meta_info: Dict[str, 
 async def _prefill_url(session: Any, host: str, port: int) -> str:
     """The prefill's HTTP base URL, from its bootstrap server (as upstream's retract re-send finds it). Asked on each
     attempt (a rare path), not kept: a prefill restarted behind the same bootstrap port may serve on another port."""
+    import aiohttp
+
     from sglang.srt.utils.network import NetworkAddress
 
     route = NetworkAddress(host, port).to_url() + "/route"
     query = {"prefill_dp_rank": -1, "prefill_cp_rank": -1, "target_tp_rank": -1, "target_pp_rank": -1}
-    async with session.get(route, params=query) as response:
+    # bounded: a frozen prefill's kernel accepts the connection and nobody answers (a stalled transfer's cause may be
+    # that); without an answer the held-back failure is answered
+    async with session.get(route, params=query, timeout=aiohttp.ClientTimeout(total=ROUTE_TIMEOUT_S)) as response:
         response.raise_for_status()
         http_port = (await response.json())["prefill_http_port"]
     return NetworkAddress(host, int(http_port)).to_url()

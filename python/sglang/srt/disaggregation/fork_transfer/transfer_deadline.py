@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, NamedTuple, Optional, Sequence, Tuple
 
 from sglang.srt.disaggregation.base import KVPoll
-from sglang.srt.disaggregation.fork_ending import request_end_cause, request_record, room_ledger, verdict
+from sglang.srt.disaggregation.fork_ending import recovery_attempt, request_end_cause, request_record, room_ledger
+from sglang.srt.disaggregation.fork_ending import verdict
 from sglang.srt.disaggregation.fork_ending import verdict_rows, verdict_wording
 from sglang.srt.disaggregation.fork_ending.pd_queues import (
     DECODE_PREALLOC, DECODE_TRANSFER, PREFILL_BOOTSTRAP, PREFILL_INFLIGHT, PREFILL_WAITING,
@@ -74,18 +75,19 @@ def _expire(scheduler, stage: str, queue: Sequence[Any], side: str, keep=None) -
         # `keep` only for the overdue ones: upstream's is_aborted costs ~8 µs a request
         if endpoint is None or (keep is not None and not keep(entry)):
             continue
-        text = (f"{TAG}: request {req.rid} (bootstrap_room={req.bootstrap_room}) spent {now - stamped[1]:.1f}s in "
-                f"stage {stage}, over the {deadline:g}s deadline. Raise {ENV} or {ARG} if transfers legitimately "
-                "take longer.")
+        text = verdict_wording.DEADLINE_MESSAGE.format(rid=req.rid, room=req.bootstrap_room, spent=now - stamped[1],
+                                                       stage=stage, deadline=deadline, env=ENV, arg=ARG)
         verdict.of(req).deadline = text
         logger.warning(text)
         if room_ledger.has_room_tables(fork_touch.upstream(endpoint, "kv_mgr")):  # the peer told; prefill: a late handshake fails too
             if side == "prefill":
                 room_ledger.end_room(endpoint.kv_mgr, room_ledger.Transition.FAIL_TELL_REMEMBER, req.bootstrap_room,
                                      text, cause=request_end_cause.TIMEOUT, told=TOLD)
-            else:
-                room_ledger.end_room(endpoint.kv_mgr, room_ledger.Transition.FAIL_AND_ABORT, req.bootstrap_room,
-                                     text, cause=request_end_cause.TIMEOUT, receiver=endpoint)
+            else:  # decode: a recoverable stage's room is handed to recovery (docs/recovery.md)
+                transition = (room_ledger.Transition.HAND_TO_RECOVERY if recovery_attempt.hands_over(stage)
+                              else room_ledger.Transition.FAIL_AND_ABORT)
+                room_ledger.end_room(endpoint.kv_mgr, transition, req.bootstrap_room, text,
+                                     cause=request_end_cause.TIMEOUT, receiver=endpoint)
             if fork_touch.upstream(endpoint, "conclude_state") == KVPoll.Success:
                 # this rank's part is done, another rank's is not (or decode's metadata has not landed): the poll
                 # returns the endpoint's cached Success, so fail it here (its record stays the deadline's)
