@@ -191,6 +191,8 @@ ADVICE = {
     "PAUSE_REASON": "as a pause (above)",
     "LOST_PEER": "the named peer crashed or is cut off: see `sglang:pd_peer_losses_total`; restart or heal it "
                  "(it is served again without restarting the survivor); retry on another pair",
+    "HANDED_TO_RECOVERY": "prefill's leg only (a balancer reads it, not a client): decode runs the request again "
+                          "(docs/recovery.md); the client gets decode's answer",
     "FAILURE": "a KV / aux / state chunk write or a transfer worker failed (the message names it): check the link "
                "and `sglang:pd_transfer_chunk_failures_total`; retry",
 }

@@ -21,14 +21,13 @@ from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any, Dict, Optional
 
-from sglang.srt.disaggregation.fork_ending import recovery_attempt, request_record
-from sglang.srt.disaggregation.fork_ending.verdict_wording import failed_chunk_kind
+from sglang.srt.disaggregation.fork_ending import recovery_attempt, recovery_rule, request_record
 from sglang.srt.managers.fork_core import knobs
 from sglang.srt.managers.fork_core.fork_touch import upstream
 
 logger = logging.getLogger(__name__)
 
-CAUSE_CHUNK = "chunk_failure"
+CAUSE_CHUNK = recovery_rule.CAUSE_CHUNK
 _TASKS: set = set()  # re-submissions in flight (kept referenced until done)
 
 
@@ -48,19 +47,17 @@ def _cause(finish_reason: Any) -> Optional[str]:
         return None
     if finish_reason.get("status_code") != HTTPStatus.INTERNAL_SERVER_ERROR:
         return None
-    return CAUSE_CHUNK if failed_chunk_kind(finish_reason.get("message")) is not None else None
+    return recovery_rule.cause_of(finish_reason.get("message"))
 
 
 def _eligible(tm: Any, obj: Any) -> bool:
-    """Requests recovery may re-run: decode's, one prompt, n = 1, no logprobs, no session, no multimodal input, no LoRA."""
+    """Requests recovery may re-run: decode's, with its prefill's bootstrap address, of a shape the rule takes
+    (`recovery_rule.excluded`: the same rule prefill's verdict reads)."""
     if getattr(tm.server_args, "disaggregation_mode", "null") != "decode":
         return False
-    if not isinstance(getattr(obj, "rid", None), str) or not obj.bootstrap_host or obj.bootstrap_port is None:
+    if not obj.bootstrap_host or obj.bootstrap_port is None:
         return False
-    if isinstance(obj.sampling_params, dict) and obj.sampling_params.get("n", 1) != 1:
-        return False
-    return not (obj.return_logprob or obj.session_params or obj.image_data or obj.audio_data or obj.video_data
-                or obj.lora_path or obj.input_embeds is not None)
+    return recovery_rule.excluded(recovery_rule.input_shape(obj)) is None
 
 
 def holds_back(tm: Any, state: Any, recv_obj: Any, i: int, meta_info: Dict[str, Any]) -> bool:
@@ -73,14 +70,13 @@ def holds_back(tm: Any, state: Any, recv_obj: Any, i: int, meta_info: Dict[str, 
     reason = recv_obj.finished_reasons[i]
     if not isinstance(reason, dict) or reason.get("type") != "abort":  # every output but an abort's: one check
         return False
-    attempts = knobs.RECOVERY_ATTEMPTS.get()  # off (the default): nothing more is read or decided
-    if not attempts:
+    if not recovery_rule.enabled():  # off (the default): nothing more is read or decided
         return False
     cause = _cause(reason)
     if cause is None or recv_obj.completion_tokens[i] or state.obj is None or not _eligible(tm, state.obj):
         return False
     now = time.monotonic()
-    if record.made >= attempts:
+    if not recovery_rule.another_attempt(record.made):
         logger.warning("Recovery of %s: %d attempt(s) made, none left; answering the failure", state.obj.rid,
                        record.made)
         return False
