@@ -79,7 +79,8 @@ FORK_KNOBS = {
         "cannot be off: set it above the time your balancer takes to remove a dead worker"),
     "SGLANG_FORK_RECOVERY_ATTEMPTS": (
         "how many times a PD request whose transfer failed while prefill was alive, before decode's first token, "
-        "has its prefill re-run under a new bootstrap room (docs/recovery.md)", None),
+        "has its prefill re-run under a new bootstrap room (docs/recovery.md); read by both servers: set it alike "
+        "(prefill then answers its leg of such a room as handed over, so a gateway keeps decode's answer)", None),
     "SGLANG_FORK_RECOVERY_BUDGET": (
         "from a request's first transfer failure, how long a recovery may start or run; past it the failure's own "
         "answer is given (each attempt also has its own transfer deadline)",
