@@ -79,7 +79,8 @@ FORK_KNOBS = {
         "cannot be off: set it above the time your balancer takes to remove a dead worker"),
     "SGLANG_FORK_RECOVERY_ATTEMPTS": (
         "how many times a PD request whose transfer failed while prefill was alive, before decode's first token, "
-        "has its prefill re-run under a new bootstrap room (docs/recovery.md)", None),
+        "has its prefill re-run under a new bootstrap room (docs/recovery.md); read by both servers: set it alike "
+        "(prefill then answers its leg of such a room as handed over, so a gateway keeps decode's answer)", None),
     "SGLANG_FORK_RECOVERY_BUDGET": (
         "from a request's first transfer failure, how long a recovery may start or run; past it the failure's own "
         "answer is given (each attempt also has its own transfer deadline)",
@@ -191,6 +192,8 @@ ADVICE = {
     "PAUSE_REASON": "as a pause (above)",
     "LOST_PEER": "the named peer crashed or is cut off: see `sglang:pd_peer_losses_total`; restart or heal it "
                  "(it is served again without restarting the survivor); retry on another pair",
+    "HANDED_TO_RECOVERY": "prefill's leg only (a balancer reads it, not a client): decode runs the request again "
+                          "(docs/recovery.md); the client gets decode's answer",
     "FAILURE": "a KV / aux / state chunk write or a transfer worker failed (the message names it): check the link "
                "and `sglang:pd_transfer_chunk_failures_total`; retry",
 }

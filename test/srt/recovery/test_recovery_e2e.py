@@ -1,13 +1,16 @@
-"""Real CPU servers (1P1D behind the mini load balancer, mooncake over TCP, float32, greedy), one deployment for every
-recoverable cause: a transfer that fails while prefill is alive, before decode's first token, is recovered: decode's
-tokenizer re-runs the request under a new bootstrap room (docs/recovery.md). The client gets 200 with the calm
-control's text, a stream has exactly one finish and no abort or error event, `meta_info` says it was recovered and
-why, both servers are idle after and keep serving. A fault on every attempt is answered as without recovery, once,
-within the budget. The causes (the fault switch SGLANG_TEST_DISAGG_FAIL_CHUNKS on prefill picks the request by rid):
-
+"""Real CPU servers (1P1D, mooncake over TCP, greedy; TP 1 in `make test`, TP 2 float32 in `make test-tp`), one
+deployment for every recoverable cause, behind the mini load balancer and (a failed chunk write) behind the Rust gateway
+(sglang-router 0.3.2, its defaults, the engines registered with POST /workers): a transfer that fails while prefill is
+alive, before decode's first token, is recovered: decode's tokenizer re-runs the request under a new bootstrap room
+(docs/recovery.md), and prefill answers its leg of a failed chunk write's room as an abort handed to that recovery.
+The client gets 200 with the calm control's text, a stream has exactly one finish and no abort or error event,
+`meta_info` says it was recovered and why, the gateway neither retries nor charges a circuit, both servers are idle
+after (every rank) and keep serving. A fault on every attempt is answered as without recovery, once, within the
+budget. The causes (the fault switch SGLANG_TEST_DISAGG_FAIL_CHUNKS on prefill picks the request by rid):
 - `kv`: the first KV chunk write fails on prefill (`kv+first`). Stock upstream 0.5.23 (and the fork with
   SGLANG_FORK_RECOVERY_ATTEMPTS=0): 500 naming the failed KV chunk (non-streaming); a stream ends with finish_reason
-  abort carrying the 500 (measured: 6 of 6 streams).
+  abort carrying the 500 (measured: 6 of 6 streams); behind the gateway a non-streaming one is retried on a new
+  room (5 attempts, both circuits charged each time).
 - `aux`: the aux (metadata) write fails on prefill (`aux+first`). Upstream and the fork without recovery: 500 naming
   the aux write ("Failed to send aux data"), as test_chunk_failures_e2e answers it.
 - `stall`: prefill's transfer worker reports the first KV write STALL_S late (`kv+delay=S+first`: prefill stays alive
@@ -32,8 +35,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from testing.pd_checks import PD_ROLES, assert_idle
-from testing.pd_cluster import generate, metric_sum, prompts
+from conftest import FP32, TP2, topology_params
+from testing.pd_checks import PD_ROLES, assert_idle, cluster_end_causes, wait_end_causes
+from testing.pd_cluster import Gateway, PDCluster, SingleServer, generate, metric_sum, prompts
 
 pytestmark = pytest.mark.e2e
 
@@ -73,15 +77,45 @@ CAUSES = {
 PROMPT = {"kv": 1, "aux": 5, "stall": 7}  # each case its own prompt (testing.pd_cluster.prompts)
 
 
-@pytest.fixture(scope="module")
-def deployment(deployments, shared_single):
-    cluster, single = deployments.pd_and_single(
-        shared_single, prefill_env={"SGLANG_TEST_DISAGG_FAIL_CHUNKS": FAULTS, **RELEASE_ENV, **DEADLINE_ENV},
-        decode_env={**RELEASE_ENV, **DEADLINE_ENV, **RECOVERY_ENV})
+# the gateway's own retries (sglang-router 0.3.2 defaults: 5 attempts in all, 50-169 ms apart)
+GATEWAY_ATTEMPTS = 5
+# prefill counts the failed room's request as before (the verdict's row tags it transport), once: no gateway retry
+PREFILL_FAILED_ONCE = {("prefill", "transport", "prefill_inflight"): 1}
+# Recovery is one knob for both servers: decode re-runs the request, prefill answers its leg as handed over.
+ENVS = {"prefill_env": {"SGLANG_TEST_DISAGG_FAIL_CHUNKS": FAULTS, **RELEASE_ENV, **DEADLINE_ENV, **RECOVERY_ENV},
+        "decode_env": {**RELEASE_ENV, **DEADLINE_ENV, **RECOVERY_ENV}}
+
+
+@pytest.fixture(scope="module", params=topology_params(TP2))
+def deployment(deployments, shared_single, request):
+    """(the 1P1D behind its mini LB, a plain control server): TP 1 beside the shared control; TP 2 on both servers
+    (float32) beside its own float32 control (`make test-tp`)."""
+    if request.param.multi_rank:
+        cluster = PDCluster(deployments.model, **request.param.pd_kwargs(**ENVS))
+        single = SingleServer(deployments.model, args=FP32)
+        with deployments.scoped(cluster, single):
+            yield cluster, single
+        return
+    cluster, single = deployments.pd_and_single(shared_single, **ENVS)
     try:
         yield cluster, single
     finally:
         deployments.discard(cluster)
+
+
+@pytest.fixture(scope="module")
+def gateway(deployment):
+    """The Rust gateway (its defaults: retries, circuit breaker) in front of the same engines, each registered with
+    POST /workers."""
+    with Gateway.fronting(deployment[0]) as gw:
+        yield gw
+
+
+def _charged(gateway):
+    """(retries made, retries exhausted, failures charged to each engine's circuit) as the gateway counts them."""
+    metrics = gateway.metrics()
+    return (metric_sum(metrics, "smg_worker_retries_total"), metric_sum(metrics, "smg_worker_retries_exhausted_total"),
+            gateway.failures(metrics))
 
 
 def _stream(url: str, payload: dict, timeout: float = 60.0):
@@ -191,4 +225,90 @@ def test_a_fault_on_every_attempt_answers_the_failure_once_within_the_budget(dep
     # the stalled worker holds prefill's transfer queue for the second attempt's stall too
     assert_idle(cluster, PD_ROLES, baseline=baseline, timeout=60)
     again = generate(cluster.url, text, max_new_tokens=MAX_NEW_TOKENS, rid=f"calm-after-always-{kind}")
+    assert again["status"] == 200 and again["text"] == calm["text"], again
+
+
+# ----------------------------------------------------------------------------- behind the Rust gateway
+#
+# sglang-router 0.3.2 (docs/gateway.md) sends the same request to both servers and waits for both; it keeps decode's
+# body only if prefill's leg answers 2xx, else it answers prefill's status and retries a 5xx on a new room, charging
+# both circuits. A stream's prefill leg answers its 200 before any output (its failure rides inside its own stream,
+# which the gateway reads and drops), so only a non-streaming request ever saw prefill's 500.
+
+
+def test_behind_the_gateway_a_recovered_request_answers_decode_s_text_non_streaming(deployment, gateway):
+    """Prefill's leg of the failed room answers 200, finish_reason abort handed to decode's recovery (no longer the
+    chunk's 500), so the gateway keeps decode's recovered body: one answer, no retry, no failure charged.
+    The fork before prefill handed the room over: prefill's leg answered 500, the gateway answered "Prefill server
+    error (500 ...)" or retried on a new room (where the first-attempt fault fired again), charging both circuits.
+    Stock upstream 0.5.23: no recovery; the gateway retries the 500 (5 attempts, both circuits charged each)."""
+    cluster, single = deployment
+    baseline = assert_idle(cluster, PD_ROLES)
+    text = prompts(12)[3]
+    calm = _calm(single, text)
+    before, ended = _charged(gateway), cluster_end_causes(cluster, ("prefill",))
+    got, took = _timed(gateway, text, "rec-once-gw-ns-1")
+    assert got["status"] == 200, got
+    assert got["text"] == calm["text"] and got["output_ids"] == calm["output_ids"], (got, calm)
+    assert got["meta"]["recovery"] == {"attempts": 1, "cause": "chunk_failure"}, got["meta"]
+    assert took < RECOVERED_WITHIN_S, took
+    assert_idle(cluster, PD_ROLES, baseline=baseline, timeout=60)
+    wait_end_causes(cluster, ended, PREFILL_FAILED_ONCE, roles=("prefill",))
+    again = generate(gateway.url, text, max_new_tokens=MAX_NEW_TOKENS, rid="calm-after-gw-ns")
+    assert again["status"] == 200 and again["text"] == calm["text"] and "recovery" not in again["meta"], again
+    assert _charged(gateway) == before, (before, _charged(gateway))
+
+
+def test_behind_the_gateway_a_recovered_stream_has_one_finish_and_no_abort(deployment, gateway):
+    """The same as a stream: one stream, the calm text, exactly one finish, no abort or error event; no retry, no
+    failure charged. (The gateway never saw prefill's 500 for a stream: this holds before prefill handed rooms over
+    too, and guards the streamed recovery behind the gateway.)"""
+    cluster, single = deployment
+    baseline = assert_idle(cluster, PD_ROLES)
+    text = prompts(12)[4]
+    calm = _calm(single, text)
+    before, ended = _charged(gateway), cluster_end_causes(cluster, ("prefill",))
+    payload = {"text": text, "rid": "rec-once-gw-s-1", "stream": True,
+               "sampling_params": {"temperature": 0.0, "max_new_tokens": MAX_NEW_TOKENS}}
+    t0 = time.monotonic()
+    status, body = _stream(gateway.url, payload)
+    took = time.monotonic() - t0
+    assert status == 200, body
+    events, done = _events(body)
+    assert done, body
+    finishes = [e["meta_info"]["finish_reason"] for e in events if e["meta_info"].get("finish_reason")]
+    assert len(finishes) == 1 and finishes[0]["type"] != "abort", finishes
+    assert not any("error" in e for e in events), body
+    assert events[-1]["text"] == calm["text"], (events[-1], calm)
+    assert events[-1]["meta_info"]["recovery"] == {"attempts": 1, "cause": "chunk_failure"}
+    assert took < RECOVERED_WITHIN_S, took
+    assert_idle(cluster, PD_ROLES, baseline=baseline, timeout=60)
+    wait_end_causes(cluster, ended, PREFILL_FAILED_ONCE, roles=("prefill",))
+    again = generate(gateway.url, text, max_new_tokens=MAX_NEW_TOKENS, rid="calm-after-gw-s")
+    assert again["status"] == 200 and again["text"] == calm["text"], again
+    assert _charged(gateway) == before, (before, _charged(gateway))
+
+
+def test_behind_the_gateway_a_fault_on_every_attempt_answers_the_failure_once(deployment, gateway):
+    """A fault on every attempt: prefill's leg of the first room answers as handed over, the recovery attempt's room
+    fails too (its leg, the last attempt the knob allows, answers the chunk's 500 to decode), and decode answers the
+    failure, 500 naming the chunk, as without recovery. The gateway sees decode's 500 and does what it does with any
+    500 (as before recovery, and as for stock upstream's): retries it on a new room until its attempts are spent,
+    charging both circuits each time; the client gets one answer, that 500 (the gateway's "decode_internal_error"
+    carrying decode's message), within the budget (each attempt fails at once). Neither circuit opens (5 of the 10
+    consecutive failures that open one)."""
+    cluster, single = deployment
+    baseline = assert_idle(cluster, PD_ROLES)
+    text = prompts(12)[9]
+    calm = _calm(single, text)
+    _, exhausted, charged = _charged(gateway)
+    got, took = _timed(gateway, text, "rec-always-gw-1")
+    assert got["status"] == 500 and CAUSES["kv"].names in str(got["error"]), got
+    assert took < 2 * BUDGET_S, took  # measured 0.6-4.6 s for the gateway's 5 attempts (TP 1, TP 2)
+    assert_idle(cluster, PD_ROLES, baseline=baseline, timeout=60)
+    metrics = gateway.metrics()
+    assert gateway.failures(metrics) == {role: n + GATEWAY_ATTEMPTS for role, n in charged.items()}, metrics
+    assert metric_sum(metrics, "smg_worker_retries_exhausted_total") > exhausted, metrics
+    assert gateway.circuit_opens(metrics) == {role: 0 for role in PD_ROLES}, metrics
+    again = generate(gateway.url, text, max_new_tokens=MAX_NEW_TOKENS, rid="calm-after-gw-always")
     assert again["status"] == 200 and again["text"] == calm["text"], again

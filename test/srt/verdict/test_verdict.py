@@ -36,8 +36,15 @@ def test_the_doc_shows_the_code_table():
                                             "paste it")
 
 
+@pytest.fixture(autouse=True)
+def recovery_on(monkeypatch):
+    """Recovery on (one attempt), as both servers of a deployment that recovers read it: the HANDED_TO_RECOVERY row
+    is reachable; every other row answers as with it off."""
+    monkeypatch.setenv("SGLANG_FORK_RECOVERY_ATTEMPTS", "1")
+
+
 def _req(**fields):
-    req = SimpleNamespace(rid="r", to_finish=None, finished_reason=None)
+    req = SimpleNamespace(rid="r", to_finish=None, finished_reason=None, disagg_kv_sender=None)
     for name, value in fields.items():
         setattr(verdict.of(req), name, value)
     return req
@@ -93,6 +100,14 @@ PEER_PAUSE = verdict.peer_reason("r", 5, "prefill", verdict_wording.PAUSE_ABORT_
 REJECTION = verdict.peer_reason("r", 5, "decode", verdict.rejected_by("decode's scheduler", "too long"))
 KV_FAILED = verdict_wording.UPSTREAM_CHUNK_FAILED["kv"] + " of 5 to 10.0.0.2:7000"  # mooncake's transfer worker
 SLA = ("SLA exceeded", verdict_rows.SLA_ABORT_STATUS)
+
+
+def _prefill_req(rid="r", **shape):
+    """Prefill's copy of a plain request (it has a sender), as recovery_rule.req_shape reads it."""
+    fields = {**dict(return_logprob=False, session_id=None, multimodal_inputs=None, lora_id=None, input_embeds=None,
+                     sampling_params=SimpleNamespace(n=1)), **shape}
+    req = SimpleNamespace(rid=rid, to_finish=None, finished_reason=None, disagg_kv_sender=object(), **fields)
+    return req
 # (row, request record, the room's failure reason): each row reached by what really ends a room that way
 CASES = [
     (Cause.DEADLINE, _req(deadline=DEADLINE, pause=verdict_wording.PAUSE_ABORT_MESSAGE), LOST),
@@ -108,7 +123,11 @@ CASES = [
     (Cause.PAUSE_REASON, _req(), verdict_wording.PAUSE_ABORT_MESSAGE + " (room 5)"),
     (Cause.LOST_PEER, _req(), LOST),
     (Cause.LOST_PEER, _req(), upstream_prefill_lost_reason()),
-    (Cause.FAILURE, _req(), KV_FAILED),
+    (Cause.HANDED_TO_RECOVERY, _prefill_req(), KV_FAILED),
+    (Cause.FAILURE, _req(), KV_FAILED),  # decode's copy (no sender): decode's own recovery holds its end back
+    (Cause.FAILURE, _prefill_req("r~recovery-1"), KV_FAILED),  # the last attempt the knob allows answers the failure
+    (Cause.FAILURE, _prefill_req(return_logprob=True), KV_FAILED),  # a shape recovery does not take
+    (Cause.FAILURE, _prefill_req(), "KV transfer worker raised while sending room 5"),  # no cause recovery takes
 ]
 
 
@@ -141,6 +160,8 @@ def test_each_row_answers_as_the_table_says(cause, req, reason):
         assert message == reason
     elif row.message is verdict_rows.From.TOLD:
         assert message != reason and message in reason  # the peer's own message, out of its reason
+    elif row.message is verdict_rows.From.HANDED:
+        assert message.endswith(reason) and message != reason  # the failure's reason, said to be handed over
     assert not row.opens or message.startswith(tuple(o.split("{")[0] for o in row.opens)), (message, row.opens)
 
 

@@ -30,6 +30,7 @@ from sglang.srt.disaggregation.fork_ending.verdict_wording import (
     ABORT_TAG,
     CLIENT_ABORT,
     CLIENT_ABORT_MESSAGE,
+    RECOVERY_HANDOFF_MESSAGE,
     PAUSE,
     PAUSE_ABORT_MESSAGE,
     PAUSED_ABORT_REASON,
@@ -119,7 +120,7 @@ def find(req: Any, text: str) -> Cause:
     """The first row of `TABLE` that matches `req`, the room's failure reason being `text`: rows 1-3 by the record's
     own field (`Row.field`); the others by the cause the room's ender told (`ReqState.told`, a field), and only
     without one by what the reason's text names (`Row.reads`: upstream's own reasons, and the fork's tags as an
-    older fork build or this side itself wrote them)."""
+    older fork build or this side itself wrote them) and, for a row that says so, the request (`Row.takes`)."""
     state = peek(req)
     told = state.told
     for row in TABLE:
@@ -128,7 +129,7 @@ def find(req: Any, text: str) -> Cause:
                 return row.cause
         elif told is not None:
             return told.cause
-        elif row.reads(text):
+        elif row.reads(text) and (row.takes is None or row.takes(req)):
             return row.cause
     raise AssertionError("the last row reads anything")
 
@@ -168,6 +169,8 @@ def _message(row: Row, state: ReqState, told: Optional[Told], text: str, error_m
         return row.message
     if row.message is From.RECORD:
         return _recorded(row, state)[0]
+    if row.message is From.HANDED:
+        return f"{RECOVERY_HANDOFF_MESSAGE} {error_message}"
     return _told_message(told, text) if row.message is From.TOLD else error_message  # REASON
 
 

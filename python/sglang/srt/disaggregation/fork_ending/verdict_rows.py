@@ -6,7 +6,8 @@ docs/operations.md's status table via `cells`) and test_verdict.py read these sa
 them) is `verdict.find` / `verdict.verdict`.
 
 Thread: any (immutable values, pure functions). Lock: none. Invariant: a row's answer is its values; nothing else
-holds a status, message or end cause for a cause. Imports `verdict_wording` alone."""
+holds a status, message or end cause for a cause. Imports `verdict_wording`, and `recovery_rule` (which requests the
+`HANDED_TO_RECOVERY` row takes: the rule decode's recovery reads too)."""
 
 from __future__ import annotations
 
@@ -15,11 +16,12 @@ from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any, Callable, Dict, Optional, Tuple, Union
 
-from sglang.srt.disaggregation.fork_ending import verdict_wording
+from sglang.srt.disaggregation.fork_ending import recovery_rule, verdict_wording
 from sglang.srt.disaggregation.fork_ending.verdict_wording import (
     CLIENT_ABORT,
     CLIENT_ABORT_MESSAGE,
     DEADLINE_TAG,
+    RECOVERY_HANDOFF_MESSAGE,
     PAUSE,
     PAUSE_ABORT_MESSAGE,
     PEER_FAILURE,
@@ -50,6 +52,7 @@ class Cause(enum.Enum):
     PEER_DEADLINE = "peer's deadline"
     PAUSE_REASON = "reason naming the pause"
     LOST_PEER = "lost peer"
+    HANDED_TO_RECOVERY = "failure handed to decode's recovery"
     FAILURE = "failure"
 
 
@@ -62,6 +65,7 @@ class From(enum.Enum):
     RECORD = "the record's"  # the record's field the row is found by (`Row.field`): its message, or (message, status)
     TOLD = "the peer's message"  # the message the room's ender told (`Told.message`), else its reason's after `PEER_WHY`
     REASON = "the reason"  # the room's failure reason itself
+    HANDED = "the reason, handed over"  # the room's failure reason, after `RECOVERY_HANDOFF_MESSAGE`
 
 
 Status = Union[HTTPStatus, From]  # HTTPStatus members, never ints: upstream's OpenAI stream checks the type
@@ -81,6 +85,7 @@ class Row:
     wins: str  # why it wins over the rows after it
     field: Optional[str] = None  # the record's field that finds the row (rows 1-3)
     reads: Optional[Callable[[str], bool]] = None  # what a reason's text names, for a room no cause was told with
+    takes: Optional[Callable[[Any], bool]] = None  # ... and the request it takes (None: any), read after `reads`
     opens: Tuple[str, ...] = ()  # what the client's message opens with (the wording constants), where it is known
     message_note: str = ""  # the docs' word on the message, beside its values (a record row's: whose it is)
     restated: bool = True  # a message naming a deadline or the pause is answered as `RESTATED` says
@@ -92,6 +97,10 @@ def _names_peer_pause(text: str) -> bool:
 
 def _names_peer_rejection(text: str) -> bool:
     return names_abort(text) and PEER_WHY + REJECTED in text
+
+
+def _names_recoverable(text: str) -> bool:
+    return recovery_rule.cause_of(text) is not None
 
 
 def _anything(text: str) -> bool:
@@ -135,6 +144,14 @@ TABLE: Tuple[Row, ...] = (
         PEER_FAILURE + " (tagged by whoever lost it), else " + TRANSPORT,
         "reason carries `PEER_LOST_TAG` or `UPSTREAM_PREFILL_LOST`", "a peer is gone: not this server's fault",
         reads=names_lost_peer),
+    # Tags transport, as row FAILURE counts a chunk failure's untagged room: its answer has no status, which the
+    # counted cause would otherwise read as a client abort (and upstream's failure counter would miss it).
+    Row(Cause.HANDED_TO_RECOVERY, From.ABORT_ANSWER, From.HANDED, TRANSPORT, "",
+        "prefill: reason names a failed chunk write, and decode's recovery runs the request again (`recovery_rule`: "
+        "recovery on, attempts left by its rid, a shape it takes)",
+        "a gateway keeps decode's answer only if prefill's leg answers 2xx: decode's is the recovered one",
+        reads=_names_recoverable, takes=recovery_rule.prefill_hands_over, opens=(RECOVERY_HANDOFF_MESSAGE,),
+        message_note="the room and the failed chunk"),
     Row(Cause.FAILURE, From.CALLER, From.REASON, None, TRANSPORT + " (untagged)", "anything else", "",
         reads=_anything),
 )
@@ -167,8 +184,8 @@ class Told:
         return Told(cause, frames[1].decode("utf-8", "replace") or None) if cause in TOLD_CAUSES else None
 
 
-# The rows a peer can tell (the others are this side's own record's fields).
-TOLD_CAUSES = frozenset(Cause) - {Cause.DEADLINE, Cause.PAUSE, Cause.REQUESTED_ABORT}
+# The rows a peer can tell (the others are this side's own record's fields, or its own decision).
+TOLD_CAUSES = frozenset(Cause) - {Cause.DEADLINE, Cause.PAUSE, Cause.REQUESTED_ABORT, Cause.HANDED_TO_RECOVERY}
 
 PEER_ENDED = (Cause.PEER_PAUSE, Cause.PEER_REJECTION, Cause.PEER_ABORT)  # the peer ended the room: nothing failed
 

@@ -43,6 +43,9 @@ REJECTED = "rejected by"  # a tokenizer's or scheduler's rejection, told to the 
 CANCEL_REASON = ("PD request aborted on decode: the decode peer {peer} aborted room {room} before prefill received "
                  "the request")
 DECODE_ABORT_REASON = "PD request aborted on decode: bootstrap_room={room} was aborted by the decode peer."
+# Prefill's answer (an abort, 200) for its leg of a request decode's recovery runs again; the failure's reason follows
+# (it names the room and the failed chunk).
+RECOVERY_HANDOFF_MESSAGE = "PD room handed to decode's recovery (the request runs again under a new room there):"
 
 # Upstream's texts the fork must recognise (upstream gives no field for them).
 UPSTREAM_PREFILL_LOST = "Lost connection with prefill instance"  # decode's heartbeat, CommonKVManager._handle_node_failure

@@ -21,15 +21,15 @@ from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any, Dict, Optional
 
-from sglang.srt.disaggregation.fork_ending import recovery_attempt, request_record
-from sglang.srt.disaggregation.fork_ending.verdict_wording import deadline_stage, failed_chunk_kind
+from sglang.srt.disaggregation.fork_ending import recovery_attempt, recovery_rule, request_record
+from sglang.srt.disaggregation.fork_ending.verdict_wording import deadline_stage
 from sglang.srt.managers.fork_core import knobs
 from sglang.srt.managers.fork_core.fork_touch import upstream
 
 logger = logging.getLogger(__name__)
 
-CAUSE_CHUNK = "chunk_failure"
-CAUSE_DEADLINE = "transfer_deadline"  # a transfer stalled past SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT
+CAUSE_CHUNK = recovery_rule.CAUSE_CHUNK
+CAUSE_DEADLINE = recovery_rule.CAUSE_DEADLINE
 ROUTE_TIMEOUT_S = 5.0  # asking prefill's bootstrap server for its HTTP address (upstream's own fetches wait 5 s)
 _TASKS: set = set()  # re-submissions in flight (kept referenced until done)
 
@@ -53,22 +53,20 @@ def _cause(finish_reason: Any) -> Optional[str]:
         return None
     status, message = finish_reason.get("status_code"), finish_reason.get("message")
     if status == HTTPStatus.INTERNAL_SERVER_ERROR:
-        return CAUSE_CHUNK if failed_chunk_kind(message) is not None else None
+        return recovery_rule.cause_of(message)
     if status == HTTPStatus.GATEWAY_TIMEOUT:
         return CAUSE_DEADLINE if recovery_attempt.recovers_deadline_of(deadline_stage(message)) else None
     return None
 
 
 def _eligible(tm: Any, obj: Any) -> bool:
-    """Requests recovery may re-run: decode's, one prompt, n = 1, no logprobs, no session, no multimodal input, no LoRA."""
+    """Requests recovery may re-run: decode's, with its prefill's bootstrap address, of a shape the rule takes
+    (`recovery_rule.excluded`: the same rule prefill's verdict reads)."""
     if getattr(tm.server_args, "disaggregation_mode", "null") != "decode":
         return False
-    if not isinstance(getattr(obj, "rid", None), str) or not obj.bootstrap_host or obj.bootstrap_port is None:
+    if not obj.bootstrap_host or obj.bootstrap_port is None:
         return False
-    if isinstance(obj.sampling_params, dict) and obj.sampling_params.get("n", 1) != 1:
-        return False
-    return not (obj.return_logprob or obj.session_params or obj.image_data or obj.audio_data or obj.video_data
-                or obj.lora_path or obj.input_embeds is not None)
+    return recovery_rule.excluded(recovery_rule.input_shape(obj)) is None
 
 
 def holds_back(tm: Any, state: Any, recv_obj: Any, i: int, meta_info: Dict[str, Any]) -> bool:
@@ -81,14 +79,13 @@ def holds_back(tm: Any, state: Any, recv_obj: Any, i: int, meta_info: Dict[str, 
     reason = recv_obj.finished_reasons[i]
     if not isinstance(reason, dict) or reason.get("type") != "abort":  # every output but an abort's: one check
         return False
-    attempts = knobs.RECOVERY_ATTEMPTS.get()  # off (the default): nothing more is read or decided
-    if not attempts:
+    if not recovery_rule.enabled():  # off (the default): nothing more is read or decided
         return False
     cause = _cause(reason)
     if cause is None or recv_obj.completion_tokens[i] or state.obj is None or not _eligible(tm, state.obj):
         return False
     now = time.monotonic()
-    if record.made >= attempts:
+    if not recovery_rule.another_attempt(record.made):
         logger.warning("Recovery of %s: %d attempt(s) made, none left; answering the failure", state.obj.rid,
                        record.made)
         return False
