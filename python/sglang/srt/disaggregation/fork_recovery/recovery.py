@@ -184,6 +184,18 @@ def tm_abort_request(original, tm, rid: str = "", abort_all: bool = False, *args
     return result
 
 
+def before_handle_abort_req(tm, recv_obj, *args, **kwargs):
+    """BEFORE TokenizerManager._handle_abort_req: a re-run the scheduler ended by an abort output (one still in its
+    queues: not a batch output, so not seen by `holds_back`) counts how its recovery ended."""
+    state = tm.rid_to_state.get(getattr(recv_obj, "rid", None))
+    record = request_record.peek(state, Attempts) if state is not None else None
+    if record is None or record.phase is not Phase.RUNNING:
+        return
+    reason = recv_obj.finished_reason
+    failed = isinstance(reason, dict) and reason.get("status_code") is not None
+    _step(tm, record, Event.FAILED_AGAIN if failed else Event.ABORTED)
+
+
 # ----------------------------------------------------------------------------- the re-run (the carrier)
 
 async def _test_hold(record: Attempts, rid: str) -> None:

@@ -159,6 +159,7 @@ HOOKS: list[tuple[str, str, str]] = [_full(target, ref) + (kind,) for target, re
      "tokenizer_pause:tm_release_memory_occupation", AROUND),
     ("managers.tokenizer_control_mixin.TokenizerControlMixin.resume_memory_occupation",
      "tokenizer_pause:tm_resume_memory_occupation", AROUND),
+    ("managers.tokenizer_manager.TokenizerManager._handle_abort_req", "recovery:before_handle_abort_req", BEFORE),
     ("managers.tokenizer_manager.TokenizerManager._release_req_states_on_failure",
      "room_telling:before_release_on_failure", BEFORE),
     # the pause gate's answers (inner), then a request between recovery attempts is answered (outer)
