@@ -83,11 +83,13 @@ def _calm(single, text):
     return calm
 
 
-def _abort_answer(got, message):
+def _abort_answer(got, message, recovery=None):
+    """Upstream's abort answer (200, finish_reason abort, nothing generated); `recovery`: the meta_info a re-run the
+    scheduler answered carries (None: the request ended between attempts, answered by the tokenizer)."""
     assert got["status"] == 200, got
     reason = got["meta"]["finish_reason"]
     assert reason["type"] == "abort" and reason["message"] == message, reason
-    assert got["output_ids"] == [] and "recovery" not in got["meta"], got
+    assert got["output_ids"] == [] and got["meta"].get("recovery") == recovery, got
 
 
 def _serves(cluster, single, text, rid):
@@ -226,7 +228,7 @@ def test_an_abort_while_the_attempt_runs_is_the_scheduler_s_and_leaves_no_leg_on
             got, t_got = answer.result()
         finally:
             assert call(cluster, "prefill", "continue_generation", {})[0] == 200
-    _abort_answer(got, CLIENT_ABORT_MESSAGE)
+    _abort_answer(got, CLIENT_ABORT_MESSAGE, recovery={"attempts": 1, "cause": "chunk_failure"})
     assert t_got - t_abort < ANSWERED_WITHIN_S, t_got - t_abort
     _counted(cluster, before, started=1, aborted=1)
     assert_idle(cluster, PD_ROLES, baseline=baseline, timeout=60)
