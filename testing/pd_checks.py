@@ -52,12 +52,14 @@ def held(report: dict) -> dict:
         out["metadata_slots_in_use"] = slots["total"] - slots["free"]
     # requests waiting at the tokenizer's pause gate (servers only; harness reports lack it)
     out["pause_gate_held"] = report.get("pause_gate_held", 0)
+    # requests decode's tokenizer holds between recovery attempts (in no scheduler; servers only)
+    out["recovery_held"] = report.get("recovery_held", 0)
     out.update({f"queue.{k}": v for k, v in report["queues"].items()})
     out.update({f"rooms.{k}": v for k, v in (report["transfer_rooms"] or {}).items()})
     out.update(fork_tables_held(report.get("fork_tables")))
     for i, other in enumerate(report.get("other_ranks") or (), start=1):  # tensor parallel: the other ranks' own
         out.update({f"rank{i}.{k}": v for k, v in held({**other, "pause_gate_held": 0}).items()
-                    if k != "pause_gate_held"})
+                    if k not in ("pause_gate_held", "recovery_held")})
     return out
 
 

@@ -69,6 +69,12 @@ COUNTERS = {
         "PD peers seen again after a loss (a restarted incarnation accepted), by role and peer (host:port).",
         ("role", "peer"),
     ),
+    "recovery": (
+        "sglang:pd_request_recoveries_total",
+        "PD requests decode ran again after a transfer failure before their first token, by cause and outcome "
+        "(started: per attempt; how the request ended: recovered, failed, not_started, weights_changed, aborted).",
+        ("cause", "outcome"),
+    ),
 }
 # key -> (name, documentation, the gauge's own label names): set by the scheduler (fork_report.pd_metrics), each
 # process its own series (the scheduler's tp_rank label), "mostrecent" across processes as upstream's gauges.

@@ -1,15 +1,19 @@
 """Recovery instead of failure (docs/recovery.md): decode's tokenizer holds back the end of a request whose transfer
-failed on prefill's side (a failed chunk write, prefill alive) before its first token, and runs the request again
-under a new bootstrap room: the prefill leg re-sent to the same prefill (its rid `recovery_attempt.attempt_rid`), the
-same request re-submitted to decode's scheduler (a fresh scheduler request, the client's rid kept). Past the attempts
-(`SGLANG_FORK_RECOVERY_ATTEMPTS`) or the budget (`SGLANG_FORK_RECOVERY_BUDGET`, from the first failure) the failure is
-answered as without recovery.
+failed on prefill's side (a failed chunk write or a stalled transfer, prefill alive) before its first token, and runs the request again
+under a new bootstrap room: the same request re-submitted to decode's scheduler (a fresh scheduler request, the
+client's rid kept) past the pause gate, then the prefill leg re-sent to the same prefill (its rid
+`recovery_attempt.attempt_rid`). Past the attempts (`SGLANG_FORK_RECOVERY_ATTEMPTS`), the budget
+(`SGLANG_FORK_RECOVERY_BUDGET`, from the first failure) or a changed weight version the failure is answered as
+without recovery; an abort between attempts is answered as upstream answers an abort.
 
-Thread: the tokenizer's event loop only (the patched line in `_handle_batch_output`, the re-submission task); the
-per-request record (`Attempts`) lives on the tokenizer's ReqState (request_record); no lock.
+Thread: the tokenizer's event loop only (the patched line in `_handle_batch_output`, the re-run task, the abort hook);
+each request's recovery is `recovery_life.Attempts` on its ReqState (request_record), moved only along
+`recovery_life.TRANSITIONS`; no lock.
 Invariant: an end is held back only while nothing of the request reached the client (no output token) and only for
-a cause that leaves prefill alive; a held-back end is followed by exactly one re-submission, whose answer is the
-client's."""
+a cause that leaves prefill alive; a held-back request (HELD, in no scheduler) is ended by exactly one of: its
+re-submission (its answer then the scheduler's), an abort (answered here), an attempt that cannot start or a changed
+weight version (the held-back failure answered here). It reaches decode's scheduler only through the open pause
+gate, and its prefill leg is sent only once decode's scheduler has it."""
 
 from __future__ import annotations
 
@@ -17,31 +21,30 @@ import asyncio
 import logging
 import random
 import time
-from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any, Dict, Optional
 
-from sglang.srt.disaggregation.fork_ending import recovery_attempt, recovery_rule, request_record
-from sglang.srt.disaggregation.fork_ending.verdict_wording import deadline_stage
+from sglang.srt.disaggregation.fork_ending import recovery_attempt, recovery_rule, request_end_cause, request_record, verdict
+from sglang.srt.disaggregation.fork_ending.verdict_wording import CLIENT_ABORT_MESSAGE, deadline_stage
+from sglang.srt.disaggregation.fork_recovery import recovery_faults
+from sglang.srt.disaggregation.fork_recovery.recovery_life import OUTCOMES, Attempts, Event, Phase
 from sglang.srt.managers.fork_core import knobs
 from sglang.srt.managers.fork_core.fork_touch import upstream
+from sglang.srt.managers.fork_pause import pause_gate
+from sglang.srt.managers.fork_pause.engine_pause_state import PAUSE, state_of
 
 logger = logging.getLogger(__name__)
 
 CAUSE_CHUNK = recovery_rule.CAUSE_CHUNK
 CAUSE_DEADLINE = recovery_rule.CAUSE_DEADLINE
-ROUTE_TIMEOUT_S = 5.0  # asking prefill's bootstrap server for its HTTP address (upstream's own fetches wait 5 s)
-_TASKS: set = set()  # re-submissions in flight (kept referenced until done)
-
-
-@dataclass
-class Attempts:
-    """A request's recoveries (the tokenizer's ReqState)."""
-
-    made: int = 0  # recovery attempts started
-    first_failure: Optional[float] = None  # monotonic time of the first failure held back
-    cause: Optional[str] = None  # the first failure's cause
-    failure: Optional[Dict[str, Any]] = None  # the last held-back end's finish reason (answered if no attempt starts)
+CAUSES = (CAUSE_CHUNK, CAUSE_DEADLINE)  # the `cause` label's values
+# Asking prefill's bootstrap server for its address, or prefill for its weight version: a live server answers in
+# milliseconds; one that does not answer within this (a frozen prefill's kernel accepts the connection and nobody
+# answers: a stalled transfer's cause may be that) is treated as unreachable (the failure answered). Upstream's own
+# fetches from the bootstrap server wait 5 s too.
+ASK_PREFILL_S = 5.0
+_TASKS: set = set()  # re-runs in flight (kept referenced until done)
+_ZEROED: set = set()  # the tokenizers (id) that exported the counter's series at 0 (before their first count)
 
 
 def _cause(finish_reason: Any) -> Optional[str]:
@@ -69,35 +72,79 @@ def _eligible(tm: Any, obj: Any) -> bool:
     return recovery_rule.excluded(recovery_rule.input_shape(obj)) is None
 
 
+# ----------------------------------------------------------------------------- the counter
+
+def _labels(tm: Any) -> Optional[Dict[str, str]]:
+    """The tokenizer's metric labels (upstream's), or None when its metrics are off."""
+    return dict(tm.metrics_collector.labels) if getattr(tm, "enable_metrics", False) else None
+
+
+def _step(tm: Any, record: Attempts, event: Event):
+    """Take `event`'s row for `record` and count its outcome (`sglang:pd_request_recoveries_total`)."""
+    row = record.move(event)
+    if row.outcome is not None:
+        request_end_cause.inc("recovery", _labels(tm), cause=record.cause, outcome=row.outcome)
+    return row
+
+
+def _zero(tm: Any) -> None:
+    """Export every series of the counter at 0 (once per decode tokenizer, at the first request's end; recovery on
+    or off, as the scheduler's counters are exported whatever happens)."""
+    _ZEROED.add(id(tm))
+    if getattr(tm.server_args, "disaggregation_mode", "null") != "decode":
+        return
+    for cause in CAUSES:
+        for outcome in OUTCOMES:
+            request_end_cause.zero("recovery", _labels(tm), cause=cause, outcome=outcome)
+
+
+# ----------------------------------------------------------------------------- the patched line
+
+def _holds(tm: Any, state: Any, recv_obj: Any, i: int, record: Attempts, reason: Any) -> Optional[str]:
+    """The recoverable cause if this end may be held back (an attempt left, within the budget), else None."""
+    cause = _cause(reason)
+    if cause is None or recv_obj.completion_tokens[i] or state.obj is None or not _eligible(tm, state.obj):
+        return None
+    if not recovery_rule.another_attempt(record.made):
+        logger.warning("Recovery of %s: %d attempt(s) made, none left; answering the failure", state.obj.rid,
+                       record.made)
+        return None
+    if record.first_failure is not None and time.monotonic() - record.first_failure >= knobs.RECOVERY_BUDGET.get():
+        logger.warning("Recovery of %s: budget spent; answering the failure", state.obj.rid)
+        return None
+    return cause
+
+
 def holds_back(tm: Any, state: Any, recv_obj: Any, i: int, meta_info: Dict[str, Any]) -> bool:
     """The patched line in `TokenizerManager._handle_batch_output`, for output `i` of `recv_obj` (its `meta_info`
     built): True when this end is held back and the request re-run (the caller skips the output); else annotates
-    a recovered request's `meta_info` and returns False."""
+    a recovered request's `meta_info`, counts how its recovery ended, and returns False."""
     record = request_record.peek(state, Attempts)
     if record.made:
         meta_info["recovery"] = {"attempts": record.made, "cause": record.cause}
     reason = recv_obj.finished_reasons[i]
-    if not isinstance(reason, dict) or reason.get("type") != "abort":  # every output but an abort's: one check
+    if reason is None:  # not its end: one check
         return False
+    if id(tm) not in _ZEROED:
+        _zero(tm)
+    if record.phase is Phase.IDLE and (not isinstance(reason, dict) or reason.get("type") != "abort"):
+        return False  # a completion recovery never touched
     if not recovery_rule.enabled():  # off (the default): nothing more is read or decided
         return False
-    cause = _cause(reason)
-    if cause is None or recv_obj.completion_tokens[i] or state.obj is None or not _eligible(tm, state.obj):
-        return False
-    now = time.monotonic()
-    if not recovery_rule.another_attempt(record.made):
-        logger.warning("Recovery of %s: %d attempt(s) made, none left; answering the failure", state.obj.rid,
-                       record.made)
-        return False
-    if record.first_failure is not None and now - record.first_failure >= knobs.RECOVERY_BUDGET.get():
-        logger.warning("Recovery of %s: budget spent; answering the failure", state.obj.rid)
+    cause = _holds(tm, state, recv_obj, i, record, reason)
+    if cause is None:
+        if record.phase is Phase.RUNNING:  # the re-run's answer is the client's
+            aborted = isinstance(reason, dict) and reason.get("type") == "abort"
+            _step(tm, record, Event.ABORTED if aborted and reason.get("status_code") is None
+                  else Event.FAILED_AGAIN if aborted else Event.COMPLETED)
         return False
     record = request_record.of(state, Attempts)
     if record.first_failure is None:
-        record.first_failure, record.cause = now, cause
-    record.failure = recv_obj.finished_reasons[i]
-    record.made += 1
-    task = asyncio.get_running_loop().create_task(_rerun(tm, state, record.made))
+        record.first_failure, record.cause = time.monotonic(), cause
+        record.weight_version = tm.config_value("weight_version")
+    record.failure = reason
+    _step(tm, record, Event.FAILED)
+    task = asyncio.get_running_loop().create_task(_rerun(tm, state, record, record.made))
     _TASKS.add(task)
     task.add_done_callback(_TASKS.discard)
     logger.warning("Recovery of %s: its transfer failed (%s) before its first token; attempt %d under a new room",
@@ -105,21 +152,110 @@ def holds_back(tm: Any, state: Any, recv_obj: Any, i: int, meta_info: Dict[str, 
     return True
 
 
-async def _prefill_url(session: Any, host: str, port: int) -> str:
+# ----------------------------------------------------------------------------- answers of a held-back request
+
+def _answer(tm: Any, rid: str, finish_reason: Dict[str, Any]) -> None:
+    """Answer a held-back request by upstream's own abort answer path (what the scheduler's abort output does)."""
+    from sglang.srt.managers.io_struct import AbortReq
+
+    upstream(tm, "_handle_abort_req")(AbortReq(rid=rid, finished_reason=finish_reason,
+                                               abort_message=finish_reason.get("message")))
+
+
+def _end_held(tm: Any, state: Any, record: Attempts, event: Event, why: str) -> None:
+    """End a held-back request by `event` (no attempt runs): the held-back failure answered, as without recovery."""
+    _step(tm, record, event)
+    logger.warning("Recovery of %s: %s; answering the failure", state.obj.rid, why)
+    _answer(tm, state.obj.rid, record.failure or {})
+
+
+def tm_abort_request(original, tm, rid: str = "", abort_all: bool = False, *args, **kwargs):
+    """AROUND TokenizerManager.abort_request (outermost): a request between attempts (HELD, in no scheduler: the
+    abort upstream sends reaches nothing) is answered here at once with the answer the scheduler gives an abort
+    (200, finish_reason abort): the abort-mode pause's message for its abort_all, else the client's; its re-run
+    stops before it re-submits anything."""
+    result = original(tm, rid, abort_all, *args, **kwargs)
+    held = [(r, s) for r, s in list(tm.rid_to_state.items())
+            if (abort_all or r == rid) and request_record.peek(s, Attempts).phase is Phase.HELD]
+    if not held:
+        return result
+    call = state_of(tm).call
+    pausing = abort_all and call is not None and call.op == PAUSE and call.mode == "abort"
+    reason = verdict.pause_finish_reason() if pausing else verdict.pause_finish_reason(CLIENT_ABORT_MESSAGE)
+    for r, s in held:
+        _step(tm, request_record.of(s, Attempts), Event.ABORTED)
+        logger.warning("Recovery of %s: aborted between attempts (%s)", r, reason["message"])
+        _answer(tm, r, reason)
+    if tm.is_pause:  # a re-run waiting at the gate looks again
+        asyncio.get_running_loop().create_task(pause_gate.gate_of(tm).set())
+    return result
+
+
+def before_handle_abort_req(tm, recv_obj, *args, **kwargs):
+    """BEFORE TokenizerManager._handle_abort_req: a re-run the scheduler ended by an abort output (one still in its
+    queues: not a batch output, so not seen by `holds_back`) counts how its recovery ended."""
+    state = tm.rid_to_state.get(getattr(recv_obj, "rid", None))
+    record = request_record.peek(state, Attempts) if state is not None else None
+    if record is None or record.phase is not Phase.RUNNING:
+        return
+    reason = recv_obj.finished_reason
+    failed = isinstance(reason, dict) and reason.get("status_code") is not None
+    _step(tm, record, Event.FAILED_AGAIN if failed else Event.ABORTED)
+
+
+# ----------------------------------------------------------------------------- the re-run (the carrier)
+
+async def _test_hold(record: Attempts, rid: str) -> None:
+    """The test switch's hold (recovery_faults): wait its seconds, or until the request is no longer held."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + recovery_faults.hold_s(rid)
+    while record.phase is Phase.HELD and loop.time() < deadline:
+        await asyncio.sleep(0.02)
+
+
+async def _ask(session: Any, url: str, **params: Any) -> Dict[str, Any]:
+    async with session.get(url, params=params or None) as response:
+        response.raise_for_status()
+        return await response.json()
+
+
+async def _prefill_url(session: Any, obj: Any) -> str:
     """The prefill's HTTP base URL, from its bootstrap server (as upstream's retract re-send finds it). Asked on each
     attempt (a rare path), not kept: a prefill restarted behind the same bootstrap port may serve on another port."""
-    import aiohttp
-
     from sglang.srt.utils.network import NetworkAddress
 
-    route = NetworkAddress(host, port).to_url() + "/route"
-    query = {"prefill_dp_rank": -1, "prefill_cp_rank": -1, "target_tp_rank": -1, "target_pp_rank": -1}
-    # bounded: a frozen prefill's kernel accepts the connection and nobody answers (a stalled transfer's cause may be
-    # that); without an answer the held-back failure is answered
-    async with session.get(route, params=query, timeout=aiohttp.ClientTimeout(total=ROUTE_TIMEOUT_S)) as response:
-        response.raise_for_status()
-        http_port = (await response.json())["prefill_http_port"]
-    return NetworkAddress(host, int(http_port)).to_url()
+    closed = recovery_faults.route_port(obj.rid)
+    host, port = (obj.bootstrap_host, obj.bootstrap_port) if closed is None else ("127.0.0.1", closed)
+    route = await _ask(session, NetworkAddress(host, port).to_url() + "/route", prefill_dp_rank=-1,
+                       prefill_cp_rank=-1, target_tp_rank=-1, target_pp_rank=-1)
+    return NetworkAddress(obj.bootstrap_host, int(route["prefill_http_port"])).to_url()
+
+
+async def _submit(tm: Any, state: Any, record: Attempts, tokenized: Any, session: Any, url: str) -> bool:
+    """Re-submit to decode's scheduler through the pause gate (waiting while paused or released, as a new request
+    does), under the weight version of the first failure on both sides; True once the scheduler has it. The gate's
+    check and the send are one step under upstream's `is_pause_cond`, which a pause takes to close the gate."""
+    states = {state.obj.rid: state}
+    cond = tm.is_pause_cond
+    while True:
+        async with cond:
+            await cond.wait_for(lambda: record.phase is not Phase.HELD or pause_gate.gate_open(tm, states))
+        if record.phase is not Phase.HELD:
+            return False
+        prefill_version = (await _ask(session, url + "/get_weight_version"))["weight_version"]
+        async with cond:
+            if record.phase is not Phase.HELD:
+                return False
+            if tm.is_pause:  # closed again meanwhile: back to the gate
+                continue
+            versions = {"decode": tm.config_value("weight_version"), "prefill": prefill_version}
+            if any(v != record.weight_version for v in versions.values()):
+                _end_held(tm, state, record, Event.WEIGHTS_CHANGED,
+                          f"weight version {versions} is not the first failure's {record.weight_version!r}")
+                return False
+            await upstream(tm, "_send_one_request")(tokenized)
+            _step(tm, record, Event.SUBMITTED)
+            return True
 
 
 def _prefill_leg(obj: Any, rid: str) -> Dict[str, Any]:
@@ -137,36 +273,43 @@ async def _post_leg(session: Any, url: str, leg: Dict[str, Any]) -> None:
                            (await response.text())[:256])
 
 
-def _answer_failure(tm: Any, rid: str, failure: Dict[str, Any]) -> None:
-    """The held-back end answered after all (an attempt that could not start): upstream's own abort answer path with
-    the failure's finish reason, so the client sees exactly what it would have seen without recovery."""
-    from sglang.srt.managers.io_struct import AbortReq
-
-    upstream(tm, "_handle_abort_req")(AbortReq(rid=rid, finished_reason=failure, abort_message=failure.get("message")))
-
-
-async def _rerun(tm: Any, state: Any, attempt: int) -> None:
-    """Attempt `attempt` of `state`'s request: a new room, the prefill leg re-sent, the request re-submitted.
-    If it cannot be re-submitted (prefill's address not found, re-tokenizing fails), the held-back failure is
-    answered at once; once re-submitted, a prefill leg that is refused leaves the attempt to decode's own path (its
-    transfer deadline)."""
+async def _rerun(tm: Any, state: Any, record: Attempts, attempt: int) -> None:
+    """Attempt `attempt` of `state`'s request: a new room, the request re-submitted to decode's scheduler, then its
+    prefill leg sent. Before the re-submission it stops at any abort; it answers the held-back failure when the
+    attempt cannot start (prefill's address or weight version not found, re-tokenizing fails) or the weight version
+    changed. Once re-submitted, a prefill leg that is refused leaves the attempt to decode's own path (its transfer
+    deadline)."""
     import aiohttp
 
     obj = state.obj
-    submitted = False
-    obj.bootstrap_room = random.randint(0, 2**63 - 1)
-    leg = _prefill_leg(obj, recovery_attempt.attempt_rid(obj.rid, attempt))
-    session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
     try:
-        url = await _prefill_url(session, obj.bootstrap_host, obj.bootstrap_port)
-        post = asyncio.get_running_loop().create_task(_post_leg(session, url, leg))
-        tokenized = await upstream(tm, "_tokenize_one_request")(obj)
-        await upstream(tm, "_send_one_request")(tokenized)
-        submitted = True
-        await post
+        await _test_hold(record, obj.rid)
+        if record.phase is not Phase.HELD:
+            return
+        obj.bootstrap_room = random.randint(0, 2**63 - 1)
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=ASK_PREFILL_S)) as asking:
+            url = await _prefill_url(asking, obj)
+            tokenized = await upstream(tm, "_tokenize_one_request")(obj)
+            if not await _submit(tm, state, record, tokenized, asking, url):
+                return
+        if state.finished:  # answered since (an abort the scheduler took): no leg for prefill to hold
+            return
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:  # as long as prefill
+            await _post_leg(session, url, _prefill_leg(obj, recovery_attempt.attempt_rid(obj.rid, attempt)))
     except Exception as e:  # aiohttp's and the tokenizer's errors alike
-        logger.error("Recovery of %s: attempt %d could not start: %r", obj.rid, attempt, e)
-        if not submitted:
-            _answer_failure(tm, obj.rid, request_record.of(state, Attempts).failure or {})
-    finally:
-        await session.close()
+        if record.phase is Phase.HELD:
+            _end_held(tm, state, record, Event.NOT_STARTED, f"attempt {attempt} could not start: {e!r}")
+        else:
+            logger.error("Recovery of %s: attempt %d's prefill leg: %r", obj.rid, attempt, e)
+
+
+async def tm_internal_state(original, tm, *args, **kwargs):
+    """AROUND TokenizerControlMixin.get_internal_state: each resource report counts the requests held between
+    recovery attempts (`recovery_held`: in no scheduler, so no queue shows them)."""
+    states = await original(tm, *args, **kwargs)
+    held = sum(1 for s in list(tm.rid_to_state.values()) if request_record.peek(s, Attempts).phase is Phase.HELD)
+    for state in states:
+        report = state.get("fork_pd_resources") if isinstance(state, dict) else None
+        if isinstance(report, dict):
+            report["recovery_held"] = held
+    return states

@@ -20,7 +20,7 @@ OURS = {name.rpartition(".")[2]: SRT + name for name in (
     "managers.fork_pause.pd_pause", "managers.fork_pause.scheduler_pause", "managers.fork_pause.queue_buffers",
     "managers.fork_pause.pause_gate", "managers.fork_pause.tokenizer_pause", "managers.fork_pause.resend_wait",
     "managers.fork_core.fork_touch", "managers.fork_report.pd_resource_report", "managers.fork_report.pd_metrics",
-    "managers.fork_cache.weight_epoch", "managers.fork_core.rank_agreement")}
+    "managers.fork_cache.weight_epoch", "managers.fork_core.rank_agreement", "disaggregation.fork_recovery.recovery")}
 AFTER, AROUND, BEFORE = "AFTER", "AROUND", "BEFORE"  # upstream's HookType names
 
 
@@ -154,13 +154,17 @@ HOOKS: list[tuple[str, str, str]] = [_full(target, ref) + (kind,) for target, re
     ("managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager.release_memory_occupation",
      "queue_buffers:weight_updater_release", AROUND),
     ("managers.tokenizer_control_mixin.TokenizerControlMixin.get_internal_state", "tokenizer_pause:tm_internal_state", AROUND),
+    ("managers.tokenizer_control_mixin.TokenizerControlMixin.get_internal_state", "recovery:tm_internal_state", AROUND),
     ("managers.tokenizer_control_mixin.TokenizerControlMixin.release_memory_occupation",
      "tokenizer_pause:tm_release_memory_occupation", AROUND),
     ("managers.tokenizer_control_mixin.TokenizerControlMixin.resume_memory_occupation",
      "tokenizer_pause:tm_resume_memory_occupation", AROUND),
+    ("managers.tokenizer_manager.TokenizerManager._handle_abort_req", "recovery:before_handle_abort_req", BEFORE),
     ("managers.tokenizer_manager.TokenizerManager._release_req_states_on_failure",
      "room_telling:before_release_on_failure", BEFORE),
+    # the pause gate's answers (inner), then a request between recovery attempts is answered (outer)
     ("managers.tokenizer_manager.TokenizerManager.abort_request", "pause_gate:tm_abort_request", AROUND),
+    ("managers.tokenizer_manager.TokenizerManager.abort_request", "recovery:tm_abort_request", AROUND),
     ("managers.tokenizer_manager.TokenizerManager.continue_generation", "tokenizer_pause:tm_continue_generation", AROUND),
     # a failed rank takes its server down at once: upstream's crash diagnostics only where they can run
     ("managers.tokenizer_manager.TokenizerManager.dump_requests_before_crash",
