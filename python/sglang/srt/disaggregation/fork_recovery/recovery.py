@@ -19,7 +19,7 @@ import random
 import time
 from dataclasses import dataclass
 from http import HTTPStatus
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
 from sglang.srt.disaggregation.fork_ending import recovery_attempt, request_record
 from sglang.srt.disaggregation.fork_ending.verdict_wording import failed_chunk_kind
@@ -63,10 +63,12 @@ def _eligible(tm: Any, obj: Any) -> bool:
                 or obj.lora_path or obj.input_embeds is not None)
 
 
-def holds_back(tm: Any, state: Any, recv_obj: Any, i: int, meta_info: Dict[str, Any]) -> bool:
+def holds_back(tm: Any, state: Any, recv_obj: Any, i: int, meta_info: Dict[str, Any],
+               start: Optional[Callable[[Any, Any, int], None]] = None) -> bool:
     """The patched line in `TokenizerManager._handle_batch_output`, for output `i` of `recv_obj` (its `meta_info`
     built): True when this end is held back and the request re-run (the caller skips the output); else annotates
-    a recovered request's `meta_info` and returns False."""
+    a recovered request's `meta_info` and returns False. `start(tm, state, attempt)` starts the attempt (default
+    `_start`: a task on the tokenizer's loop; the lifecycle model passes its own, which re-submits to its harnesses)."""
     record = request_record.peek(state, Attempts)
     if record.made:
         meta_info["recovery"] = {"attempts": record.made, "cause": record.cause}
@@ -92,12 +94,17 @@ def holds_back(tm: Any, state: Any, recv_obj: Any, i: int, meta_info: Dict[str, 
         record.first_failure, record.cause = now, cause
     record.failure = recv_obj.finished_reasons[i]
     record.made += 1
-    task = asyncio.get_running_loop().create_task(_rerun(tm, state, record.made))
-    _TASKS.add(task)
-    task.add_done_callback(_TASKS.discard)
+    (start or _start)(tm, state, record.made)
     logger.warning("Recovery of %s: its transfer failed (%s) before its first token; attempt %d under a new room",
                    state.obj.rid, cause, record.made)
     return True
+
+
+def _start(tm: Any, state: Any, attempt: int) -> None:
+    """Attempt `attempt` of `state`'s request as a task on the tokenizer's event loop (kept referenced until done)."""
+    task = asyncio.get_running_loop().create_task(_rerun(tm, state, attempt))
+    _TASKS.add(task)
+    task.add_done_callback(_TASKS.discard)
 
 
 async def _prefill_url(session: Any, host: str, port: int) -> str:
