@@ -434,6 +434,17 @@ class LifecycleMachine(RuleBasedStateMachine):
     def new_request_decode_first(self) -> None:
         self._new_request(("decode",))
 
+    @precondition(lambda self: len(self.reqs) < MAX_REQUESTS)
+    @rule(kind=st.sampled_from(("last", "state")))
+    def new_request_failing(self, kind: str) -> None:
+        """A request (both copies) whose last chunk write will fail on prefill: the failure recovery acts on, made
+        common enough for the fixed profile to reach recovery's orderings (`chunk_fails` arms it at any moment)."""
+        self._new_request(SIDES)
+        r = self.reqs[-1]
+        self.h["prefill"].faults.fail_chunk(r.room, kind, reason=verdict_wording.UPSTREAM_CHUNK_FAILED["kv"] + " (model)")
+        self._allow(r, "prefill", 500)
+        self._allow(r, "decode", 500)
+
     @precondition(lambda self: any(not (r.prefill.arrived and r.decode.arrived) for r in self.reqs))
     @rule(i=st.integers(0, MAX_REQUESTS - 1))
     def late_copy(self, i: int) -> None:
@@ -549,6 +560,21 @@ class LifecycleMachine(RuleBasedStateMachine):
     def chunk_fails(self, i: int, kind: str) -> None:
         """The room's next chunk of that kind fails in the transfer worker (decode told)."""
         r = pick(self.eligible_unanswered("prefill"), i)
+        self.h["prefill"].faults.fail_chunk(r.room, kind,
+                                            reason=verdict_wording.UPSTREAM_CHUNK_FAILED["kv"] + " (model)")
+        self._allow(r, "prefill", 500)
+        self._allow(r, "decode", 500)
+
+    def eligible_attempts(self) -> List[Request]:
+        return [r for r in self.reqs if r.attempt and r.prefill.answer is None
+                and r.room not in self.h["prefill"].faults._chunk_faults]
+
+    @precondition(lambda self: bool(self.eligible_attempts()))
+    @rule(i=st.integers(0, MAX_REQUESTS - 1), kind=st.sampled_from(("last", "state")))
+    def attempt_chunk_fails(self, i: int, kind: str) -> None:
+        """A recovery attempt's chunk write fails too (armed before or after its copy reached prefill): the fault
+        that persists, or fires again, as `chunk_fails` for any room (a rule of its own: attempts are rare)."""
+        r = pick(self.eligible_attempts(), i)
         self.h["prefill"].faults.fail_chunk(r.room, kind,
                                             reason=verdict_wording.UPSTREAM_CHUNK_FAILED["kv"] + " (model)")
         self._allow(r, "prefill", 500)
