@@ -297,6 +297,12 @@ def rate_range_text(bench: str) -> str:
     return f"{lo:.1f}-{hi:.1f}x"
 
 
+def readme_lines(bench: str, marker: str) -> List[str]:
+    """The README lines a bench wrote into its block (`README line: ...`)."""
+    return [l.removeprefix("README line: ") for l in bench_block(bench, marker).splitlines()
+            if l.startswith("README line: ")]
+
+
 def bench_summary() -> str:
     """README.md's one line per bench, from bench/README.md's blocks."""
     bench = BENCH_README.read_text()
@@ -312,8 +318,8 @@ def bench_summary() -> str:
     both = next(_cells(l) for l in rl.splitlines() if l.startswith("| pause abort, prefill + decode |"))
     rl_at = {col: both[i].split(" ")[0] for i, col in enumerate(head) if i}
     lo, hi = transfer_share_range(bench)
-    serving, recovery = ([l.removeprefix("README line: ") for l in bench_block(bench, marker).splitlines()
-                          if l.startswith("README line: ")] for marker in ("bench-serving", "bench-recovery"))
+    serving = readme_lines(bench, "bench-serving")
+    recovery = readme_lines(bench, "bench-recovery") if "<!-- bench-recovery:begin" in bench else []  # until its first run
     return "\n".join([
         f"- **Release gate** (`make bench`): fork/upstream CPU per request {cpu[3].split(' ')[0]} "
         f"(bound 1.03); {identical.group(1)} of {identical.group(2)} outputs identical; "
