@@ -5,7 +5,7 @@ VPY    := $(VENV)/bin/python
 # Inputs of the fork wheel: rebuilt and reinstalled when any of them changes.
 SOURCES := $(shell git ls-files -co --exclude-standard pyproject.toml upstream.lock patches python build_backend 2>/dev/null)
 
-.PHONY: venv demo test test-model test-tp bench bench-hooks bench-deadline bench-rl bench-serving bench-transfer wheel system-deps clean
+.PHONY: venv demo test test-model test-tp bench bench-hooks bench-deadline bench-rl bench-serving bench-transfer bench-recovery wheel system-deps clean
 
 venv: $(VENV)/.fork-installed
 
@@ -47,6 +47,11 @@ bench-serving: venv
 # (~3 min; root). ARGS: --rate MBIT, --paced, --repeats N, --sides ..., --limits-only POLLS, --write-readme (bench/README.md).
 bench-transfer: venv
 	$(VPY) -m bench.transfer $(ARGS)
+
+# What recovery adds to a request's latency, per cause, against a calm request, with the detection time split out
+# (1P1D on CPU, recovery on, the test fault switch on prefill; ~3 min). ARGS: --requests N, --write-readme (bench/README.md).
+bench-recovery: venv
+	$(VPY) -m bench.recovery $(ARGS)
 
 wheel:
 	$(PYTHON) -m pip wheel --no-deps --wheel-dir dist .

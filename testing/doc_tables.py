@@ -300,6 +300,12 @@ def rate_range_text(bench: str) -> str:
     return f"{lo:.1f}-{hi:.1f}x"
 
 
+def readme_lines(bench: str, marker: str) -> List[str]:
+    """The README lines a bench wrote into its block (`README line: ...`)."""
+    return [l.removeprefix("README line: ") for l in bench_block(bench, marker).splitlines()
+            if l.startswith("README line: ")]
+
+
 def bench_summary() -> str:
     """README.md's one line per bench, from bench/README.md's blocks."""
     bench = BENCH_README.read_text()
@@ -315,8 +321,8 @@ def bench_summary() -> str:
     both = next(_cells(l) for l in rl.splitlines() if l.startswith("| pause abort, prefill + decode |"))
     rl_at = {col: both[i].split(" ")[0] for i, col in enumerate(head) if i}
     lo, hi = transfer_share_range(bench)
-    serving = [l.removeprefix("README line: ") for l in bench_block(bench, "bench-serving").splitlines()
-               if l.startswith("README line: ")]
+    serving = readme_lines(bench, "bench-serving")
+    recovery = readme_lines(bench, "bench-recovery") if "<!-- bench-recovery:begin" in bench else []  # until its first run
     return "\n".join([
         f"- **Release gate** (`make bench`): fork/upstream CPU per request {cpu[3].split(' ')[0]} "
         f"(bound 1.03); {identical.group(1)} of {identical.group(2)} outputs identical; "
@@ -328,6 +334,7 @@ def bench_summary() -> str:
         f"- **KV transfer between hosts** (`make bench-transfer`): {lo}-{hi}% of raw TCP on an unshaped link, "
         f"{rate_range_text(bench)} upstream's rate; at the link's rate on a 400 Mbit/s link.",
         *serving,  # `make bench-serving` writes its own line into its block
+        *recovery,  # and `make bench-recovery`
     ])
 
 

@@ -16,6 +16,7 @@ class Streamed:
     reason: Optional[Dict[str, Any]]  # finished_reason.to_json()
     output_ids: Tuple[int, ...]
     via: str = "stream"  # "stream" (output streamer) or "abort_req" (send_abort_output)
+    room: Optional[int] = None  # the request's bootstrap room (decode: a recovery attempt keeps the rid, not the room)
 
 
 class Outputs:
@@ -34,12 +35,14 @@ class Outputs:
                     req.finished(),
                     None if reason is None else reason.to_json(),
                     tuple(req.output_ids),
+                    room=req.bootstrap_room,
                 )
             )
 
     def send_output(self, abort_req, req) -> None:  # ipc_channels.send_to_tokenizer
         reason = dict(abort_req.finished_reason or {"type": "abort", "status_code": None})
-        self.items.append(Streamed(req.rid, True, reason, tuple(req.output_ids), "abort_req"))
+        self.items.append(Streamed(req.rid, True, reason, tuple(req.output_ids), "abort_req",
+                                   req.bootstrap_room))
 
     def of(self, rid: str) -> List[Streamed]:
         return [s for s in self.items if s.rid == rid]

@@ -10,6 +10,17 @@ a wire delivery, a KV transfer progresses or fails (a chunk fails, a transfer wo
 abort on either side at any stage, `abort_all`, pause (in_place / abort), continue, release / resume of the queue's
 memory, the engine clock moving (past the transfer deadline), a decode finishing.
 
+Recovery (docs/recovery.md) is a transition of the model: the model plays decode's tokenizer on its output path
+(`Client`): every output decode's scheduler streams for a client request goes through the real
+`recovery.holds_back` (the knobs drawn per example: `SGLANG_FORK_RECOVERY_ATTEMPTS` 0..2, the budget ample or spent
+after the first failure); an end it holds back starts an attempt, which the model carries as `recovery._rerun` does:
+the same client request under a new room, its prefill leg's rid `recovery_attempt.attempt_rid`, both copies arriving
+later in either order. Each attempt is a `Request` of its own (its copies judged as any request's); the client
+request's contract (`_check_client`): answered at most once (exactly once at quiescence), by its last attempt; a
+completion only if that attempt completed; the tokens of one attempt only; at most the knob's attempts, each after a
+held-back end of a failed transfer with no token; `meta_info` says how many; never a completion after an abort
+reached it; and a chunk failure it answers only once attempts or budget ran out.
+
 The model is the contract: each copy (prefill's, decode's) of each request has the set of answers allowed given
 the events it saw (`Copy.allowed`, docs/aborts.md and the verdict table: a completion where upstream would complete
 it, the abort answer only after an abort or a pause/release reached it or its peer told it so, 500 only after a
@@ -17,14 +28,14 @@ transfer failure, 504 only once the engine clock passed the transfer deadline). 
 no copy answered twice, no answer outside its allowed set. At quiescence (`settle`, the machine's teardown: both
 servers continued and resumed, every late copy arrived, every wire message delivered, every held transfer let go):
 first with the engine clock standing still, every request that met no fault completes on both servers; then with
-the clock past every deadline, every copy is answered and both resource reports (`fork_pd_resources`, read only
+the clock past every deadline, every copy and every client request is answered and both resource reports (`fork_pd_resources`, read only
 through `pd_resource_report.build_report`) hold nothing: queues, KV, slots, per-room tables.
 
 Time is the fork's `engine_clock` on a scripted monotonic source the model advances (`ScriptedTime`).
 
 What this tier does not drive: the transfer backend's own threads (the fake backend is scripted per room; thread
 interleavings such as the bootstrap thread's abort racing sender creation need the mooncake pair), the tokenizer
-(its pause gate, release tags), peer liveness (a peer lost / silent / back), scale in/out, weight updates, health
+(its pause gate, release tags; of its output path only recovery's decision), peer liveness (a peer lost / silent / back), scale in/out, weight updates, health
 probes, more than one rank.
 
     pytest test/srt/model/test_lifecycle_model.py     # the deterministic tier (fixed seed profile)
@@ -33,21 +44,33 @@ probes, more than one rank.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import itertools
+import os
 from collections import Counter
-from typing import Dict, List, Optional, Set
+from types import SimpleNamespace
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from sglang.srt.disaggregation.base import KVPoll
-from sglang.srt.disaggregation.fork_ending import verdict_wording
+from sglang.srt.disaggregation.fork_ending import recovery_attempt, verdict_wording
 from sglang.srt.disaggregation.fork_ending.engine_clock import engine_clock
+from sglang.srt.disaggregation.fork_recovery import recovery
 from sglang.srt.disaggregation.fork_transfer import transfer_deadline as td
+from sglang.srt.managers.fork_core import knobs
 from sglang.srt.managers.fork_pause.scheduler_pause import pause_of
 from sglang.srt.managers.fork_report import pd_resource_report
-from sglang.srt.managers.io_struct import AbortReq, ContinueGenerationReqInput, PauseGenerationReqInput
+from sglang.srt.managers.io_struct import (
+    AbortReq,
+    ContinueGenerationReqInput,
+    GenerateReqInput,
+    PauseGenerationReqInput,
+)
+from sglang.srt.managers.tokenizer_manager import ReqState
+from testing.harness_client import Streamed
 from testing.queue_harness import DecodeHarness, PrefillHarness
 
 DEADLINE = 5.0  # disaggregation_transfer_timeout of both harnesses
@@ -59,7 +82,17 @@ ANSWERS = (200, ABORT, 500, 502, 503, 504)
 # Bugs the model found that are still open: the contract is relaxed for exactly the orderings that reach each, so
 # the deterministic tier keeps guarding everything else; each has a strict-xfail regression test
 # (test/srt/model/test_lifecycle_regressions.py). Remove a name once its fix merges (its regression test XPASSes).
-KNOWN_BUGS: set = set()
+ABORT_WHILE_STARTING = "an abort or pause while a recovery attempt starts is not answered"
+KNOWN_BUGS: set = {
+    # Between the held-back end and the attempt's arrival at decode's scheduler an abort / abort_all / pause (abort)
+    # finds nothing of the request in the scheduler; decode's tokenizer answers it (recovery.tm_abort_request, proven
+    # end to end by test_recovery_skew_e2e), but the model's aborts go to the schedulers directly, not through decode's
+    # tokenizer, so here the attempt still completes. test_a_client_abort_while_an_attempt_starts_is_answered
+    ABORT_WHILE_STARTING,
+}
+RECOVERY_ATTEMPTS = (0, 1, 2)  # SGLANG_FORK_RECOVERY_ATTEMPTS, drawn per example
+# SGLANG_FORK_RECOVERY_BUDGET: ample (never spent in a run of the model), or spent by a request's second failure
+BUDGETS = {"ample": "600", "spent": "1e-9"}
 
 
 class ScriptedTime:
@@ -98,8 +131,14 @@ class Copy:
 
 @dataclasses.dataclass
 class Request:
+    """One attempt of a client request: a room of its own, a copy on each server. `rid` is decode's (the client's,
+    kept by every attempt); `prefill_rid` is its prefill leg's (a recovery attempt's: `attempt_rid`)."""
+
     rid: str
     room: int
+    prefill_rid: str = ""
+    attempt: int = 0  # 0: the client's request as sent; n: recovery attempt n
+    client: Optional["Client"] = None
     prefill: Copy = dataclasses.field(default_factory=lambda: Copy("prefill"))
     decode: Copy = dataclasses.field(default_factory=lambda: Copy("decode"))
     faulted: bool = False  # met an event that may end it without a completion (abort, failure, pause abort, ...)
@@ -109,8 +148,43 @@ class Request:
     prefill_req: object = None
     decode_req: object = None
 
+    def __post_init__(self) -> None:
+        self.prefill_rid = self.prefill_rid or self.rid
+
     def copy(self, side: str) -> Copy:
         return self.prefill if side == "prefill" else self.decode
+
+    def side_rid(self, side: str) -> str:
+        return self.prefill_rid if side == "prefill" else self.rid
+
+
+@dataclasses.dataclass
+class Client:
+    """A client request as decode's tokenizer holds it: upstream's `ReqState` (recovery's record lives on it), its
+    attempts (`legs`), the outputs of decode's scheduler it read (per room), what it passed to the client (with the
+    attempt and the `meta_info` recovery annotated) and what recovery held back."""
+
+    rid: str
+    state: Any
+    legs: List[Request] = dataclasses.field(default_factory=list)
+    read: Dict[int, int] = dataclasses.field(default_factory=dict)  # room -> decode outputs of it read
+    delivered: List[Tuple[int, Streamed, dict]] = dataclasses.field(default_factory=list)
+    held: List[Tuple[int, Streamed]] = dataclasses.field(default_factory=list)
+    aborted: bool = False  # a client abort / abort_all on decode reached a live attempt before its answer
+    aborted_between: bool = False  # an abort, a pause (abort) or a release on decode while an attempt was starting
+
+    @property
+    def final(self) -> Optional[Tuple[int, Streamed, dict]]:
+        done = [d for d in self.delivered if d[1].finished]
+        return done[-1] if done else None
+
+    @property
+    def answered(self) -> bool:
+        return self.final is not None
+
+    def starting(self) -> bool:
+        """An attempt was started (an end held back) and its copy has not reached decode's scheduler yet."""
+        return bool(self.held) and not self.legs[-1].decode.arrived and not self.answered
 
 
 _rids = itertools.count(1)
@@ -121,15 +195,23 @@ def pick(items: list, i: int):
     return items[i % len(items)]
 
 
-def answer_of(h, rid: str) -> Optional[object]:
-    """The copy's answer as its client saw it: 200, ABORT (upstream's abort answer) or the error status."""
-    final = h.outputs.final(rid)
-    if final is None:
-        return None
-    code = h.outputs.status_code(rid)
-    if code is None:
-        return ABORT
-    return code
+def finals_of(h, rid: str, room: int) -> List[Streamed]:
+    """The ends `h`'s scheduler streamed for `rid` in `room` (decode: each attempt keeps the rid, not the room)."""
+    return [s for s in h.outputs.of(rid) if s.finished and s.room == room]
+
+
+def status_of(s: Streamed) -> object:
+    """An end as its client sees it: 200, ABORT (upstream's abort answer) or the error status."""
+    if s.reason and s.reason.get("type") == "abort":
+        code = s.reason.get("status_code")
+        return ABORT if code is None else int(code)
+    return 200
+
+
+def answer_of(h, rid: str, room: int) -> Optional[object]:
+    """The copy's answer: its scheduler's end (what its client saw, but for decode's tokenizer, `Client`)."""
+    finals = finals_of(h, rid, room)
+    return status_of(finals[-1]) if finals else None
 
 
 def report(h) -> dict:
@@ -189,8 +271,14 @@ class LifecycleMachine(RuleBasedStateMachine):
         super().__init__()
         self.sides = Sides.get()
         self.h = {"prefill": self.sides.prefill, "decode": self.sides.decode}
-        self.reqs: List[Request] = []
+        self.reqs: List[Request] = []  # every attempt of every client request
+        self.clients: List[Client] = []
         self.time = ScriptedTime()
+        # decode's tokenizer as recovery reads it (its server args: the decode harness's)
+        # decode's tokenizer as recovery reads it: its server args, and one weight version (the model updates none)
+        self.tm = SimpleNamespace(server_args=self.h["decode"].server_args, config_value=lambda name: "model-v0")
+        self._saved_env = {k.name: os.environ.get(k.name) for k in (knobs.RECOVERY_ATTEMPTS, knobs.RECOVERY_BUDGET)}
+        self.set_recovery(0, "ample")  # until the example draws its knobs (`recovery_knobs`)
         self._saved_monotonic = engine_clock._monotonic
         assert not engine_clock.paused
         engine_clock._monotonic = self.time
@@ -214,8 +302,9 @@ class LifecycleMachine(RuleBasedStateMachine):
         faults = h.faults
         faults.hold_transfer(r.room)  # prefill: the KV is on the wire until kv_progress; decode: until prefill's Success
         if side == "prefill":
-            tokens = range(100 * (r.room % 1000) + 1, 100 * (r.room % 1000) + 1 + PROMPT)  # no shared prefix
-            req = h.make_req(rid=r.rid, room=r.room, tokens=tokens)
+            first = r.client.legs[0].room if r.client is not None else r.room  # an attempt re-runs the same prompt
+            tokens = range(100 * (first % 1000) + 1, 100 * (first % 1000) + 1 + PROMPT)  # no shared prefix
+            req = h.make_req(rid=r.prefill_rid, room=r.room, tokens=tokens)
             r.prefill_req = req
         else:
             req = h.make_req(rid=r.rid, room=r.room, prompt_len=PROMPT)
@@ -253,21 +342,83 @@ class LifecycleMachine(RuleBasedStateMachine):
         return next((r for r in self.reqs if r.room == room), None)
 
     def _observe(self) -> None:
-        """Read every copy's answer from its client (after each step)."""
+        """Read every copy's answer from its scheduler's outputs, and pass decode's through its tokenizer (after each
+        step)."""
         for r in self.reqs:
             for side in SIDES:
                 copy = r.copy(side)
                 if copy.answer is None:
-                    copy.answer = answer_of(self.h[side], r.rid)
+                    copy.answer = answer_of(self.h[side], r.side_rid(side), r.room)
+        for c in self.clients:
+            for leg in list(c.legs):  # an output held back adds an attempt
+                outs = [s for s in self.h["decode"].outputs.of(c.rid) if s.room == leg.room]
+                for s in outs[c.read.get(leg.room, 0):]:
+                    c.read[leg.room] = c.read.get(leg.room, 0) + 1
+                    self._tokenizer_output(c, leg, s)
+
+    # ------------------------------------------------------------------ decode's tokenizer: recovery
+
+    def set_recovery(self, attempts: int, budget: str) -> None:
+        """The recovery knobs decode's tokenizer reads (`knobs.RECOVERY_*`, read on each decision)."""
+        self.attempts, self.budget = attempts, budget
+        os.environ[knobs.RECOVERY_ATTEMPTS.name] = str(attempts)
+        os.environ[knobs.RECOVERY_BUDGET.name] = BUDGETS[budget]
+
+    def _tokenizer_output(self, c: Client, leg: Request, s: Streamed) -> None:
+        """One output of decode's scheduler for `c`, as `TokenizerManager` handles it: an `AbortReq` answer
+        (`send_abort_output`) through `_handle_abort_req` (no recovery there); a streamed output through
+        `_handle_batch_output`, whose patched line asks the real `recovery.holds_back`."""
+        if s.via == "abort_req":
+            c.delivered.append((leg.attempt, s, {}))
+            return
+        recv = SimpleNamespace(finished_reasons=[s.reason if s.finished else None],
+                               completion_tokens=[len(s.output_ids)])
+        meta_info: Dict[str, Any] = {}
+        if recovery.holds_back(self.tm, c.state, recv, 0, meta_info, start=self._start_attempt):
+            c.held.append((leg.attempt, s))
+            return
+        c.delivered.append((leg.attempt, s, meta_info))
+
+    def _start_attempt(self, tm: Any, state: Any, attempt: int) -> None:
+        """Recovery's attempt `attempt`, carried as `recovery._rerun` does: a new room, the prefill leg under
+        `attempt_rid`, the same request re-submitted to decode; both copies reach their scheduler later (any order)."""
+        c = next(c for c in self.clients if c.state is state)
+        leg = Request(c.rid, next(self.h["prefill"]._rooms), prefill_rid=recovery_attempt.attempt_rid(c.rid, attempt),
+                      attempt=attempt, client=c)
+        state.obj.bootstrap_room = leg.room
+        c.legs.append(leg)
+        self.reqs.append(leg)
+        LifecycleMachine.seen[f"recovery attempt {attempt} started"] += 1
+
+    def _between(self, side: str, why: str) -> None:
+        """An abort, a pause (abort) or a release on `side` reached decode while an attempt was starting (held back,
+        its copy not at decode's scheduler yet): the scheduler has nothing of that request to end."""
+        if side != "decode":
+            return
+        for c in self.clients:
+            if c.starting():
+                c.aborted_between = True
+                LifecycleMachine.seen[f"recovery: {why} on decode while an attempt was starting"] += 1
 
     # ------------------------------------------------------------------ rules: requests
 
     def _new_request(self, arrives) -> None:
-        rid = f"m{next(_rids):07d}"  # fixed width: no rid is a prefix of another (upstream aborts by prefix)
+        rid = f"m{next(_rids):07d}"  # fixed width: no rid is a prefix of another's (upstream aborts by prefix)
         r = Request(rid, next(self.h["prefill"]._rooms))
+        d = self.h["decode"]
+        obj = GenerateReqInput(input_ids=list(range(1, PROMPT + 1)), sampling_params={"max_new_tokens": 8}, rid=rid,
+                               bootstrap_host=d.default_bootstrap_host,
+                               bootstrap_port=d.server_args.disaggregation_bootstrap_port, bootstrap_room=r.room)
+        r.client = Client(rid, ReqState(out_list=[], finished=False, event=asyncio.Event(), obj=obj, time_stats=None),
+                          legs=[r])
+        self.clients.append(r.client)
         self.reqs.append(r)
         for side in arrives:
             self._arrive(r, side)
+
+    @initialize(attempts=st.sampled_from(RECOVERY_ATTEMPTS), budget=st.sampled_from(tuple(BUDGETS)))
+    def recovery_knobs(self, attempts: int, budget: str) -> None:
+        self.set_recovery(attempts, budget)
 
     # one rule per arrival order (Hypothesis picks rules uniformly: three of them make requests common)
     @precondition(lambda self: len(self.reqs) < MAX_REQUESTS)
@@ -285,6 +436,17 @@ class LifecycleMachine(RuleBasedStateMachine):
     def new_request_decode_first(self) -> None:
         self._new_request(("decode",))
 
+    @precondition(lambda self: len(self.reqs) < MAX_REQUESTS)
+    @rule(kind=st.sampled_from(("last", "state")))
+    def new_request_failing(self, kind: str) -> None:
+        """A request (both copies) whose last chunk write will fail on prefill: the failure recovery acts on, made
+        common enough for the fixed profile to reach recovery's orderings (`chunk_fails` arms it at any moment)."""
+        self._new_request(SIDES)
+        r = self.reqs[-1]
+        self.h["prefill"].faults.fail_chunk(r.room, kind, reason=verdict_wording.UPSTREAM_CHUNK_FAILED["kv"] + " (model)")
+        self._allow(r, "prefill", 500)
+        self._allow(r, "decode", 500)
+
     @precondition(lambda self: any(not (r.prefill.arrived and r.decode.arrived) for r in self.reqs))
     @rule(i=st.integers(0, MAX_REQUESTS - 1))
     def late_copy(self, i: int) -> None:
@@ -294,6 +456,16 @@ class LifecycleMachine(RuleBasedStateMachine):
             if not r.copy(side).arrived:
                 self._arrive(r, side)
                 return
+
+    def eligible_attempt_copies(self) -> List[Request]:
+        return [r for r in self.reqs if r.attempt and not (r.prefill.arrived and r.decode.arrived)]
+
+    @precondition(lambda self: bool(self.eligible_attempt_copies()))
+    @rule(i=st.integers(0, MAX_REQUESTS - 1), side=st.sampled_from(SIDES))
+    def attempt_copy_arrives(self, i: int, side: str) -> None:
+        """A recovery attempt's copy reaches its scheduler: `side`'s, or the other's if that one is there."""
+        r = pick(self.eligible_attempt_copies(), i)
+        self._arrive(r, side if not r.copy(side).arrived else SIDES[1 - SIDES.index(side)])
 
     # ------------------------------------------------------------------ rules: scheduler passes
 
@@ -395,6 +567,21 @@ class LifecycleMachine(RuleBasedStateMachine):
         self._allow(r, "prefill", 500)
         self._allow(r, "decode", 500)
 
+    def eligible_attempts(self) -> List[Request]:
+        return [r for r in self.reqs if r.attempt and r.prefill.answer is None
+                and r.room not in self.h["prefill"].faults._chunk_faults]
+
+    @precondition(lambda self: bool(self.eligible_attempts()))
+    @rule(i=st.integers(0, MAX_REQUESTS - 1), kind=st.sampled_from(("last", "state")))
+    def attempt_chunk_fails(self, i: int, kind: str) -> None:
+        """A recovery attempt's chunk write fails too (armed before or after its copy reached prefill): the fault
+        that persists, or fires again, as `chunk_fails` for any room (a rule of its own: attempts are rare)."""
+        r = pick(self.eligible_attempts(), i)
+        self.h["prefill"].faults.fail_chunk(r.room, kind,
+                                            reason=verdict_wording.UPSTREAM_CHUNK_FAILED["kv"] + " (model)")
+        self._allow(r, "prefill", 500)
+        self._allow(r, "decode", 500)
+
     @precondition(lambda self: bool(self.eligible_live_transfers()))
     @rule(i=st.integers(0, MAX_REQUESTS - 1))
     def transfer_worker_fails(self, i: int) -> None:
@@ -409,17 +596,27 @@ class LifecycleMachine(RuleBasedStateMachine):
     @rule(side=st.sampled_from(SIDES), i=st.integers(0, MAX_REQUESTS - 1))
     def client_abort(self, side: str, i: int) -> None:
         """A client abort by rid on one server (any stage; also of a copy already answered or not there yet)."""
-        r = pick(self.reqs, i)
-        if r.copy(side).arrived and r.copy(side).answer is None:
-            self._allow(r, side, ABORT)
-            r.copy(side).completion_allowed = False  # never a completion once an abort is pending on it
-        self.h[side].abort(r.rid)
+        rid = pick(self.reqs, i).side_rid(side)
+        hit = [r for r in self.reqs if r.side_rid(side).startswith(rid)]  # upstream aborts by prefix
+        for r in hit:
+            if r.copy(side).arrived and r.copy(side).answer is None:
+                self._allow(r, side, ABORT)
+                r.copy(side).completion_allowed = False  # never a completion once an abort is pending on it
+                if side == "decode" and not r.client.answered:
+                    r.client.aborted = True
+        if side == "decode" and hit[0].client.starting():
+            hit[0].client.aborted_between = True
+            LifecycleMachine.seen["recovery: client abort on decode while an attempt was starting"] += 1
+        self.h[side].abort(rid)
 
     @rule(side=st.sampled_from(SIDES))
     def abort_all(self, side: str) -> None:
         for r in self._unanswered(side):
             self._allow(r, side, ABORT)
             r.copy(side).completion_allowed = False
+            if side == "decode" and not r.client.answered:
+                r.client.aborted = True
+        self._between(side, "abort_all")
         h = self.h[side]
         with h.active():
             h.scheduler.abort_request(AbortReq(abort_all=True))
@@ -438,6 +635,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         if mode == "abort":
             for r in self._unanswered(side):
                 self._allow(r, side, ABORT)
+            self._between(side, "pause (abort)")
         self.paused[side] = mode
         h = self.h[side]
         with h.active():
@@ -462,6 +660,7 @@ class LifecycleMachine(RuleBasedStateMachine):
             self.pause(side, "in_place")
         for r in self._unanswered(side):
             self._allow(r, side, ABORT)
+        self._between(side, "release")
         h = self.h[side]
         for r in self.reqs:
             if r.handshake_delivered and not r.copy(side).arrived:
@@ -498,21 +697,82 @@ class LifecycleMachine(RuleBasedStateMachine):
         for r in self.reqs:
             for side in SIDES:
                 copy = r.copy(side)
-                finals = [s for s in self.h[side].outputs.of(r.rid) if s.finished]
-                assert len(finals) <= 1, f"{side} answered {r.rid} twice: {finals}"
+                finals = finals_of(self.h[side], r.side_rid(side), r.room)
+                assert len(finals) <= 1, f"{side} answered {r.side_rid(side)} (room {r.room}) twice: {finals}"
                 if copy.answer is not None:
                     assert copy.arrived or copy.answer is None, f"{side} answered {r.rid} before it arrived"
                     assert copy.answer in copy.allowed(), (
-                        f"{side} answered {r.rid} (room {r.room}) {copy.answer!r}, allowed {sorted(map(str, copy.allowed()))}: "
-                        f"{self.h[side].outputs.final(r.rid)}")
+                        f"{side} answered {r.side_rid(side)} (room {r.room}) {copy.answer!r}, allowed "
+                        f"{sorted(map(str, copy.allowed()))}: {finals[-1]}")
                 if side == "decode" and copy.answer == 200:
                     assert r.success_delivered, f"decode completed {r.rid} without prefill's KV"
+        for c in self.clients:
+            self._check_client(c)
+
+    def _check_client(self, c: Client) -> None:
+        """The client request's contract, after every step (module docstring)."""
+        finals = [d for d in c.delivered if d[1].finished]
+        assert len(finals) <= 1, f"the client of {c.rid} was answered twice: {finals}"
+        assert not finals or c.delivered[-1][1].finished, f"the client of {c.rid} got output after its answer"
+        reruns = len(c.legs) - 1
+        most = self.attempts if self.budget == "ample" else min(self.attempts, 1)
+        assert reruns <= most, (f"{c.rid} ran {reruns} recovery attempts; SGLANG_FORK_RECOVERY_ATTEMPTS="
+                                f"{self.attempts}, budget {self.budget}")
+        assert len(c.held) == reruns, f"{c.rid}: {len(c.held)} ends held back, {reruns} attempts started"
+        for attempt, s in c.held:
+            leg = c.legs[attempt]
+            assert (s.reason or {}).get("type") == "abort" and s.reason.get("status_code") == 500 and \
+                not s.output_ids, f"{c.rid}: attempt {attempt}'s end held back though it is no failure before a token: {s}"
+            assert 500 in leg.decode.causes, f"{c.rid}: attempt {attempt} re-run though it met no transfer failure"
+            assert attempt < reruns, f"{c.rid}: attempt {attempt}'s end held back, no attempt started after it"
+        with_tokens = {attempt for attempt, s, _ in c.delivered if s.output_ids}
+        assert len(with_tokens) <= 1, f"the client of {c.rid} got tokens of attempts {sorted(with_tokens)}"
+        if not finals:
+            return
+        attempt, s, meta = finals[0]
+        answer = status_of(s)
+        assert attempt == reruns, f"{c.rid} answered by attempt {attempt} of {reruns}: {s}"
+        if s.via == "stream":
+            want = {"attempts": reruns, "cause": recovery.CAUSE_CHUNK} if reruns else None
+            assert meta.get("recovery") == want, f"{c.rid}: meta_info recovery {meta.get('recovery')}, {reruns} attempts"
+        if answer == 200:
+            assert c.legs[attempt].decode.answer == 200, f"{c.rid}: a completion its attempt did not make"
+            assert c.legs[attempt].success_delivered
+            if c.aborted:
+                raise AssertionError(f"{c.rid} answered a completion after an abort reached it (attempt {attempt})")
+            if c.aborted_between:
+                assert ABORT_WHILE_STARTING in KNOWN_BUGS, (
+                    f"{c.rid} answered a completion after an abort or pause reached it while recovery attempt "
+                    f"{attempt} was starting")
+                LifecycleMachine.seen[f"known bug: {ABORT_WHILE_STARTING}"] += 1
+
+    def _check_quiescent_client(self, c: Client) -> None:
+        """At quiescence: answered exactly once; a failure recovery could re-run answered only once none was left."""
+        assert c.answered, f"the client of {c.rid} was never answered ({len(c.legs)} attempts, held back {c.held})"
+        attempt, s, _ = c.final
+        reruns = len(c.legs) - 1
+        recoverable = (s.via == "stream" and status_of(s) == 500 and not s.output_ids
+                       and verdict_wording.failed_chunk_kind((s.reason or {}).get("message")) is not None)
+        if recoverable and not (c.aborted or c.aborted_between):
+            spent = self.budget == "spent" and reruns >= 1
+            assert reruns == self.attempts or spent, (
+                f"{c.rid} answered a chunk failure before its first token after {reruns} of {self.attempts} "
+                f"attempts (budget {self.budget}): {s}")
+        if reruns:
+            LifecycleMachine.seen[f"recovered request answered {status_of(s)} by attempt {attempt}"] += 1
 
     # ------------------------------------------------------------------ quiescence
 
     def _drain(self, rounds: int = 12) -> None:
-        """Every wire message delivered, every hold let go, both sides passing, until nothing moves."""
-        for _ in range(rounds):
+        """Every wire message delivered, every hold let go, every attempt's copies arrived, both sides passing,
+        until nothing moves (12 more rounds after an attempt starts)."""
+        done, attempts = 0, len(self.reqs)
+        while done < rounds:
+            done += 1
+            for r in self.eligible_attempt_copies():
+                for side in SIDES:
+                    if not r.copy(side).arrived:
+                        self._arrive(r, side)
             for r in self.eligible_handshakes():
                 self._deliver_handshake(r)
             self.h["prefill"].faults._held.clear()
@@ -525,6 +785,8 @@ class LifecycleMachine(RuleBasedStateMachine):
             while d.waiting:
                 d.finish(d.waiting[0])
             self.check_step()
+            if len(self.reqs) > attempts:
+                attempts, rounds = len(self.reqs), max(rounds, done + 12)
 
     def settle(self) -> None:
         for side in SIDES:
@@ -551,7 +813,10 @@ class LifecycleMachine(RuleBasedStateMachine):
             self._drain(rounds=4)
         for r in self.reqs:
             for side in SIDES:
-                assert r.copy(side).answer is not None, f"{side} never answered {r.rid} (room {r.room})"
+                assert r.copy(side).answer is not None, \
+                    f"{side} never answered {r.side_rid(side)} (room {r.room})"
+        for c in self.clients:
+            self._check_quiescent_client(c)
         for side in SIDES:
             leftover = held(report(self.h[side]))
             assert not leftover, f"{side} holds something at quiescence: {leftover}"
@@ -561,6 +826,11 @@ class LifecycleMachine(RuleBasedStateMachine):
             self.settle()
             self.sides.dirty = False
         finally:
+            for name, value in self._saved_env.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
             engine_clock.resume()
             engine_clock._monotonic = self._saved_monotonic
             td.reset_scan_schedule()

@@ -22,7 +22,7 @@ import logging
 import random
 import time
 from http import HTTPStatus
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
 from sglang.srt.disaggregation.fork_ending import recovery_attempt, recovery_rule, request_end_cause, request_record, verdict
 from sglang.srt.disaggregation.fork_ending.verdict_wording import CLIENT_ABORT_MESSAGE, deadline_stage
@@ -115,10 +115,13 @@ def _holds(tm: Any, state: Any, recv_obj: Any, i: int, record: Attempts, reason:
     return cause
 
 
-def holds_back(tm: Any, state: Any, recv_obj: Any, i: int, meta_info: Dict[str, Any]) -> bool:
+def holds_back(tm: Any, state: Any, recv_obj: Any, i: int, meta_info: Dict[str, Any],
+               start: Optional[Callable[[Any, Any, int], None]] = None) -> bool:
     """The patched line in `TokenizerManager._handle_batch_output`, for output `i` of `recv_obj` (its `meta_info`
     built): True when this end is held back and the request re-run (the caller skips the output); else annotates
-    a recovered request's `meta_info`, counts how its recovery ended, and returns False."""
+    a recovered request's `meta_info`, counts how its recovery ended, and returns False. `start(tm, state, attempt)`
+    starts the attempt (default `_start`: a task on the tokenizer's loop; the lifecycle model passes its own, which
+    re-submits to its harnesses)."""
     record = request_record.peek(state, Attempts)
     if record.made:
         meta_info["recovery"] = {"attempts": record.made, "cause": record.cause}
@@ -144,9 +147,7 @@ def holds_back(tm: Any, state: Any, recv_obj: Any, i: int, meta_info: Dict[str, 
         record.weight_version = tm.config_value("weight_version")
     record.failure = reason
     _step(tm, record, Event.FAILED)
-    task = asyncio.get_running_loop().create_task(_rerun(tm, state, record, record.made))
-    _TASKS.add(task)
-    task.add_done_callback(_TASKS.discard)
+    (start or _start)(tm, state, record.made)
     logger.warning("Recovery of %s: its transfer failed (%s) before its first token; attempt %d under a new room",
                    state.obj.rid, cause, record.made)
     return True
@@ -204,6 +205,12 @@ def before_handle_abort_req(tm, recv_obj, *args, **kwargs):
 
 
 # ----------------------------------------------------------------------------- the re-run (the carrier)
+
+def _start(tm: Any, state: Any, attempt: int) -> None:
+    """Attempt `attempt` of `state`'s request as a task on the tokenizer's event loop (kept referenced until done)."""
+    task = asyncio.get_running_loop().create_task(_rerun(tm, state, request_record.of(state, Attempts), attempt))
+    _TASKS.add(task)
+    task.add_done_callback(_TASKS.discard)
 
 async def _test_hold(record: Attempts, rid: str) -> None:
     """The test switch's hold (recovery_faults): wait its seconds, or until the request is no longer held."""
