@@ -56,7 +56,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from sglang.srt.disaggregation.base import KVPoll
-from sglang.srt.disaggregation.fork_ending import recovery_attempt, verdict_wording
+from sglang.srt.disaggregation.fork_ending import recovery_attempt, request_record, verdict_wording
 from sglang.srt.disaggregation.fork_ending.engine_clock import engine_clock
 from sglang.srt.disaggregation.fork_recovery import recovery
 from sglang.srt.disaggregation.fork_transfer import transfer_deadline as td
@@ -314,6 +314,8 @@ class LifecycleMachine(RuleBasedStateMachine):
             copy.arrived_at = None
             return
         h.add(req)
+        if side == "decode" and r.attempt:  # recovery's re-submission reached decode's scheduler (`recovery._submit`)
+            recovery._step(self.tm, request_record.of(r.client.state, recovery.Attempts), recovery.Event.SUBMITTED)
         if r.room in self.pending[side]:
             self._tell(side, r.room, self.pending[side].pop(r.room))
 
@@ -324,6 +326,15 @@ class LifecycleMachine(RuleBasedStateMachine):
         copy = r.copy(side)
         copy.causes.update(answers)
         r.faulted = True
+
+    def _allow_chunk_failure(self, r: Request) -> None:
+        """A failed chunk write: 500 on both sides; on prefill, while recovery has an attempt left for this leg
+        (recovery_rule.prefill_hands_over: the knob > the leg's attempt), the verdict's handed-over answer instead
+        (an abort without status: the gateway keeps decode's answer)."""
+        self._allow(r, "prefill", 500)
+        self._allow(r, "decode", 500)
+        if self.attempts > r.attempt:
+            self._allow(r, "prefill", ABORT)
 
     def _tell(self, side: str, room: int, reason: str) -> None:
         """A failure status for `room` reaches `side`'s manager: Failed with the peer's reason (upstream's status
@@ -444,8 +455,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         self._new_request(SIDES)
         r = self.reqs[-1]
         self.h["prefill"].faults.fail_chunk(r.room, kind, reason=verdict_wording.UPSTREAM_CHUNK_FAILED["kv"] + " (model)")
-        self._allow(r, "prefill", 500)
-        self._allow(r, "decode", 500)
+        self._allow_chunk_failure(r)
 
     @precondition(lambda self: any(not (r.prefill.arrived and r.decode.arrived) for r in self.reqs))
     @rule(i=st.integers(0, MAX_REQUESTS - 1))
@@ -564,8 +574,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         r = pick(self.eligible_unanswered("prefill"), i)
         self.h["prefill"].faults.fail_chunk(r.room, kind,
                                             reason=verdict_wording.UPSTREAM_CHUNK_FAILED["kv"] + " (model)")
-        self._allow(r, "prefill", 500)
-        self._allow(r, "decode", 500)
+        self._allow_chunk_failure(r)
 
     def eligible_attempts(self) -> List[Request]:
         return [r for r in self.reqs if r.attempt and r.prefill.answer is None
@@ -579,8 +588,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         r = pick(self.eligible_attempts(), i)
         self.h["prefill"].faults.fail_chunk(r.room, kind,
                                             reason=verdict_wording.UPSTREAM_CHUNK_FAILED["kv"] + " (model)")
-        self._allow(r, "prefill", 500)
-        self._allow(r, "decode", 500)
+        self._allow_chunk_failure(r)
 
     @precondition(lambda self: bool(self.eligible_live_transfers()))
     @rule(i=st.integers(0, MAX_REQUESTS - 1))
