@@ -42,7 +42,8 @@ def _decode_log_line(monkeypatch, rid: str) -> str:
                                bootstrap_room=1)
         state = ReqState(out_list=[], finished=False, event=asyncio.Event(), obj=obj, time_stats=None)
         failed = {"type": "abort", "status_code": 500, "message": verdict_wording.UPSTREAM_CHUNK_FAILED["kv"]}
-        held = rec.holds_back(SimpleNamespace(server_args=SimpleNamespace(disaggregation_mode="decode")), state,
+        tm = SimpleNamespace(server_args=SimpleNamespace(disaggregation_mode="decode"), config_value=lambda name: "v0")
+        held = rec.holds_back(tm, state,
                               SimpleNamespace(finished_reasons=[failed], completion_tokens=[0]), 0, {},
                               start=lambda *a: None)
     finally:
