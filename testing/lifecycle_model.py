@@ -82,14 +82,7 @@ ANSWERS = (200, ABORT, 500, 502, 503, 504)
 # Bugs the model found that are still open: the contract is relaxed for exactly the orderings that reach each, so
 # the deterministic tier keeps guarding everything else; each has a strict-xfail regression test
 # (test/srt/model/test_lifecycle_regressions.py). Remove a name once its fix merges (its regression test XPASSes).
-ABORT_WHILE_STARTING = "an abort or pause while a recovery attempt starts is not answered"
-KNOWN_BUGS: set = {
-    # Between the held-back end and the attempt's arrival at decode's scheduler an abort / abort_all / pause (abort)
-    # finds nothing of the request in the scheduler; decode's tokenizer answers it (recovery.tm_abort_request, proven
-    # end to end by test_recovery_skew_e2e), but the model's aborts go to the schedulers directly, not through decode's
-    # tokenizer, so here the attempt still completes. test_a_client_abort_while_an_attempt_starts_is_answered
-    ABORT_WHILE_STARTING,
-}
+KNOWN_BUGS: set = set()  # orderings whose wrong answer the model tolerates (each with a strict-xfail regression)
 RECOVERY_ATTEMPTS = (0, 1, 2)  # SGLANG_FORK_RECOVERY_ATTEMPTS, drawn per example
 # SGLANG_FORK_RECOVERY_BUDGET: ample (never spent in a run of the model), or spent by a request's second failure
 BUDGETS = {"ample": "600", "spent": "1e-9"}
@@ -274,9 +267,10 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.reqs: List[Request] = []  # every attempt of every client request
         self.clients: List[Client] = []
         self.time = ScriptedTime()
-        # decode's tokenizer as recovery reads it (its server args: the decode harness's)
-        # decode's tokenizer as recovery reads it: its server args, and one weight version (the model updates none)
-        self.tm = SimpleNamespace(server_args=self.h["decode"].server_args, config_value=lambda name: "model-v0")
+        # decode's tokenizer as recovery reads it: its server args, one weight version (the model updates none), its
+        # requests' states, and upstream's abort answer path (`_handle_abort_req`: here, the client gets the answer)
+        self.tm = SimpleNamespace(server_args=self.h["decode"].server_args, config_value=lambda name: "model-v0",
+                                  rid_to_state={}, is_pause=False, _handle_abort_req=self._abort_answered)
         self._saved_env = {k.name: os.environ.get(k.name) for k in (knobs.RECOVERY_ATTEMPTS, knobs.RECOVERY_BUDGET)}
         self.set_recovery(0, "ample")  # until the example draws its knobs (`recovery_knobs`)
         self._saved_monotonic = engine_clock._monotonic
@@ -401,15 +395,29 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.reqs.append(leg)
         LifecycleMachine.seen[f"recovery attempt {attempt} started"] += 1
 
-    def _between(self, side: str, why: str) -> None:
-        """An abort, a pause (abort) or a release on `side` reached decode while an attempt was starting (held back,
-        its copy not at decode's scheduler yet): the scheduler has nothing of that request to end."""
+    def _between(self, side: str, why: str, rid: str = "") -> None:
+        """An abort (a client's by `rid`, else `abort_all`, also the abort-mode pause's) reaches decode's tokenizer:
+        recovery's AROUND hook on `TokenizerManager.abort_request` (`recovery.tm_abort_request`, real code) answers
+        a request between attempts (held back, in no scheduler) at once; its attempt then never re-submits (neither
+        copy is sent: `_abort_answered` withdraws it). The scheduler's own abort follows (the caller's)."""
         if side != "decode":
             return
         for c in self.clients:
-            if c.starting():
+            if c.starting() and (not rid or c.rid.startswith(rid)):
                 c.aborted_between = True
                 LifecycleMachine.seen[f"recovery: {why} on decode while an attempt was starting"] += 1
+        recovery.tm_abort_request(lambda tm, rid, abort_all: None, self.tm, rid, not rid)
+
+    def _abort_answered(self, recv: AbortReq) -> None:
+        """Upstream's `_handle_abort_req` as recovery calls it for a held-back request: the client gets the abort
+        answer (by its pending attempt), and that attempt is withdrawn (recovery's re-run stops before it sends
+        anything)."""
+        c = next(c for c in self.clients if c.rid == recv.rid)
+        leg = c.legs[-1]
+        assert not (leg.prefill.arrived or leg.decode.arrived), f"{c.rid}: answered between attempts after a copy was sent"
+        self.reqs.remove(leg)
+        c.delivered.append((leg.attempt, Streamed(rid=recv.rid, finished=True, reason=recv.finished_reason,
+                                                  output_ids=(), via="abort_req", room=leg.room), {}))
 
     # ------------------------------------------------------------------ rules: requests
 
@@ -423,6 +431,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         r.client = Client(rid, ReqState(out_list=[], finished=False, event=asyncio.Event(), obj=obj, time_stats=None),
                           legs=[r])
         self.clients.append(r.client)
+        self.tm.rid_to_state[rid] = r.client.state
         self.reqs.append(r)
         for side in arrives:
             self._arrive(r, side)
@@ -471,11 +480,12 @@ class LifecycleMachine(RuleBasedStateMachine):
         return [r for r in self.reqs if r.attempt and not (r.prefill.arrived and r.decode.arrived)]
 
     @precondition(lambda self: bool(self.eligible_attempt_copies()))
-    @rule(i=st.integers(0, MAX_REQUESTS - 1), side=st.sampled_from(SIDES))
-    def attempt_copy_arrives(self, i: int, side: str) -> None:
-        """A recovery attempt's copy reaches its scheduler: `side`'s, or the other's if that one is there."""
+    @rule(i=st.integers(0, MAX_REQUESTS - 1))
+    def attempt_copy_arrives(self, i: int) -> None:
+        """A recovery attempt's copy reaches its scheduler: decode's first (`recovery._rerun` sends the prefill leg only
+        once decode's scheduler has the request), then prefill's."""
         r = pick(self.eligible_attempt_copies(), i)
-        self._arrive(r, side if not r.copy(side).arrived else SIDES[1 - SIDES.index(side)])
+        self._arrive(r, "decode" if not r.decode.arrived else "prefill")
 
     # ------------------------------------------------------------------ rules: scheduler passes
 
@@ -612,9 +622,7 @@ class LifecycleMachine(RuleBasedStateMachine):
                 r.copy(side).completion_allowed = False  # never a completion once an abort is pending on it
                 if side == "decode" and not r.client.answered:
                     r.client.aborted = True
-        if side == "decode" and hit[0].client.starting():
-            hit[0].client.aborted_between = True
-            LifecycleMachine.seen["recovery: client abort on decode while an attempt was starting"] += 1
+        self._between(side, "client abort", rid)
         self.h[side].abort(rid)
 
     @rule(side=st.sampled_from(SIDES))
@@ -668,7 +676,8 @@ class LifecycleMachine(RuleBasedStateMachine):
             self.pause(side, "in_place")
         for r in self._unanswered(side):
             self._allow(r, side, ABORT)
-        self._between(side, "release")
+        # a request between recovery attempts is not in flight: it waits at the pause gate (`recovery._submit`) and is
+        # re-submitted after the resume, as any request at the gate (its decode copy's arrival waits: `_arrive`)
         h = self.h[side]
         for r in self.reqs:
             if r.handshake_delivered and not r.copy(side).arrived:
@@ -728,10 +737,9 @@ class LifecycleMachine(RuleBasedStateMachine):
                                 f"{self.attempts}, budget {self.budget}")
         assert len(c.held) == reruns, f"{c.rid}: {len(c.held)} ends held back, {reruns} attempts started"
         for attempt, s in c.held:
-            leg = c.legs[attempt]
-            assert (s.reason or {}).get("type") == "abort" and s.reason.get("status_code") == 500 and \
-                not s.output_ids, f"{c.rid}: attempt {attempt}'s end held back though it is no failure before a token: {s}"
-            assert 500 in leg.decode.causes, f"{c.rid}: attempt {attempt} re-run though it met no transfer failure"
+            # a failed chunk write (500) or a transfer deadline in a recoverable stage (504), before any token
+            assert recovery._cause(s.reason) is not None and not s.output_ids, \
+                f"{c.rid}: attempt {attempt}'s end held back though it is no recoverable failure before a token: {s}"
             assert attempt < reruns, f"{c.rid}: attempt {attempt}'s end held back, no attempt started after it"
         with_tokens = {attempt for attempt, s, _ in c.delivered if s.output_ids}
         assert len(with_tokens) <= 1, f"the client of {c.rid} got tokens of attempts {sorted(with_tokens)}"
@@ -741,7 +749,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         answer = status_of(s)
         assert attempt == reruns, f"{c.rid} answered by attempt {attempt} of {reruns}: {s}"
         if s.via == "stream":
-            want = {"attempts": reruns, "cause": recovery.CAUSE_CHUNK} if reruns else None
+            want = {"attempts": reruns, "cause": recovery._cause(c.held[0][1].reason)} if reruns else None
             assert meta.get("recovery") == want, f"{c.rid}: meta_info recovery {meta.get('recovery')}, {reruns} attempts"
         if answer == 200:
             assert c.legs[attempt].decode.answer == 200, f"{c.rid}: a completion its attempt did not make"
@@ -749,22 +757,19 @@ class LifecycleMachine(RuleBasedStateMachine):
             if c.aborted:
                 raise AssertionError(f"{c.rid} answered a completion after an abort reached it (attempt {attempt})")
             if c.aborted_between:
-                assert ABORT_WHILE_STARTING in KNOWN_BUGS, (
-                    f"{c.rid} answered a completion after an abort or pause reached it while recovery attempt "
-                    f"{attempt} was starting")
-                LifecycleMachine.seen[f"known bug: {ABORT_WHILE_STARTING}"] += 1
+                raise AssertionError(f"{c.rid} answered a completion after an abort or pause reached it while "
+                                     f"recovery attempt {attempt} was starting")
 
     def _check_quiescent_client(self, c: Client) -> None:
         """At quiescence: answered exactly once; a failure recovery could re-run answered only once none was left."""
         assert c.answered, f"the client of {c.rid} was never answered ({len(c.legs)} attempts, held back {c.held})"
         attempt, s, _ = c.final
         reruns = len(c.legs) - 1
-        recoverable = (s.via == "stream" and status_of(s) == 500 and not s.output_ids
-                       and verdict_wording.failed_chunk_kind((s.reason or {}).get("message")) is not None)
+        recoverable = s.via == "stream" and not s.output_ids and recovery._cause(s.reason) is not None
         if recoverable and not (c.aborted or c.aborted_between):
             spent = self.budget == "spent" and reruns >= 1
             assert reruns == self.attempts or spent, (
-                f"{c.rid} answered a chunk failure before its first token after {reruns} of {self.attempts} "
+                f"{c.rid} answered a recoverable failure before its first token after {reruns} of {self.attempts} "
                 f"attempts (budget {self.budget}): {s}")
         if reruns:
             LifecycleMachine.seen[f"recovered request answered {status_of(s)} by attempt {attempt}"] += 1

@@ -6,7 +6,7 @@ remove the mark and the KNOWN_BUGS entry together."""
 import pytest
 
 from testing import lifecycle_model
-from testing.lifecycle_model import ABORT_WHILE_STARTING, LifecycleMachine
+from testing.lifecycle_model import LifecycleMachine
 
 pytestmark = pytest.mark.unit
 
@@ -87,8 +87,8 @@ def _failed_first_attempt(model, attempts, budget="ample"):
 def _fail_the_attempt(model):
     """The running attempt's copies arrive; its last chunk write fails too."""
     steps(model,
-          ("attempt_copy_arrives", {"i": 0, "side": "decode"}),
-          ("attempt_copy_arrives", {"i": 0, "side": "prefill"}),
+          ("attempt_copy_arrives", {"i": 0}),  # decode's copy first
+          ("attempt_copy_arrives", {"i": 0}),  # then the prefill leg
           ("chunk_fails", {"i": 0, "kind": "last"}),
           ("scheduler_pass", {"side": "decode"}),
           ("deliver_handshake", {"i": 0}),
@@ -148,16 +148,17 @@ def test_two_attempts_after_two_failures(model):
     assert _answer(c)[:3] == (2, 200, {"attempts": 2, "cause": "chunk_failure"}), c.final
 
 
-@pytest.mark.xfail(strict=True, reason="the model's aborts bypass decode's tokenizer, which answers this abort "
-                                      "(recovery.tm_abort_request; test_recovery_skew_e2e): " + ABORT_WHILE_STARTING)
 def test_a_client_abort_while_an_attempt_starts_is_answered(model):
     """The client aborts after decode held the failed end back and before the attempt reached decode's scheduler
     (in `_rerun`: asking prefill's bootstrap server its address, re-tokenizing): decode's scheduler has nothing of
-    that rid to end, the attempt then arrives and completes: the client that aborted gets a completion. In the fork
-    decode's tokenizer answers that abort itself (recovery.tm_abort_request; test_recovery_skew_e2e shows it on real
-    servers); the model's aborts reach the schedulers directly, so the model still sees the completion. Stock upstream 0.5.23 never re-runs: the abort comes
-    after the failure's 500, which the client already has."""
+    that rid to end. Found by the model as a completion answered to the client that aborted; now decode's tokenizer
+    answers the abort itself (recovery.tm_abort_request; test_recovery_skew_e2e on real servers) and the attempt
+    sends nothing. Stock upstream 0.5.23 never re-runs: the abort comes after the failure's 500, which the client
+    already has."""
     c = _failed_first_attempt(model, attempts=1)
     assert c.starting()
     steps(model, ("client_abort", {"side": "decode", "i": 0}))
     model.teardown()
+    attempt, answer, _, tokens = _answer(c)
+    assert (attempt, answer, tokens) == (1, lifecycle_model.ABORT, ()), c.final  # the abort's answer, by attempt 1
+    assert not (c.legs[1].prefill.arrived or c.legs[1].decode.arrived), c.legs[1]  # the attempt sent nothing

@@ -135,6 +135,26 @@ def _events(body: str):
     return [json.loads(d) for d in data if d != "[DONE]"], done
 
 
+def _recovered_stream(url: str, text: str, rid: str, calm: dict, cause: str) -> float:
+    """Stream `text` under `rid` from `url` and check the recovered stream: 200, ended with [DONE], exactly one finish
+    and it no abort, no error event, the calm control's text, `meta_info.recovery` naming `cause`; the seconds it
+    took."""
+    payload = {"text": text, "rid": rid, "stream": True,
+               "sampling_params": {"temperature": 0.0, "max_new_tokens": MAX_NEW_TOKENS}}
+    t0 = time.monotonic()
+    status, body = _stream(url, payload)
+    took = time.monotonic() - t0
+    assert status == 200, body
+    events, done = _events(body)
+    assert done, body
+    finishes = [e["meta_info"]["finish_reason"] for e in events if e["meta_info"].get("finish_reason")]
+    assert len(finishes) == 1 and finishes[0]["type"] != "abort", finishes
+    assert not any("error" in e for e in events), body
+    assert events[-1]["text"] == calm["text"], (events[-1], calm)  # /generate streams the text so far
+    assert events[-1]["meta_info"]["recovery"] == {"attempts": 1, "cause": cause}
+    return took
+
+
 def _calm(single, text):
     calm = generate(single.url, text, max_new_tokens=MAX_NEW_TOKENS)
     assert calm["status"] == 200, calm
@@ -190,19 +210,7 @@ def test_a_transfer_failed_before_the_first_token_is_recovered_streaming(deploym
     text = prompts(12)[PROMPT[kind] + 1]
     calm = _calm(single, text)
     timeouts = _timeouts(cluster)
-    payload = {"text": text, "rid": f"{cause.once}s-1", "stream": True,
-               "sampling_params": {"temperature": 0.0, "max_new_tokens": MAX_NEW_TOKENS}}
-    t0 = time.monotonic()
-    status, body = _stream(cluster.url, payload)
-    took = time.monotonic() - t0
-    assert status == 200, body
-    events, done = _events(body)
-    assert done, body
-    finishes = [e["meta_info"]["finish_reason"] for e in events if e["meta_info"].get("finish_reason")]
-    assert len(finishes) == 1 and finishes[0]["type"] != "abort", finishes
-    assert not any("error" in e for e in events), body
-    assert events[-1]["text"] == calm["text"], (events[-1], calm)  # /generate streams the text so far
-    assert events[-1]["meta_info"]["recovery"] == {"attempts": 1, "cause": cause.cause}
+    took = _recovered_stream(cluster.url, text, f"{cause.once}s-1", calm, cause.cause)
     assert cause.earliest <= took < RECOVERED_WITHIN_S, took
     _deadline_fired(kind, cluster, timeouts)
     assert_idle(cluster, PD_ROLES, baseline=baseline, timeout=60)
@@ -268,19 +276,7 @@ def test_behind_the_gateway_a_recovered_stream_has_one_finish_and_no_abort(deplo
     text = prompts(12)[4]
     calm = _calm(single, text)
     before, ended = _charged(gateway), cluster_end_causes(cluster, ("prefill",))
-    payload = {"text": text, "rid": "rec-once-gw-s-1", "stream": True,
-               "sampling_params": {"temperature": 0.0, "max_new_tokens": MAX_NEW_TOKENS}}
-    t0 = time.monotonic()
-    status, body = _stream(gateway.url, payload)
-    took = time.monotonic() - t0
-    assert status == 200, body
-    events, done = _events(body)
-    assert done, body
-    finishes = [e["meta_info"]["finish_reason"] for e in events if e["meta_info"].get("finish_reason")]
-    assert len(finishes) == 1 and finishes[0]["type"] != "abort", finishes
-    assert not any("error" in e for e in events), body
-    assert events[-1]["text"] == calm["text"], (events[-1], calm)
-    assert events[-1]["meta_info"]["recovery"] == {"attempts": 1, "cause": "chunk_failure"}
+    took = _recovered_stream(gateway.url, text, "rec-once-gw-s-1", calm, "chunk_failure")
     assert took < RECOVERED_WITHIN_S, took
     assert_idle(cluster, PD_ROLES, baseline=baseline, timeout=60)
     wait_end_causes(cluster, ended, PREFILL_FAILED_ONCE, roles=("prefill",))

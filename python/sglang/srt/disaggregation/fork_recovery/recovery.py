@@ -212,6 +212,7 @@ def _start(tm: Any, state: Any, attempt: int) -> None:
     _TASKS.add(task)
     task.add_done_callback(_TASKS.discard)
 
+
 async def _test_hold(record: Attempts, rid: str) -> None:
     """The test switch's hold (recovery_faults): wait its seconds, or until the request is no longer held."""
     loop = asyncio.get_running_loop()
