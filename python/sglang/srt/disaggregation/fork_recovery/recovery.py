@@ -165,9 +165,9 @@ def _answer(tm: Any, rid: str, finish_reason: Dict[str, Any]) -> None:
 
 def _end_held(tm: Any, state: Any, record: Attempts, event: Event, why: str) -> None:
     """End a held-back request by `event` (no attempt runs): the held-back failure answered, as without recovery."""
-    _step(tm, record, event)
-    logger.warning("Recovery of %s: %s; answering the failure", state.obj.rid, why)
-    _answer(tm, state.obj.rid, record.failure or {})
+    if _step(tm, record, event).answers_failure:
+        logger.warning("Recovery of %s: %s; answering the failure", state.obj.rid, why)
+        _answer(tm, state.obj.rid, record.failure or {})
 
 
 def tm_abort_request(original, tm, rid: str = "", abort_all: bool = False, *args, **kwargs):
@@ -184,9 +184,9 @@ def tm_abort_request(original, tm, rid: str = "", abort_all: bool = False, *args
     pausing = abort_all and call is not None and call.op == PAUSE and call.mode == "abort"
     reason = verdict.pause_finish_reason() if pausing else verdict.pause_finish_reason(CLIENT_ABORT_MESSAGE)
     for r, s in held:
-        _step(tm, request_record.of(s, Attempts), Event.ABORTED)
-        logger.warning("Recovery of %s: aborted between attempts (%s)", r, reason["message"])
-        _answer(tm, r, reason)
+        if _step(tm, request_record.of(s, Attempts), Event.ABORTED).answers_abort:
+            logger.warning("Recovery of %s: aborted between attempts (%s)", r, reason["message"])
+            _answer(tm, r, reason)
     if tm.is_pause:  # a re-run waiting at the gate looks again
         asyncio.get_running_loop().create_task(pause_gate.gate_of(tm).set())
     return result
