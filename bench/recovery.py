@@ -61,8 +61,17 @@ class Cause:
         return f"rec-{self.name}-"
 
 
+# The stall's deadline, on both servers (decode's `decode_transfer` deadline is the one that fires), and the stall:
+# longer than the deadline, so the first attempt is ended by it; the re-run's KV waits behind the stalled transfer
+# worker (one transfer queue per decode session) until the stall is over, well inside the re-run's own deadline.
+STALL_DEADLINE_S = 3.0
+STALL_S = 4.0
+_DEADLINE_ENV = {"SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT": f"{STALL_DEADLINE_S:g}"}
 CAUSES: Tuple[Cause, ...] = (
     Cause("chunk_failure", "a KV chunk write failed on the first attempt", "kv+first:rid={prefix}"),
+    Cause("transfer_deadline", f"a KV transfer stalled {STALL_S:g} s on the first attempt, past a "
+          f"{STALL_DEADLINE_S:g} s transfer deadline", f"kv+delay={STALL_S:g}+first:rid={{prefix}}",
+          prefill_env=_DEADLINE_ENV, decode_env=_DEADLINE_ENV),
 )
 RECOVERY_ENV = {"SGLANG_FORK_RECOVERY_ATTEMPTS": "1", "SGLANG_FORK_RECOVERY_BUDGET": "30", "SGLANG_LOG_MS": "1"}
 

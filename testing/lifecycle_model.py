@@ -108,6 +108,7 @@ class Copy:
     causes: Set[int] = dataclasses.field(default_factory=set)  # answers (besides completion) its events allow
     completion_allowed: bool = True
     answer: Optional[object] = None
+    at_gate: bool = False  # decode: at its tokenizer, waiting at the pause gate (released, or paused in abort mode)
 
     @property
     def arrived(self) -> bool:
@@ -165,6 +166,7 @@ class Client:
     held: List[Tuple[int, Streamed]] = dataclasses.field(default_factory=list)
     aborted: bool = False  # a client abort / abort_all on decode reached a live attempt before its answer
     aborted_between: bool = False  # an abort, a pause (abort) or a release on decode while an attempt was starting
+    aborted_at_gate: bool = False  # an abort reached decode's tokenizer while the request waited at its pause gate
 
     @property
     def final(self) -> Optional[Tuple[int, Streamed, dict]]:
@@ -303,10 +305,14 @@ class LifecycleMachine(RuleBasedStateMachine):
         else:
             req = h.make_req(rid=r.rid, room=r.room, prompt_len=PROMPT)
             r.decode_req = req
+        if side == "decode" and not r.attempt:  # it reached decode's tokenizer (`_init_req_state`, before the gate)
+            self.tm.rid_to_state.setdefault(r.rid, r.client.state)
         if self.released[side] or self.paused[side] == "abort":
             # what the tokenizer would do with it is not modelled here: it waits at the gate (arrives later)
             copy.arrived_at = None
+            copy.at_gate = True
             return
+        copy.at_gate = False
         h.add(req)
         if side == "decode" and r.attempt:  # recovery's re-submission reached decode's scheduler (`recovery._submit`)
             recovery._step(self.tm, request_record.of(r.client.state, recovery.Attempts), recovery.Event.SUBMITTED)
@@ -406,6 +412,10 @@ class LifecycleMachine(RuleBasedStateMachine):
             if c.starting() and (not rid or c.rid.startswith(rid)):
                 c.aborted_between = True
                 LifecycleMachine.seen[f"recovery: {why} on decode while an attempt was starting"] += 1
+            if c.legs[0].decode.at_gate and (not rid or c.rid == rid):
+                # the fork's gate answers it the abort (pause_gate; not modelled: it arrives later); recovery is
+                # over for it (`recovery.tm_abort_request`: never held back after)
+                c.aborted_at_gate = True
         recovery.tm_abort_request(lambda tm, rid, abort_all: None, self.tm, rid, not rid)
 
     def _abort_answered(self, recv: AbortReq) -> None:
@@ -431,7 +441,6 @@ class LifecycleMachine(RuleBasedStateMachine):
         r.client = Client(rid, ReqState(out_list=[], finished=False, event=asyncio.Event(), obj=obj, time_stats=None),
                           legs=[r])
         self.clients.append(r.client)
-        self.tm.rid_to_state[rid] = r.client.state
         self.reqs.append(r)
         for side in arrives:
             self._arrive(r, side)
@@ -466,10 +475,12 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.h["prefill"].faults.fail_chunk(r.room, kind, reason=verdict_wording.UPSTREAM_CHUNK_FAILED["kv"] + " (model)")
         self._allow_chunk_failure(r)
 
-    @precondition(lambda self: any(not (r.prefill.arrived and r.decode.arrived) for r in self.reqs))
+    @precondition(lambda self: any(not r.attempt and not (r.prefill.arrived and r.decode.arrived) for r in self.reqs))
     @rule(i=st.integers(0, MAX_REQUESTS - 1))
     def late_copy(self, i: int) -> None:
-        late = [r for r in self.reqs if not (r.prefill.arrived and r.decode.arrived)]
+        """A client's request's copy that is still on its way arrives (a recovery attempt's copies arrive in their
+        own order: `attempt_copy_arrives`)."""
+        late = [r for r in self.reqs if not r.attempt and not (r.prefill.arrived and r.decode.arrived)]
         r = late[i % len(late)]
         for side in SIDES:
             if not r.copy(side).arrived:
@@ -766,7 +777,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         attempt, s, _ = c.final
         reruns = len(c.legs) - 1
         recoverable = s.via == "stream" and not s.output_ids and recovery._cause(s.reason) is not None
-        if recoverable and not (c.aborted or c.aborted_between):
+        if recoverable and not (c.aborted or c.aborted_between or c.aborted_at_gate):
             spent = self.budget == "spent" and reruns >= 1
             assert reruns == self.attempts or spent, (
                 f"{c.rid} answered a recoverable failure before its first token after {reruns} of {self.attempts} "

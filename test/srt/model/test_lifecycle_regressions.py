@@ -162,3 +162,51 @@ def test_a_client_abort_while_an_attempt_starts_is_answered(model):
     attempt, answer, _, tokens = _answer(c)
     assert (attempt, answer, tokens) == (1, lifecycle_model.ABORT, ()), c.final  # the abort's answer, by attempt 1
     assert not (c.legs[1].prefill.arrived or c.legs[1].decode.arrived), c.legs[1]  # the attempt sent nothing
+
+
+@pytest.mark.parametrize("attempts", [0, 1])
+def test_an_abort_all_in_the_pass_a_transfer_deadline_falls_is_answered_as_the_abort(model, attempts):
+    """Decode's copy waits for prefill's KV (prefill's copy not there yet); the transfer deadline passes; then an
+    `abort_all` on decode. Decode's next pass scans the deadline before it polls the receiver the abort concluded
+    Failed. Found by the model's long run (shrunk by hand from a 40-step counterexample): the deadline ended the room
+    504 though the abort had already decided it, so the client that aborted got the deadline (recovery off) or,
+    with recovery on, a re-run and a completion. Fixed: the deadline leaves a decode entry an abort already ended to
+    the poll right after it (`transfer_deadline._not_aborted`), and an abort that reaches decode's tokenizer ends
+    recovery for that request (`recovery_life`: IDLE/RUNNING on ABORTED -> ENDED). Now the abort's answer, as stock
+    upstream 0.5.23 (no deadline) gives it."""
+    model.set_recovery(attempts, "ample")
+    steps(model,
+          ("new_request_decode_first", {}),
+          ("scheduler_pass", {"side": "decode"}),  # preallocated, its handshake out, waiting for the KV
+          ("clock_advances", {"seconds": lifecycle_model.DEADLINE + 1.0}),
+          ("abort_all", {"side": "decode"}))
+    model.teardown()
+    c = model.clients[0]
+    attempt, answer, meta, tokens = _answer(c)
+    assert (len(c.legs), attempt, answer, meta, tokens) == (1, 0, lifecycle_model.ABORT, None, ()), c.final
+
+
+def test_an_abort_that_reached_decode_s_tokenizer_first_is_never_re_run(model):
+    """The client aborts while decode's scheduler is ending its copy for a failed chunk write: the abort reaches
+    decode's tokenizer (recovery's hook on `abort_request`) before the scheduler's 500 does, and the AbortReq is
+    still on its way to the scheduler. Before the fix the 500 was held back and the request re-run: a completion
+    answered to a client that had aborted. Now recovery is over for it once the abort reached the tokenizer: the
+    client gets the 500, as with recovery off (and as stock upstream 0.5.23, which answers that 500 too)."""
+    from sglang.srt.disaggregation.fork_recovery import recovery
+
+    model.set_recovery(1, "ample")
+    steps(model,
+          ("new_request_both", {}),
+          ("chunk_fails", {"i": 0, "kind": "last"}),
+          ("scheduler_pass", {"side": "decode"}),
+          ("deliver_handshake", {"i": 0}),
+          ("scheduler_pass", {"side": "prefill"}),
+          ("scheduler_pass", {"side": "prefill"}),
+          ("deliver_notices", {}))
+    c = model.clients[0]
+    c.aborted = True  # the model's record: an abort reached this client's request (no completion may follow)
+    recovery.tm_abort_request(lambda tm, rid, abort_all: None, model.tm, c.rid, False)  # the tokenizer's side only
+    steps(model, ("scheduler_pass", {"side": "decode"}))  # the 500 reaches the tokenizer after the abort
+    model.teardown()
+    attempt, answer, meta, _ = _answer(c)
+    assert (len(c.legs), attempt, answer, meta) == (1, 0, 500, None), c.final

@@ -134,6 +134,8 @@ def holds_back(tm: Any, state: Any, recv_obj: Any, i: int, meta_info: Dict[str, 
         return False  # a completion recovery never touched
     if not recovery_rule.enabled():  # off (the default): nothing more is read or decided
         return False
+    if record.phase is Phase.ENDED:  # an abort reached it while in a scheduler: this end is the client's
+        return False
     cause = _holds(tm, state, recv_obj, i, record, reason)
     if cause is None:
         if record.phase is Phase.RUNNING:  # the re-run's answer is the client's
@@ -174,10 +176,16 @@ def tm_abort_request(original, tm, rid: str = "", abort_all: bool = False, *args
     """AROUND TokenizerManager.abort_request (outermost): a request between attempts (HELD, in no scheduler: the
     abort upstream sends reaches nothing) is answered here at once with the answer the scheduler gives an abort
     (200, finish_reason abort): the abort-mode pause's message for its abort_all, else the client's; its re-run
-    stops before it re-submits anything."""
+    stops before it re-submits anything. A request the abort reaches in a scheduler (IDLE or RUNNING) is never held
+    back after (`Event.ABORTED`: its end, whatever verdict the scheduler gives it, is the client's)."""
     result = original(tm, rid, abort_all, *args, **kwargs)
-    held = [(r, s) for r, s in list(tm.rid_to_state.items())
-            if (abort_all or r == rid) and request_record.peek(s, Attempts).phase is Phase.HELD]
+    if not recovery_rule.enabled():
+        return result
+    reached = [(r, s) for r, s in list(tm.rid_to_state.items()) if abort_all or r == rid]
+    for r, s in reached:
+        if request_record.peek(s, Attempts).phase in (Phase.IDLE, Phase.RUNNING):
+            _step(tm, request_record.of(s, Attempts), Event.ABORTED)
+    held = [(r, s) for r, s in reached if request_record.peek(s, Attempts).phase is Phase.HELD]
     if not held:
         return result
     call = state_of(tm).call

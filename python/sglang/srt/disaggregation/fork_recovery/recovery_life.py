@@ -4,8 +4,11 @@ like `managers/fork_pause/engine_pause_state.py`.
 Invariant: a request recovery touched is in at most one place at a time: `HELD` (its failed attempt's end held back,
 the next attempt not yet re-submitted: in NO scheduler; the re-run task and the abort hook may end it, each only
 through a row of `TRANSITIONS`), `RUNNING` (re-submitted: its answer is decode's scheduler's, as any request's),
-`ENDED` (answered). It is answered once: by the row that moves it to `ENDED` from `HELD` (the caller answers), or by
-the scheduler's output while `RUNNING`. Each row names the outcome it counts (`sglang:pd_request_recoveries_total`).
+`ENDED` (recovery is over for it: answered, or an abort reached it while it was in a scheduler, whose answer is then
+the client's and never held back). It is answered once: by the row that moves it to `ENDED` from `HELD` (the caller
+answers), or by the scheduler's output otherwise. An abort is decided where it reaches decode's tokenizer, before the
+scheduler's answer comes: the scheduler may still end the room by another verdict in the same pass (a transfer deadline
+checked before the aborted receiver is polled), and that end must not start an attempt the client no longer wants. Each row names the outcome it counts (`sglang:pd_request_recoveries_total`).
 The tokenizer's event loop only (single-threaded, no lock); the record (`Attempts`) lives on the tokenizer's ReqState
 (`request_record`)."""
 
@@ -20,7 +23,7 @@ class Phase(enum.Enum):
     IDLE = "no failure held back"
     HELD = "a failed attempt's end held back; the next attempt not re-submitted yet (in no scheduler)"
     RUNNING = "an attempt re-submitted to decode's scheduler (its answer is the scheduler's)"
-    ENDED = "answered"
+    ENDED = "recovery is over for it (answered, or aborted while in a scheduler: never held back after)"
 
 
 class Event(enum.Enum):
@@ -51,6 +54,7 @@ class Row:
 _P, _E = Phase, Event
 TRANSITIONS: Dict[Tuple[Phase, Event], Row] = {
     (_P.IDLE, _E.FAILED): Row(_P.HELD, STARTED),
+    (_P.IDLE, _E.ABORTED): Row(_P.ENDED, None),  # never recovered after: nothing counted (recovery never ran)
     (_P.RUNNING, _E.FAILED): Row(_P.HELD, STARTED),
     (_P.HELD, _E.SUBMITTED): Row(_P.RUNNING, None),
     (_P.HELD, _E.ABORTED): Row(_P.ENDED, ABORTED, answers_abort=True),

@@ -113,12 +113,22 @@ def before_prefill_inflight(scheduler, *args, **kwargs):  # BEFORE process_disag
     _expire(scheduler, PREFILL_INFLIGHT, scheduler.disagg_prefill_inflight_queue, "prefill")
 
 
+def _not_aborted(entry: Any) -> bool:
+    """A decode entry the deadline may still end: not one an abort already ended this pass. The scheduler's abort
+    (`room_scheduler_hooks.before_abort_request`, every rank: the AbortReq is broadcast) records it in the verdict
+    and upstream's abort concludes the receiver Failed at once; the poll right after this scan ends it as the abort
+    (the verdict's `requested` row). Without this the deadline, checked first in the same pass, would end it 504 and
+    the client that aborted would get the deadline (and, with recovery on, a re-run)."""
+    return not (verdict.peek(entry.req).requested is not None
+                and fork_touch.upstream(entry.kv_receiver, "conclude_state") == KVPoll.Failed)
+
+
 def before_pop_preallocated(queue, *args, **kwargs):  # BEFORE DecodePreallocQueue.pop_preallocated
-    _expire(queue.scheduler, DECODE_PREALLOC, queue.queue, "decode")
+    _expire(queue.scheduler, DECODE_PREALLOC, queue.queue, "decode", keep=_not_aborted)
 
 
 def before_pop_transferred(queue, *args, **kwargs):  # BEFORE DecodeTransferQueue.pop_transferred
-    _expire(queue.scheduler, DECODE_TRANSFER, queue.queue, "decode")
+    _expire(queue.scheduler, DECODE_TRANSFER, queue.queue, "decode", keep=_not_aborted)
 
 
 def reset_scan_schedule() -> None:
