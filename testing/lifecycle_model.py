@@ -108,6 +108,10 @@ class Copy:
     causes: Set[int] = dataclasses.field(default_factory=set)  # answers (besides completion) its events allow
     completion_allowed: bool = True
     answer: Optional[object] = None
+    # prefill's copy of a leg recovery has an attempt left after (recovery_rule.prefill_hands_over): its own deadline
+    # (prefill_inflight) is answered as handed over (the verdict's DEADLINE_HANDED_TO_RECOVERY: an abort without
+    # status) instead of 504 (the model does not track the stage: allowed after any deadline of such a copy)
+    handed_at_deadline: bool = False
 
     @property
     def arrived(self) -> bool:
@@ -119,6 +123,8 @@ class Copy:
             out.add(200)
         if self.arrived and engine_clock.now() - self.arrived_at >= DEADLINE:
             out.add(504)
+            if self.handed_at_deadline:
+                out.add(ABORT)
         return out
 
 
@@ -390,6 +396,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         c = next(c for c in self.clients if c.state is state)
         leg = Request(c.rid, next(self.h["prefill"]._rooms), prefill_rid=recovery_attempt.attempt_rid(c.rid, attempt),
                       attempt=attempt, client=c)
+        leg.prefill.handed_at_deadline = self.attempts > attempt
         state.obj.bootstrap_room = leg.room
         c.legs.append(leg)
         self.reqs.append(leg)
@@ -424,6 +431,7 @@ class LifecycleMachine(RuleBasedStateMachine):
     def _new_request(self, arrives) -> None:
         rid = f"m{next(_rids):07d}"  # fixed width: no rid is a prefix of another's (upstream aborts by prefix)
         r = Request(rid, next(self.h["prefill"]._rooms))
+        r.prefill.handed_at_deadline = self.attempts > 0
         d = self.h["decode"]
         obj = GenerateReqInput(input_ids=list(range(1, PROMPT + 1)), sampling_params={"max_new_tokens": 8}, rid=rid,
                                bootstrap_host=d.default_bootstrap_host,
