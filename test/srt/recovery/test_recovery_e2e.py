@@ -1,8 +1,9 @@
 """Real CPU servers (1P1D, mooncake over TCP, greedy; TP 1 in `make test`, TP 2 float32 in `make test-tp`), one
-deployment for every recoverable cause, behind the mini load balancer and (a failed chunk write) behind the Rust gateway
-(sglang-router 0.3.2, its defaults, the engines registered with POST /workers): a transfer that fails while prefill is
-alive, before decode's first token, is recovered: decode's tokenizer re-runs the request under a new bootstrap room
-(docs/recovery.md), and prefill answers its leg of a failed chunk write's room as an abort handed to that recovery.
+deployment for every recoverable cause, behind the mini load balancer and (a failed KV chunk write, a stalled transfer)
+behind the Rust gateway (sglang-router 0.3.2, its defaults, the engines registered with POST /workers): a transfer
+that fails while prefill is alive, before decode's first token, is recovered: decode's tokenizer re-runs the request
+under a new bootstrap room (docs/recovery.md), and prefill answers its leg of a failed chunk write's room, or of a room
+its own deadline ended, as an abort handed to that recovery (a room decode's deadline ended: as decode's abort).
 The client gets 200 with the calm control's text, a stream has exactly one finish and no abort or error event,
 `meta_info` says it was recovered and why, the gateway neither retries nor charges a circuit, both servers are idle
 after (every rank) and keep serving. A fault on every attempt is answered as without recovery, once, within the
