@@ -56,7 +56,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from sglang.srt.disaggregation.base import KVPoll
-from sglang.srt.disaggregation.fork_ending import recovery_attempt, request_record, verdict_wording
+from sglang.srt.disaggregation.fork_ending import recovery_attempt, recovery_rule, request_record, verdict_wording
 from sglang.srt.disaggregation.fork_ending.engine_clock import engine_clock
 from sglang.srt.disaggregation.fork_recovery import recovery
 from sglang.srt.disaggregation.fork_transfer import transfer_deadline as td
@@ -746,7 +746,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         assert len(c.held) == reruns, f"{c.rid}: {len(c.held)} ends held back, {reruns} attempts started"
         for attempt, s in c.held:
             # a failed chunk write (500) or a transfer deadline in a recoverable stage (504), before any token
-            assert recovery._cause(s.reason) is not None and not s.output_ids, \
+            assert recovery_rule.cause_of_answer(s.reason) is not None and not s.output_ids, \
                 f"{c.rid}: attempt {attempt}'s end held back though it is no recoverable failure before a token: {s}"
             assert attempt < reruns, f"{c.rid}: attempt {attempt}'s end held back, no attempt started after it"
         with_tokens = {attempt for attempt, s, _ in c.delivered if s.output_ids}
@@ -757,7 +757,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         answer = status_of(s)
         assert attempt == reruns, f"{c.rid} answered by attempt {attempt} of {reruns}: {s}"
         if s.via == "stream":
-            want = {"attempts": reruns, "cause": recovery._cause(c.held[0][1].reason)} if reruns else None
+            want = {"attempts": reruns, "cause": recovery_rule.cause_of_answer(c.held[0][1].reason)} if reruns else None
             assert meta.get("recovery") == want, f"{c.rid}: meta_info recovery {meta.get('recovery')}, {reruns} attempts"
         if answer == 200:
             assert c.legs[attempt].decode.answer == 200, f"{c.rid}: a completion its attempt did not make"
@@ -773,7 +773,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         assert c.answered, f"the client of {c.rid} was never answered ({len(c.legs)} attempts, held back {c.held})"
         attempt, s, _ = c.final
         reruns = len(c.legs) - 1
-        recoverable = s.via == "stream" and not s.output_ids and recovery._cause(s.reason) is not None
+        recoverable = s.via == "stream" and not s.output_ids and recovery_rule.cause_of_answer(s.reason) is not None
         if recoverable and not (c.aborted or c.aborted_between):
             spent = self.budget == "spent" and reruns >= 1
             assert reruns == self.attempts or spent, (
