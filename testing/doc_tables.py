@@ -181,6 +181,9 @@ def knob_table() -> str:
 
 # What an operator does about each verdict row's answer, by the row's cause (every Cause needs one).
 ADVICE = {
+    "DEADLINE_HANDED_TO_RECOVERY": "prefill's leg only (a balancer reads it, not a client): decode runs the request "
+                                   "again (docs/recovery.md); the client gets decode's answer; the deadline is "
+                                   "counted as any (`sglang:pd_transfer_timeouts_total`)",
     "DEADLINE": "the transfer took longer than the deadline: a stalled or slow link, an overloaded server; check "
                 "`sglang:pd_transfer_timeouts_total` and the link; retry",
     "PAUSE": "the engine was paused or its memory released (RL weight update): resubmit after `continue_generation`",

@@ -56,7 +56,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from sglang.srt.disaggregation.base import KVPoll
-from sglang.srt.disaggregation.fork_ending import recovery_attempt, request_record, verdict_wording
+from sglang.srt.disaggregation.fork_ending import recovery_attempt, recovery_rule, request_record, verdict_wording
 from sglang.srt.disaggregation.fork_ending.engine_clock import engine_clock
 from sglang.srt.disaggregation.fork_recovery import recovery
 from sglang.srt.disaggregation.fork_transfer import transfer_deadline as td
@@ -109,6 +109,10 @@ class Copy:
     completion_allowed: bool = True
     answer: Optional[object] = None
     at_gate: bool = False  # decode: at its tokenizer, waiting at the pause gate (released, or paused in abort mode)
+    # prefill's copy of a leg recovery has an attempt left after (recovery_rule.prefill_hands_over): its own deadline
+    # (prefill_inflight) is answered as handed over (the verdict's DEADLINE_HANDED_TO_RECOVERY: an abort without
+    # status) instead of 504 (the model does not track the stage: allowed after any deadline of such a copy)
+    handed_at_deadline: bool = False
 
     @property
     def arrived(self) -> bool:
@@ -120,6 +124,8 @@ class Copy:
             out.add(200)
         if self.arrived and engine_clock.now() - self.arrived_at >= DEADLINE:
             out.add(504)
+            if self.handed_at_deadline:
+                out.add(ABORT)
         return out
 
 
@@ -396,6 +402,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         c = next(c for c in self.clients if c.state is state)
         leg = Request(c.rid, next(self.h["prefill"]._rooms), prefill_rid=recovery_attempt.attempt_rid(c.rid, attempt),
                       attempt=attempt, client=c)
+        leg.prefill.handed_at_deadline = self.attempts > attempt
         state.obj.bootstrap_room = leg.room
         c.legs.append(leg)
         self.reqs.append(leg)
@@ -434,6 +441,7 @@ class LifecycleMachine(RuleBasedStateMachine):
     def _new_request(self, arrives) -> None:
         rid = f"m{next(_rids):07d}"  # fixed width: no rid is a prefix of another's (upstream aborts by prefix)
         r = Request(rid, next(self.h["prefill"]._rooms))
+        r.prefill.handed_at_deadline = self.attempts > 0
         d = self.h["decode"]
         obj = GenerateReqInput(input_ids=list(range(1, PROMPT + 1)), sampling_params={"max_new_tokens": 8}, rid=rid,
                                bootstrap_host=d.default_bootstrap_host,
@@ -749,7 +757,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         assert len(c.held) == reruns, f"{c.rid}: {len(c.held)} ends held back, {reruns} attempts started"
         for attempt, s in c.held:
             # a failed chunk write (500) or a transfer deadline in a recoverable stage (504), before any token
-            assert recovery._cause(s.reason) is not None and not s.output_ids, \
+            assert recovery_rule.cause_of_answer(s.reason) is not None and not s.output_ids, \
                 f"{c.rid}: attempt {attempt}'s end held back though it is no recoverable failure before a token: {s}"
             assert attempt < reruns, f"{c.rid}: attempt {attempt}'s end held back, no attempt started after it"
         with_tokens = {attempt for attempt, s, _ in c.delivered if s.output_ids}
@@ -760,7 +768,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         answer = status_of(s)
         assert attempt == reruns, f"{c.rid} answered by attempt {attempt} of {reruns}: {s}"
         if s.via == "stream":
-            want = {"attempts": reruns, "cause": recovery._cause(c.held[0][1].reason)} if reruns else None
+            want = {"attempts": reruns, "cause": recovery_rule.cause_of_answer(c.held[0][1].reason)} if reruns else None
             assert meta.get("recovery") == want, f"{c.rid}: meta_info recovery {meta.get('recovery')}, {reruns} attempts"
         if answer == 200:
             assert c.legs[attempt].decode.answer == 200, f"{c.rid}: a completion its attempt did not make"
@@ -776,7 +784,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         assert c.answered, f"the client of {c.rid} was never answered ({len(c.legs)} attempts, held back {c.held})"
         attempt, s, _ = c.final
         reruns = len(c.legs) - 1
-        recoverable = s.via == "stream" and not s.output_ids and recovery._cause(s.reason) is not None
+        recoverable = s.via == "stream" and not s.output_ids and recovery_rule.cause_of_answer(s.reason) is not None
         if recoverable and not (c.aborted or c.aborted_between or c.aborted_at_gate):
             spent = self.budget == "spent" and reruns >= 1
             assert reruns == self.attempts or spent, (

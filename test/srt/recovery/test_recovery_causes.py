@@ -1,6 +1,7 @@
 """Which ends recovery takes for a recoverable cause (docs/recovery.md, "What is recovered"): the finish reason decode's
-tokenizer holds back (`recovery._cause`: the verdict's status and message, the one thing of the verdict's that reaches
-the tokenizer), and whether decode's own deadline hands its room to recovery (`recovery_attempt.hands_over`). The
+tokenizer holds back (`recovery_rule.cause_of_answer`: the verdict's status and message, the one thing of the verdict's
+that reaches the tokenizer), and whether decode's own deadline hands its room to recovery (`recovery_rule.hands_over`);
+prefill reads the same rule for its leg (test_recovery_rule). The
 messages are the fork's own (`verdict_wording.DEADLINE_MESSAGE`, as transfer_deadline writes it) and upstream's (its
 chunk failures, decode's transfer-failure wrapping of prefill's reason). Fast; starts no server.
 
@@ -13,8 +14,7 @@ from http import HTTPStatus
 
 import pytest
 
-from sglang.srt.disaggregation.fork_ending import pd_queues, recovery_attempt, verdict_wording
-from sglang.srt.disaggregation.fork_recovery import recovery
+from sglang.srt.disaggregation.fork_ending import pd_queues, recovery_rule, verdict_wording
 from sglang.srt.disaggregation.fork_transfer.transfer_deadline_knob import ARG, ENV
 
 pytestmark = pytest.mark.unit
@@ -44,16 +44,16 @@ def _abort(message, status):
 def test_a_deadline_is_recovered_only_in_the_stages_that_wait_for_prefills_kv(stage):
     own, told = _deadline(stage), _told(_deadline(stage))
     assert verdict_wording.deadline_stage(own) == stage and verdict_wording.deadline_stage(told) == stage
-    want = recovery.CAUSE_DEADLINE if stage in RECOVERED else None
-    assert recovery._cause(_abort(own, HTTPStatus.GATEWAY_TIMEOUT)) == want
-    assert recovery._cause(_abort(told, HTTPStatus.GATEWAY_TIMEOUT)) == want
-    assert recovery._cause(_abort(own, 504)) == want  # the status as an int (it crossed a process)
+    want = recovery_rule.CAUSE_DEADLINE if stage in RECOVERED else None
+    assert recovery_rule.cause_of_answer(_abort(own, HTTPStatus.GATEWAY_TIMEOUT)) == want
+    assert recovery_rule.cause_of_answer(_abort(told, HTTPStatus.GATEWAY_TIMEOUT)) == want
+    assert recovery_rule.cause_of_answer(_abort(own, 504)) == want  # the status as an int (it crossed a process)
 
 
 @pytest.mark.parametrize("kind", ["kv", "aux", "state"])
 def test_a_failed_chunk_write_of_each_kind_is_recovered(kind):
     message = _told(f"{verdict_wording.UPSTREAM_CHUNK_FAILED[kind]} of {ROOM} to 127.0.0.1:7000")
-    assert recovery._cause(_abort(message, HTTPStatus.INTERNAL_SERVER_ERROR)) == recovery.CAUSE_CHUNK
+    assert recovery_rule.cause_of_answer(_abort(message, HTTPStatus.INTERNAL_SERVER_ERROR)) == recovery_rule.CAUSE_CHUNK
 
 
 @pytest.mark.parametrize("reason,status", [
@@ -66,16 +66,16 @@ def test_a_failed_chunk_write_of_each_kind_is_recovered(kind):
     (verdict_wording.UPSTREAM_CHUNK_FAILED["kv"], HTTPStatus.GATEWAY_TIMEOUT),  # a chunk's text, not its status
 ])
 def test_no_other_end_is_recovered(reason, status):
-    assert recovery._cause(_abort(reason, status)) is None
+    assert recovery_rule.cause_of_answer(_abort(reason, status)) is None
 
 
 def test_only_an_abort_is_recovered():
-    assert recovery._cause({"type": "length", "length": 12}) is None
-    assert recovery._cause(None) is None
+    assert recovery_rule.cause_of_answer({"type": "length", "length": 12}) is None
+    assert recovery_rule.cause_of_answer(None) is None
 
 
 @pytest.mark.parametrize("attempts", ["0", "1"])
 @pytest.mark.parametrize("stage", [pd_queues.DECODE_TRANSFER, pd_queues.DECODE_PREALLOC])
 def test_decode_hands_its_stalled_room_over_only_with_recovery_on_in_a_recoverable_stage(monkeypatch, attempts, stage):
     monkeypatch.setenv("SGLANG_FORK_RECOVERY_ATTEMPTS", attempts)
-    assert recovery_attempt.hands_over(stage) == (attempts == "1" and stage == pd_queues.DECODE_TRANSFER)
+    assert recovery_rule.hands_over(stage) == (attempts == "1" and stage == pd_queues.DECODE_TRANSFER)

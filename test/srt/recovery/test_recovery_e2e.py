@@ -1,8 +1,9 @@
 """Real CPU servers (1P1D, mooncake over TCP, greedy; TP 1 in `make test`, TP 2 float32 in `make test-tp`), one
-deployment for every recoverable cause, behind the mini load balancer and (a failed chunk write) behind the Rust gateway
-(sglang-router 0.3.2, its defaults, the engines registered with POST /workers): a transfer that fails while prefill is
-alive, before decode's first token, is recovered: decode's tokenizer re-runs the request under a new bootstrap room
-(docs/recovery.md), and prefill answers its leg of a failed chunk write's room as an abort handed to that recovery.
+deployment for every recoverable cause, behind the mini load balancer and (a failed KV chunk write, a stalled transfer)
+behind the Rust gateway (sglang-router 0.3.2, its defaults, the engines registered with POST /workers): a transfer
+that fails while prefill is alive, before decode's first token, is recovered: decode's tokenizer re-runs the request
+under a new bootstrap room (docs/recovery.md), and prefill answers its leg of a failed chunk write's room, or of a room
+its own deadline ended, as an abort handed to that recovery (a room decode's deadline ended: as decode's abort).
 The client gets 200 with the calm control's text, a stream has exactly one finish and no abort or error event,
 `meta_info` says it was recovered and why, the gateway neither retries nor charges a circuit, both servers are idle
 after (every rank) and keep serving. A fault on every attempt is answered as without recovery, once, within the
@@ -28,6 +29,7 @@ state chunk (test_chunk_failures_pair fails one over the real transfer engine; i
 from __future__ import annotations
 
 import json
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -36,7 +38,8 @@ from dataclasses import dataclass
 import pytest
 
 from conftest import FP32, TP2, topology_params
-from testing.pd_checks import PD_ROLES, assert_idle, cluster_end_causes, wait_end_causes
+from testing.pd_checks import PD_ROLES, assert_idle, cluster_end_causes, delta, wait_end_causes
+from testing.polling import wait_until
 from testing.pd_cluster import Gateway, PDCluster, SingleServer, generate, metric_sum, prompts
 
 pytestmark = pytest.mark.e2e
@@ -81,6 +84,20 @@ PROMPT = {"kv": 1, "aux": 5, "stall": 7}  # each case its own prompt (testing.pd
 GATEWAY_ATTEMPTS = 5
 # prefill counts the failed room's request as before (the verdict's row tags it transport), once: no gateway retry
 PREFILL_FAILED_ONCE = {("prefill", "transport", "prefill_inflight"): 1}
+# Behind the gateway, each case by the fault that makes it: a failed chunk write (`kv`); a stall whichever deadline
+# ends its room first (`stall`: with one deadline on both servers, measured: decode's, in decode_transfer, handed to
+# recovery and told to prefill by decode's abort); a stall whose room prefill's own deadline ends (`stall_prefill`:
+# decode frozen across prefill's prefill_inflight deadline, as a decode too busy to scan would be).
+GATEWAY_KINDS = {"kv": "kv", "stall": "stall", "stall_prefill": "stall"}
+GATEWAY_PROMPTS = {"kv": prompts(16)[3:5], "stall": prompts(16)[12:14], "stall_prefill": prompts(16)[14:16]}
+# ... and how prefill counts the failed room's request, once (no gateway retry): a chunk failure as a transport
+# failure; a stall as the deadline that ended its room (prefill's own, counted as the deadline it is), or as the
+# peer's abort (decode's deadline, told by decode's abort)
+PREFILL_ENDS = {
+    "kv": (PREFILL_FAILED_ONCE,),
+    "stall": ({("prefill", "timeout", "prefill_inflight"): 1}, {("prefill", "client_abort", "prefill_inflight"): 1}),
+    "stall_prefill": ({("prefill", "timeout", "prefill_inflight"): 1},),
+}
 # Recovery is one knob for both servers: decode re-runs the request, prefill answers its leg as handed over.
 ENVS = {"prefill_env": {"SGLANG_TEST_DISAGG_FAIL_CHUNKS": FAULTS, **RELEASE_ENV, **DEADLINE_ENV, **RECOVERY_ENV},
         "decode_env": {**RELEASE_ENV, **DEADLINE_ENV, **RECOVERY_ENV}}
@@ -184,6 +201,43 @@ def _serves(cluster, text, calm, rid) -> None:
     assert again["status"] == 200 and again["text"] == calm["text"] and "recovery" not in again["meta"], again
 
 
+def _prefill_ended_once(cluster, before, kind: str) -> None:
+    """Prefill counted the failed room's request once, as `PREFILL_ENDS[kind]` says (no gateway retry)."""
+    last = {}
+
+    def once():
+        last["d"] = delta(before, cluster_end_causes(cluster, ("prefill",)))
+        return last["d"] in PREFILL_ENDS[kind]
+
+    wait_until(once, 10.0, "prefill's end-cause counter to move once",
+               on_timeout=lambda: f"delta {last.get('d')} not one of {PREFILL_ENDS[kind]}")
+
+
+def _prefill_deadlines(cluster) -> float:
+    return metric_sum(cluster.metrics("prefill"), TIMEOUTS, stage="prefill_inflight")
+
+
+def _through(cluster, kind: str, call):
+    """`call()`'s result; for `stall_prefill`, decode is frozen from when it waits for the KV (its request in
+    decode_transfer) until prefill's own deadline has ended the room (prefill_inflight), then resumed: prefill's
+    deadline comes first, as for a decode whose loop is too busy to scan (decode's own fires after, or decode hears
+    prefill's first; either way its tokenizer re-runs the request)."""
+    if kind != "stall_prefill":
+        return call()
+    decode, before, out = cluster["decode"], _prefill_deadlines(cluster), {}
+    worker = threading.Thread(target=lambda: out.update(result=call()), daemon=True)
+    worker.start()
+    wait_until(lambda: decode.resources()["queues"]["decode_transfer"] == 1, 30, "decode to wait for the KV")
+    decode.freeze()
+    try:
+        wait_until(lambda: _prefill_deadlines(cluster) > before, 3 * DEADLINE_S, "prefill's own deadline")
+    finally:
+        decode.resume()
+    worker.join(RECOVERED_WITHIN_S + 30)
+    assert not worker.is_alive() and "result" in out, out
+    return out["result"]
+
+
 @pytest.mark.parametrize("kind", list(CAUSES))
 def test_a_transfer_failed_before_the_first_token_is_recovered_non_streaming(deployment, kind):
     cluster, single = deployment
@@ -244,43 +298,59 @@ def test_a_fault_on_every_attempt_answers_the_failure_once_within_the_budget(dep
 # which the gateway reads and drops), so only a non-streaming request ever saw prefill's 500.
 
 
-def test_behind_the_gateway_a_recovered_request_answers_decode_s_text_non_streaming(deployment, gateway):
-    """Prefill's leg of the failed room answers 200, finish_reason abort handed to decode's recovery (no longer the
-    chunk's 500), so the gateway keeps decode's recovered body: one answer, no retry, no failure charged.
-    The fork before prefill handed the room over: prefill's leg answered 500, the gateway answered "Prefill server
-    error (500 ...)" or retried on a new room (where the first-attempt fault fired again), charging both circuits.
-    Stock upstream 0.5.23: no recovery; the gateway retries the 500 (5 attempts, both circuits charged each)."""
+@pytest.mark.parametrize("kind", list(GATEWAY_KINDS))
+def test_behind_the_gateway_a_recovered_request_answers_decode_s_text_non_streaming(deployment, gateway, kind):
+    """Prefill's leg of the failed room answers 200, finish_reason abort, so the gateway keeps decode's recovered
+    body: one answer, no retry, no failure charged.
+    `kv`: prefill's leg answers as handed over instead of the chunk's 500. The fork before prefill handed the room
+    over: prefill's leg answered 500, the gateway answered "Prefill server error (500 ...)" or retried on a new room
+    (where the first-attempt fault fired again), charging both circuits. Stock upstream 0.5.23: no recovery; the
+    gateway retries the 500 (5 attempts, both circuits charged each).
+    `stall`: decode's own deadline ends the room (handed to recovery) and tells prefill by its abort, which prefill's
+    leg answers as the peer's abort (200): this held before prefill handed a deadline's room over too.
+    `stall_prefill`: prefill's own deadline (prefill_inflight) ends the room; its leg answers as handed over instead
+    of the deadline's 504. The fork before: prefill's leg answered 504 and the gateway answered it ("Prefill server
+    error (504 ...)") or retried it, discarding decode's recovery. Stock upstream 0.5.23 (both stalls): no deadline in
+    these stages; 200 once the stalled worker reports (here after STALL_S; a worker stalled for good: never)."""
     cluster, single = deployment
+    cause = CAUSES[GATEWAY_KINDS[kind]]
     baseline = assert_idle(cluster, PD_ROLES)
-    text = prompts(12)[3]
+    text = GATEWAY_PROMPTS[kind][0]
     calm = _calm(single, text)
-    before, ended = _charged(gateway), cluster_end_causes(cluster, ("prefill",))
-    got, took = _timed(gateway, text, "rec-once-gw-ns-1")
+    before, ended, timeouts = _charged(gateway), cluster_end_causes(cluster, ("prefill",)), _timeouts(cluster)
+    got, took = _through(cluster, kind, lambda: _timed(gateway, text, f"{cause.once}gw-ns-{kind}"))
     assert got["status"] == 200, got
     assert got["text"] == calm["text"] and got["output_ids"] == calm["output_ids"], (got, calm)
-    assert got["meta"]["recovery"] == {"attempts": 1, "cause": "chunk_failure"}, got["meta"]
-    assert took < RECOVERED_WITHIN_S, took
+    assert got["meta"]["recovery"] == {"attempts": 1, "cause": cause.cause}, got["meta"]
+    assert _charged(gateway) == before, (before, _charged(gateway))  # answered by the first room's decode: no retry
+    assert cause.earliest <= took < RECOVERED_WITHIN_S, took
+    _deadline_fired(GATEWAY_KINDS[kind], cluster, timeouts)
     assert_idle(cluster, PD_ROLES, baseline=baseline, timeout=60)
-    wait_end_causes(cluster, ended, PREFILL_FAILED_ONCE, roles=("prefill",))
-    again = generate(gateway.url, text, max_new_tokens=MAX_NEW_TOKENS, rid="calm-after-gw-ns")
+    _prefill_ended_once(cluster, ended, kind)
+    again = generate(gateway.url, text, max_new_tokens=MAX_NEW_TOKENS, rid=f"calm-after-gw-ns-{kind}")
     assert again["status"] == 200 and again["text"] == calm["text"] and "recovery" not in again["meta"], again
     assert _charged(gateway) == before, (before, _charged(gateway))
 
 
-def test_behind_the_gateway_a_recovered_stream_has_one_finish_and_no_abort(deployment, gateway):
+@pytest.mark.parametrize("kind", list(GATEWAY_KINDS))
+def test_behind_the_gateway_a_recovered_stream_has_one_finish_and_no_abort(deployment, gateway, kind):
     """The same as a stream: one stream, the calm text, exactly one finish, no abort or error event; no retry, no
-    failure charged. (The gateway never saw prefill's 500 for a stream: this holds before prefill handed rooms over
-    too, and guards the streamed recovery behind the gateway.)"""
+    failure charged. (The gateway never saw prefill's failure for a stream: this holds before prefill handed rooms
+    over too, and guards the streamed recovery behind the gateway.)"""
     cluster, single = deployment
+    cause = CAUSES[GATEWAY_KINDS[kind]]
     baseline = assert_idle(cluster, PD_ROLES)
-    text = prompts(12)[4]
+    text = GATEWAY_PROMPTS[kind][1]
     calm = _calm(single, text)
-    before, ended = _charged(gateway), cluster_end_causes(cluster, ("prefill",))
-    took = _recovered_stream(gateway.url, text, "rec-once-gw-s-1", calm, "chunk_failure")
-    assert took < RECOVERED_WITHIN_S, took
+    before, ended, timeouts = _charged(gateway), cluster_end_causes(cluster, ("prefill",)), _timeouts(cluster)
+    took = _through(cluster, kind, lambda: _recovered_stream(gateway.url, text, f"{cause.once}gw-s-{kind}", calm,
+                                                             cause.cause))
+    assert _charged(gateway) == before, (before, _charged(gateway))
+    assert cause.earliest <= took < RECOVERED_WITHIN_S, took
+    _deadline_fired(GATEWAY_KINDS[kind], cluster, timeouts)
     assert_idle(cluster, PD_ROLES, baseline=baseline, timeout=60)
-    wait_end_causes(cluster, ended, PREFILL_FAILED_ONCE, roles=("prefill",))
-    again = generate(gateway.url, text, max_new_tokens=MAX_NEW_TOKENS, rid="calm-after-gw-s")
+    _prefill_ended_once(cluster, ended, kind)
+    again = generate(gateway.url, text, max_new_tokens=MAX_NEW_TOKENS, rid=f"calm-after-gw-s-{kind}")
     assert again["status"] == 200 and again["text"] == calm["text"], again
     assert _charged(gateway) == before, (before, _charged(gateway))
 

@@ -1,5 +1,6 @@
 """The one rule both sides read for recovery (disaggregation/fork_ending/recovery_rule.py): decode's tokenizer holds back
-and re-runs exactly the requests whose leg prefill answers as handed over (the verdict's HANDED_TO_RECOVERY row).
+and re-runs exactly the requests whose leg prefill answers as handed over (the verdict's rows HANDED_TO_RECOVERY, a
+failed chunk write, and DEADLINE_HANDED_TO_RECOVERY, prefill's own deadline in a stage recovery re-runs).
 Each side's reader is checked against the other on upstream's real objects (a tokenizer's GenerateReqInput, a
 scheduler's Req), feature by feature; the attempts are read from a leg's rid against the same knob."""
 
@@ -9,7 +10,8 @@ from array import array
 
 import pytest
 
-from sglang.srt.disaggregation.fork_ending import recovery_attempt, recovery_rule, verdict_wording
+from sglang.srt.disaggregation.fork_ending import pd_queues, recovery_attempt, recovery_rule, verdict_wording
+from sglang.srt.disaggregation.fork_transfer.transfer_deadline_knob import ARG, ENV
 from sglang.srt.managers.io_struct import GenerateReqInput
 from sglang.srt.managers.schedule_batch import Req
 from sglang.srt.sampling.sampling_params import SamplingParams
@@ -18,6 +20,17 @@ pytestmark = pytest.mark.unit
 
 KNOB = "SGLANG_FORK_RECOVERY_ATTEMPTS"
 KV_FAILED = verdict_wording.UPSTREAM_CHUNK_FAILED["kv"] + " of 5 to 10.0.0.2:7000"  # mooncake's transfer worker
+
+
+def _deadline(stage: str) -> str:
+    """transfer_deadline's message for a request overdue in `stage`."""
+    return verdict_wording.DEADLINE_MESSAGE.format(rid="r", room=5, spent=5.3, stage=stage, deadline=5.0, env=ENV,
+                                                   arg=ARG)
+
+
+# the stages a transfer deadline fires in (transfer_deadline: each queue's poll)
+DEADLINED = (pd_queues.PREFILL_BOOTSTRAP, pd_queues.PREFILL_WAITING, pd_queues.PREFILL_INFLIGHT,
+             pd_queues.DECODE_PREALLOC, pd_queues.DECODE_TRANSFER)
 
 
 def _input(**fields) -> GenerateReqInput:
@@ -70,21 +83,48 @@ def test_the_cause_is_a_failed_chunk_write_of_any_kind():
     assert recovery_rule.cause_of(None) is None
 
 
+@pytest.mark.parametrize("stage", DEADLINED)
+def test_the_cause_is_a_deadline_only_in_a_stage_that_waits_for_prefill_s_kv(stage):
+    want = "transfer_deadline" if stage in (pd_queues.DECODE_TRANSFER, pd_queues.PREFILL_INFLIGHT) else None
+    assert recovery_rule.cause_of(_deadline(stage)) == want
+
+
+# (the room's failure reason, the status it is answered with when not recovered): every failure the rule reads
+FAILURES = [(KV_FAILED, 500), (verdict_wording.UPSTREAM_CHUNK_FAILED["aux"], 500)] + [
+    (_deadline(stage), 504) for stage in DEADLINED] + [
+    (verdict_wording.PEER_LOST_TAG + ": decode 10.0.0.2:7000 silent", 502), ("KV transfer failed", 500)]
+
+
+@pytest.mark.parametrize("reason,status", FAILURES)
+@pytest.mark.parametrize("attempts", ["0", "1", "2"])
+@pytest.mark.parametrize("attempt", [0, 1])
+def test_prefill_hands_over_exactly_the_legs_decode_re_runs(monkeypatch, reason, status, attempts, attempt):
+    """One rule, both sides: for the same failure of the same attempt, prefill hands its leg over (the verdict's
+    rows HANDED_TO_RECOVERY, DEADLINE_HANDED_TO_RECOVERY) exactly when decode's tokenizer holds the end back and
+    starts another attempt (its cause, answered with that cause's status, and an attempt left)."""
+    monkeypatch.setenv(KNOB, attempts)
+    rid = recovery_attempt.attempt_rid("r", attempt) if attempt else "r"
+    answer = {"type": "abort", "message": reason, "status_code": status}
+    decode_re_runs = (recovery_rule.enabled() and recovery_rule.cause_of_answer(answer) is not None
+                      and recovery_rule.another_attempt(attempt))
+    assert recovery_rule.prefill_hands_over(_req(rid), reason) == decode_re_runs
+
+
 def test_prefill_hands_a_leg_over_while_decode_has_attempts_left(monkeypatch):
     """Decode starts attempt n+1 after n made while n < the knob; prefill reads n from its leg's rid."""
     first, second = "r", recovery_attempt.attempt_rid("r", 1)
     monkeypatch.setenv(KNOB, "0")  # off: nothing is handed over (today's 500)
-    assert not recovery_rule.prefill_hands_over(_req(first))
+    assert not recovery_rule.prefill_hands_over(_req(first), KV_FAILED)
     monkeypatch.setenv(KNOB, "1")
-    assert recovery_rule.prefill_hands_over(_req(first))
-    assert not recovery_rule.prefill_hands_over(_req(second))  # the last attempt answers the failure
+    assert recovery_rule.prefill_hands_over(_req(first), KV_FAILED)
+    assert not recovery_rule.prefill_hands_over(_req(second), KV_FAILED)  # the last attempt answers the failure
     assert [recovery_rule.another_attempt(n) for n in (0, 1)] == [True, False]
     monkeypatch.setenv(KNOB, "2")
-    assert recovery_rule.prefill_hands_over(_req(second))
+    assert recovery_rule.prefill_hands_over(_req(second), KV_FAILED)
 
 
 def test_only_prefill_s_copy_of_a_plain_request_is_handed_over(monkeypatch):
     monkeypatch.setenv(KNOB, "1")
-    assert not recovery_rule.prefill_hands_over(_req(sender=False))  # decode's copy: its tokenizer decides
+    assert not recovery_rule.prefill_hands_over(_req(sender=False), KV_FAILED)  # decode's copy: its tokenizer decides
     for _, as_req in FEATURES.values():
-        assert not recovery_rule.prefill_hands_over(_req(**as_req))
+        assert not recovery_rule.prefill_hands_over(_req(**as_req), KV_FAILED)

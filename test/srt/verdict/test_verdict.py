@@ -108,9 +108,23 @@ def _prefill_req(rid="r", **shape):
                      sampling_params=SimpleNamespace(n=1)), **shape}
     req = SimpleNamespace(rid=rid, to_finish=None, finished_reason=None, disagg_kv_sender=object(), **fields)
     return req
+
+
+def _prefill_deadline(stage="prefill_inflight", rid="r"):
+    """Prefill's copy whose own deadline (transfer_deadline's whole message) fired in `stage`."""
+    req = _prefill_req(rid)
+    verdict.of(req).deadline = verdict_wording.DEADLINE_MESSAGE.format(
+        rid=rid, room=5, spent=5.3, stage=stage, deadline=5.0, env="SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT",
+        arg="--disaggregation-transfer-timeout")
+    return req
 # (row, request record, the room's failure reason): each row reached by what really ends a room that way
 CASES = [
+    # prefill's own deadline in a stage recovery re-runs, an attempt left: its leg handed over (a gateway keeps decode's)
+    (Cause.DEADLINE_HANDED_TO_RECOVERY, _prefill_deadline(), LOST),
     (Cause.DEADLINE, _req(deadline=DEADLINE, pause=verdict_wording.PAUSE_ABORT_MESSAGE), LOST),
+    (Cause.DEADLINE, _prefill_deadline(rid="r~recovery-1"), LOST),  # the last attempt the knob allows: its 504
+    (Cause.DEADLINE, _prefill_deadline("prefill_waiting"), LOST),  # a stage recovery does not re-run
+    (Cause.DEADLINE, _prefill_deadline("prefill_bootstrap"), LOST),
     (Cause.PAUSE, _req(pause=verdict_wording.PAUSE_ABORT_MESSAGE, requested=SLA), LOST),
     (Cause.PAUSE, _req(pause=verdict_wording.RELEASE_ABORT_MESSAGE.format(mode="in_place")), KV_FAILED),
     (Cause.REQUESTED_ABORT, _req(requested=SLA), LOST),
@@ -161,7 +175,8 @@ def test_each_row_answers_as_the_table_says(cause, req, reason):
     elif row.message is verdict_rows.From.TOLD:
         assert message != reason and message in reason  # the peer's own message, out of its reason
     elif row.message is verdict_rows.From.HANDED:
-        assert message.endswith(reason) and message != reason  # the failure's reason, said to be handed over
+        failure = getattr(verdict.peek(req), row.field) if row.field else reason  # a record row's: its field's
+        assert message.endswith(failure) and message != failure  # the failure, said to be handed over
     assert not row.opens or message.startswith(tuple(o.split("{")[0] for o in row.opens)), (message, row.opens)
 
 

@@ -1,35 +1,73 @@
 """Which failed PD requests recovery runs again (docs/recovery.md), as one rule read by both sides: decode's tokenizer,
-which holds such an end back and re-runs the request (fork_recovery.recovery), and prefill's verdict, which answers
-its leg of such a request as an abort instead of the failure (verdict_rows' `Cause.HANDED_TO_RECOVERY` row), so that
-a gateway keeps decode's answer. Both servers read the same knob (`SGLANG_FORK_RECOVERY_ATTEMPTS`).
+which holds such an end back and re-runs the request (fork_recovery.recovery: `cause_of_answer`, `another_attempt`),
+decode's own deadline, which ends such a room by `hand_to_recovery` (transfer_deadline: `hands_over`), and prefill's
+verdict, which answers its leg of such a request as an abort instead of the failure (verdict_rows' rows
+`HANDED_TO_RECOVERY` and `DEADLINE_HANDED_TO_RECOVERY`: `prefill_hands_over`), so that a gateway keeps decode's
+answer. Both servers read the same knob (`SGLANG_FORK_RECOVERY_ATTEMPTS`).
 
-The rule: a failure of a cause recovery takes (`cause_of`: a failed chunk write, named by the reason's text), of a
-request of a shape it takes (`excluded`: one prompt, n = 1, no logprobs, session, multimodal input, LoRA or input
-embeddings), while attempts remain (`another_attempt`: attempts made < the knob; a leg's rid says its attempt,
+The rule: a failure of a cause recovery takes (`cause_of`, named by the reason's text: a failed chunk write, or a
+transfer deadline in a stage of `DEADLINE_STAGES`; answered with that cause's own status, `ANSWERED`), of a request of
+a shape it takes (`excluded`: one prompt, n = 1, no logprobs, session, multimodal input, LoRA or input embeddings),
+while attempts remain (`another_attempt`: attempts made < the knob; a leg's rid says its attempt,
 `recovery_attempt`). Each side reads its own object into a `Shape` (`input_shape`: the tokenizer's GenerateReqInput;
 `req_shape`: the scheduler's Req); what is excluded is decided here once. The budget (from decode's first failure)
 only decode knows: past it decode answers the failure itself.
 
 Thread: any (pure functions of their arguments and the environment). Lock: none. Imports `recovery_attempt`,
-`verdict_wording`, `knobs`, `fork_touch`."""
+`pd_queues`' stage names, `verdict_wording`, `knobs`, `fork_touch`."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from http import HTTPStatus
 from typing import Any, Optional
 
 from sglang.srt.disaggregation.fork_ending import recovery_attempt
-from sglang.srt.disaggregation.fork_ending.verdict_wording import failed_chunk_kind
+from sglang.srt.disaggregation.fork_ending.pd_queues import DECODE_TRANSFER, PREFILL_INFLIGHT
+from sglang.srt.disaggregation.fork_ending.verdict_wording import deadline_stage, failed_chunk_kind
 from sglang.srt.managers.fork_core import knobs
 from sglang.srt.managers.fork_core.fork_touch import upstream
 
 CAUSE_CHUNK = "chunk_failure"  # the causes recovery takes (meta_info["recovery"]["cause"]): a failed chunk write,
-CAUSE_DEADLINE = "transfer_deadline"  # a transfer stalled past the deadline (recovery_attempt.DEADLINE_STAGES)
+CAUSE_DEADLINE = "transfer_deadline"  # a transfer stalled past the deadline in a stage of DEADLINE_STAGES
+# The status each cause's failure is answered with when not recovered (the verdict's rows FAILURE and DEADLINE /
+# PEER_DEADLINE): decode's tokenizer reads a held-back end by it and its message (`cause_of_answer`).
+ANSWERED = {CAUSE_CHUNK: HTTPStatus.INTERNAL_SERVER_ERROR, CAUSE_DEADLINE: HTTPStatus.GATEWAY_TIMEOUT}
+
+# The stages whose transfer deadline is a recoverable cause (docs/recovery.md, "What is recovered"): both sides past
+# the handshake, decode waiting for prefill's KV and prefill alive. decode_transfer: decode's own deadline (it cannot
+# tell a stalled transfer from a prefill slow to compute; either way a new room on a live prefill can serve it);
+# prefill_inflight: prefill's KV sent but not concluded (a stalled transfer), told to decode by prefill, so alive.
+# Not: decode_prealloc (decode's own handshake or memory: a decode-side cause), prefill_bootstrap (decode's handshake
+# never came), prefill_waiting (prefill itself could not compute it in time: a re-run joins the same queue).
+DEADLINE_STAGES = frozenset((DECODE_TRANSFER, PREFILL_INFLIGHT))
 
 
 def cause_of(reason: Any) -> Optional[str]:
-    """The recoverable cause a failure's reason (or the message carrying it) names, or None."""
-    return CAUSE_CHUNK if failed_chunk_kind(reason) is not None else None
+    """The recoverable cause a failure's reason (or the message carrying it) names, or None: a failed chunk write
+    (`CAUSE_CHUNK`), a transfer deadline in a stage of `DEADLINE_STAGES` (`CAUSE_DEADLINE`; decode's own, prefill's,
+    or prefill's told to decode)."""
+    if failed_chunk_kind(reason) is not None:
+        return CAUSE_CHUNK
+    return CAUSE_DEADLINE if deadline_stage(reason) in DEADLINE_STAGES else None
+
+
+def cause_of_answer(finish_reason: Any) -> Optional[str]:
+    """The recoverable cause an end's finish reason names (decode's tokenizer: the one thing of the verdict's that
+    reaches it), or None: an abort whose message names a cause (`cause_of`) and whose status is that cause's own
+    (`ANSWERED`: a deadline's text answered 500, or a chunk's answered 504, is not taken)."""
+    if not isinstance(finish_reason, dict) or finish_reason.get("type") != "abort":
+        return None
+    cause = cause_of(finish_reason.get("message"))
+    return cause if cause is not None and finish_reason.get("status_code") == ANSWERED[cause] else None
+
+
+def hands_over(stage: str) -> bool:
+    """Whether decode's own deadline in `stage` ends its room by `hand_to_recovery` (recovery on, a recoverable
+    stage) instead of `fail_and_abort`: the room ends the same way (failed, prefill told by the ABORT, which prefill
+    answers as the peer's abort: 200) and is remembered as ended; the request's tokenizer then re-runs it or answers
+    the deadline's 504, as it decides."""
+    return stage in DEADLINE_STAGES and enabled()
 
 
 def enabled() -> bool:
@@ -77,10 +115,11 @@ def req_shape(req: Any) -> Shape:
                  lora=req.lora_id is not None, embeds=req.input_embeds is not None)
 
 
-def prefill_hands_over(req: Any) -> bool:
-    """Prefill's copy `req` of a request whose room failed with a cause decode recovers (the caller read the cause):
-    whether decode's recovery will run it again, so prefill answers its leg as handed over. Prefill's side only (a
-    request with a sender); its attempt is its leg's rid's (`recovery_attempt.split`)."""
-    if not enabled() or upstream(req, "disagg_kv_sender") is None:
+def prefill_hands_over(req: Any, reason: Any) -> bool:
+    """Prefill's copy `req` of a request whose room failed with `reason` (a failed chunk write's, or prefill's own
+    deadline's message): whether decode's recovery will run it again (`cause_of`: a cause it takes; recovery on; a
+    shape it takes; an attempt left after the one `req`'s leg is, `recovery_attempt.split`), so prefill answers its
+    leg as handed over. Prefill's side only (a request with a sender); decode's tokenizer decides for decode's."""
+    if cause_of(reason) is None or not enabled() or upstream(req, "disagg_kv_sender") is None:
         return False
     return another_attempt(recovery_attempt.split(req.rid)[1]) and excluded(req_shape(req)) is None

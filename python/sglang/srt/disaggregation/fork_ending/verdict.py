@@ -117,19 +117,21 @@ def with_why(reason: str, why: Optional[str]) -> str:
 
 
 def find(req: Any, text: str) -> Cause:
-    """The first row of `TABLE` that matches `req`, the room's failure reason being `text`: rows 1-3 by the record's
+    """The first row of `TABLE` that matches `req`, the room's failure reason being `text`: rows 1-4 by the record's
     own field (`Row.field`); the others by the cause the room's ender told (`ReqState.told`, a field), and only
     without one by what the reason's text names (`Row.reads`: upstream's own reasons, and the fork's tags as an
-    older fork build or this side itself wrote them) and, for a row that says so, the request (`Row.takes`)."""
+    older fork build or this side itself wrote them); for a row that says so, the request and the failure's text
+    (the field's message, or the reason) too (`Row.takes`)."""
     state = peek(req)
     told = state.told
     for row in TABLE:
         if row.field is not None:
-            if getattr(state, row.field) is not None:
+            value = getattr(state, row.field)
+            if value is not None and (row.takes is None or row.takes(req, value)):
                 return row.cause
         elif told is not None:
             return told.cause
-        elif row.reads(text) and (row.takes is None or row.takes(req)):
+        elif row.reads(text) and (row.takes is None or row.takes(req, text)):
             return row.cause
     raise AssertionError("the last row reads anything")
 
@@ -170,7 +172,7 @@ def _message(row: Row, state: ReqState, told: Optional[Told], text: str, error_m
     if row.message is From.RECORD:
         return _recorded(row, state)[0]
     if row.message is From.HANDED:
-        return f"{RECOVERY_HANDOFF_MESSAGE} {error_message}"
+        return f"{RECOVERY_HANDOFF_MESSAGE} {_recorded(row, state)[0] if row.field else error_message}"
     return _told_message(told, text) if row.message is From.TOLD else error_message  # REASON
 
 

@@ -7,7 +7,7 @@ them) is `verdict.find` / `verdict.verdict`.
 
 Thread: any (immutable values, pure functions). Lock: none. Invariant: a row's answer is its values; nothing else
 holds a status, message or end cause for a cause. Imports `verdict_wording`, and `recovery_rule` (which requests the
-`HANDED_TO_RECOVERY` row takes: the rule decode's recovery reads too)."""
+rows `DEADLINE_HANDED_TO_RECOVERY` and `HANDED_TO_RECOVERY` take: the rule decode's recovery reads too)."""
 
 from __future__ import annotations
 
@@ -43,6 +43,7 @@ from sglang.srt.disaggregation.fork_ending.verdict_wording import (
 class Cause(enum.Enum):
     """Why a PD request ended without a completion, as the verdict decides it (the rows of `TABLE`)."""
 
+    DEADLINE_HANDED_TO_RECOVERY = "deadline handed to decode's recovery"
     DEADLINE = "deadline"
     PAUSE = "pause"
     REQUESTED_ABORT = "requested abort"
@@ -65,7 +66,7 @@ class From(enum.Enum):
     RECORD = "the record's"  # the record's field the row is found by (`Row.field`): its message, or (message, status)
     TOLD = "the peer's message"  # the message the room's ender told (`Told.message`), else its reason's after `PEER_WHY`
     REASON = "the reason"  # the room's failure reason itself
-    HANDED = "the reason, handed over"  # the room's failure reason, after `RECOVERY_HANDOFF_MESSAGE`
+    HANDED = "the reason, handed over"  # the room's failure reason (a record row's: its field's), after `RECOVERY_HANDOFF_MESSAGE`
 
 
 Status = Union[HTTPStatus, From]  # HTTPStatus members, never ints: upstream's OpenAI stream checks the type
@@ -83,9 +84,11 @@ class Row:
     counted: str  # what is counted when the verdict tags none (who tags it instead), for the docs
     found: str  # how the verdict finds it: the record's field, or what the room's failure reason names (the docs)
     wins: str  # why it wins over the rows after it
-    field: Optional[str] = None  # the record's field that finds the row (rows 1-3)
+    field: Optional[str] = None  # the record's field that finds the row (rows 1-4)
     reads: Optional[Callable[[str], bool]] = None  # what a reason's text names, for a room no cause was told with
-    takes: Optional[Callable[[Any], bool]] = None  # ... and the request it takes (None: any), read after `reads`
+    # ... and the request it takes (None: any), read after `field` or `reads`: (the request, the failure's text: the
+    # field's message, or the room's reason)
+    takes: Optional[Callable[[Any, str], bool]] = None
     opens: Tuple[str, ...] = ()  # what the client's message opens with (the wording constants), where it is known
     message_note: str = ""  # the docs' word on the message, beside its values (a record row's: whose it is)
     restated: bool = True  # a message naming a deadline or the pause is answered as `RESTATED` says
@@ -110,6 +113,16 @@ def _anything(text: str) -> bool:
 _R = HTTPStatus
 SLA_ABORT_STATUS = _R.SERVICE_UNAVAILABLE  # an AbortReq with an abort_message (an SLA abort): `requested`
 TABLE: Tuple[Row, ...] = (
+    # Prefill's own deadline for a room decode's recovery runs again: the same deadline as the next row (the room
+    # ended and decode told alike, counted as the deadline), its leg answered as handed over. Not restated: its
+    # message names the deadline it hands over.
+    Row(Cause.DEADLINE_HANDED_TO_RECOVERY, From.ABORT_ANSWER, From.HANDED, None,
+        TIMEOUT + " (transfer_deadline tags the room)",
+        "record's `deadline`, and prefill: decode's recovery runs the request again (`recovery_rule`: a stage it "
+        "re-runs, recovery on, attempts left by its rid, a shape it takes)",
+        "a gateway keeps decode's answer only if prefill's leg answers 2xx: decode's is the recovered one",
+        field="deadline", takes=recovery_rule.prefill_hands_over, opens=(RECOVERY_HANDOFF_MESSAGE,),
+        message_note="the deadline's", restated=False),
     Row(Cause.DEADLINE, _R.GATEWAY_TIMEOUT, From.RECORD, None, TIMEOUT + " (transfer_deadline tags the room)",
         "record's `deadline` (set by transfer_deadline)",
         "whatever failed meanwhile is a consequence of waiting too long", field="deadline", opens=(DEADLINE_TAG,),
@@ -185,7 +198,8 @@ class Told:
 
 
 # The rows a peer can tell (the others are this side's own record's fields, or its own decision).
-TOLD_CAUSES = frozenset(Cause) - {Cause.DEADLINE, Cause.PAUSE, Cause.REQUESTED_ABORT, Cause.HANDED_TO_RECOVERY}
+TOLD_CAUSES = frozenset(Cause) - {Cause.DEADLINE_HANDED_TO_RECOVERY, Cause.DEADLINE, Cause.PAUSE, Cause.REQUESTED_ABORT,
+                                  Cause.HANDED_TO_RECOVERY}
 
 PEER_ENDED = (Cause.PEER_PAUSE, Cause.PEER_REJECTION, Cause.PEER_ABORT)  # the peer ended the room: nothing failed
 

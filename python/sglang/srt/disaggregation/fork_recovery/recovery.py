@@ -21,11 +21,10 @@ import asyncio
 import logging
 import random
 import time
-from http import HTTPStatus
 from typing import Any, Callable, Dict, Optional
 
 from sglang.srt.disaggregation.fork_ending import recovery_attempt, recovery_rule, request_end_cause, request_record, verdict
-from sglang.srt.disaggregation.fork_ending.verdict_wording import CLIENT_ABORT_MESSAGE, deadline_stage
+from sglang.srt.disaggregation.fork_ending.verdict_wording import CLIENT_ABORT_MESSAGE
 from sglang.srt.disaggregation.fork_recovery import recovery_faults
 from sglang.srt.disaggregation.fork_recovery.recovery_life import OUTCOMES, Attempts, Event, Phase
 from sglang.srt.managers.fork_core import knobs
@@ -45,21 +44,6 @@ CAUSES = (CAUSE_CHUNK, CAUSE_DEADLINE)  # the `cause` label's values
 ASK_PREFILL_S = 5.0
 _TASKS: set = set()  # re-runs in flight (kept referenced until done)
 _ZEROED: set = set()  # the tokenizers (id) that exported the counter's series at 0 (before their first count)
-
-
-def _cause(finish_reason: Any) -> Optional[str]:
-    """The recoverable cause an abort's finish reason names, or None: a failed chunk write (500, the verdict's
-    failure row, naming the chunk), or a transfer deadline (504, the verdict's deadline rows) in a stage
-    `recovery_attempt.DEADLINE_STAGES` names (decode's own, or prefill's told with its room's failure). The finish
-    reason is the one thing of the verdict's that reaches the tokenizer: its status and message are read."""
-    if not isinstance(finish_reason, dict) or finish_reason.get("type") != "abort":
-        return None
-    status, message = finish_reason.get("status_code"), finish_reason.get("message")
-    if status == HTTPStatus.INTERNAL_SERVER_ERROR:
-        return recovery_rule.cause_of(message)
-    if status == HTTPStatus.GATEWAY_TIMEOUT:
-        return CAUSE_DEADLINE if recovery_attempt.recovers_deadline_of(deadline_stage(message)) else None
-    return None
 
 
 def _eligible(tm: Any, obj: Any) -> bool:
@@ -101,8 +85,9 @@ def _zero(tm: Any) -> None:
 # ----------------------------------------------------------------------------- the patched line
 
 def _holds(tm: Any, state: Any, recv_obj: Any, i: int, record: Attempts, reason: Any) -> Optional[str]:
-    """The recoverable cause if this end may be held back (an attempt left, within the budget), else None."""
-    cause = _cause(reason)
+    """The recoverable cause if this end may be held back (`recovery_rule`: a cause it takes, answered with that
+    cause's status; an attempt left; within the budget), else None."""
+    cause = recovery_rule.cause_of_answer(reason)
     if cause is None or recv_obj.completion_tokens[i] or state.obj is None or not _eligible(tm, state.obj):
         return None
     if not recovery_rule.another_attempt(record.made):

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, NamedTuple, Optional, Sequence, Tuple
 
 from sglang.srt.disaggregation.base import KVPoll
-from sglang.srt.disaggregation.fork_ending import recovery_attempt, request_end_cause, request_record, room_ledger
+from sglang.srt.disaggregation.fork_ending import recovery_rule, request_end_cause, request_record, room_ledger
 from sglang.srt.disaggregation.fork_ending import verdict
 from sglang.srt.disaggregation.fork_ending import verdict_rows, verdict_wording
 from sglang.srt.disaggregation.fork_ending.pd_queues import (
@@ -84,7 +84,7 @@ def _expire(scheduler, stage: str, queue: Sequence[Any], side: str, keep=None) -
                 room_ledger.end_room(endpoint.kv_mgr, room_ledger.Transition.FAIL_TELL_REMEMBER, req.bootstrap_room,
                                      text, cause=request_end_cause.TIMEOUT, told=TOLD)
             else:  # decode: a recoverable stage's room is handed to recovery (docs/recovery.md)
-                transition = (room_ledger.Transition.HAND_TO_RECOVERY if recovery_attempt.hands_over(stage)
+                transition = (room_ledger.Transition.HAND_TO_RECOVERY if recovery_rule.hands_over(stage)
                               else room_ledger.Transition.FAIL_AND_ABORT)
                 room_ledger.end_room(endpoint.kv_mgr, transition, req.bootstrap_room, text,
                                      cause=request_end_cause.TIMEOUT, receiver=endpoint)
