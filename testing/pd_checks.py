@@ -28,6 +28,7 @@ IDLE_TIMEOUT = 60.0
 END_CAUSES = "sglang:pd_request_end_causes_total"
 PEER_LOSSES = "sglang:pd_peer_losses_total"
 PEER_RECOVERIES = "sglang:pd_peer_recoveries_total"
+REQUEST_RECOVERIES = "sglang:pd_request_recoveries_total"  # recovery's counter (decode; docs/recovery.md)
 TRANSFER_TIMEOUTS = "sglang:pd_transfer_timeouts_total"
 CHUNK_FAILURES = "sglang:pd_transfer_chunk_failures_total"
 PEERS_LOST = "sglang:pd_peers_lost"
@@ -349,6 +350,9 @@ PARTITION_ENV = {
     # once it has made no progress for about the loss detection time, instead of holding mooncake's connection to
     # the decode past the heal (30 s by default)
     "MC_TCP_PROGRESS_TIMEOUT_SEC": str(int(PARTITION_MAX_FAILURE * PARTITION_HEARTBEAT + 1)),
+    # recovery on, on both servers (docs/recovery.md, "A partition between prefill and decode"): the partition's
+    # answers are those of recovery off; what recovery meets around it is judged by judge_partition_recoveries
+    "SGLANG_FORK_RECOVERY_ATTEMPTS": "1",
 }
 PARTITION_CONNECT_TIMEOUT = 1.0  # peer_monitor.CONNECT_TIMEOUT: what a silent heartbeat costs
 PARTITION_MARGIN = 3.0  # a busy 2-core machine: scheduler ticks, metric export
@@ -384,6 +388,26 @@ def judge_partition_answers(results, peers: Mapping[str, str], answer_bound: flo
             assert r["status"] == 504, (r["status"], detail)
 
 
+RECOVERY_ENDS = ("recovered", "failed", "not_started")  # how a recovery started around a partition may end
+
+
+def judge_partition_recoveries(before: Mapping, after: Mapping, results) -> dict:
+    """What recovery (on in PARTITION_ENV) did in a partition test: `before` and `after` are decode's
+    `request_recoveries`, `results` every answer the test got (ClosedLoop's and its own, each with "meta"). Each
+    recovery started ended (recovered, failed or not started: none left held, none aborted, no weight version
+    changed), and as many answers say in their meta_info that they were recovered as the counter counts, each a
+    completion. The partition's own answers (502 naming the lost peer, a 504 at decode's handshake deadline) are not
+    recoverable causes: judge_partition_answers judges them as with recovery off. Returns the counter's delta."""
+    moved = delta(before, after)
+    assert all(outcome == "started" or outcome in RECOVERY_ENDS for (_, outcome) in moved), moved
+    for cause in {c for (c, _) in moved}:
+        assert moved.get((cause, "started"), 0) == sum(moved.get((cause, o), 0) for o in RECOVERY_ENDS), moved
+    recovered = [r for r in results if ((r.get("meta") or {}).get("recovery"))]
+    assert len(recovered) == sum(n for (_, outcome), n in moved.items() if outcome == "recovered"), (moved, recovered)
+    assert all(r["status"] == 200 and r["finish"] == "length" for r in recovered), recovered
+    return moved
+
+
 def wait_counter_rises(cluster, roles, name: str, before: Mapping[str, float], since: float, timeout: float,
                        what: str) -> Dict[str, float]:
     """Wait until the Prometheus counter `name` grew past `before[role]` on every one of `roles`; returns
@@ -402,6 +426,17 @@ def wait_counter_rises(cluster, roles, name: str, before: Mapping[str, float], s
 
 
 # ----------------------------------------------------------------------------- counters
+
+
+def request_recoveries(metrics: Mapping[str, float]) -> Dict[Tuple[str, str], float]:
+    """`sglang:pd_request_recoveries_total` samples as {(cause, outcome): n} (decode's tokenizer exports them)."""
+    out: Dict[Tuple[str, str], float] = {}
+    for key, value in metrics.items():
+        if key.startswith(REQUEST_RECOVERIES + "{"):
+            labels = dict(p.split("=", 1) for p in key[len(REQUEST_RECOVERIES) + 1 : -1].split(","))
+            k = (labels["cause"].strip('"'), labels["outcome"].strip('"'))
+            out[k] = out.get(k, 0.0) + value
+    return out
 
 
 def end_cause_samples(metrics: Mapping[str, float]) -> Iterator[Tuple[Dict[str, str], float]]:

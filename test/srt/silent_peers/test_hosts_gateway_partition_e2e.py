@@ -7,6 +7,9 @@ available) instead of hanging; after the heal the gateway marks decode healthy a
 and serves, with no restart and no manual step. The gateway (0.3.2) charges both workers of an attempt for its
 own failure to reach decode (docs/gateway.md): prefill is never charged more than decode, and its circuit never
 opens. docs/peer-liveness.md ("Silent peers").
+
+Recovery is on on both servers (SGLANG_FORK_RECOVERY_ATTEMPTS=1): prefill and decode still reach each other, no
+transfer fails, and no recovery is started (the recoveries counter stays at 0); the answers are those of recovery off.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import time
 
 import pytest
 
-from testing.pd_checks import PD_ROLES, ClosedLoop, assert_idle
+from testing.pd_checks import PD_ROLES, ClosedLoop, assert_idle, delta, request_recoveries
 from testing.pd_cluster import generate, wait_until
 
 pytestmark = pytest.mark.e2e
@@ -29,7 +32,8 @@ GATEWAY_ARGS = (
     "--health-check-timeout-secs", str(HEALTH_TIMEOUT),
 )
 DEADLINE = 15.0
-ENV = {"SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": "2", "SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT": str(DEADLINE)}
+ENV = {"SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": "2", "SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT": str(DEADLINE),
+       "SGLANG_FORK_RECOVERY_ATTEMPTS": "1"}
 MARGIN = 4.0  # a busy 2-core machine
 # the first failing check starts within an interval of the cut; each failing one takes its timeout
 REMOVE_BOUND = HEALTH_FAILURES * (HEALTH_INTERVAL + HEALTH_TIMEOUT) + MARGIN
@@ -54,6 +58,7 @@ def test_gateway_partitioned_from_decode(cluster, pd_hosts):
     gateway = cluster.gateway
     baseline = assert_idle(cluster, PD_ROLES)
     failures = gateway.failures()
+    recoveries = request_recoveries(cluster["decode"].metrics())
     loop = ClosedLoop(cluster.url, CLIENTS, max_new_tokens=16, timeout=120, ignore_eos=True).start()
     try:
         wait_until(lambda: loop.completed() >= 2 * CLIENTS, 60, "closed-loop completions before the cut")
@@ -96,3 +101,6 @@ def test_gateway_partitioned_from_decode(cluster, pd_hosts):
     charged = {role: gateway.failures()[role] - failures[role] for role in PD_ROLES}
     assert charged["prefill"] <= charged["decode"], charged
     assert gateway.circuit_opens()["prefill"] == 0, gateway.circuit_opens()
+    # recovery on, nothing for it to recover: no transfer between prefill and decode failed
+    assert delta(recoveries, request_recoveries(cluster["decode"].metrics())) == {}
+    assert not any((r["meta"] or {}).get("recovery") for r in loop.results)

@@ -25,6 +25,7 @@ from typing import Any, Callable, Dict, Optional
 
 from sglang.srt.disaggregation.fork_ending import recovery_attempt, recovery_rule, request_end_cause, request_record, verdict
 from sglang.srt.disaggregation.fork_ending.verdict_wording import CLIENT_ABORT_MESSAGE
+from sglang.srt.disaggregation.fork_peers import peer_monitor
 from sglang.srt.disaggregation.fork_recovery import recovery_faults
 from sglang.srt.disaggregation.fork_recovery.recovery_life import OUTCOMES, Attempts, Event, Phase
 from sglang.srt.managers.fork_core import knobs
@@ -42,6 +43,10 @@ CAUSES = (CAUSE_CHUNK, CAUSE_DEADLINE)  # the `cause` label's values
 # answers: a stalled transfer's cause may be that) is treated as unreachable (the failure answered). Upstream's own
 # fetches from the bootstrap server wait 5 s too.
 ASK_PREFILL_S = 5.0
+# ... and a connect to it that is not accepted within the peer monitor's own bound is silent: a prefill host cut off
+# from decode (a partition between them) gives up the attempt after this, not after ASK_PREFILL_S (a kernel that
+# accepts, as a frozen prefill's does, answers a connect in milliseconds).
+ASK_CONNECT_S = peer_monitor.CONNECT_TIMEOUT
 _TASKS: set = set()  # re-runs in flight (kept referenced until done)
 _ZEROED: set = set()  # the tokenizers (id) that exported the counter's series at 0 (before their first count)
 
@@ -214,6 +219,15 @@ async def _test_hold(record: Attempts, rid: str) -> None:
         await asyncio.sleep(0.02)
 
 
+def _asking_session() -> Any:
+    """The HTTP session an attempt asks prefill with (its bootstrap server's `/route`, its weight version): each ask
+    bounded by ASK_PREFILL_S, its connect by ASK_CONNECT_S (a silent prefill host: docs/recovery.md, "A partition
+    between prefill and decode")."""
+    import aiohttp
+
+    return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=ASK_PREFILL_S, sock_connect=ASK_CONNECT_S))
+
+
 async def _ask(session: Any, url: str, **params: Any) -> Dict[str, Any]:
     async with session.get(url, params=params or None) as response:
         response.raise_for_status()
@@ -288,7 +302,7 @@ async def _rerun(tm: Any, state: Any, record: Attempts, attempt: int) -> None:
         if record.phase is not Phase.HELD:
             return
         obj.bootstrap_room = random.randint(0, 2**63 - 1)
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=ASK_PREFILL_S)) as asking:
+        async with _asking_session() as asking:
             url = await _prefill_url(asking, obj)
             tokenized = await upstream(tm, "_tokenize_one_request")(obj)
             if not await _submit(tm, state, record, tokenized, asking, url):
