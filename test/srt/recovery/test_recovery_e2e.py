@@ -88,13 +88,15 @@ PREFILL_FAILED_ONCE = {("prefill", "transport", "prefill_inflight"): 1}
 # ends its room first (`stall`: with one deadline on both servers, measured: decode's, in decode_transfer, handed to
 # recovery and told to prefill by decode's abort); a stall whose room prefill's own deadline ends (`stall_prefill`:
 # decode frozen across prefill's prefill_inflight deadline, as a decode too busy to scan would be).
-GATEWAY_KINDS = {"kv": "kv", "stall": "stall", "stall_prefill": "stall"}
-GATEWAY_PROMPTS = {"kv": prompts(16)[3:5], "stall": prompts(16)[12:14], "stall_prefill": prompts(16)[14:16]}
+GATEWAY_KINDS = {"kv": "kv", "aux": "aux", "stall": "stall", "stall_prefill": "stall"}
+GATEWAY_PROMPTS = {"kv": prompts(16)[3:5], "aux": prompts(18)[16:18], "stall": prompts(16)[12:14],
+                   "stall_prefill": prompts(16)[14:16]}
 # ... and how prefill counts the failed room's request, once (no gateway retry): a chunk failure as a transport
 # failure; a stall as the deadline that ended its room (prefill's own, counted as the deadline it is), or as the
 # peer's abort (decode's deadline, told by decode's abort)
 PREFILL_ENDS = {
     "kv": (PREFILL_FAILED_ONCE,),
+    "aux": (PREFILL_FAILED_ONCE,),
     "stall": ({("prefill", "timeout", "prefill_inflight"): 1}, {("prefill", "client_abort", "prefill_inflight"): 1}),
     "stall_prefill": ({("prefill", "timeout", "prefill_inflight"): 1},),
 }
@@ -305,7 +307,7 @@ def test_behind_the_gateway_a_recovered_request_answers_decode_s_text_non_stream
     `kv`: prefill's leg answers as handed over instead of the chunk's 500. The fork before prefill handed the room
     over: prefill's leg answered 500, the gateway answered "Prefill server error (500 ...)" or retried on a new room
     (where the first-attempt fault fired again), charging both circuits. Stock upstream 0.5.23: no recovery; the
-    gateway retries the 500 (5 attempts, both circuits charged each).
+    gateway retries the 500 (5 attempts, both circuits charged each). `aux`: the same for a failed aux chunk write.
     `stall`: decode's own deadline ends the room (handed to recovery) and tells prefill by its abort, which prefill's
     leg answers as the peer's abort (200): this held before prefill handed a deadline's room over too.
     `stall_prefill`: prefill's own deadline (prefill_inflight) ends the room; its leg answers as handed over instead
