@@ -431,11 +431,9 @@ def wait_counter_rises(cluster, roles, name: str, before: Mapping[str, float], s
 def request_recoveries(metrics: Mapping[str, float]) -> Dict[Tuple[str, str], float]:
     """`sglang:pd_request_recoveries_total` samples as {(cause, outcome): n} (decode's tokenizer exports them)."""
     out: Dict[Tuple[str, str], float] = {}
-    for key, value in metrics.items():
-        if key.startswith(REQUEST_RECOVERIES + "{"):
-            labels = dict(p.split("=", 1) for p in key[len(REQUEST_RECOVERIES) + 1 : -1].split(","))
-            k = (labels["cause"].strip('"'), labels["outcome"].strip('"'))
-            out[k] = out.get(k, 0.0) + value
+    for labels, value in samples(metrics, REQUEST_RECOVERIES):
+        k = (labels["cause"], labels["outcome"])
+        out[k] = out.get(k, 0.0) + value
     return out
 
 

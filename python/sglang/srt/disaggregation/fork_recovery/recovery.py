@@ -171,23 +171,30 @@ def tm_abort_request(original, tm, rid: str = "", abort_all: bool = False, *args
     result = original(tm, rid, abort_all, *args, **kwargs)
     if not recovery_rule.enabled():
         return result
-    reached = [(r, s) for r, s in list(tm.rid_to_state.items()) if abort_all or r == rid]
+    if abort_all:
+        reached = list(tm.rid_to_state.items())
+    else:
+        reached = [(rid, tm.rid_to_state[rid])] if rid in tm.rid_to_state else []
+    answered = False
     for r, s in reached:
-        if request_record.peek(s, Attempts).phase in (Phase.IDLE, Phase.RUNNING):
-            _step(tm, request_record.of(s, Attempts), Event.ABORTED)
-    held = [(r, s) for r, s in reached if request_record.peek(s, Attempts).phase is Phase.HELD]
-    if not held:
-        return result
-    call = state_of(tm).call
-    pausing = abort_all and call is not None and call.op == PAUSE and call.mode == "abort"
-    reason = verdict.pause_finish_reason() if pausing else verdict.pause_finish_reason(CLIENT_ABORT_MESSAGE)
-    for r, s in held:
-        if _step(tm, request_record.of(s, Attempts), Event.ABORTED).answers_abort:
+        if request_record.peek(s, Attempts).phase is Phase.ENDED:
+            continue
+        if _step(tm, request_record.of(s, Attempts), Event.ABORTED).answers_abort:  # it was HELD
+            reason = _abort_reason(tm, abort_all)
             logger.warning("Recovery of %s: aborted between attempts (%s)", r, reason["message"])
             _answer(tm, r, reason)
-    if tm.is_pause:  # a re-run waiting at the gate looks again
+            answered = True
+    if answered and tm.is_pause:  # a re-run waiting at the gate looks again
         asyncio.get_running_loop().create_task(pause_gate.gate_of(tm).set())
     return result
+
+
+def _abort_reason(tm: Any, abort_all: bool) -> Dict[str, Any]:
+    """The answer of an abort that reached a held-back request: the abort-mode pause's message for its abort_all,
+    else the client's (200, finish_reason abort, as the scheduler answers an abort)."""
+    call = state_of(tm).call
+    pausing = abort_all and call is not None and call.op == PAUSE and call.mode == "abort"
+    return verdict.pause_finish_reason() if pausing else verdict.pause_finish_reason(CLIENT_ABORT_MESSAGE)
 
 
 def before_handle_abort_req(tm, recv_obj, *args, **kwargs):

@@ -8,7 +8,8 @@ through a row of `TRANSITIONS`), `RUNNING` (re-submitted: its answer is decode's
 the client's and never held back). It is answered once: by the row that moves it to `ENDED` from `HELD` (the caller
 answers), or by the scheduler's output otherwise. An abort is decided where it reaches decode's tokenizer, before the
 scheduler's answer comes: the scheduler may still end the room by another verdict in the same pass (a transfer deadline
-checked before the aborted receiver is polled), and that end must not start an attempt the client no longer wants. Each row names the outcome it counts (`sglang:pd_request_recoveries_total`).
+checked before the aborted receiver is polled), and that end must not start an attempt the client no longer wants.
+Each row names the outcome it counts (`sglang:pd_request_recoveries_total`).
 The tokenizer's event loop only (single-threaded, no lock); the record (`Attempts`) lives on the tokenizer's ReqState
 (`request_record`)."""
 
