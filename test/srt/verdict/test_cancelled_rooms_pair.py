@@ -9,6 +9,7 @@ still held at prefill's pause gate (sglang.srt.disaggregation.cancelled_rooms).
 
 import pytest
 
+from testing.polling import wait_until
 from testing.pd_checks import assert_pair_idle, is_client_abort, pair_fixture
 
 pytestmark = pytest.mark.pair
@@ -193,15 +194,23 @@ def _misleading(room):
     return verdict.peer_reason("r", room, "prefill", verdict_wording.PAUSE_ABORT_MESSAGE)
 
 
-def _ended_by_prefill(pair, cause):
+def _ended_by_prefill(pair, cause, told_again=False):
     """A request both sides hold, prefill's room waiting for its input; prefill ends it with `_misleading`'s reason
     and `cause` (None: no cause frame, as a prefill of an older build or stock upstream); (decode's answer, the
-    seconds it took, decode's new end causes)."""
+    seconds it took, decode's new end causes). `told_again`: a second Failed status for the room follows at once,
+    without a cause (as a transfer worker's late conclusion of a write already on its way sends it)."""
     kept = pair.prefill.call("cancelled_rooms")  # an earlier test's cancellation stays until it expires
     room = pair.submit(prompt_len=12)
-    pair.run_until(lambda: pair.prefill.call("kv_status", room) == "WaitingForInput", timeout=60)
+    # decode alone ticks: its handshake reaches prefill (WaitingForInput) while prefill's request stays in its
+    # bootstrap queue, so no chunk is on its way when prefill ends the room (both ticking, a loaded machine could see
+    # WaitingForInput with the transfer already queued, and decode would get Success first)
+    wait_until(lambda: pair.prefill.call("kv_status", room) == "WaitingForInput" or pair.decode.call("tick"),
+               timeout=60, what="prefill's room WaitingForInput", interval=0)
+    assert pair.prefill.call("snapshot")["queues"]["bootstrap"] == 1  # not yet forwarded
     causes = pair.decode.call("end_causes")
     pair.prefill.call("end_room", room, _misleading(room), cause)
+    if told_again:
+        pair.prefill.call("end_room", room, _misleading(room), None)
     took = pair.run_until(lambda: pair.decode.call("final_reason", room) is not None
                           and pair.prefill.call("final_reason", room) is not None, timeout=60)
     after = pair.decode.call("end_causes")
@@ -215,10 +224,12 @@ def _ended_by_prefill(pair, cause):
     return room, pair.decode.call("final_reason", room), took, new
 
 
-def test_the_told_cause_decides_over_the_reason_text(pair):
+@pytest.mark.parametrize("told_again", [False, True], ids=["once", "then_again_without_a_cause"])
+def test_the_told_cause_decides_over_the_reason_text(pair, told_again):
     """Prefill tells decode the cause as a field (its PEER_CAUSE message before the Failed status): a reason whose
-    text reads as the peer's pause but whose cause is the peer's abort is answered as a client abort."""
-    room, answer, took, causes = _ended_by_prefill(pair, "PEER_ABORT")
+    text reads as the peer's pause but whose cause is the peer's abort is answered as a client abort. A second
+    Failed status without a cause (a late conclusion's) does not replace the first one's root cause."""
+    room, answer, took, causes = _ended_by_prefill(pair, "PEER_ABORT", told_again)
     assert took < ANSWER_S, took
     assert pair.decode.call("status", room) is None and answer["type"] == "abort", answer
     assert answer["message"] == "Aborted by the client.", answer

@@ -122,8 +122,9 @@ def around_update_status(original, mgr, bootstrap_room, status, *args, **kwargs)
 
 
 def around_record_failure(original, mgr, bootstrap_room, failure_reason, *args, **kwargs):
-    """AROUND CommonKVManager.record_failure: none for a cleared room (decode), over a peer loss or, as upstream's
-    bare abort reason, over any reason; tags our loss."""
+    """AROUND CommonKVManager.record_failure: none for a cleared room (decode), over a peer loss, over a reason that
+    came with its cause when this one comes without, or, as upstream's bare abort reason, over any reason
+    (`verdict.kept_over`); tags our loss."""
     from sglang.srt.disaggregation.utils import DisaggregationMode
 
     if upstream(mgr, "disaggregation_mode") == DisaggregationMode.DECODE:
@@ -132,12 +133,12 @@ def around_record_failure(original, mgr, bootstrap_room, failure_reason, *args, 
             return None
         if verdict_wording.is_lost_peer(failure_reason):
             end_cause.tag(mgr, bootstrap_room, end_cause.PEER_FAILURE)
-    new = failure_reason or ""
-    if table.kept_over(mgr.failure_records.get(bootstrap_room), new):
+    new, ledger = failure_reason or "", ledger_of(mgr)
+    current_told = ledger is not None and ledger.told_with(bootstrap_room) is not None
+    if table.kept_over(mgr.failure_records.get(bootstrap_room), new, current_told, attached.told is not None):
         return None
     if verdict_wording.is_bare_abort(new) and recomputing.reason:
         failure_reason = recomputing.reason  # the re-send's failure, not a client's abort
-    ledger = ledger_of(mgr)
     if ledger is None:
         return original(mgr, bootstrap_room, failure_reason, *args, **kwargs)
     # upstream's record_failure takes the failure lock itself: the old record's cause goes first (a reader meanwhile

@@ -189,10 +189,17 @@ def lost_peer_status(error_message: Any, status_code: Any) -> Any:
     return lost.status if error_message and lost.reads(str(error_message)) else status_code
 
 
-def kept_over(current: Optional[str], new: str) -> bool:
+def kept_over(current: Optional[str], new: str, current_told: bool = False, new_told: bool = False) -> bool:
     """Whether a room's recorded reason `current` stays when `new` is recorded: over upstream's bare abort reason
-    (e.g. the sender's Failed after the ledger told the pause), and a lost peer over anything but a lost peer."""
-    return bool(current) and (is_bare_abort(new) or is_lost_peer(current) and not is_lost_peer(new))
+    (e.g. the sender's Failed after the ledger told the pause), a lost peer over anything but a lost peer, and a
+    reason that came with its cause (`current_told`) over a later one without (`new_told` False: a transfer worker's
+    late conclusion of a write that was on its way, an older peer's second status) unless that one names a lost
+    peer: the first root cause stays, as upstream's `conclude_transfer` keeps it."""
+    if not current:
+        return False
+    if is_bare_abort(new) or is_lost_peer(current) and not is_lost_peer(new):
+        return True
+    return current_told and not new_told and not is_lost_peer(new)
 
 
 
