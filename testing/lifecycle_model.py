@@ -410,7 +410,7 @@ class LifecycleMachine(RuleBasedStateMachine):
 
     def _between(self, side: str, why: str, rid: str = "") -> None:
         """An abort (a client's by `rid`, else `abort_all`, also the abort-mode pause's) reaches decode's tokenizer:
-        recovery's AROUND hook on `TokenizerManager.abort_request` (`recovery.tm_abort_request`, real code) answers
+        recovery's AFTER hook on `TokenizerManager.abort_request` (`recovery.after_abort_request`, real code) answers
         a request between attempts (held back, in no scheduler) at once; its attempt then never re-submits (neither
         copy is sent: `_abort_answered` withdraws it). The scheduler's own abort follows (the caller's)."""
         if side != "decode":
@@ -421,9 +421,9 @@ class LifecycleMachine(RuleBasedStateMachine):
                 LifecycleMachine.seen[f"recovery: {why} on decode while an attempt was starting"] += 1
             if c.legs[0].decode.at_gate and (not rid or c.rid == rid):
                 # the fork's gate answers it the abort (pause_gate; not modelled: it arrives later); recovery is
-                # over for it (`recovery.tm_abort_request`: never held back after)
+                # over for it (`recovery.after_abort_request`: never held back after)
                 c.aborted_at_gate = True
-        recovery.tm_abort_request(lambda tm, rid, abort_all: None, self.tm, rid, not rid)
+        recovery.after_abort_request(None, self.tm, rid, not rid)
 
     def _abort_answered(self, recv: AbortReq) -> None:
         """Upstream's `_handle_abort_req` as recovery calls it for a held-back request: the client gets the abort

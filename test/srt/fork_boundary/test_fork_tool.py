@@ -492,9 +492,9 @@ def test_hooks_on_one_target_sit_together_in_wrap_order():
         "resend_wait:tm_generate_request", "bootstrap_door:before_generate_request"]
     # the pause gate's answers first (inner), then a request between recovery attempts (outer)
     assert order["managers.tokenizer_manager.TokenizerManager.abort_request"] == [
-        "pause_gate:tm_abort_request", "recovery:tm_abort_request"]
+        "pause_gate:tm_abort_request", "recovery:after_abort_request"]
     assert order["managers.tokenizer_control_mixin.TokenizerControlMixin.get_internal_state"] == [
-        "tokenizer_pause:tm_internal_state", "recovery:tm_internal_state"]
+        "tokenizer_pause:tm_internal_state", "recovery:after_internal_state"]
     assert {t for t, refs in order.items() if len(refs) > 1} == {
         "managers.scheduler.Scheduler.send_abort_output", "managers.scheduler.Scheduler.abort_request",
         "managers.scheduler.Scheduler.process_input_requests",

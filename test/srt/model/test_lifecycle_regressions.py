@@ -152,7 +152,7 @@ def test_a_client_abort_while_an_attempt_starts_is_answered(model):
     """The client aborts after decode held the failed end back and before the attempt reached decode's scheduler
     (in `_rerun`: asking prefill's bootstrap server its address, re-tokenizing): decode's scheduler has nothing of
     that rid to end. Found by the model as a completion answered to the client that aborted; now decode's tokenizer
-    answers the abort itself (recovery.tm_abort_request; test_recovery_skew_e2e on real servers) and the attempt
+    answers the abort itself (recovery.after_abort_request; test_recovery_skew_e2e on real servers) and the attempt
     sends nothing. Stock upstream 0.5.23 never re-runs: the abort comes after the failure's 500, which the client
     already has."""
     c = _failed_first_attempt(model, attempts=1)
@@ -205,7 +205,7 @@ def test_an_abort_that_reached_decode_s_tokenizer_first_is_never_re_run(model):
           ("deliver_notices", {}))
     c = model.clients[0]
     c.aborted = True  # the model's record: an abort reached this client's request (no completion may follow)
-    recovery.tm_abort_request(lambda tm, rid, abort_all: None, model.tm, c.rid, False)  # the tokenizer's side only
+    recovery.after_abort_request(None, model.tm, c.rid, False)  # the tokenizer's side only
     steps(model, ("scheduler_pass", {"side": "decode"}))  # the 500 reaches the tokenizer after the abort
     model.teardown()
     attempt, answer, meta, _ = _answer(c)

@@ -56,7 +56,7 @@ COUNTER = "sglang:pd_transfer_timeouts_total"
 EARLIEST = DEADLINE
 
 
-@pytest.fixture(scope="module", params=topology_params(TP2, TP2_DECODE_TP1, ci=(TP2,)))
+@pytest.fixture(scope="module", params=topology_params(TP2, TP2_DECODE_TP1))
 def cluster(deployments, request):
     """TP=1 behind the mini LB; TP=2 on both servers, and prefill TP=2 with decode TP=1, behind the Rust
     gateway (the legs go to the servers)."""

@@ -162,15 +162,16 @@ def _end_held(tm: Any, state: Any, record: Attempts, event: Event, why: str) -> 
         _answer(tm, state.obj.rid, record.failure or {})
 
 
-def tm_abort_request(original, tm, rid: str = "", abort_all: bool = False, *args, **kwargs):
-    """AROUND TokenizerManager.abort_request (outermost): a request between attempts (HELD, in no scheduler: the
-    abort upstream sends reaches nothing) is answered here at once with the answer the scheduler gives an abort
-    (200, finish_reason abort): the abort-mode pause's message for its abort_all, else the client's; its re-run
-    stops before it re-submits anything. A request the abort reaches in a scheduler (IDLE or RUNNING) is never held
-    back after (`Event.ABORTED`: its end, whatever verdict the scheduler gives it, is the client's)."""
-    result = original(tm, rid, abort_all, *args, **kwargs)
+def after_abort_request(result, tm, rid: str = "", abort_all: bool = False, *args, **kwargs) -> None:
+    """AFTER TokenizerManager.abort_request (outermost: after the pause gate's AROUND; an AFTER, so that upstream's
+    hook registry sees one AROUND on the target): a request between attempts (HELD, in no scheduler: the abort
+    upstream sends reaches nothing) is answered here at once with the answer the scheduler gives an abort (200,
+    finish_reason abort): the abort-mode pause's message for its abort_all, else the client's; its re-run stops
+    before it re-submits anything. A request the abort reaches in a scheduler (IDLE or RUNNING) is never held back
+    after (`Event.ABORTED`: its end, whatever verdict the scheduler gives it, is the client's). Returns None:
+    upstream's result stands."""
     if not recovery_rule.enabled():
-        return result
+        return None
     if abort_all:
         reached = list(tm.rid_to_state.items())
     else:
@@ -186,7 +187,7 @@ def tm_abort_request(original, tm, rid: str = "", abort_all: bool = False, *args
             answered = True
     if answered and tm.is_pause:  # a re-run waiting at the gate looks again
         asyncio.get_running_loop().create_task(pause_gate.gate_of(tm).set())
-    return result
+    return None
 
 
 def _abort_reason(tm: Any, abort_all: bool) -> Dict[str, Any]:
@@ -325,10 +326,15 @@ async def _rerun(tm: Any, state: Any, record: Attempts, attempt: int) -> None:
             logger.error("Recovery of %s: attempt %d's prefill leg: %r", obj.rid, attempt, e)
 
 
-async def tm_internal_state(original, tm, *args, **kwargs):
-    """AROUND TokenizerControlMixin.get_internal_state: each resource report counts the requests held between
-    recovery attempts (`recovery_held`: in no scheduler, so no queue shows them)."""
-    states = await original(tm, *args, **kwargs)
+def after_internal_state(result, tm, *args, **kwargs):
+    """AFTER TokenizerControlMixin.get_internal_state (a coroutine function: `result` is its coroutine, handed back
+    wrapped; an AFTER, so that upstream's hook registry sees one AROUND on the target): each resource report counts
+    the requests held between recovery attempts (`recovery_held`: in no scheduler, so no queue shows them)."""
+    return _with_held(result, tm)
+
+
+async def _with_held(pending, tm):
+    states = await pending
     held = sum(1 for s in list(tm.rid_to_state.values()) if request_record.peek(s, Attempts).phase is Phase.HELD)
     for state in states:
         report = state.get("fork_pd_resources") if isinstance(state, dict) else None

@@ -154,7 +154,7 @@ HOOKS: list[tuple[str, str, str]] = [_full(target, ref) + (kind,) for target, re
     ("managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager.release_memory_occupation",
      "queue_buffers:weight_updater_release", AROUND),
     ("managers.tokenizer_control_mixin.TokenizerControlMixin.get_internal_state", "tokenizer_pause:tm_internal_state", AROUND),
-    ("managers.tokenizer_control_mixin.TokenizerControlMixin.get_internal_state", "recovery:tm_internal_state", AROUND),
+    ("managers.tokenizer_control_mixin.TokenizerControlMixin.get_internal_state", "recovery:after_internal_state", AFTER),
     ("managers.tokenizer_control_mixin.TokenizerControlMixin.release_memory_occupation",
      "tokenizer_pause:tm_release_memory_occupation", AROUND),
     ("managers.tokenizer_control_mixin.TokenizerControlMixin.resume_memory_occupation",
@@ -164,7 +164,7 @@ HOOKS: list[tuple[str, str, str]] = [_full(target, ref) + (kind,) for target, re
      "room_telling:before_release_on_failure", BEFORE),
     # the pause gate's answers (inner), then a request between recovery attempts is answered (outer)
     ("managers.tokenizer_manager.TokenizerManager.abort_request", "pause_gate:tm_abort_request", AROUND),
-    ("managers.tokenizer_manager.TokenizerManager.abort_request", "recovery:tm_abort_request", AROUND),
+    ("managers.tokenizer_manager.TokenizerManager.abort_request", "recovery:after_abort_request", AFTER),
     ("managers.tokenizer_manager.TokenizerManager.continue_generation", "tokenizer_pause:tm_continue_generation", AROUND),
     # a failed rank takes its server down at once: upstream's crash diagnostics only where they can run
     ("managers.tokenizer_manager.TokenizerManager.dump_requests_before_crash",
