@@ -133,9 +133,9 @@ def around_record_failure(original, mgr, bootstrap_room, failure_reason, *args, 
             return None
         if verdict_wording.is_lost_peer(failure_reason):
             end_cause.tag(mgr, bootstrap_room, end_cause.PEER_FAILURE)
-    new, ledger = failure_reason or "", ledger_of(mgr)
-    current_told = ledger is not None and ledger.told_with(bootstrap_room) is not None
-    if table.kept_over(mgr.failure_records.get(bootstrap_room), new, current_told, attached.told is not None):
+    new, ledger, current = failure_reason or "", ledger_of(mgr), mgr.failure_records.get(bootstrap_room)
+    current_told = bool(current) and ledger is not None and ledger.told_with(bootstrap_room) is not None
+    if table.kept_over(current, new, current_told, attached.told is not None):
         return None
     if verdict_wording.is_bare_abort(new) and recomputing.reason:
         failure_reason = recomputing.reason  # the re-send's failure, not a client's abort
