@@ -118,13 +118,12 @@ class PDCluster(Deployment):
     ):
         """`hosts`: role (prefill, decode, lb) -> testing.hosts.Host to run it on (default: this host).
         `prefills`: more than one prefill server (roles prefill, prefill2, ...; each its own bootstrap port, the same
-        env and args), behind the mini LB (which picks one at random per request).
+        env and args), behind the mini LB (which picks one at random per request) or the gateway (each registered as
+        a prefill worker with its bootstrap port).
         `more_decodes`: more decode servers (roles decode2, decode3, ...), each with decode's env and args plus its
         own args here (later ones win), behind the gateway (each registered as a decode worker)."""
         if balancer not in BALANCERS:
             raise ValueError(f"balancer must be one of {BALANCERS}, not {balancer!r}")
-        if prefills > 1 and balancer != "mini":
-            raise ValueError("more than one prefill: only behind the mini LB")
         if more_decodes and balancer != "router":
             raise ValueError("more than one decode: only behind the gateway (the mini LB cannot remove one)")
         super().__init__(log_dir)
@@ -183,7 +182,8 @@ class PDCluster(Deployment):
         else:
             self.gateway = Gateway(prefill, decode, bootstrap, role="lb", env=lb_env, args=lb_args,
                                    port=lb_port, prometheus_port=prom_port, log_dir=str(self.log_dir),
-                                   more_decodes={r: self.servers[r] for r in self.decode_roles[1:]})
+                                   more_decodes={r: self.servers[r] for r in self.decode_roles[1:]},
+                                   more_prefills=self.more_prefills())
             self.servers["lb"] = self.gateway["lb"]
         if "lb" in hosts:
             self.servers["lb"].place(hosts["lb"])
@@ -191,6 +191,10 @@ class PDCluster(Deployment):
     @property
     def url(self) -> str:
         return self.servers["lb"].url
+
+    def more_prefills(self) -> Dict[str, Tuple[Server, int]]:
+        """prefill2, ...: (server, bootstrap port) each, as a Gateway fronting them takes them."""
+        return {r: (self.servers[r], self.bootstrap_ports[r]) for r in self.prefill_roles[1:]}
 
     @property
     def multi_rank(self) -> bool:
@@ -236,10 +240,14 @@ class Gateway(Deployment):
     def __init__(self, prefill: Server, decode: Server, bootstrap_port: int, *, role: str = "gateway",
                  env: Optional[Mapping[str, str]] = None, args: Sequence[str] = (),
                  port: Optional[int] = None, prometheus_port: Optional[int] = None,
-                 log_dir: Optional[str] = None, more_decodes: Optional[Mapping[str, Server]] = None):
+                 log_dir: Optional[str] = None, more_decodes: Optional[Mapping[str, Server]] = None,
+                 more_prefills: Optional[Mapping[str, Tuple[Server, int]]] = None):
         super().__init__(log_dir)
-        self.engines = {"prefill": prefill, "decode": decode, **(more_decodes or {})}
+        more_prefills = more_prefills or {}
+        self.engines = {"prefill": prefill, **{r: s for r, (s, _) in more_prefills.items()}, "decode": decode,
+                        **(more_decodes or {})}
         self.bootstrap_port = bootstrap_port
+        self.bootstrap_ports = {"prefill": bootstrap_port, **{r: b for r, (_, b) in more_prefills.items()}}
         self.role = role
         if port is None or prometheus_port is None:
             port, prometheus_port = free_ports(2)
@@ -255,11 +263,13 @@ class Gateway(Deployment):
 
     @classmethod
     @contextlib.contextmanager
-    def fronting(cls, cluster: "PDCluster", args: Sequence[str] = ()) -> Iterator["Gateway"]:
-        """A gateway started in front of a running cluster's engines, each registered with POST /workers;
-        torn down on exit."""
+    def fronting(cls, cluster: "PDCluster", args: Sequence[str] = (), host: Any = None) -> Iterator["Gateway"]:
+        """A gateway started in front of a running cluster's engines (every prefill, the first decode), each
+        registered with POST /workers; on `host` (a testing.hosts.Host) if given; torn down on exit."""
         gw = cls(cluster["prefill"], cluster["decode"], cluster.bootstrap_port, log_dir=str(cluster.log_dir),
-                 args=args)
+                 args=args, more_prefills=getattr(cluster, "more_prefills", dict)())
+        if host is not None:
+            gw[gw.role].place(host)
         try:
             gw.start()
             gw.register_workers()
@@ -292,8 +302,8 @@ class Gateway(Deployment):
         """POST /workers for this engine as an RL framework does; returns the gateway's
         entry once its registration workflow has added it (the POST only queues it)."""
         payload: Dict[str, Any] = {"url": self.engines[role].url, "worker_type": role.rstrip("0123456789")}
-        if role == "prefill":
-            payload["bootstrap_port"] = self.bootstrap_port
+        if role in self.bootstrap_ports:
+            payload["bootstrap_port"] = self.bootstrap_ports[role]
         status, body = http_post_json(self.url + "/workers", payload, timeout=30)
         if status not in (200, 201, 202):
             raise ClusterError(f"POST /workers {payload} -> {status}: {body}")

@@ -193,6 +193,9 @@ ADVICE = {
     "PEER_ABORT": "the request was aborted on the peer: nothing failed",
     "PEER_DEADLINE": "as a deadline (above), reached on the peer",
     "PAUSE_REASON": "as a pause (above)",
+    "LOST_PEER_HANDED_TO_RECOVERY": "prefill's leg only (a balancer reads it, not a client): decode, if it lives, "
+                                    "runs the request again on another prefill or answers the loss itself "
+                                    "(docs/recovery.md); the client gets decode's answer",
     "LOST_PEER": "the named peer crashed or is cut off: see `sglang:pd_peer_losses_total`; restart or heal it "
                  "(it is served again without restarting the survivor); retry on another pair",
     "HANDED_TO_RECOVERY": "prefill's leg only (a balancer reads it, not a client): decode runs the request again "

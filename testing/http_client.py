@@ -105,6 +105,25 @@ def generate(url: str, text: str, max_new_tokens: int = 32, timeout: float = 120
     }
 
 
+def post_stream(url: str, payload: Any, timeout: float = 60.0) -> tuple[int, str]:
+    """POST `payload` to `url` (a streaming endpoint: /generate with "stream": true, /v1/chat/completions) and read
+    the whole answer: (status, body text); an HTTP error's status and body alike."""
+    req = urllib.request.Request(url, data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"},
+                                 method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def stream_events(body: str) -> tuple[List[Any], bool]:
+    """A stream's data events (JSON), and whether it ended with [DONE]."""
+    data = [line[len("data:"):].strip() for line in body.splitlines() if line.startswith("data:")]
+    done = bool(data) and data[-1] == "[DONE]"
+    return [json.loads(d) for d in data if d != "[DONE]"], done
+
+
 def generate_concurrently(url: str, prompts: Sequence[str], **kw) -> List[Dict[str, Any]]:
     """All prompts at once, one thread each; results in prompt order."""
     results: List[Optional[Dict[str, Any]]] = [None] * len(prompts)

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, Mapping, Optional, Tuple
 
 from testing.harness_snapshot import fork_tables_held
+from testing.http_client import stream_events
 from testing.pd_cluster import HOST, PD_ROLES, generate, http_get, http_post_json, metric_sum, prompts, wait_until
 
 IDLE_TIMEOUT = 60.0
@@ -336,6 +337,20 @@ class ClosedLoop:
 
     def summary(self) -> Counter:
         return Counter((r["status"], r["finish"] or str(r["error"])[:90]) for r in self.results)
+
+
+def judge_completed_stream(status: int, body: str, text: Optional[str] = None) -> Dict[str, Any]:
+    """A /generate stream answered as a completion: 200, ended with [DONE], exactly one finish and it no abort, no
+    error event; its text `text` when given (/generate streams the text so far). Returns the last event."""
+    assert status == 200, body
+    events, done = stream_events(body)
+    assert done, body
+    finishes = [e["meta_info"]["finish_reason"] for e in events if e["meta_info"].get("finish_reason")]
+    assert len(finishes) == 1 and finishes[0]["type"] != "abort", finishes
+    assert not any("error" in e for e in events), body
+    if text is not None:
+        assert events[-1]["text"] == text, (events[-1], text)
+    return events[-1]
 
 
 # The test-hosts partition tests' deployment and bounds (each bound is what its mechanism allows plus MARGIN).

@@ -56,8 +56,28 @@ def test_a_failed_chunk_write_of_each_kind_is_recovered(kind):
     assert recovery_rule.cause_of_answer(_abort(message, HTTPStatus.INTERNAL_SERVER_ERROR)) == recovery_rule.CAUSE_CHUNK
 
 
+@pytest.mark.parametrize("reason", [
+    f"{verdict_wording.PEER_LOST_TAG}: prefill peer 10.0.0.1:8998 lost (its bootstrap server does not answer)",
+    f"{verdict_wording.PEER_LOST_TAG}: prefill bootstrap server 10.0.0.1:8998 unreachable: declared lost by decode's "
+    "peer monitor, and its parallel info could not be fetched",
+    f"{verdict_wording.UPSTREAM_PREFILL_LOST} (bootstrap_addr: 10.0.0.1:8998)",
+    # as decode answers them: upstream wraps the reason (its handshake's and its transfer's failure messages)
+    f"Decode handshake failed for request rank=0 decode_req.req.rid='{RID}' decode_req.req.bootstrap_room={ROOM} with "
+    f"exception KVTransferError(bootstrap_room={ROOM}): {verdict_wording.PEER_LOST_TAG}: prefill bootstrap server "
+    "10.0.0.1:8998 unreachable: declared lost by decode's peer monitor, and its parallel info could not be fetched",
+    _told(f"{verdict_wording.PEER_LOST_TAG}: prefill peer 10.0.0.1:8998 lost (its bootstrap server does not answer)"),
+])
+def test_a_lost_prefill_is_a_cause_of_its_own(reason):
+    """Decode's answer for a request whose prefill it declared lost (its peer monitor, its handshake's fetch, upstream's
+    heartbeat): a cause of its own, taken with the lost peer's status only. Whether it is re-run also needs another
+    prefill (test_known_prefills)."""
+    assert recovery_rule.cause_of_answer(_abort(reason, HTTPStatus.BAD_GATEWAY)) == recovery_rule.CAUSE_LOST_PREFILL
+    assert recovery_rule.cause_of_answer(_abort(reason, 502)) == recovery_rule.CAUSE_LOST_PREFILL
+    assert recovery_rule.cause_of_answer(_abort(reason, HTTPStatus.GATEWAY_TIMEOUT)) is None
+
+
 @pytest.mark.parametrize("reason,status", [
-    (f"{verdict_wording.PEER_LOST_TAG}: prefill peer 10.0.0.1:8998 lost (no heartbeat)", HTTPStatus.BAD_GATEWAY),
+    (f"{verdict_wording.PEER_LOST_TAG}: decode peer 10.0.0.2:9000 lost (no heartbeat)", HTTPStatus.BAD_GATEWAY),
     (verdict_wording.CLIENT_ABORT_MESSAGE, None),  # a client's abort
     ("SLA exceeded", HTTPStatus.SERVICE_UNAVAILABLE),  # an SLA abort
     (verdict_wording.PAUSE_ABORT_MESSAGE, None),

@@ -28,17 +28,16 @@ state chunk (test_chunk_failures_pair fails one over the real transfer engine; i
 
 from __future__ import annotations
 
-import json
 import threading
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 
 import pytest
 
 from conftest import FP32, TP2, topology_params
-from testing.pd_checks import PD_ROLES, assert_idle, cluster_end_causes, delta, wait_end_causes
+from testing.http_client import post_stream
+from testing.pd_checks import (PD_ROLES, assert_idle, cluster_end_causes, delta, judge_completed_stream,
+                               wait_end_causes)
 from testing.polling import wait_until
 from testing.pd_cluster import Gateway, PDCluster, SingleServer, generate, metric_sum, prompts
 
@@ -137,23 +136,6 @@ def _charged(gateway):
             gateway.failures(metrics))
 
 
-def _stream(url: str, payload: dict, timeout: float = 60.0):
-    req = urllib.request.Request(url + "/generate", data=json.dumps(payload).encode(),
-                                 headers={"Content-Type": "application/json"}, method="POST")
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
-
-
-def _events(body: str):
-    """The stream's data events (JSON), and whether it ended with [DONE]."""
-    data = [line[len("data:"):].strip() for line in body.splitlines() if line.startswith("data:")]
-    done = bool(data) and data[-1] == "[DONE]"
-    return [json.loads(d) for d in data if d != "[DONE]"], done
-
-
 def _recovered_stream(url: str, text: str, rid: str, calm: dict, cause: str) -> float:
     """Stream `text` under `rid` from `url` and check the recovered stream: 200, ended with [DONE], exactly one finish
     and it no abort, no error event, the calm control's text, `meta_info.recovery` naming `cause`; the seconds it
@@ -161,16 +143,10 @@ def _recovered_stream(url: str, text: str, rid: str, calm: dict, cause: str) -> 
     payload = {"text": text, "rid": rid, "stream": True,
                "sampling_params": {"temperature": 0.0, "max_new_tokens": MAX_NEW_TOKENS}}
     t0 = time.monotonic()
-    status, body = _stream(url, payload)
+    status, body = post_stream(url + "/generate", payload)
     took = time.monotonic() - t0
-    assert status == 200, body
-    events, done = _events(body)
-    assert done, body
-    finishes = [e["meta_info"]["finish_reason"] for e in events if e["meta_info"].get("finish_reason")]
-    assert len(finishes) == 1 and finishes[0]["type"] != "abort", finishes
-    assert not any("error" in e for e in events), body
-    assert events[-1]["text"] == calm["text"], (events[-1], calm)  # /generate streams the text so far
-    assert events[-1]["meta_info"]["recovery"] == {"attempts": 1, "cause": cause}
+    last = judge_completed_stream(status, body, calm["text"])
+    assert last["meta_info"]["recovery"] == {"attempts": 1, "cause": cause}
     return took
 
 

@@ -3,38 +3,50 @@ network namespace of its own on one switch. Under closed-loop load the switch st
 prefill and decode (silent: nothing refused, nothing reset), while the balancer, the first prefill and this test
 still reach every host. The balancer keeps picking either prefill at random, so about half the requests are bound
 to the silent pair. Asserted: prefill2 and decode each declare the other lost within two heartbeats, and nobody
-else is declared lost; every request bound to the silent pair ends (502 naming the lost peer, or 504 at its
-deadline), none waits past its deadline, and the first prefill carries the rest (completions all through the cut,
-no end charged to it); every server gives everything back; once the link heals both count the recovery within a
+else is declared lost; every server gives everything back; once the link heals both count the recovery within a
 heartbeat and prefill2 serves again, with no restart and no manual step. docs/peer-liveness.md ("Silent peers").
 
-Recovery is on on both prefills and decode (PARTITION_ENV): the answers are those of recovery off (a 502 naming the
-lost peer is not a recoverable cause, and recovery re-runs a request on the prefill it came from, never on the other);
-every recovery started ended (judge_partition_recoveries). Measured with it on (CPU, TCP, network namespaces): 4 x 502
-after 8.3-8.5 s, 12 completions during the cut, no recovery started.
+Recovery is on on both prefills and decode (PARTITION_ENV, one attempt): every request bound to the silent pair is
+re-run on the first prefill (docs/recovery.md, "A partition between prefill and decode"), cause `lost_prefill`: those
+in flight at the cut once decode declares prefill2 lost, the ones sent to it after that once decode's fetch of its
+info fails. So every request answers 200, run to max_new_tokens, with the text a calm run of its prompt gives, and
+says in its meta_info that it was recovered; every recovery started ended recovered (judge_partition_recoveries).
+With recovery off (and in stock upstream 0.5.23, which has no recovery) the same cut answers 502 naming the lost
+peer for the requests in flight and 504 at decode's deadline for the ones sent to prefill2 during the cut
+(docs/peer-liveness.md's run: 4 x 502, 8 x 504, 13 completions).
+
+The same cut behind the Rust gateway (sglang-router, started on the balancer's host in front of the same engines,
+each registered with POST /workers): prefill2 answers its leg of each request it lost decode for as handed over to
+decode's recovery (200, the verdict's row "lost decode handed to decode's recovery"), so the gateway keeps decode's
+recovered answer: every request answers 200, the gateway retries none and charges no circuit. Before this release
+prefill2's leg answered 502 naming the lost decode, which the gateway answered (and retried) in place of decode's.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import Counter
 
 import pytest
 
 from testing.pd_checks import (PEER_LOSSES, PEER_RECOVERIES, ClosedLoop, assert_idle, delta, end_causes,
-                               judge_partition_answers, judge_partition_recoveries, request_recoveries,
+                               judge_completed_stream, judge_partition_recoveries, request_recoveries,
                                wait_counter_rises)
 from testing.pd_checks import (PARTITION_ANSWER_BOUND as ANSWER_BOUND, PARTITION_DEADLINE as DEADLINE,
                                PARTITION_DETECT_BOUND as DETECT_BOUND, PARTITION_ENV as ENV,
                                PARTITION_RECOVER_BOUND as RECOVER_BOUND)
-from testing.pd_cluster import metric_sum, wait_until
+from testing.deployments import Gateway
+from testing.http_client import post_stream, prompts, stream_events
+from testing.pd_cluster import generate, metric_sum, wait_until
 
-pytestmark = pytest.mark.e2e  # its own 4 servers: 63 s on the 2-core box (104 s under other sessions' load)
+pytestmark = pytest.mark.e2e  # its own 4 servers (the gateway besides): about 150 s on the 2-core box
 
 HOST_ROLES = ("prefill", "prefill2", "decode", "lb")  # the pd_hosts fixture makes these hosts
 ROLES = ("prefill", "prefill2", "decode")
 CLIENTS = 4
 PROMPT_TOKENS = "sglang:prompt_tokens_total"
+LOST = "lost_prefill"  # recovery's cause for a request whose prefill decode declared lost
 
 
 @pytest.fixture(scope="module")
@@ -54,25 +66,76 @@ def _causes(cluster) -> dict:
     return {(server,) + key: n for server in ROLES for key, n in end_causes(cluster[server].metrics()).items()}
 
 
-def test_silent_partition_of_one_prefill_the_other_carries_the_load(cluster, pd_hosts):
+class _Streams(threading.Thread):
+    """Streaming /generate requests one after another through `url` until `stop`, each recorded as ClosedLoop records
+    its answers (status, latency, finish, meta and text of the last event, prompt, t) with its body kept for
+    `judge_completed_stream`."""
+
+    def __init__(self, url: str):
+        super().__init__(daemon=True)
+        self.url, self.results, self._halt = url, [], threading.Event()
+
+    def run(self) -> None:
+        texts = prompts(64)
+        k = 0
+        while not self._halt.is_set():
+            prompt = texts[(5 * k + 3) % len(texts)]
+            payload = {"text": prompt, "stream": True,
+                       "sampling_params": {"temperature": 0.0, "max_new_tokens": 16, "ignore_eos": True}}
+            t0 = time.monotonic()
+            status, body = post_stream(self.url + "/generate", payload, timeout=DEADLINE + 30)
+            try:
+                last = stream_events(body)[0][-1]
+            except (ValueError, IndexError):
+                last = {}
+            meta = last.get("meta_info") or {}
+            self.results.append({"status": status, "body": body, "prompt": prompt, "meta": meta,
+                                 "text": last.get("text"), "finish": (meta.get("finish_reason") or {}).get("type"),
+                                 "latency": time.monotonic() - t0, "t": time.monotonic()})
+            k += 1
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join(DEADLINE + 40)
+        assert not self.is_alive(), "a stream is still waiting"
+
+
+def _partition_of_prefill2(cluster, pd_hosts, url: str, min_reruns: int) -> list:
+    """Cut prefill2 from decode under closed-loop load through `url` until at least `min_reruns` requests bound to
+    the silent pair were re-run on the first prefill (some of them sent after decode declared prefill2 lost, a
+    stream among them: streams are sent one after another from then on), then heal; asserts every answer, the
+    re-runs' texts, the bounds, the counters and that every server is idle. Returns the answers."""
     baseline = assert_idle(cluster, ROLES)
     losses, recoveries = _counts(cluster, PEER_LOSSES), _counts(cluster, PEER_RECOVERIES)
     causes = _causes(cluster)
     assert all(cluster[role].env.get("SGLANG_FORK_RECOVERY_ATTEMPTS") == "1" for role in ROLES)
     recoveries_before = request_recoveries(cluster["decode"].metrics())
-    peers = {role: cluster[role].address for role in ("prefill2", "decode")}
-    loop = ClosedLoop(cluster.url, CLIENTS, max_new_tokens=16, timeout=DEADLINE + 30, ignore_eos=True).start()
+
+    def rerun(outcome: str) -> float:
+        return delta(recoveries_before, request_recoveries(cluster["decode"].metrics())).get((LOST, outcome), 0)
+
+    loop = ClosedLoop(url, CLIENTS, max_new_tokens=16, timeout=DEADLINE + 30, ignore_eos=True).start()
     try:
         wait_until(lambda: loop.completed() >= 2 * CLIENTS, 90, "closed-loop completions before the cut")
         t_cut = time.monotonic()
         pd_hosts.cut("prefill2", "decode")
         detected = wait_counter_rises(cluster, ("prefill2", "decode"), PEER_LOSSES, losses, t_cut, DETECT_BOUND + 5,
                                       "prefill2 and decode to declare each other lost")
-        # the cut lasts until requests bound to the silent pair have ended and the other prefill has served more
-        wait_until(lambda: sum(r["status"] != 200 for r in loop.results if r["t"] >= t_cut) >= CLIENTS
+        t_lost = time.monotonic()
+        streams = _Streams(url)
+        streams.start()
+        # the cut lasts until requests bound to the silent pair have been re-run on the first prefill, among them
+        # ones the balancer sent to prefill2 after decode declared it lost (a stream among them), and the others were
+        # served meanwhile
+        wait_until(lambda: rerun("recovered") >= min_reruns
+                   and any(r["meta"].get("recovery") for r in streams.results)
+                   and any((r.get("meta") or {}).get("recovery") for r in loop.results if r["t"] - r["latency"] >= t_lost)
                    and sum(r["status"] == 200 for r in loop.results if r["t"] - r["latency"] >= t_cut) >= 2 * CLIENTS,
-                   ANSWER_BOUND + 30, "requests bound to the silent pair to end, the others served")
-        during = [r for r in loop.results if r["t"] >= t_cut]
+                   ANSWER_BOUND + 30, "requests bound to the silent pair re-run, the others served",
+                   on_timeout=lambda: f"{loop.summary()}; recoveries {rerun('started')} started, "
+                                      f"{rerun('recovered')} recovered; streams {[r['status'] for r in streams.results]}")
+        streams.stop()
+        during = [r for r in loop.results + streams.results if r["t"] >= t_cut]
         t_heal = time.monotonic()
         pd_hosts.heal()
         # a KV write prefill2 had in flight at the cut makes mooncake reconnect to decode during the cut; every
@@ -91,21 +154,36 @@ def test_silent_partition_of_one_prefill_the_other_carries_the_load(cluster, pd_
                    60, "prefill2 serving again after the heal")
     finally:
         loop.stop()
+        if "streams" in locals():
+            streams.stop()
         pd_hosts.heal()
+    rerun_during = [r for r in during if (r.get("meta") or {}).get("recovery")]
     print(f"\n2P1D silent partition of prefill2: declared lost after {detected} s; recovery counted {recovered} s "
-          f"after the heal; statuses during the cut {dict(Counter(r['status'] for r in during))}; "
-          f"all {dict(loop.summary())}")
-    judge_partition_answers(loop.results, peers, ANSWER_BOUND)
+          f"after the heal; during the cut {dict(Counter(r['status'] for r in during))}, {len(rerun_during)} re-run "
+          f"on the first prefill (latency {sorted(round(r['latency'], 1) for r in rerun_during)} s); "
+          f"all {dict(loop.summary())}; streams {len(streams.results)}, "
+          f"{sum(bool(r['meta'].get('recovery')) for r in streams.results)} re-run")
+    # every answer a completion: the requests bound to the silent pair re-run on the first prefill; a stream with
+    # one finish, no abort or error event
+    assert all(r["status"] == 200 and r["finish"] == "length" for r in loop.results), loop.summary()
+    for r in streams.results:
+        judge_completed_stream(r["status"], r["body"])
+        assert r["finish"] == "length", r["meta"]
+    for r in loop.results + streams.results:
+        assert r["latency"] <= ANSWER_BOUND, (r["latency"], r["meta"])
     reruns = judge_partition_recoveries(recoveries_before, request_recoveries(cluster["decode"].metrics()),
-                                        loop.results)
+                                        loop.results + streams.results)
     print(f"request recoveries (cause, outcome): {reruns}")
-    assert any(r["status"] != 200 for r in during), "no request was bound to the silent pair"
-    assert sum(r["status"] == 200 for r in during) >= 2 * CLIENTS, "the other prefill did not carry the load"
+    assert all(r["meta"]["recovery"] == {"attempts": 1, "cause": LOST} for r in rerun_during), rerun_during
+    assert reruns.get((LOST, "recovered"), 0) == reruns.get((LOST, "started"), 0) >= min_reruns, reruns
+    # each re-run answers the text a calm run of its prompt gives (greedy, float32), one at a time (streams first)
+    for r in sorted(rerun_during, key=lambda r: "body" not in r)[:CLIENTS]:
+        calm = generate(url, r["prompt"], 16, sampling={"ignore_eos": True})
+        assert calm["status"] == 200 and calm["text"] == r["text"], (calm, r)
     for role, seconds in detected.items():
         assert seconds <= DETECT_BOUND, (role, seconds)
     for role, seconds in recovered.items():
         assert seconds <= bounds[role], (role, seconds, bounds[role])
-    assert all(r["status"] == 200 for r in loop.results if r["t"] - r["latency"] >= t_back), loop.summary()
     assert_idle(cluster, ROLES, baseline)
     # the silent pair counted the loss and the recovery once each; the first prefill lost nobody
     assert delta(losses, _counts(cluster, PEER_LOSSES)) == {"prefill2": 1, "decode": 1}
@@ -114,4 +192,19 @@ def test_silent_partition_of_one_prefill_the_other_carries_the_load(cluster, pd_
     moved = delta(causes, _causes(cluster))
     assert any(cause == "peer_failure" for (_, _, cause, _) in moved), moved
     assert not any(server == "prefill" for (server, _, _, _) in moved), moved  # nothing ended on the first prefill
+    return loop.results + streams.results
 
+
+def test_silent_partition_of_one_prefill_the_other_serves_its_requests(cluster, pd_hosts):
+    _partition_of_prefill2(cluster, pd_hosts, cluster.url, CLIENTS)
+
+
+def test_behind_the_gateway_decode_recovered_answer_is_kept(cluster, pd_hosts):
+    with Gateway.fronting(cluster, host=pd_hosts.hosts["lb"]) as gateway:
+        before = gateway.metrics()
+        _partition_of_prefill2(cluster, pd_hosts, gateway.url, 2)
+        after = gateway.metrics()
+    retries = metric_sum(after, "smg_worker_retries_total") - metric_sum(before, "smg_worker_retries_total")
+    charged = {role: gateway.failures(after)[role] - gateway.failures(before)[role] for role in gateway.engines}
+    print(f"gateway: retries {retries}, failures charged {charged}")
+    assert retries == 0 and not any(charged.values()), (retries, charged)

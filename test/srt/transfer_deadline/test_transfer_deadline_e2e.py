@@ -17,12 +17,12 @@ import random
 import subprocess
 import threading
 import time
-import urllib.request
 
 import psutil
 import pytest
 
 from conftest import TP2, TP2_DECODE_TP1, topology_params, topology_pd
+from testing.http_client import post_stream
 from testing.pd_checks import (
     PD_ROLES,
     Leg,
@@ -229,17 +229,6 @@ def test_frozen_decode_gets_504_releases_and_recovers(cluster):
     _serving(cluster, baseline)
 
 
-def _stream(url: str, payload: dict, timeout: float = 60.0):
-    req = urllib.request.Request(
-        url, data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"}, method="POST"
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
-
-
 def test_504_reaches_every_client_kind(cluster):
     """Prefill legs whose decode never comes: the bootstrap stage expires. /generate
     and /v1/chat/completions answer 504; streams end with an error event carrying 504."""
@@ -259,7 +248,7 @@ def test_504_reaches_every_client_kind(cluster):
     def run(name, path, body, stream):
         payload = _leg(cluster, random.randint(1, 2**62), **body)
         t0 = time.monotonic()
-        out[name] = (*_stream(prefill.url + path, payload), time.monotonic() - t0)
+        out[name] = (*post_stream(prefill.url + path, payload), time.monotonic() - t0)
 
     threads = [threading.Thread(target=run, args=(n, *c)) for n, c in cases.items()]
     for t in threads:

@@ -110,6 +110,13 @@ def _prefill_req(rid="r", **shape):
     return req
 
 
+def _prefill_told(told, rid="r", **shape):
+    """Prefill's copy whose room's ender told `told` (a field: what the reason's text says is not read)."""
+    req = _prefill_req(rid, **shape)
+    verdict.of(req).told = told
+    return req
+
+
 def _prefill_deadline(stage="prefill_inflight", rid="r"):
     """Prefill's copy whose own deadline (transfer_deadline's whole message) fired in `stage`."""
     req = _prefill_req(rid)
@@ -135,8 +142,14 @@ CASES = [
     (Cause.PEER_ABORT, _req(), verdict.peer_reason("r", 5, "decode")),
     (Cause.PEER_DEADLINE, _req(), DEADLINE),
     (Cause.PAUSE_REASON, _req(), verdict_wording.PAUSE_ABORT_MESSAGE + " (room 5)"),
-    (Cause.LOST_PEER, _req(), LOST),
+    # prefill's copy whose decode it lost (told by its monitor, or read), an attempt left: handed over, so that a
+    # gateway keeps decode's answer (its recovery on another prefill, or its own 502)
+    (Cause.LOST_PEER_HANDED_TO_RECOVERY, _prefill_req(), LOST),
+    (Cause.LOST_PEER_HANDED_TO_RECOVERY, _prefill_told(verdict_rows.Told(Cause.LOST_PEER)), "PD request failed"),
+    (Cause.LOST_PEER, _req(), LOST),  # decode's copy (no sender): its 502, which decode's recovery reads
     (Cause.LOST_PEER, _req(), upstream_prefill_lost_reason()),
+    (Cause.LOST_PEER, _prefill_req("r~recovery-1"), LOST),  # the last attempt the knob allows answers the loss
+    (Cause.LOST_PEER, _prefill_told(verdict_rows.Told(Cause.LOST_PEER), return_logprob=True), LOST),  # not taken
     (Cause.HANDED_TO_RECOVERY, _prefill_req(), KV_FAILED),
     (Cause.FAILURE, _req(), KV_FAILED),  # decode's copy (no sender): decode's own recovery holds its end back
     (Cause.FAILURE, _prefill_req("r~recovery-1"), KV_FAILED),  # the last attempt the knob allows answers the failure

@@ -2,8 +2,8 @@
 which holds such an end back and re-runs the request (fork_recovery.recovery: `cause_of_answer`, `another_attempt`),
 decode's own deadline, which ends such a room by `hand_to_recovery` (transfer_deadline: `hands_over`), and prefill's
 verdict, which answers its leg of such a request as an abort instead of the failure (verdict_rows' rows
-`HANDED_TO_RECOVERY` and `DEADLINE_HANDED_TO_RECOVERY`: `prefill_hands_over`), so that a gateway keeps decode's
-answer. Both servers read the same knob (`SGLANG_FORK_RECOVERY_ATTEMPTS`).
+`HANDED_TO_RECOVERY` and `DEADLINE_HANDED_TO_RECOVERY`: `prefill_hands_over`; `LOST_PEER_HANDED_TO_RECOVERY`:
+`prefill_hands_over_lost`), so that a gateway keeps decode's answer. Both servers read the same knob (`SGLANG_FORK_RECOVERY_ATTEMPTS`).
 
 The rule: a failure of a cause recovery takes (`cause_of`, named by the reason's text: a failed chunk write, or a
 transfer deadline in a stage of `DEADLINE_STAGES`; answered with that cause's own status, `ANSWERED`), of a request of
@@ -24,15 +24,24 @@ from typing import Any, Optional
 
 from sglang.srt.disaggregation.fork_ending import recovery_attempt
 from sglang.srt.disaggregation.fork_ending.pd_queues import DECODE_TRANSFER, PREFILL_INFLIGHT
-from sglang.srt.disaggregation.fork_ending.verdict_wording import deadline_stage, failed_chunk_kind
+from sglang.srt.disaggregation.fork_ending.verdict_wording import (
+    PEER_LOST_TAG, UPSTREAM_PREFILL_LOST, deadline_stage, failed_chunk_kind)
 from sglang.srt.managers.fork_core import knobs
 from sglang.srt.managers.fork_core.fork_touch import upstream
 
 CAUSE_CHUNK = "chunk_failure"  # the causes recovery takes (meta_info["recovery"]["cause"]): a failed chunk write,
-CAUSE_DEADLINE = "transfer_deadline"  # a transfer stalled past the deadline in a stage of DEADLINE_STAGES
-# The status each cause's failure is answered with when not recovered (the verdict's rows FAILURE and DEADLINE /
-# PEER_DEADLINE): decode's tokenizer reads a held-back end by it and its message (`cause_of_answer`).
-ANSWERED = {CAUSE_CHUNK: HTTPStatus.INTERNAL_SERVER_ERROR, CAUSE_DEADLINE: HTTPStatus.GATEWAY_TIMEOUT}
+CAUSE_DEADLINE = "transfer_deadline"  # a transfer stalled past the deadline in a stage of DEADLINE_STAGES,
+# and decode's alone: the prefill a request was bound to, declared lost by decode (decode's peer monitor, or its
+# handshake's fetch from a prefill declared lost), re-run on another prefill decode's tokenizer saw serve since
+# (fork_recovery.known_prefills: a partition between that prefill and decode, the balancer still reaching both)
+CAUSE_LOST_PREFILL = "lost_prefill"
+# The status each cause's failure is answered with when not recovered (the verdict's rows FAILURE, DEADLINE /
+# PEER_DEADLINE and LOST_PEER): decode's tokenizer reads a held-back end by it and its message (`cause_of_answer`).
+ANSWERED = {CAUSE_CHUNK: HTTPStatus.INTERNAL_SERVER_ERROR, CAUSE_DEADLINE: HTTPStatus.GATEWAY_TIMEOUT,
+            CAUSE_LOST_PREFILL: HTTPStatus.BAD_GATEWAY}
+# How decode's reasons for a lost prefill open (upstream may wrap them): its peer monitor's (`peer_monitor.loss_message("prefill", ...)`),
+# its handshake's fetch (transfer_deadline), and upstream's own heartbeat's.
+LOST_PREFILL_OPENS = (f"{PEER_LOST_TAG}: prefill ", UPSTREAM_PREFILL_LOST)
 
 # The stages whose transfer deadline is a recoverable cause (docs/recovery.md, "What is recovered"): both sides past
 # the handshake, decode waiting for prefill's KV and prefill alive. decode_transfer: decode's own deadline (it cannot
@@ -52,13 +61,22 @@ def cause_of(reason: Any) -> Optional[str]:
     return CAUSE_DEADLINE if deadline_stage(reason) in DEADLINE_STAGES else None
 
 
+def names_lost_prefill(reason: Any) -> bool:
+    """Whether a failure's reason (or the message wrapping it: upstream's "Decode handshake failed ..." / "Decode
+    transfer failed ...") is decode's for a lost prefill (`LOST_PREFILL_OPENS`; never a lost decode's)."""
+    return any(opens in str(reason or "") for opens in LOST_PREFILL_OPENS)
+
+
 def cause_of_answer(finish_reason: Any) -> Optional[str]:
     """The recoverable cause an end's finish reason names (decode's tokenizer: the one thing of the verdict's that
-    reaches it), or None: an abort whose message names a cause (`cause_of`) and whose status is that cause's own
-    (`ANSWERED`: a deadline's text answered 500, or a chunk's answered 504, is not taken)."""
+    reaches it), or None: an abort whose message names a cause (`cause_of`, or decode's lost prefill,
+    `names_lost_prefill`) and whose status is that cause's own (`ANSWERED`: a deadline's text answered 500, or a
+    chunk's answered 504, is not taken). Whether a lost prefill's request is re-run also needs another prefill to
+    run it on: decode's tokenizer knows (fork_recovery.recovery)."""
     if not isinstance(finish_reason, dict) or finish_reason.get("type") != "abort":
         return None
-    cause = cause_of(finish_reason.get("message"))
+    message = finish_reason.get("message")
+    cause = CAUSE_LOST_PREFILL if names_lost_prefill(message) else cause_of(message)
     return cause if cause is not None and finish_reason.get("status_code") == ANSWERED[cause] else None
 
 
@@ -113,6 +131,19 @@ def req_shape(req: Any) -> Shape:
     return Shape(parallel=(req.sampling_params.n or 1) != 1, logprobs=bool(req.return_logprob),
                  session=req.session_id is not None, multimodal=req.multimodal_inputs is not None,
                  lora=req.lora_id is not None, embeds=req.input_embeds is not None)
+
+
+def prefill_hands_over_lost(req: Any, reason: Any) -> bool:
+    """Prefill's copy `req` of a request whose room failed because prefill lost its decode (its peer monitor, the
+    lost-decode handshake rule): whether to answer its leg as handed over. Decode, if it lives (a partition between
+    the two), lost this prefill too, and its recovery may run the request again on another prefill
+    (`CAUSE_LOST_PREFILL`), so that a gateway keeps decode's answer; decode answers its own failure (a 502 naming
+    this prefill, which a gateway reads before prefill's) when it cannot, and a decode that died answers nothing a
+    gateway would keep. Recovery on, a shape it takes, an attempt left after the one `req`'s leg is; prefill's side
+    only."""
+    if not enabled() or upstream(req, "disagg_kv_sender") is None:
+        return False
+    return another_attempt(recovery_attempt.split(req.rid)[1]) and excluded(req_shape(req)) is None
 
 
 def prefill_hands_over(req: Any, reason: Any) -> bool:

@@ -47,6 +47,14 @@ MAX_CACHED_ENDPOINTS = Cap(256, "one /route lookup per prefill, not per tell, fo
 ROUTE_TIMEOUT_S = 2.0
 # A whole lookup of a target's ranks (one call, then one per rank).
 LOOKUP_TIMEOUT_S = 10.0
+# A target whose host does not accept the connect (a partition between the two servers: nothing answers, nothing
+# refuses) may come back with the rooms it holds: its tells are tried again, every RETRY_PAUSE_S, for this long
+# after its first silent connect, so that a link that heals within it still ends those rooms on prefill (its leg
+# answered as decode's abort, not at its own deadline). A target that refuses (a dead process: its rooms are gone)
+# or accepts and does not answer is given up at once, as before. Longer than a heartbeat-detected partition
+# usually lasts in tests, far shorter than a transfer deadline.
+SILENT_RETRY_S = 30.0
+RETRY_PAUSE_S = 1.0
 # A /route answer is a JSON object of a few hundred bytes; a longer one is not a prefill bootstrap server's.
 MAX_ROUTE_BYTES = 64 * 1024
 # Ranks of one prefill server (dp x cp x tp x pp), each one /route call: far above any deployment.
@@ -68,6 +76,11 @@ def told_in(frames: Sequence[bytes], start: int = 0) -> Optional[Told]:
 
 
 Tell = Tuple[int, str, Optional[str], Optional[Told]]  # (room, why, prefill's reason or None, its cause)
+
+
+class ConnectTimeout(TimeoutError):
+    """The target's host did not accept the connect in time (silent: a partition), as opposed to a refused connect or
+    a target that accepts and does not answer."""
 
 
 class Teller:
@@ -114,6 +127,7 @@ class Teller:
         gives up the target's other pending tells too (each would wait out the same deadline)."""
         from sglang.srt.disaggregation.common.conn import ABORT_TAG, AbortNotification
 
+        silent_since: Optional[float] = None  # the first silent connect of the tells now pending
         while True:
             with self._lock:
                 pending = self._targets[addr]
@@ -139,6 +153,30 @@ class Teller:
                 send_to_ranks(endpoints, message)
                 logger.info("room_ledger: told prefill %s that room %s ended on %s (%s)",
                             addr, room, "decode" if reason is None else "prefill", why)
+                silent_since = None
+            except ConnectTimeout as e:  # a silent host: tried again while it may heal (SILENT_RETRY_S)
+                now = time.monotonic()
+                if silent_since is None:
+                    silent_since = now
+                    logger.warning("room_ledger: prefill %s does not accept a connect (%r); its tells are tried "
+                                   "again for %gs", addr, e, SILENT_RETRY_S)
+                with self._lock:
+                    self._endpoints.pop(addr, None)
+                    if now - silent_since < SILENT_RETRY_S:
+                        pending.appendleft((room, why, reason, told))
+                        self._queued += 1
+                        retry = True
+                    else:
+                        given_up = len(pending) + 1
+                        self._queued -= len(pending)
+                        pending.clear()
+                        self.dropped += given_up
+                        retry = False
+                if retry:
+                    time.sleep(RETRY_PAUSE_S)
+                else:
+                    logger.warning("room_ledger: could not tell prefill %s that room %s ended: silent for %gs "
+                                   "(%d tells to it given up)", addr, room, SILENT_RETRY_S, given_up)
             except Exception as e:  # best effort: prefill's deadline remains the fallback
                 with self._lock:
                     self._endpoints.pop(addr, None)
@@ -195,7 +233,11 @@ def get_json(addr: str, path: str, timeout_s: float = ROUTE_TIMEOUT_S) -> Any:
         return remaining
 
     data, length, body_at = bytearray(), None, None
-    with socket.create_connection((host.strip("[]"), int(port)), timeout=left()) as sock:
+    try:
+        sock = socket.create_connection((host.strip("[]"), int(port)), timeout=left())
+    except TimeoutError as e:
+        raise ConnectTimeout(f"{addr} did not accept a connect within {timeout_s}s") from e
+    with sock:
         sock.settimeout(left())
         sock.sendall(f"GET {path} HTTP/1.1\r\nHost: {addr}\r\nAccept: application/json\r\n"
                      f"Connection: close\r\n\r\n".encode("ascii"))

@@ -52,6 +52,7 @@ class Cause(enum.Enum):
     PEER_ABORT = "peer's abort"
     PEER_DEADLINE = "peer's deadline"
     PAUSE_REASON = "reason naming the pause"
+    LOST_PEER_HANDED_TO_RECOVERY = "lost decode handed to decode's recovery"
     LOST_PEER = "lost peer"
     HANDED_TO_RECOVERY = "failure handed to decode's recovery"
     FAILURE = "failure"
@@ -85,6 +86,9 @@ class Row:
     found: str  # how the verdict finds it: the record's field, or what the room's failure reason names (the docs)
     wins: str  # why it wins over the rows after it
     field: Optional[str] = None  # the record's field that finds the row (rows 1-4)
+    # the told cause this row answers otherwise for the requests it `takes` (told none, it is found by `reads`, in
+    # the table's order, as any row)
+    takes_over: Optional[Cause] = None
     reads: Optional[Callable[[str], bool]] = None  # what a reason's text names, for a room no cause was told with
     # ... and the request it takes (None: any), read after `field` or `reads`: (the request, the failure's text: the
     # field's message, or the room's reason)
@@ -153,6 +157,15 @@ TABLE: Tuple[Row, ...] = (
     Row(Cause.PAUSE_REASON, From.ABORT_ANSWER, From.REASON, PAUSE, "",
         "reason names the pause or a release (`PAUSE_MARKERS`: a room prefill's pause ended)",
         "pause/release ended it, as above", reads=names_pause),
+    # Prefill's room whose decode it lost: decode, if it lives (a partition), lost this prefill too and its recovery
+    # may run the request on another prefill; a gateway keeps decode's answer only if prefill's leg answers 2xx.
+    # Tags peer_failure (the monitor that lost the peer already did; the first tag wins): its answer has no status.
+    Row(Cause.LOST_PEER_HANDED_TO_RECOVERY, From.ABORT_ANSWER, From.HANDED, PEER_FAILURE, "",
+        "prefill: told `LOST_PEER` or reason carries `PEER_LOST_TAG`, and decode's recovery may run the request again "
+        "(`recovery_rule.prefill_hands_over_lost`: recovery on, attempts left by its rid, a shape it takes)",
+        "a gateway keeps decode's answer only if prefill's leg answers 2xx: decode's is the recovered one, or its own "
+        "502 when it cannot recover", reads=names_lost_peer, takes=recovery_rule.prefill_hands_over_lost,
+        takes_over=Cause.LOST_PEER, opens=(RECOVERY_HANDOFF_MESSAGE,), message_note="the lost peer's reason"),
     Row(Cause.LOST_PEER, _R.BAD_GATEWAY, From.REASON, None,
         PEER_FAILURE + " (tagged by whoever lost it), else " + TRANSPORT,
         "reason carries `PEER_LOST_TAG` or `UPSTREAM_PREFILL_LOST`", "a peer is gone: not this server's fault",
@@ -199,7 +212,7 @@ class Told:
 
 # The rows a peer can tell (the others are this side's own record's fields, or its own decision).
 TOLD_CAUSES = frozenset(Cause) - {Cause.DEADLINE_HANDED_TO_RECOVERY, Cause.DEADLINE, Cause.PAUSE, Cause.REQUESTED_ABORT,
-                                  Cause.HANDED_TO_RECOVERY}
+                                  Cause.LOST_PEER_HANDED_TO_RECOVERY, Cause.HANDED_TO_RECOVERY}
 
 PEER_ENDED = (Cause.PEER_PAUSE, Cause.PEER_REJECTION, Cause.PEER_ABORT)  # the peer ended the room: nothing failed
 

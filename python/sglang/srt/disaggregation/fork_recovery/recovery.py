@@ -2,7 +2,8 @@
 failed on prefill's side (a failed chunk write or a stalled transfer, prefill alive) before its first token, and runs the request again
 under a new bootstrap room: the same request re-submitted to decode's scheduler (a fresh scheduler request, the
 client's rid kept) past the pause gate, then the prefill leg re-sent to the same prefill (its rid
-`recovery_attempt.attempt_rid`). Past the attempts (`SGLANG_FORK_RECOVERY_ATTEMPTS`), the budget
+`recovery_attempt.attempt_rid`). A request whose prefill decode declared lost (a partition between them) is re-run
+the same way on another prefill this tokenizer saw serve since (`known_prefills`), or answered as today when none. Past the attempts (`SGLANG_FORK_RECOVERY_ATTEMPTS`), the budget
 (`SGLANG_FORK_RECOVERY_BUDGET`, from the first failure) or a changed weight version the failure is answered as
 without recovery; an abort between attempts is answered as upstream answers an abort.
 
@@ -26,7 +27,7 @@ from typing import Any, Callable, Dict, Optional
 from sglang.srt.disaggregation.fork_ending import recovery_attempt, recovery_rule, request_end_cause, request_record, verdict
 from sglang.srt.disaggregation.fork_ending.verdict_wording import CLIENT_ABORT_MESSAGE
 from sglang.srt.disaggregation.fork_peers import peer_monitor
-from sglang.srt.disaggregation.fork_recovery import recovery_faults
+from sglang.srt.disaggregation.fork_recovery import known_prefills, recovery_faults
 from sglang.srt.disaggregation.fork_recovery.recovery_life import OUTCOMES, Attempts, Event, Phase
 from sglang.srt.managers.fork_core import knobs
 from sglang.srt.managers.fork_core.fork_touch import upstream
@@ -37,7 +38,8 @@ logger = logging.getLogger(__name__)
 
 CAUSE_CHUNK = recovery_rule.CAUSE_CHUNK
 CAUSE_DEADLINE = recovery_rule.CAUSE_DEADLINE
-CAUSES = (CAUSE_CHUNK, CAUSE_DEADLINE)  # the `cause` label's values
+CAUSE_LOST_PREFILL = recovery_rule.CAUSE_LOST_PREFILL
+CAUSES = (CAUSE_CHUNK, CAUSE_DEADLINE, CAUSE_LOST_PREFILL)  # the `cause` label's values
 # Asking prefill's bootstrap server for its address, or prefill for its weight version: a live server answers in
 # milliseconds; one that does not answer within this (a frozen prefill's kernel accepts the connection and nobody
 # answers: a stalled transfer's cause may be that) is treated as unreachable (the failure answered). Upstream's own
@@ -95,6 +97,13 @@ def _holds(tm: Any, state: Any, recv_obj: Any, i: int, record: Attempts, reason:
     cause = recovery_rule.cause_of_answer(reason)
     if cause is None or recv_obj.completion_tokens[i] or state.obj is None or not _eligible(tm, state.obj):
         return None
+    if cause == CAUSE_LOST_PREFILL:
+        lost = known_prefills.address(state.obj)
+        known_prefills.of(tm).saw_lost(lost)
+        if known_prefills.of(tm).other_than(lost) is None:
+            logger.warning("Recovery of %s: its prefill %s is lost and no other prefill served here since; answering "
+                           "the failure", state.obj.rid, lost)
+            return None
     if not recovery_rule.another_attempt(record.made):
         logger.warning("Recovery of %s: %d attempt(s) made, none left; answering the failure", state.obj.rid,
                        record.made)
@@ -120,7 +129,10 @@ def holds_back(tm: Any, state: Any, recv_obj: Any, i: int, meta_info: Dict[str, 
         return False
     if id(tm) not in _ZEROED:
         _zero(tm)
-    if record.phase is Phase.IDLE and (not isinstance(reason, dict) or reason.get("type") != "abort"):
+    completed = not isinstance(reason, dict) or reason.get("type") != "abort"
+    if completed and state.obj is not None and recovery_rule.enabled():  # its prefill served it through this decode
+        known_prefills.of(tm).saw_served(known_prefills.address(state.obj))
+    if record.phase is Phase.IDLE and completed:
         return False  # a completion recovery never touched
     if not recovery_rule.enabled():  # off (the default): nothing more is read or decided
         return False
@@ -296,18 +308,34 @@ async def _post_leg(session: Any, url: str, leg: Dict[str, Any]) -> None:
                            (await response.text())[:256])
 
 
+def _move_to_another_prefill(tm: Any, obj: Any) -> bool:
+    """For a request whose prefill is lost: point it at the prefill `known_prefills` picks (its bootstrap address;
+    the attempt then asks it for its HTTP address as for any attempt). False: none left to pick."""
+    lost = known_prefills.address(obj)
+    other = known_prefills.of(tm).other_than(lost)
+    if other is None:
+        return False
+    logger.warning("Recovery of %s: prefill %s lost; the attempt runs on prefill %s", obj.rid, lost, other)
+    obj.bootstrap_host, obj.bootstrap_port = other
+    return True
+
+
 async def _rerun(tm: Any, state: Any, record: Attempts, attempt: int) -> None:
-    """Attempt `attempt` of `state`'s request: a new room, the request re-submitted to decode's scheduler, then its
-    prefill leg sent. Before the re-submission it stops at any abort; it answers the held-back failure when the
-    attempt cannot start (prefill's address or weight version not found, re-tokenizing fails) or the weight version
-    changed. Once re-submitted, a prefill leg that is refused leaves the attempt to decode's own path (its transfer
-    deadline)."""
+    """Attempt `attempt` of `state`'s request: a new room (on another prefill when its prefill was lost), the request
+    re-submitted to decode's scheduler, then its prefill leg sent. Before the re-submission it stops at any abort; it
+    answers the held-back failure when the attempt cannot start (no other prefill for a lost one, prefill's address
+    or weight version not found, re-tokenizing fails) or the weight version changed. Once re-submitted, a prefill leg
+    that is refused leaves the attempt to decode's own path (its transfer deadline)."""
     import aiohttp
 
     obj = state.obj
     try:
         await _test_hold(record, obj.rid)
         if record.phase is not Phase.HELD:
+            return
+        lost = recovery_rule.cause_of_answer(record.failure) == CAUSE_LOST_PREFILL
+        if lost and not _move_to_another_prefill(tm, obj):
+            _end_held(tm, state, record, Event.NOT_STARTED, f"attempt {attempt}: no other prefill served here since")
             return
         obj.bootstrap_room = random.randint(0, 2**63 - 1)
         async with _asking_session() as asking:

@@ -270,7 +270,11 @@ def _fetch_routes(receiver_cls: type, addr: str, dp: int, info: Any) -> Dict[Key
 
 def around_ensure_prefill_info(original, queue, addr_to_reqs, *args, **kwargs):
     """AROUND DecodePreallocQueue._ensure_prefill_info: fetch unknown prefills' info on the pool; record the real
-    reason (a lost peer, 502) before upstream's last attempt fails the requests as "Aborted by AbortReq."."""
+    reason (a lost peer, 502) before upstream's last attempt fails the requests as "Aborted by AbortReq.". With
+    recovery on and another prefill serving this decode, a fetch that fails for a prefill decode's peer monitor has
+    declared lost is that last attempt: its requests end now (502 naming it), so decode's recovery re-runs them on
+    the other prefill instead of their waiting for upstream's retries or the deadline. Without another prefill
+    they wait as before (the link may heal within the deadline, as upstream's retries allow)."""
     mgr = queue.kv_manager
     fetch = fetch_of(mgr, create=True)
     if fetch is None:
@@ -280,6 +284,8 @@ def around_ensure_prefill_info(original, queue, addr_to_reqs, *args, **kwargs):
     interval = fork_touch.upstream(queue, "_ensure_retry_interval")
     counts = fork_touch.upstream(queue, "_ensure_retry_count")
     last = fork_touch.upstream(queue, "_max_ensure_retries")
+    ledger = room_ledger.ledger_of(mgr)
+    declared_lost = None if ledger is None else ledger.peer_lost  # decode's peer monitor (watch_peers)
     now = time.monotonic()
     asked, waiting = {}, []
     for addr, reqs in addr_to_reqs.items():
@@ -291,16 +297,33 @@ def around_ensure_prefill_info(original, queue, addr_to_reqs, *args, **kwargs):
             continue
         asked[addr] = reqs
         n = counts.get(addr, 0) + 1
-        if outcome is None or n < last or (outcome.error is None and outcome.value):
+        if outcome is None or (outcome.error is None and outcome.value):
             continue
-        reason = (f"{verdict_wording.PEER_LOST_TAG}: prefill bootstrap server {addr} unreachable: could not fetch its "
-                  f"parallel info after {n} attempts")
+        lost = declared_lost is not None and declared_lost(addr) and _another_prefill(mgr, addr, declared_lost)
+        if n < last and not lost:
+            continue
+        if lost:
+            counts[addr] = last - 1  # upstream's attempt below is its last: it fails the requests
+            why = "declared lost by decode's peer monitor, and its parallel info could not be fetched"
+        else:
+            why = f"could not fetch its parallel info after {n} attempts"
+        reason = f"{verdict_wording.PEER_LOST_TAG}: prefill bootstrap server {addr} unreachable: {why}"
         for decode_req in reqs:
             if decode_req.kv_receiver is not None:  # recorded only: upstream's last attempt fails it
                 room_ledger.end_room(mgr, room_ledger.Transition.RECORD_FOR_UPSTREAM, decode_req.req.bootstrap_room,
                                      reason)
     ready, remaining = original(queue, asked, *args, **kwargs)  # upstream's: ({}, []) for no addrs
     return ready, remaining + waiting
+
+
+def _another_prefill(mgr: Any, addr: str, declared_lost: Callable[[str], bool]) -> bool:
+    """Whether decode's recovery may re-run a request bound to `addr` elsewhere: recovery on, and another prefill's
+    info fetched and that prefill not declared lost (decode's tokenizer then picks the one it saw serve)."""
+    if not recovery_rule.enabled():
+        return False
+    with fork_touch.upstream(mgr, "connection_lock"):
+        others = [a for a in fork_touch.upstream(mgr, "prefill_info_table") if a != addr]
+    return any(not declared_lost(a) for a in others)
 
 
 def around_try_ensure_parallel_info(original, mgr, bootstrap_addr, *args, **kwargs):
