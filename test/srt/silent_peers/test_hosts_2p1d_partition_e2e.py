@@ -24,15 +24,16 @@ prefill2's leg answered 502 naming the lost decode, which the gateway answered (
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections import Counter
 
 import pytest
 
-from testing.pd_checks import (PEER_LOSSES, PEER_RECOVERIES, ClosedLoop, assert_idle, delta, end_causes,
-                               judge_completed_stream, judge_partition_recoveries, request_recoveries,
-                               wait_counter_rises)
+from testing.pd_checks import (PEER_LOSSES, PEER_RECOVERIES, ClosedLoop, Leg, assert_idle, delta, end_causes,
+                               judge_completed_stream, judge_partition_recoveries, request_recoveries, start_legs,
+                               waiting_for_peer, wait_counter_rises)
 from testing.pd_checks import (PARTITION_ANSWER_BOUND as ANSWER_BOUND, PARTITION_DEADLINE as DEADLINE,
                                PARTITION_DETECT_BOUND as DETECT_BOUND, PARTITION_ENV as ENV,
                                PARTITION_RECOVER_BOUND as RECOVER_BOUND)
@@ -140,10 +141,11 @@ def _partition_of_prefill2(cluster, pd_hosts, url: str, min_reruns: int) -> list
         pd_hosts.heal()
         # a KV write prefill2 had in flight at the cut makes mooncake reconnect to decode during the cut; every
         # transfer to decode (its probe's read too) waits for that connect's next SYN, up to about the cut's length
-        # after the heal (the SYN timer doubles while cut; docs/peer-liveness.md). Decode, which writes nothing to
-        # prefill2, has no such wait.
+        # after the heal (the SYN timer doubles while cut; docs/peer-liveness.md). Decode counts prefill2 back at its
+        # first fetch of prefill2's info that is answered, which may wait for that too (measured once: prefill2 ran no
+        # batch and ended no room for 7 s after the heal, then answered decode's fetch in that same second)
         cut_seconds = t_heal - t_cut
-        bounds = {"decode": RECOVER_BOUND, "prefill2": RECOVER_BOUND + cut_seconds}
+        bounds = {"decode": RECOVER_BOUND + cut_seconds, "prefill2": RECOVER_BOUND + cut_seconds}
         recovered = wait_counter_rises(cluster, ("prefill2", "decode"), PEER_RECOVERIES, recoveries, t_heal,
                                        max(bounds.values()) + 10, "prefill2 and decode to count the recovery")
         t_back = time.monotonic()
@@ -208,3 +210,61 @@ def test_behind_the_gateway_decode_recovered_answer_is_kept(cluster, pd_hosts):
     charged = {role: gateway.failures(after)[role] - gateway.failures(before)[role] for role in gateway.engines}
     print(f"gateway: retries {retries}, failures charged {charged}")
     assert retries == 0 and not any(charged.values()), (retries, charged)
+
+
+def _decode_leg(cluster, prefill: str, room: int, text: str) -> dict:
+    """A decode leg bound to `prefill`'s bootstrap server (the test plays the balancer)."""
+    return {"text": text, "bootstrap_host": cluster[prefill].address, "bootstrap_port": cluster.bootstrap_ports[prefill],
+            "bootstrap_room": room, "sampling_params": {"temperature": 0.0, "max_new_tokens": 8}}
+
+
+def test_a_prefill_that_dies_is_not_re_run(cluster):
+    """prefill2 killed while decode holds requests bound to it (decode legs the test sent, their prefill legs never
+    sent: they wait for prefill2's KV), and one more sent after decode declared it lost: decode answers each 502
+    naming the lost prefill at once, as without recovery. Decode's tokenizer knows the first prefill (a request
+    through it just completed) and starts a recovery for each, but its probe finds prefill2's port refusing
+    connections: a dead process, whose requests a balancer's own retry serves (the Rust gateway's: its prefill leg
+    failed too), so the failure is answered, not re-run (docs/recovery.md, "What never is"). Runs last: prefill2
+    stays dead. Stock upstream 0.5.23: no recovery; decode fails the rooms at its heartbeat's loss (502 through the
+    gateway)."""
+    baseline = {role: held for role, held in assert_idle(cluster, ROLES).items() if role != "prefill2"}
+    before = request_recoveries(cluster["decode"].metrics())
+    room = 7_000_000
+    calm = [Leg(cluster["prefill"].url, {**_decode_leg(cluster, "prefill", room, "through the first prefill")}),
+            Leg(cluster["decode"].url, _decode_leg(cluster, "prefill", room, "through the first prefill"))]
+    for leg in calm:
+        leg.start()
+    wait_until(lambda: all(leg.done() for leg in calm), 60, "a request through the first prefill")
+    assert [leg.status for leg in calm] == [200, 200], [leg.response for leg in calm]
+    legs = start_legs(cluster["decode"].url, [_decode_leg(cluster, "prefill2", room + i, f"bound to prefill2 {i}")
+                                              for i in range(1, 4)])
+    wait_until(lambda: waiting_for_peer(cluster["decode"]) >= len(legs), 30, "decode waiting for prefill2's KV")
+    t_gone = time.monotonic()
+    cluster["prefill2"].kill()
+    wait_until(lambda: all(leg.done() for leg in legs), DETECT_BOUND + 10, "decode to answer the legs of prefill2")
+    late = Leg(cluster["decode"].url, _decode_leg(cluster, "prefill2", room + 9, "sent after the loss"))
+    t_late = time.monotonic()
+    late.start()
+    late.join(DEADLINE + 10)
+    print(f"\nprefill2 killed: legs answered {[round(leg.ended_at - t_gone, 1) for leg in legs]} s after the kill, "
+          f"the late one {round(late.ended_at - t_late, 1)} s after it was sent; {[leg.status for leg in legs]}, "
+          f"{late.status}")
+    address = f"{cluster['prefill2'].address}:{cluster.bootstrap_ports['prefill2']}"
+    for leg in legs + [late]:
+        detail = json.dumps(leg.response)
+        assert leg.status == 502 and "PD peer lost" in detail and address in detail, (leg.status, detail)
+    assert all(leg.ended_at - t_gone <= DETECT_BOUND for leg in legs)
+    assert late.ended_at - t_late <= DETECT_BOUND  # its fetch refused: no wait for upstream's retries or a deadline
+    moved = delta(before, request_recoveries(cluster["decode"].metrics()))
+    assert moved == {(LOST, "started"): len(legs) + 1, (LOST, "not_started"): len(legs) + 1}, moved
+    assert_idle(cluster, ("prefill", "decode"), baseline)
+    assert_serves_through(cluster, "prefill", room + 20)
+
+
+def assert_serves_through(cluster, prefill: str, room: int) -> None:
+    legs = [Leg(cluster[prefill].url, _decode_leg(cluster, prefill, room, "served on")),
+            Leg(cluster["decode"].url, _decode_leg(cluster, prefill, room, "served on"))]
+    for leg in legs:
+        leg.start()
+    wait_until(lambda: all(leg.done() for leg in legs), 60, f"a request through {prefill}")
+    assert [leg.status for leg in legs] == [200, 200], [leg.response for leg in legs]

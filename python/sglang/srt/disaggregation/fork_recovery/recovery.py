@@ -3,7 +3,8 @@ failed on prefill's side (a failed chunk write or a stalled transfer, prefill al
 under a new bootstrap room: the same request re-submitted to decode's scheduler (a fresh scheduler request, the
 client's rid kept) past the pause gate, then the prefill leg re-sent to the same prefill (its rid
 `recovery_attempt.attempt_rid`). A request whose prefill decode declared lost (a partition between them) is re-run
-the same way on another prefill this tokenizer saw serve since (`known_prefills`), or answered as today when none. Past the attempts (`SGLANG_FORK_RECOVERY_ATTEMPTS`), the budget
+the same way on another prefill this tokenizer saw serve since (`known_prefills`), or answered as today when none
+or when that prefill refuses connections (it died: a balancer's retry serves it). Past the attempts (`SGLANG_FORK_RECOVERY_ATTEMPTS`), the budget
 (`SGLANG_FORK_RECOVERY_BUDGET`, from the first failure) or a changed weight version the failure is answered as
 without recovery; an abort between attempts is answered as upstream answers an abort.
 
@@ -49,6 +50,11 @@ ASK_PREFILL_S = 5.0
 # from decode (a partition between them) gives up the attempt after this, not after ASK_PREFILL_S (a kernel that
 # accepts, as a frozen prefill's does, answers a connect in milliseconds).
 ASK_CONNECT_S = peer_monitor.CONNECT_TIMEOUT
+# A lost prefill whose host refuses a connect within this has no process behind its bootstrap port: it died, and a
+# balancer's own retry serves its requests (the Rust gateway's: its prefill leg failed too), so its failure is
+# answered at once, not re-run (docs/recovery.md, "What never is"). A refused connect on a network answers in
+# milliseconds; a silent host (a partition) never does, and one that accepts is not dead.
+GONE_PROBE_S = 0.25
 _TASKS: set = set()  # re-runs in flight (kept referenced until done)
 _ZEROED: set = set()  # the tokenizers (id) that exported the counter's series at 0 (before their first count)
 
@@ -308,6 +314,21 @@ async def _post_leg(session: Any, url: str, leg: Dict[str, Any]) -> None:
                            (await response.text())[:256])
 
 
+async def _refuses(addr: Optional[known_prefills.Addr]) -> bool:
+    """Whether the host at `addr` refuses a connect within GONE_PROBE_S (a dead process); False for a silent host, one
+    that accepts, or an unreachable network."""
+    if addr is None:
+        return False
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(*addr), GONE_PROBE_S)
+    except ConnectionRefusedError:
+        return True
+    except (asyncio.TimeoutError, OSError):
+        return False
+    writer.close()
+    return False
+
+
 def _move_to_another_prefill(tm: Any, obj: Any) -> bool:
     """For a request whose prefill is lost: point it at the prefill `known_prefills` picks (its bootstrap address;
     the attempt then asks it for its HTTP address as for any attempt). False: none left to pick."""
@@ -333,10 +354,16 @@ async def _rerun(tm: Any, state: Any, record: Attempts, attempt: int) -> None:
         await _test_hold(record, obj.rid)
         if record.phase is not Phase.HELD:
             return
-        lost = recovery_rule.cause_of_answer(record.failure) == CAUSE_LOST_PREFILL
-        if lost and not _move_to_another_prefill(tm, obj):
-            _end_held(tm, state, record, Event.NOT_STARTED, f"attempt {attempt}: no other prefill served here since")
-            return
+        if recovery_rule.cause_of_answer(record.failure) == CAUSE_LOST_PREFILL:
+            gone = known_prefills.address(obj)
+            if await _refuses(gone):
+                _end_held(tm, state, record, Event.NOT_STARTED, f"attempt {attempt}: prefill {gone} refuses "
+                          "connections (it died: a balancer's retry serves the request)")
+                return
+            if not _move_to_another_prefill(tm, obj):
+                _end_held(tm, state, record, Event.NOT_STARTED, f"attempt {attempt}: no other prefill served here "
+                          "since")
+                return
         obj.bootstrap_room = random.randint(0, 2**63 - 1)
         async with _asking_session() as asking:
             url = await _prefill_url(asking, obj)
