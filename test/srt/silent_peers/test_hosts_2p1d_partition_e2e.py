@@ -130,11 +130,13 @@ def _partition_of_prefill2(cluster, pd_hosts, url: str, min_reruns: int) -> list
         # served meanwhile
         wait_until(lambda: rerun("recovered") >= min_reruns
                    and any(r["meta"].get("recovery") for r in streams.results)
-                   and any((r.get("meta") or {}).get("recovery") for r in loop.results if r["t"] - r["latency"] >= t_lost)
+                   and any((r.get("meta") or {}).get("recovery")
+                           for r in loop.results if r["t"] - r["latency"] >= t_lost)
                    and sum(r["status"] == 200 for r in loop.results if r["t"] - r["latency"] >= t_cut) >= 2 * CLIENTS,
                    ANSWER_BOUND + 30, "requests bound to the silent pair re-run, the others served",
                    on_timeout=lambda: f"{loop.summary()}; recoveries {rerun('started')} started, "
-                                      f"{rerun('recovered')} recovered; streams {[r['status'] for r in streams.results]}")
+                                      f"{rerun('recovered')} recovered; "
+                                      f"streams {[r['status'] for r in streams.results]}")
         streams.stop()
         during = [r for r in loop.results + streams.results if r["t"] >= t_cut]
         t_heal = time.monotonic()
@@ -214,8 +216,9 @@ def test_behind_the_gateway_decode_recovered_answer_is_kept(cluster, pd_hosts):
 
 def _decode_leg(cluster, prefill: str, room: int, text: str) -> dict:
     """A decode leg bound to `prefill`'s bootstrap server (the test plays the balancer)."""
-    return {"text": text, "bootstrap_host": cluster[prefill].address, "bootstrap_port": cluster.bootstrap_ports[prefill],
-            "bootstrap_room": room, "sampling_params": {"temperature": 0.0, "max_new_tokens": 8}}
+    return {"text": text, "bootstrap_host": cluster[prefill].address,
+            "bootstrap_port": cluster.bootstrap_ports[prefill], "bootstrap_room": room,
+            "sampling_params": {"temperature": 0.0, "max_new_tokens": 8}}
 
 
 def test_a_prefill_that_dies_is_not_re_run(cluster):
@@ -230,12 +233,7 @@ def test_a_prefill_that_dies_is_not_re_run(cluster):
     baseline = {role: held for role, held in assert_idle(cluster, ROLES).items() if role != "prefill2"}
     before = request_recoveries(cluster["decode"].metrics())
     room = 7_000_000
-    calm = [Leg(cluster["prefill"].url, {**_decode_leg(cluster, "prefill", room, "through the first prefill")}),
-            Leg(cluster["decode"].url, _decode_leg(cluster, "prefill", room, "through the first prefill"))]
-    for leg in calm:
-        leg.start()
-    wait_until(lambda: all(leg.done() for leg in calm), 60, "a request through the first prefill")
-    assert [leg.status for leg in calm] == [200, 200], [leg.response for leg in calm]
+    _serves_through(cluster, "prefill", room)  # decode's tokenizer has seen the first prefill serve
     legs = start_legs(cluster["decode"].url, [_decode_leg(cluster, "prefill2", room + i, f"bound to prefill2 {i}")
                                               for i in range(1, 4)])
     wait_until(lambda: waiting_for_peer(cluster["decode"]) >= len(legs), 30, "decode waiting for prefill2's KV")
@@ -258,10 +256,11 @@ def test_a_prefill_that_dies_is_not_re_run(cluster):
     moved = delta(before, request_recoveries(cluster["decode"].metrics()))
     assert moved == {(LOST, "started"): len(legs) + 1, (LOST, "not_started"): len(legs) + 1}, moved
     assert_idle(cluster, ("prefill", "decode"), baseline)
-    assert_serves_through(cluster, "prefill", room + 20)
+    _serves_through(cluster, "prefill", room + 20)
 
 
-def assert_serves_through(cluster, prefill: str, room: int) -> None:
+def _serves_through(cluster, prefill: str, room: int) -> None:
+    """One request through `prefill` and decode (the test sends both legs), answered 200 on both."""
     legs = [Leg(cluster[prefill].url, _decode_leg(cluster, prefill, room, "served on")),
             Leg(cluster["decode"].url, _decode_leg(cluster, prefill, room, "served on"))]
     for leg in legs:

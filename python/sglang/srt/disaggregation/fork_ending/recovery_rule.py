@@ -3,7 +3,8 @@ which holds such an end back and re-runs the request (fork_recovery.recovery: `c
 decode's own deadline, which ends such a room by `hand_to_recovery` (transfer_deadline: `hands_over`), and prefill's
 verdict, which answers its leg of such a request as an abort instead of the failure (verdict_rows' rows
 `HANDED_TO_RECOVERY` and `DEADLINE_HANDED_TO_RECOVERY`: `prefill_hands_over`; `LOST_PEER_HANDED_TO_RECOVERY`:
-`prefill_hands_over_lost`), so that a gateway keeps decode's answer. Both servers read the same knob (`SGLANG_FORK_RECOVERY_ATTEMPTS`).
+`prefill_hands_over_lost`), so that a gateway keeps decode's answer. Both servers read the same knob
+(`SGLANG_FORK_RECOVERY_ATTEMPTS`).
 
 The rule: a failure of a cause recovery takes (`cause_of`, named by the reason's text: a failed chunk write, or a
 transfer deadline in a stage of `DEADLINE_STAGES`; answered with that cause's own status, `ANSWERED`), of a request of
@@ -39,8 +40,8 @@ CAUSE_LOST_PREFILL = "lost_prefill"
 # PEER_DEADLINE and LOST_PEER): decode's tokenizer reads a held-back end by it and its message (`cause_of_answer`).
 ANSWERED = {CAUSE_CHUNK: HTTPStatus.INTERNAL_SERVER_ERROR, CAUSE_DEADLINE: HTTPStatus.GATEWAY_TIMEOUT,
             CAUSE_LOST_PREFILL: HTTPStatus.BAD_GATEWAY}
-# How decode's reasons for a lost prefill open (upstream may wrap them): its peer monitor's (`peer_monitor.loss_message("prefill", ...)`),
-# its handshake's fetch (transfer_deadline), and upstream's own heartbeat's.
+# How decode's reasons for a lost prefill open (upstream may wrap them): its peer monitor's
+# (`peer_monitor.loss_message("prefill", ...)`), its handshake's fetch (transfer_deadline), upstream's own heartbeat's.
 LOST_PREFILL_OPENS = (f"{PEER_LOST_TAG}: prefill ", UPSTREAM_PREFILL_LOST)
 
 # The stages whose transfer deadline is a recoverable cause (docs/recovery.md, "What is recovered"): both sides past

@@ -119,9 +119,10 @@ def with_why(reason: str, why: Optional[str]) -> str:
 def find(req: Any, text: str) -> Cause:
     """The first row of `TABLE` that matches `req`, the room's failure reason being `text`: rows 1-4 by the record's
     own field (`Row.field`); the others by the cause the room's ender told (`ReqState.told`, a field; or the row that
-    takes over that cause for this request, `Row.takes_over`), and only without one by what the reason's text names (`Row.reads`: upstream's own reasons, and the fork's tags as an
-    older fork build or this side itself wrote them); for a row that says so, the request and the failure's text
-    (the field's message, or the reason) too (`Row.takes`)."""
+    takes over that cause for this request, `Row.takes_over`), and only without one by what the reason's text names
+    (`Row.reads`: upstream's own reasons, and the fork's tags as an older fork build or this side itself wrote them);
+    for a row that says so, the request and the failure's text (the field's message, or the reason) too
+    (`Row.takes`)."""
     state = peek(req)
     told = state.told
     for row in TABLE:

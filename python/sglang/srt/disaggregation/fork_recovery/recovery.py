@@ -4,9 +4,10 @@ under a new bootstrap room: the same request re-submitted to decode's scheduler 
 client's rid kept) past the pause gate, then the prefill leg re-sent to the same prefill (its rid
 `recovery_attempt.attempt_rid`). A request whose prefill decode declared lost (a partition between them) is re-run
 the same way on another prefill this tokenizer saw serve since (`known_prefills`), or answered as today when none
-or when that prefill refuses connections (it died: a balancer's retry serves it). Past the attempts (`SGLANG_FORK_RECOVERY_ATTEMPTS`), the budget
-(`SGLANG_FORK_RECOVERY_BUDGET`, from the first failure) or a changed weight version the failure is answered as
-without recovery; an abort between attempts is answered as upstream answers an abort.
+or when that prefill refuses connections (it died: a balancer's retry serves it). Past the attempts
+(`SGLANG_FORK_RECOVERY_ATTEMPTS`), the budget (`SGLANG_FORK_RECOVERY_BUDGET`, from the first failure) or a changed
+weight version the failure is answered as without recovery; an abort between attempts is answered as upstream answers
+an abort.
 
 Thread: the tokenizer's event loop only (the patched line in `_handle_batch_output`, the re-run task, the abort hook);
 each request's recovery is `recovery_life.Attempts` on its ReqState (request_record), moved only along
