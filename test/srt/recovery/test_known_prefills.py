@@ -61,3 +61,6 @@ def test_a_request_without_a_bootstrap_address_is_not_recorded():
     known.saw_served(known_prefills.address(obj))
     assert known.sizes() == {"served": 0, "lost": 0}
     assert known_prefills.address(types.SimpleNamespace(bootstrap_host="h", bootstrap_port="8998")) == ("h", 8998)
+    # a batch's lists (per request after the tokenizer splits it, but never trusted): not one address
+    assert known_prefills.address(types.SimpleNamespace(bootstrap_host=["h", "g"], bootstrap_port=[1, 2])) is None
+    assert known_prefills.address(types.SimpleNamespace(bootstrap_host="h", bootstrap_port="x")) is None

@@ -17,7 +17,7 @@ import logging
 import socket
 import threading
 import time
-from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 from sglang.srt.disaggregation.fork_ending.verdict import told_for
 from sglang.srt.disaggregation.fork_ending.verdict_rows import Told
@@ -49,7 +49,7 @@ ROUTE_TIMEOUT_S = 2.0
 LOOKUP_TIMEOUT_S = 10.0
 # A target whose host does not accept the connect (a partition between the two servers: nothing answers, nothing
 # refuses) may come back with the rooms it holds: its tells are tried again, every RETRY_PAUSE_S, for this long
-# after its first silent connect, so that a link that heals within it still ends those rooms on prefill (its leg
+# after the first such try, so that a link that heals within it still ends those rooms on prefill (its leg
 # answered as decode's abort, not at its own deadline). A target that refuses (a dead process: its rooms are gone)
 # or accepts and does not answer is given up at once, as before. Longer than a heartbeat-detected partition
 # usually lasts in tests, far shorter than a transfer deadline.
@@ -94,6 +94,14 @@ class Teller:
         self._queued = 0
         self._endpoints: "collections.OrderedDict[str, List[dict]]" = collections.OrderedDict()
         self.dropped = 0  # a counter: tells dropped by a cap or given up with their target
+        # decode's peer monitor (`watch_lost`): whether a prefill bootstrap address is declared lost now
+        self.lost: Optional[Callable[[str], bool]] = None
+
+    def watch_lost(self, lost: Callable[[str], bool]) -> None:
+        """decode_side_monitor, when its monitor starts: `lost(addr)` says whether that prefill is declared lost. A
+        tell to a lost prefill is never sent on a socket from before its loss: its ranks are looked up afresh and
+        each told on a socket of its own (`send_to_ranks`' `fresh`)."""
+        self.lost = lost
 
     def tell(self, host: Optional[str], port: Optional[int], room: Optional[int], why: str,
              reason: Optional[str] = None, told: Optional[Told] = None) -> None:
@@ -139,8 +147,9 @@ class Teller:
                 endpoints = self._endpoints.get(addr)
                 if endpoints is not None:
                     self._endpoints.move_to_end(addr)
+            lost = self.lost is not None and self.lost(addr)
             try:
-                if endpoints is None:
+                if endpoints is None or lost:  # a lost target is looked up afresh: a refused lookup gives it up
                     endpoints = rank_endpoints(addr)
                     with self._lock:
                         self._endpoints[addr] = endpoints
@@ -150,16 +159,16 @@ class Teller:
                 message = (AbortNotification(room=room).to_zmq() if reason is None
                            else [ABORT_TAG, str(room).encode("ascii"), ENDED_ON_PREFILL, reason.encode("utf-8"),
                                  *told_frames(told or told_for(why))])
-                send_to_ranks(endpoints, message)
+                send_to_ranks(endpoints, message, fresh=lost)
                 logger.info("room_ledger: told prefill %s that room %s ended on %s (%s)",
                             addr, room, "decode" if reason is None else "prefill", why)
                 silent_since = None
-            except ConnectTimeout as e:  # a silent host: tried again while it may heal (SILENT_RETRY_S)
+            except ConnectTimeout as e:  # silent, or not back yet: tried again while it may heal (SILENT_RETRY_S)
                 now = time.monotonic()
                 if silent_since is None:
                     silent_since = now
-                    logger.warning("room_ledger: prefill %s does not accept a connect (%r); its tells are tried "
-                                   "again for %gs", addr, e, SILENT_RETRY_S)
+                    logger.warning("room_ledger: prefill %s cannot be told now (%r); its tells are tried again for "
+                                   "%gs", addr, e, SILENT_RETRY_S)
                 with self._lock:
                     self._endpoints.pop(addr, None)
                     if now - silent_since < SILENT_RETRY_S:
@@ -206,13 +215,29 @@ class Teller:
         return {name.removeprefix("teller_"): t["size"] for name, t in self.tables().items()}
 
 
-def send_to_ranks(endpoints: List[dict], message: List[bytes]) -> None:
+# How long a socket made for one tell (`send_to_ranks`' `fresh`) keeps trying to deliver it after it is closed.
+FRESH_LINGER_MS = 5000
+
+
+def send_to_ranks(endpoints: List[dict], message: List[bytes], fresh: bool = False) -> None:
     """`message` to each rank's bootstrap socket (upstream's cached one), never blocking: a rank whose socket's
-    queue is full (a peer not there) fails the tell instead of holding the target's thread."""
+    queue is full (a peer not there) fails the tell instead of holding the target's thread. `fresh`: on a socket of
+    its own per rank, connected now and closed at once (it delivers within FRESH_LINGER_MS): a prefill declared lost
+    may have a cached socket connected before the cut, where a message would wait behind the cut's retransmissions."""
     import zmq
 
     from sglang.srt.disaggregation.common.conn import CommonKVReceiver
+    from sglang.srt.utils.network import NetworkAddress
 
+    if fresh:
+        for info in endpoints:
+            sock = zmq.Context.instance().socket(zmq.PUSH)
+            try:
+                sock.connect(NetworkAddress(info["rank_ip"], info["rank_port"]).to_tcp())
+                sock.send_multipart(message, flags=zmq.NOBLOCK)
+            finally:
+                sock.close(linger=FRESH_LINGER_MS)
+        return
     for info in endpoints:
         sock, lock = CommonKVReceiver._connect_to_bootstrap_server(info)
         with lock:

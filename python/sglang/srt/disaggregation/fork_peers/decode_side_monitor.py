@@ -17,7 +17,7 @@ import time
 from typing import Any, Dict
 
 from sglang.srt.disaggregation.base import KVPoll
-from sglang.srt.disaggregation.fork_ending import request_end_cause, room_ledger
+from sglang.srt.disaggregation.fork_ending import request_end_cause, room_ledger, teller
 from sglang.srt.disaggregation.fork_peers import peer_sockets
 from sglang.srt.disaggregation.fork_peers.peer_monitor import (
     ALIVE, REFUSED, PeerMonitor, attach, claim_frames, loss_message, monitor_of, probe_all)
@@ -117,6 +117,7 @@ def on_decode_manager_init(mgr: Any, queue: Any, *args: Any, **kwargs: Any) -> N
     if monitor is None:
         return  # fake transfer backend
     room_ledger.ledger_for(mgr).watch_peers(monitor.is_lost)
+    teller.teller.watch_lost(monitor.is_lost)  # no tell to a lost prefill on a socket from before its loss
     monitor.thread.start()
 
 

@@ -23,10 +23,14 @@ CAP = 64
 
 
 def address(obj: Any) -> Optional[Addr]:
-    """The prefill bootstrap address a tokenizer's request carries, or None (no PD bootstrap)."""
-    if not getattr(obj, "bootstrap_host", None) or getattr(obj, "bootstrap_port", None) is None:
+    """The prefill bootstrap address a tokenizer's request carries, or None (no PD bootstrap, or not one address)."""
+    host, port = getattr(obj, "bootstrap_host", None), getattr(obj, "bootstrap_port", None)
+    if not isinstance(host, str) or not host or isinstance(port, bool) or not isinstance(port, (int, str)):
         return None
-    return obj.bootstrap_host, int(obj.bootstrap_port)
+    try:
+        return host, int(port)
+    except ValueError:
+        return None
 
 
 class KnownPrefills:
