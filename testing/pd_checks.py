@@ -138,12 +138,13 @@ def http_client_abort(out: Mapping[str, Any]) -> bool:
 
 
 def leg_body(cluster, room: int, text: str, max_new_tokens: int = 8, rid: Optional[str] = None,
-             **sampling) -> dict:
-    """One leg of a PD request the test sends itself (it plays the load balancer)."""
+             prefill: Optional[str] = None, **sampling) -> dict:
+    """One leg of a PD request the test sends itself (it plays the load balancer); `prefill`: the prefill role it
+    is bound to, at that server's address and bootstrap port (default: the first prefill, on this host)."""
     body = {
         "text": text,
-        "bootstrap_host": HOST,
-        "bootstrap_port": cluster.bootstrap_port,
+        "bootstrap_host": HOST if prefill is None else cluster[prefill].address,
+        "bootstrap_port": cluster.bootstrap_port if prefill is None else cluster.bootstrap_ports[prefill],
         "bootstrap_room": room,
         "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens, **sampling},
     }

@@ -32,8 +32,8 @@ from collections import Counter
 import pytest
 
 from testing.pd_checks import (PEER_LOSSES, PEER_RECOVERIES, ClosedLoop, Leg, assert_idle, delta, end_causes,
-                               judge_completed_stream, judge_partition_recoveries, request_recoveries, start_legs,
-                               waiting_for_peer, wait_counter_rises)
+                               judge_completed_stream, judge_partition_recoveries, leg_body, request_recoveries,
+                               start_legs, waiting_for_peer, wait_counter_rises)
 from testing.pd_checks import (PARTITION_ANSWER_BOUND as ANSWER_BOUND, PARTITION_DEADLINE as DEADLINE,
                                PARTITION_DETECT_BOUND as DETECT_BOUND, PARTITION_ENV as ENV,
                                PARTITION_RECOVER_BOUND as RECOVER_BOUND)
@@ -214,13 +214,6 @@ def test_behind_the_gateway_decode_recovered_answer_is_kept(cluster, pd_hosts):
     assert retries == 0 and not any(charged.values()), (retries, charged)
 
 
-def _decode_leg(cluster, prefill: str, room: int, text: str) -> dict:
-    """A decode leg bound to `prefill`'s bootstrap server (the test plays the balancer)."""
-    return {"text": text, "bootstrap_host": cluster[prefill].address,
-            "bootstrap_port": cluster.bootstrap_ports[prefill], "bootstrap_room": room,
-            "sampling_params": {"temperature": 0.0, "max_new_tokens": 8}}
-
-
 def test_a_prefill_that_dies_is_not_re_run(cluster):
     """prefill2 killed while decode holds requests bound to it (decode legs the test sent, their prefill legs never
     sent: they wait for prefill2's KV), and one more sent after decode declared it lost: decode answers each 502
@@ -234,13 +227,13 @@ def test_a_prefill_that_dies_is_not_re_run(cluster):
     before = request_recoveries(cluster["decode"].metrics())
     room = 7_000_000
     _serves_through(cluster, "prefill", room)  # decode's tokenizer has seen the first prefill serve
-    legs = start_legs(cluster["decode"].url, [_decode_leg(cluster, "prefill2", room + i, f"bound to prefill2 {i}")
-                                              for i in range(1, 4)])
+    legs = start_legs(cluster["decode"].url, [leg_body(cluster, room + i, f"bound to prefill2 {i}",
+                                                       prefill="prefill2") for i in range(1, 4)])
     wait_until(lambda: waiting_for_peer(cluster["decode"]) >= len(legs), 30, "decode waiting for prefill2's KV")
     t_gone = time.monotonic()
     cluster["prefill2"].kill()
     wait_until(lambda: all(leg.done() for leg in legs), DETECT_BOUND + 10, "decode to answer the legs of prefill2")
-    late = Leg(cluster["decode"].url, _decode_leg(cluster, "prefill2", room + 9, "sent after the loss"))
+    late = Leg(cluster["decode"].url, leg_body(cluster, room + 9, "sent after the loss", prefill="prefill2"))
     t_late = time.monotonic()
     late.start()
     late.join(DEADLINE + 10)
@@ -261,8 +254,8 @@ def test_a_prefill_that_dies_is_not_re_run(cluster):
 
 def _serves_through(cluster, prefill: str, room: int) -> None:
     """One request through `prefill` and decode (the test sends both legs), answered 200 on both."""
-    legs = [Leg(cluster[prefill].url, _decode_leg(cluster, prefill, room, "served on")),
-            Leg(cluster["decode"].url, _decode_leg(cluster, prefill, room, "served on"))]
+    legs = [Leg(cluster[prefill].url, leg_body(cluster, room, "served on", prefill=prefill)),
+            Leg(cluster["decode"].url, leg_body(cluster, room, "served on", prefill=prefill))]
     for leg in legs:
         leg.start()
     wait_until(lambda: all(leg.done() for leg in legs), 60, f"a request through {prefill}")

@@ -142,6 +142,12 @@ def prefill_hands_over_lost(req: Any, reason: Any) -> bool:
     this prefill, which a gateway reads before prefill's) when it cannot, and a decode that died answers nothing a
     gateway would keep. Recovery on, a shape it takes, an attempt left after the one `req`'s leg is; prefill's side
     only."""
+    return _leg_recoverable(req)
+
+
+def _leg_recoverable(req: Any) -> bool:
+    """Prefill's copy `req` (it has a sender) of a request decode's recovery may run again, whatever failed: recovery
+    on, an attempt left after the one `req`'s leg is (`recovery_attempt.split`), a shape it takes."""
     if not enabled() or upstream(req, "disagg_kv_sender") is None:
         return False
     return another_attempt(recovery_attempt.split(req.rid)[1]) and excluded(req_shape(req)) is None
@@ -152,6 +158,4 @@ def prefill_hands_over(req: Any, reason: Any) -> bool:
     deadline's message): whether decode's recovery will run it again (`cause_of`: a cause it takes; recovery on; a
     shape it takes; an attempt left after the one `req`'s leg is, `recovery_attempt.split`), so prefill answers its
     leg as handed over. Prefill's side only (a request with a sender); decode's tokenizer decides for decode's."""
-    if cause_of(reason) is None or not enabled() or upstream(req, "disagg_kv_sender") is None:
-        return False
-    return another_attempt(recovery_attempt.split(req.rid)[1]) and excluded(req_shape(req)) is None
+    return cause_of(reason) is not None and _leg_recoverable(req)

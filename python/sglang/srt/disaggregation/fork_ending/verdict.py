@@ -25,7 +25,7 @@ from typing import Any, Dict, Optional, Tuple
 
 from sglang.srt.disaggregation.fork_ending import request_record
 from sglang.srt.disaggregation.fork_ending.verdict_rows import PEER_ENDED, RESTATED, ROWS, TABLE, Cause, From, Row, Told
-from sglang.srt.disaggregation.fork_ending.verdict_rows import SLA_ABORT_STATUS
+from sglang.srt.disaggregation.fork_ending.verdict_rows import SLA_ABORT_STATUS, TAKES_OVER
 from sglang.srt.disaggregation.fork_ending.verdict_wording import (
     ABORT_TAG,
     CLIENT_ABORT,
@@ -131,8 +131,8 @@ def find(req: Any, text: str) -> Cause:
             if value is not None and (row.takes is None or row.takes(req, value)):
                 return row.cause
         elif told is not None:
-            return next((over.cause for over in TABLE if over.takes_over is told.cause and over.takes(req, text)),
-                        told.cause)
+            over = TAKES_OVER.get(told.cause)
+            return over.cause if over is not None and over.takes(req, text) else told.cause
         elif row.reads(text) and (row.takes is None or row.takes(req, text)):
             return row.cause
     raise AssertionError("the last row reads anything")

@@ -182,6 +182,7 @@ TABLE: Tuple[Row, ...] = (
         reads=_anything),
 )
 ROWS: Dict[Cause, Row] = {row.cause: row for row in TABLE}
+TAKES_OVER: Dict[Cause, Row] = {row.takes_over: row for row in TABLE if row.takes_over is not None}  # told -> row
 # Whichever row chose the message, one naming a deadline is answered as PEER_DEADLINE says (its status, and its end
 # cause unless the row tagged one) and one naming the pause as PAUSE_REASON says: an AbortReq's message can name them.
 RESTATED: Tuple[Tuple[Callable[[Any], bool], Cause], ...] = ((names_deadline, Cause.PEER_DEADLINE),
