@@ -126,3 +126,71 @@ def test_hand_to_recovery_fails_and_remembers_the_stalled_room_and_aborts_it_on_
         room_ledger.end_room(prefill, Transition.HAND_TO_RECOVERY, 7, "x")
     with pytest.raises(IllegalTransition, match="needs receiver"):
         room_ledger.end_room(mgr, Transition.HAND_TO_RECOVERY, 7, "x")
+
+
+class _WatchedLock:
+    """Upstream's failure lock (a plain lock), telling the test when another thread waits for it."""
+
+    def __init__(self):
+        self.lock, self.waited = threading.Lock(), threading.Event()
+
+    def __enter__(self):
+        if not self.lock.acquire(blocking=False):
+            self.waited.set()
+            self.lock.acquire()
+        return self
+
+    def __exit__(self, *exc):
+        self.lock.release()
+
+
+def test_a_failure_written_on_decode_while_the_room_clears_is_not_left_behind():
+    """A decode room's failure (prefill's Failed status, a lost peer) is checked against `request_status` without the
+    failure lock, then written under it. The scheduler can clear the room in between (its receiver's `clear`, then
+    `failure_exception` pops the record under the lock). The record written after that pop belongs to no request:
+    it stayed for good, and a later request with that room number would take it as its own. Seen once as a soak's
+    leftover (`rooms.failure_records` 1 on an idle decode). Stock upstream 0.5.23 checks the same way in
+    `apply_prefill_status` and keeps such a record."""
+    from sglang.srt.disaggregation.common.conn import CommonKVManager
+    from sglang.srt.disaggregation.fork_ending import room_kv_hooks
+
+    mgr = _manager(DECODE)
+    mgr.failure_lock = lock = _WatchedLock()
+    mgr.request_status[7] = KVPoll.Transferring
+    with lock.lock:  # the scheduler holds the lock: the bootstrap thread's write waits for it after its check
+        writer = threading.Thread(target=room_kv_hooks.around_record_failure,
+                                  args=(CommonKVManager.record_failure, mgr, 7, REASON), daemon=True)
+        writer.start()
+        assert lock.waited.wait(10), "the write never reached the failure lock"
+        mgr.request_status.pop(7)  # the receiver's clear
+        mgr.failure_records.pop(7, None)  # failure_exception's pop, under the lock
+    writer.join(10)
+    assert not writer.is_alive()
+    assert mgr.failure_records == {} and room_ledger.ledger_of(mgr).told_with(7) is None
+    # a live room keeps its record
+    mgr.request_status[8] = KVPoll.Transferring
+    room_kv_hooks.around_record_failure(CommonKVManager.record_failure, mgr, 8, REASON)
+    assert mgr.failure_records == {8: REASON}
+
+
+def test_a_failure_written_after_decode_saw_success_goes_with_the_rooms_clear():
+    """Prefill can send a Failed status after its Success (an abort on prefill as the transfer ended). Decode's poll
+    has seen Success; the record lands before the scheduler clears the receiver, and nothing pops it after a Success
+    (only `failure_exception` does): upstream 0.5.23's own `clear` leaves it behind, as asserted below. The fork's
+    hook after the clear drops it."""
+    from sglang.srt.disaggregation.common.conn import CommonKVManager, CommonKVReceiver
+    from sglang.srt.disaggregation.fork_ending import room_kv_hooks
+
+    mgr = _manager(DECODE)
+    mgr.defer_decode_allocation = False
+    mgr.required_prefill_response_num_table, mgr.prefill_response_tracker = {9: 1}, {9: {0}}
+    mgr.addr_to_rooms_tracker = {"10.0.0.1:8998": {9}}
+    receiver = object.__new__(CommonKVReceiver)  # upstream's clear over these fields only
+    receiver.__dict__.update(kv_mgr=mgr, bootstrap_room=9, bootstrap_addr="10.0.0.1:8998", _owns_bootstrap_room=True,
+                             _lifecycle_lock=threading.Lock(), conclude_state=KVPoll.Success, abort_notified=False)
+    mgr.request_status[9] = KVPoll.Success  # what decode's poll saw
+    room_kv_hooks.around_record_failure(CommonKVManager.record_failure, mgr, 9, REASON)  # prefill's late Failed
+    CommonKVReceiver._clear(receiver)  # upstream's body of `clear` (the fork's hook wraps `clear`)
+    assert 9 not in mgr.request_status and mgr.failure_records == {9: REASON}  # upstream leaves it
+    room_kv_hooks.after_receiver_clear(None, receiver)
+    assert mgr.failure_records == {} and room_ledger.ledger_of(mgr).told_with(9) is None

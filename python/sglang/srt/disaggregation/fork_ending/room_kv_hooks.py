@@ -97,6 +97,15 @@ def on_sender_clear(result: Any, sender: Any, *args: Any, **kwargs: Any) -> None
     ledger_of(sender.kv_mgr).disown(sender.bootstrap_room, sender, sender.conclude_state == KVPoll.Failed)
 
 
+def after_receiver_clear(result: Any, receiver: Any, *args: Any, **kwargs: Any) -> None:
+    """AFTER `CommonKVReceiver.clear` (decode's scheduler): a room whose request concluded Success has no reader for a
+    failure record any more (only `failure_exception` pops one). A Failed status prefill sent after its Success (an
+    abort on prefill as the transfer ended) can be written between decode's poll seeing Success and this clear: it
+    goes with the room. One written after the clear `around_record_failure` drops."""
+    if receiver.conclude_state == KVPoll.Success and has_room_tables(receiver.kv_mgr):
+        room_ledger.forget_failure_if_cleared(receiver.kv_mgr, receiver.bootstrap_room)
+
+
 def around_update_status(original, mgr, bootstrap_room, status, *args, **kwargs):
     """AROUND CommonKVManager.update_status: a late handshake for an ended room is answered Failed; a room a
     `concluding` conclusion fails has the cause kept with its record told first (its Failed status follows)."""
@@ -124,10 +133,13 @@ def around_update_status(original, mgr, bootstrap_room, status, *args, **kwargs)
 def around_record_failure(original, mgr, bootstrap_room, failure_reason, *args, **kwargs):
     """AROUND CommonKVManager.record_failure: none for a cleared room (decode), over a peer loss, over a reason that
     came with its cause when this one comes without, or, as upstream's bare abort reason, over any reason
-    (`verdict.kept_over`); tags our loss."""
+    (`verdict.kept_over`); tags our loss. On decode a record written while the scheduler cleared the room (checked
+    without the failure lock, as upstream's `apply_prefill_status` does) is dropped again
+    (`room_ledger.forget_failure_if_cleared`)."""
     from sglang.srt.disaggregation.utils import DisaggregationMode
 
-    if upstream(mgr, "disaggregation_mode") == DisaggregationMode.DECODE:
+    decode = upstream(mgr, "disaggregation_mode") == DisaggregationMode.DECODE
+    if decode:
         if bootstrap_room not in mgr.request_status:
             logger.debug("room_ledger: dropping failure for ended room %s: %s", bootstrap_room, failure_reason)
             return None
@@ -140,7 +152,10 @@ def around_record_failure(original, mgr, bootstrap_room, failure_reason, *args, 
     if verdict_wording.is_bare_abort(new) and recomputing.reason:
         failure_reason = recomputing.reason  # the re-send's failure, not a client's abort
     if ledger is None:
-        return original(mgr, bootstrap_room, failure_reason, *args, **kwargs)
+        result = original(mgr, bootstrap_room, failure_reason, *args, **kwargs)
+        if decode:
+            room_ledger.forget_failure_if_cleared(mgr, bootstrap_room)
+        return result
     # upstream's record_failure takes the failure lock itself: the old record's cause goes first (a reader meanwhile
     # finds none and reads the text), the new record's cause is kept once it is written
     with mgr.failure_lock:
@@ -149,6 +164,8 @@ def around_record_failure(original, mgr, bootstrap_room, failure_reason, *args, 
     with mgr.failure_lock:
         if mgr.failure_records.get(bootstrap_room) == failure_reason:
             ledger.keep_told(bootstrap_room, attached.told, failure_reason)
+    if decode:
+        room_ledger.forget_failure_if_cleared(mgr, bootstrap_room)
     return result
 
 

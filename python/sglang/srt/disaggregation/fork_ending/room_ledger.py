@@ -3,7 +3,8 @@ one `RoomLedger` holds the per-room memory (ended and cancelled rooms, owners, d
 `room_causes`: the cause kept with each failure record, the causes prefill announced, the receivers told early) and
 makes every end along a named transition of `room_transitions` (`RoomLedger.make`, `end_room`), in the one order
 that cannot leak; here too the few reads and drops of upstream's per-room tables that go with an end
-(`forget_failure`, `drop_unowned_room`, `failure_record`) and "is this our manager" (`has_room_tables`).
+(`forget_failure`, `forget_failure_if_cleared`, `drop_unowned_room`, `failure_record`) and "is this our manager"
+(`has_room_tables`).
 
 Threads: any (scheduler, bootstrap, transfer workers, the peer monitor). Lock: `RoomLedger.lock`, a leaf guarding
 the ledger's tables only, never held while calling upstream (taken inside upstream's `failure_lock` where both are
@@ -313,6 +314,23 @@ def forget_failure(mgr: Any, room: int) -> None:
             upstream(mgr, "failure_records").pop(room, None)
             if ledger is not None:
                 ledger.keep_told(room, None)
+
+
+def forget_failure_if_cleared(mgr: Any, room: int) -> None:
+    """Decode: drop `room`'s failure record and its cause if the room is gone from upstream's `request_status`.
+    `around_record_failure` checks the room before the write without the failure lock (as upstream's
+    `apply_prefill_status` does), so the scheduler may clear the room in between (its receiver's `clear`, then
+    `failure_exception`'s pop under the lock): a record written after that pop would stay for good, and a later
+    request with that room number would read it as its own. Read under the lock after the write, any clear before
+    that pop is seen here; a clear after the write is the room's end, which pops it (`failure_exception`, or
+    `room_kv_hooks.after_receiver_clear` for a room concluded Success)."""
+    ledger = ledger_of(mgr)
+    with upstream(mgr, "failure_lock"):
+        if room in upstream(mgr, "request_status"):
+            return
+        upstream(mgr, "failure_records").pop(room, None)
+        if ledger is not None:
+            ledger.keep_told(room, None)
 
 
 # Decode's ledgers in this process (one per decode kv manager): a decode request's answer finds its room's cause here

@@ -68,6 +68,8 @@ HOOKS: list[tuple[str, str, str]] = [_full(target, ref) + (kind,) for target, re
      "transfer_deadline:around_get_bootstrap_info_from_server", AROUND),
     ("disaggregation.common.conn.CommonKVReceiver.ensure_abort_notified",
      "room_kv_hooks:after_ensure_abort_notified", AFTER),
+    # a room concluded Success takes a failure record written before its clear with it
+    ("disaggregation.common.conn.CommonKVReceiver.clear", "room_kv_hooks:after_receiver_clear", AFTER),
     # decode claims the room with prefill as the request enters its prealloc queue (the lost-decode handshake rule)
     ("disaggregation.common.conn.CommonKVReceiver.init", "decode_side_monitor:after_receiver_init", AFTER),
     # room_kv_hooks' AFTER runs first (a failed room remembered as ended), then chunk_failures'
