@@ -10,6 +10,11 @@ tokenizer with other weights (RL weight-update tests swap the two).
 `ensure_tiny_model(out, wide_kv=True)`: the same tokenizer, 4 layers of 8 KV heads of head_dim 256 (32 KiB of
 KV a token, 4096 positions), for tests and benchmarks that move large KV between hosts.
 
+`ensure_tiny_model(out, hybrid_swa=True)`: the same tokenizer, a hybrid sliding-window model (upstream's Mellum: one
+sliding-window layer, one full-attention layer, float32) of the same width. Served with a sliding-window memory pool,
+so in PD prefill sends an extra-state (SWA) chunk besides the KV: the state-chunk paths run end to end on CPU. Its
+window (SWA_WINDOW) is longer than any test sequence.
+
 CLI: python -m testing.tiny_model OUT_DIR [SEED]
 """
 
@@ -57,10 +62,11 @@ def _corpus() -> list[str]:
 
 WIDE_KV = {"num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 8, "head_dim": 256,
            "max_position_embeddings": 4096}
+SWA_WINDOW = 8192
 WIDE_KV_BYTES_PER_TOKEN = 4 * 2 * 8 * 256 * 2  # layers x (K, V) x heads x head_dim x bf16
 
 
-def is_complete(out_dir: Path, seed: int = 0, wide_kv: bool = False) -> bool:
+def is_complete(out_dir: Path, seed: int = 0, wide_kv: bool = False, hybrid_swa: bool = False) -> bool:
     marker = out_dir / MARKER
     if not marker.is_file():
         return False
@@ -68,12 +74,13 @@ def is_complete(out_dir: Path, seed: int = 0, wide_kv: bool = False) -> bool:
         meta = json.loads(marker.read_text())
     except ValueError:
         return False
-    if meta.get("version") != VERSION or meta.get("seed", 0) != seed or meta.get("wide_kv", False) != wide_kv:
+    if (meta.get("version") != VERSION or meta.get("seed", 0) != seed or meta.get("wide_kv", False) != wide_kv
+            or meta.get("hybrid_swa", False) != hybrid_swa):
         return False
     return all((out_dir / name).is_file() for name in _REQUIRED)
 
 
-def _generate(tmp: Path, seed: int = 0, wide_kv: bool = False) -> None:
+def _generate(tmp: Path, seed: int = 0, wide_kv: bool = False, hybrid_swa: bool = False) -> None:
     os.environ["HF_HUB_OFFLINE"] = "1"
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -101,6 +108,11 @@ def _generate(tmp: Path, seed: int = 0, wide_kv: bool = False) -> None:
         raise RuntimeError(f"tokenizer has {len(fast)} tokens, expected {VOCAB_SIZE}")
     fast.save_pretrained(tmp)
 
+    if hybrid_swa:
+        _save_hybrid_swa(tmp, seed)
+        meta = {"version": VERSION, "hybrid_swa": True, **({"seed": seed} if seed else {})}
+        (tmp / MARKER).write_text(json.dumps(meta))
+        return
     shape = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
              "max_position_embeddings": 1024, **(WIDE_KV if wide_kv else {})}
     cfg = LlamaConfig(
@@ -123,24 +135,41 @@ def _generate(tmp: Path, seed: int = 0, wide_kv: bool = False) -> None:
     (tmp / MARKER).write_text(json.dumps(meta))
 
 
-def ensure_tiny_model(out_dir: str | os.PathLike, seed: int = 0, wide_kv: bool = False) -> Path:
+def _save_hybrid_swa(tmp: Path, seed: int) -> None:
+    import torch
+    from transformers import MellumConfig, MellumForCausalLM
+
+    layers = ["sliding_attention", "full_attention"]
+    cfg = MellumConfig(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=len(layers),
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, layer_types=layers,
+                       mlp_layer_types=["dense"] * len(layers), sliding_window=SWA_WINDOW,
+                       num_experts=2, num_experts_per_tok=1, moe_intermediate_size=32,  # unused (dense), required
+                       max_position_embeddings=4096, rms_norm_eps=1e-6, attention_bias=False,
+                       tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    torch.manual_seed(seed)
+    MellumForCausalLM(cfg).to(torch.float32).save_pretrained(tmp, safe_serialization=True)
+
+
+def ensure_tiny_model(out_dir: str | os.PathLike, seed: int = 0, wide_kv: bool = False,
+                      hybrid_swa: bool = False) -> Path:
     """Create the tiny model in out_dir unless a complete one is already there. Another
-    `seed` gives other weights of the same shapes (and the same tokenizer); `wide_kv` the wide-KV variant."""
+    `seed` gives other weights of the same shapes (and the same tokenizer); `wide_kv` the wide-KV variant;
+    `hybrid_swa` the hybrid sliding-window variant."""
     out = Path(out_dir).resolve()
-    if is_complete(out, seed, wide_kv):
+    if is_complete(out, seed, wide_kv, hybrid_swa):
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tiny-model-", dir=out.parent))
     tmp.chmod(0o755)
     try:
-        _generate(tmp, seed, wide_kv)
+        _generate(tmp, seed, wide_kv, hybrid_swa)
         if out.exists():
             shutil.rmtree(out)
         try:
             tmp.rename(out)
         except OSError:
             # Another process finished first; keep theirs if it is complete.
-            if not is_complete(out, seed, wide_kv):
+            if not is_complete(out, seed, wide_kv, hybrid_swa):
                 raise
     finally:
         if tmp.exists():

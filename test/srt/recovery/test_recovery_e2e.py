@@ -23,8 +23,8 @@ budget. The causes (the fault switch SGLANG_TEST_DISAGG_FAIL_CHUNKS on prefill p
   stalled worker reports, here after STALL_S; a worker stalled for good holds the request forever.
 
 An extra-state write (`state`) never happens with this model: a dense llama has no state pool, so prefill sends no
-state chunk (test_chunk_failures_pair fails one over the real transfer engine; its recovery is the same cause as
-`kv` and `aux`, `chunk_failure`, untested end to end). The `+first` option fires on a request's first attempt only."""
+state chunk; test_recovery_state_chunk_e2e fails one with a hybrid sliding-window model (the same cause as `kv` and
+`aux`, `chunk_failure`). The `+first` option fires on a request's first attempt only."""
 
 from __future__ import annotations
 

@@ -5,6 +5,7 @@ still reach every host. The balancer keeps picking either prefill at random, so 
 to the silent pair. Asserted: prefill2 and decode each declare the other lost within two heartbeats, and nobody
 else is declared lost; every server gives everything back; once the link heals both count the recovery within a
 heartbeat and prefill2 serves again, with no restart and no manual step. docs/peer-liveness.md ("Silent peers").
+TP 1 in `make test`; every server at TP 2 in `make test-tp` (each rank counts the loss and the recovery).
 
 Recovery is on on both prefills and decode (PARTITION_ENV, one attempt): every request bound to the silent pair is
 re-run on the first prefill (docs/recovery.md, "A partition between prefill and decode"), cause `lost_prefill`: those
@@ -41,6 +42,8 @@ from testing.deployments import Gateway
 from testing.http_client import post_stream, prompts, stream_events
 from testing.pd_cluster import generate, metric_sum, wait_until
 
+from conftest import TP2, topology_params, topology_pd
+
 pytestmark = pytest.mark.e2e  # its own 4 servers (the gateway besides): about 150 s on the 2-core box
 
 HOST_ROLES = ("prefill", "prefill2", "decode", "lb")  # the pd_hosts fixture makes these hosts
@@ -50,12 +53,14 @@ PROMPT_TOKENS = "sglang:prompt_tokens_total"
 LOST = "lost_prefill"  # recovery's cause for a request whose prefill decode declared lost
 
 
-@pytest.fixture(scope="module")
-def cluster(pd_hosts, deployments):
-    """2P1D + mini LB, each on its own host (torn down before the hosts)."""
-    c = deployments.pd(hosts=pd_hosts.hosts, prefills=2, prefill_env=ENV, decode_env=ENV)
-    yield c
-    pd_hosts.heal()
+@pytest.fixture(scope="module", params=topology_params(TP2))
+def cluster(pd_hosts, deployments, request):
+    """2P1D + mini LB, each on its own host (torn down before the hosts); every server at TP 2 in `make test-tp`."""
+    try:
+        yield from topology_pd(deployments, request.param, hosts=pd_hosts.hosts, prefills=2, prefill_env=ENV,
+                               decode_env=ENV)
+    finally:
+        pd_hosts.heal()
 
 
 def _counts(cluster, name: str) -> dict:
@@ -189,9 +194,10 @@ def _partition_of_prefill2(cluster, pd_hosts, url: str, min_reruns: int) -> list
     for role, seconds in recovered.items():
         assert seconds <= bounds[role], (role, seconds, bounds[role])
     assert_idle(cluster, ROLES, baseline)
-    # the silent pair counted the loss and the recovery once each; the first prefill lost nobody
-    assert delta(losses, _counts(cluster, PEER_LOSSES)) == {"prefill2": 1, "decode": 1}
-    wait_until(lambda: delta(recoveries, _counts(cluster, PEER_RECOVERIES)) == {"prefill2": 1, "decode": 1}, 10,
+    # the silent pair counted the loss and the recovery once each, on every rank; the first prefill lost nobody
+    once = {"prefill2": cluster.tp["prefill"], "decode": cluster.tp["decode"]}
+    assert delta(losses, _counts(cluster, PEER_LOSSES)) == once
+    wait_until(lambda: delta(recoveries, _counts(cluster, PEER_RECOVERIES)) == once, 10,
                "both recoveries counted", on_timeout=lambda: str(delta(recoveries, _counts(cluster, PEER_RECOVERIES))))
     moved = delta(causes, _causes(cluster))
     assert any(cause == "peer_failure" for (_, _, cause, _) in moved), moved

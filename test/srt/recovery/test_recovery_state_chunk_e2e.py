@@ -1,0 +1,145 @@
+"""A failed extra-state chunk, end to end on real CPU servers: 1P1D of a tiny hybrid sliding-window model
+(testing.tiny_model's `hybrid_swa`: upstream's Mellum, one sliding-window layer and one full-attention layer, float32),
+mooncake over TCP, greedy, behind the mini load balancer, recovery on (one attempt). Served with a sliding-window
+memory pool, prefill sends each request's window state as a state chunk after its KV; the fault switch
+(SGLANG_TEST_DISAGG_FAIL_CHUNKS on prefill, picked by rid) fails that write:
+- on the first attempt only (`state+first`): decode's tokenizer re-runs the request under a new room (docs/recovery.md,
+  cause `chunk_failure`, as a failed KV or aux chunk): 200 with the text of a calm request of the same prompt, a
+  stream with exactly one finish and no abort or error event, `meta_info` saying it was recovered;
+- on every attempt (`state`): the chunk failure's own answer, once: 500 naming the state components.
+Each case asserts that the state write really was made and failed (prefill's `sglang:pd_transfer_chunk_failures_total`
+under kind="state"), that prefill counted the failed room once, that both servers hold nothing after, and that the
+prompt is served again. The fork with SGLANG_FORK_RECOVERY_ATTEMPTS=0, as stock upstream 0.5.23 (no recovery), answers
+the first case as the second: measured, non-streaming 500 naming the failed state components; 3 of 3 streams 200 with
+finish_reason abort carrying that 500.
+
+Only the sliding-window state runs on CPU: the other state kinds (mamba, DSA) need GPU kernels (docs/recovery.md)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from testing.http_client import post_stream
+from testing.pd_checks import PD_ROLES, assert_idle, cluster_end_causes, delta, judge_completed_stream
+from testing.pd_cluster import PDCluster, generate, metric_sum, prompts
+from testing.polling import wait_until
+from testing.tiny_model import ensure_tiny_model
+
+from conftest import FP32, REPO_ROOT
+
+pytestmark = pytest.mark.e2e
+
+MAX_NEW_TOKENS = 12
+ONCE, ALWAYS = "rec-state-once-", "rec-state-always-"
+FAULTS = f"state+first:rid={ONCE},state:rid={ALWAYS}"
+BUDGET_S = 20.0
+# decode's hold of a failed room's pages until prefill's drain ack (upstream's default: 30 s), as test_recovery_e2e
+RELEASE_ENV = {"SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT": "3"}
+RECOVERY_ENV = {"SGLANG_FORK_RECOVERY_ATTEMPTS": "1", "SGLANG_FORK_RECOVERY_BUDGET": str(BUDGET_S), **RELEASE_ENV}
+# a full window pool beside the full-attention one (upstream's default ratio 0.8 sizes it below the KV pool's)
+SWA_ARGS = (*FP32, "--swa-full-tokens-ratio", "1.0")
+# a recovered request: its failed attempt (a scheduler tick or two on each side) plus a calm one
+RECOVERED_WITHIN_S = 30.0
+CHUNK_FAILURES = "sglang:pd_transfer_chunk_failures_total"
+SWA_POOL_LOGGED = "SWA KV Cache is allocated"  # upstream's start-up line for a sliding-window pool
+PREFILL_FAILED_ONCE = {("prefill", "transport", "prefill_inflight"): 1}
+
+
+@pytest.fixture(scope="module")
+def cluster(deployments):
+    model = ensure_tiny_model(REPO_ROOT / ".cache" / "tiny-swa", hybrid_swa=True)
+    cluster = PDCluster(str(model), prefill_env={"SGLANG_TEST_DISAGG_FAIL_CHUNKS": FAULTS, **RECOVERY_ENV},
+                        decode_env=RECOVERY_ENV, prefill_args=SWA_ARGS, decode_args=SWA_ARGS)
+    with deployments.scoped(cluster):
+        yield cluster
+
+
+def _state_failures(cluster) -> float:
+    return metric_sum(cluster.metrics("prefill"), CHUNK_FAILURES, kind="state")
+
+
+def _calm(cluster, text: str) -> dict:
+    calm = generate(cluster.url, text, max_new_tokens=MAX_NEW_TOKENS)
+    assert calm["status"] == 200 and "recovery" not in calm["meta"], calm
+    return calm
+
+
+def _failed_once(cluster, before_failures: float, before_ends: dict) -> None:
+    """The state write was made and failed once (one attempt), and prefill counted its room's request once."""
+    assert _state_failures(cluster) - before_failures == 1
+    last = {}
+
+    def once():
+        last["d"] = delta(before_ends, cluster_end_causes(cluster, ("prefill",)))
+        return last["d"] == PREFILL_FAILED_ONCE
+
+    wait_until(once, 10.0, "prefill's end-cause counter to move once", on_timeout=lambda: f"delta {last.get('d')}")
+
+
+def _after(cluster, baseline: dict, text: str, calm: dict, rid: str) -> None:
+    assert_idle(cluster, PD_ROLES, baseline=baseline, timeout=60)
+    again = generate(cluster.url, text, max_new_tokens=MAX_NEW_TOKENS, rid=rid)
+    assert again["status"] == 200 and again["output_ids"] == calm["output_ids"], again
+
+
+def test_the_model_sends_a_state_chunk(cluster):
+    """The deployment is what this module tests: prefill and decode hold a sliding-window pool beside the KV pool
+    (upstream logs it at start), and a calm request answers the same tokens twice."""
+    for role in PD_ROLES:
+        assert SWA_POOL_LOGGED in cluster[role].log_path.read_text(errors="replace"), role
+    text = prompts(8)[0]
+    first, second = _calm(cluster, text), _calm(cluster, text)
+    assert first["output_ids"] == second["output_ids"] and len(first["output_ids"]) == MAX_NEW_TOKENS
+
+
+def test_a_failed_state_chunk_is_recovered_non_streaming(cluster):
+    baseline = assert_idle(cluster, PD_ROLES)
+    text = prompts(8)[1]
+    calm = _calm(cluster, text)
+    failures, ends = _state_failures(cluster), cluster_end_causes(cluster, ("prefill",))
+    t0 = time.monotonic()
+    got = generate(cluster.url, text, max_new_tokens=MAX_NEW_TOKENS, rid=f"{ONCE}ns-1")
+    took = time.monotonic() - t0
+    assert got["status"] == 200, got
+    assert got["text"] == calm["text"] and got["output_ids"] == calm["output_ids"], (got, calm)
+    assert got["meta"]["recovery"] == {"attempts": 1, "cause": "chunk_failure"}, got["meta"]
+    assert took < RECOVERED_WITHIN_S, took
+    _failed_once(cluster, failures, ends)
+    _after(cluster, baseline, text, calm, "calm-after-state-ns")
+
+
+def test_a_failed_state_chunk_is_recovered_streaming(cluster):
+    baseline = assert_idle(cluster, PD_ROLES)
+    text = prompts(8)[2]
+    calm = _calm(cluster, text)
+    failures, ends = _state_failures(cluster), cluster_end_causes(cluster, ("prefill",))
+    payload = {"text": text, "rid": f"{ONCE}s-1", "stream": True,
+               "sampling_params": {"temperature": 0.0, "max_new_tokens": MAX_NEW_TOKENS}}
+    t0 = time.monotonic()
+    status, body = post_stream(cluster.url + "/generate", payload)
+    took = time.monotonic() - t0
+    last = judge_completed_stream(status, body, calm["text"])
+    assert last["meta_info"]["recovery"] == {"attempts": 1, "cause": "chunk_failure"}, last["meta_info"]
+    assert took < RECOVERED_WITHIN_S, took
+    _failed_once(cluster, failures, ends)
+    _after(cluster, baseline, text, calm, "calm-after-state-s")
+
+
+def test_a_state_chunk_failing_on_every_attempt_answers_its_500_once(cluster):
+    """Every attempt's state write fails: the chunk failure's 500 naming the state components, once (no third
+    attempt), within the budget; two failed writes, one per attempt."""
+    baseline = assert_idle(cluster, PD_ROLES)
+    text = prompts(8)[3]
+    calm = _calm(cluster, text)
+    failures = _state_failures(cluster)
+    t0 = time.monotonic()
+    got = generate(cluster.url, text, max_new_tokens=MAX_NEW_TOKENS, rid=f"{ALWAYS}ns-1")
+    took = time.monotonic() - t0
+    assert got["status"] == 500, got
+    assert "Failed to send state components" in json.dumps(got), got
+    assert took < BUDGET_S + 10, took
+    assert _state_failures(cluster) - failures == 2
+    _after(cluster, baseline, text, calm, "calm-after-state-always")
