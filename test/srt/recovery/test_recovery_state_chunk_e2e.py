@@ -1,8 +1,9 @@
 """A failed extra-state chunk, end to end on real CPU servers: 1P1D of a tiny hybrid sliding-window model
 (testing.tiny_model's `hybrid_swa`: upstream's Mellum, one sliding-window layer and one full-attention layer, float32),
-mooncake over TCP, greedy, behind the mini load balancer, recovery on (one attempt). Served with a sliding-window
-memory pool, prefill sends each request's window state as a state chunk after its KV; the fault switch
-(SGLANG_TEST_DISAGG_FAIL_CHUNKS on prefill, picked by rid) fails that write:
+mooncake over TCP, greedy, behind the mini load balancer, recovery on (one attempt); TP 1 in `make test`, TP 2 on
+both servers in `make test-tp`. Served with a sliding-window memory pool, prefill sends each request's window state as
+a state chunk after its KV; the fault switch (SGLANG_TEST_DISAGG_FAIL_CHUNKS on prefill, picked by rid) fails that
+write:
 - on the first attempt only (`state+first`): decode's tokenizer re-runs the request under a new room (docs/recovery.md,
   cause `chunk_failure`, as a failed KV or aux chunk): 200 with the text of a calm request of the same prompt, a
   stream with exactly one finish and no abort or error event, `meta_info` saying it was recovered;
@@ -28,7 +29,7 @@ from testing.pd_cluster import PDCluster, generate, metric_sum, prompts
 from testing.polling import wait_until
 from testing.tiny_model import ensure_tiny_model
 
-from conftest import FP32, REPO_ROOT
+from conftest import FP32, REPO_ROOT, TP2, topology_params
 
 pytestmark = pytest.mark.e2e
 
@@ -48,11 +49,13 @@ SWA_POOL_LOGGED = "SWA KV Cache is allocated"  # upstream's start-up line for a 
 PREFILL_FAILED_ONCE = {("prefill", "transport", "prefill_inflight"): 1}
 
 
-@pytest.fixture(scope="module")
-def cluster(deployments):
+@pytest.fixture(scope="module", params=topology_params(TP2))
+def cluster(deployments, request):
+    """The hybrid sliding-window 1P1D behind the mini LB: TP 1; TP 2 on both servers in `make test-tp`."""
     model = ensure_tiny_model(REPO_ROOT / ".cache" / "tiny-swa", hybrid_swa=True)
-    cluster = PDCluster(str(model), prefill_env={"SGLANG_TEST_DISAGG_FAIL_CHUNKS": FAULTS, **RECOVERY_ENV},
-                        decode_env=RECOVERY_ENV, prefill_args=SWA_ARGS, decode_args=SWA_ARGS)
+    kwargs = {"prefill_env": {"SGLANG_TEST_DISAGG_FAIL_CHUNKS": FAULTS, **RECOVERY_ENV}, "decode_env": RECOVERY_ENV,
+              "prefill_args": SWA_ARGS, "decode_args": SWA_ARGS}
+    cluster = PDCluster(str(model), **request.param.pd_kwargs(**kwargs))
     with deployments.scoped(cluster):
         yield cluster
 
@@ -68,8 +71,9 @@ def _calm(cluster, text: str) -> dict:
 
 
 def _failed_once(cluster, before_failures: float, before_ends: dict) -> None:
-    """The state write was made and failed once (one attempt), and prefill counted its room's request once."""
-    assert _state_failures(cluster) - before_failures == 1
+    """The state write was made and failed once (one attempt; each prefill rank counts its own), and prefill counted
+    its room's request once."""
+    assert _state_failures(cluster) - before_failures == cluster.tp["prefill"]
     last = {}
 
     def once():
@@ -130,7 +134,7 @@ def test_a_failed_state_chunk_is_recovered_streaming(cluster):
 
 def test_a_state_chunk_failing_on_every_attempt_answers_its_500_once(cluster):
     """Every attempt's state write fails: the chunk failure's 500 naming the state components, once (no third
-    attempt), within the budget; two failed writes, one per attempt."""
+    attempt), within the budget; two failed writes, one per attempt (on each prefill rank)."""
     baseline = assert_idle(cluster, PD_ROLES)
     text = prompts(8)[3]
     calm = _calm(cluster, text)
@@ -141,5 +145,5 @@ def test_a_state_chunk_failing_on_every_attempt_answers_its_500_once(cluster):
     assert got["status"] == 500, got
     assert "Failed to send state components" in json.dumps(got), got
     assert took < BUDGET_S + 10, took
-    assert _state_failures(cluster) - failures == 2
+    assert _state_failures(cluster) - failures == 2 * cluster.tp["prefill"]
     _after(cluster, baseline, text, calm, "calm-after-state-always")
