@@ -1,12 +1,16 @@
 """A failed extra-state chunk, end to end on real CPU servers: 1P1D of a tiny hybrid sliding-window model
 (testing.tiny_model's `hybrid_swa`: upstream's Mellum, one sliding-window layer and one full-attention layer, float32),
-mooncake over TCP, greedy, behind the mini load balancer, recovery on (one attempt); TP 1 in `make test`, TP 2 on
-both servers in `make test-tp`. Served with a sliding-window memory pool, prefill sends each request's window state as
+mooncake over TCP, greedy, behind the mini load balancer and behind the Rust gateway (sglang-router, its defaults, the
+engines registered with POST /workers), recovery on (one attempt); TP 1 in `make test`, TP 2 on both servers in
+`make test-tp`. Served with a sliding-window memory pool, prefill sends each request's window state as
 a state chunk after its KV; the fault switch (SGLANG_TEST_DISAGG_FAIL_CHUNKS on prefill, picked by rid) fails that
 write:
 - on the first attempt only (`state+first`): decode's tokenizer re-runs the request under a new room (docs/recovery.md,
   cause `chunk_failure`, as a failed KV or aux chunk): 200 with the text of a calm request of the same prompt, a
   stream with exactly one finish and no abort or error event, `meta_info` saying it was recovered;
+- behind the gateway, prefill answers its leg of the failed room as handed over to decode's recovery (200, an
+  abort), so the gateway keeps decode's recovered answer: no retry, no circuit charged (stock upstream 0.5.23, as for
+  a failed KV chunk: the gateway retries the 500, charging both circuits each time);
 - on every attempt (`state`): the chunk failure's own answer, once: 500 naming the state components.
 Each case asserts that the state write really was made and failed (prefill's `sglang:pd_transfer_chunk_failures_total`
 under kind="state"), that prefill counted the failed room once, that both servers hold nothing after, and that the
@@ -25,7 +29,7 @@ import pytest
 
 from testing.http_client import post_stream
 from testing.pd_checks import PD_ROLES, assert_idle, cluster_end_causes, delta, judge_completed_stream
-from testing.pd_cluster import PDCluster, generate, metric_sum, prompts
+from testing.pd_cluster import Gateway, PDCluster, generate, metric_sum, prompts
 from testing.polling import wait_until
 from testing.tiny_model import ensure_tiny_model
 
@@ -58,6 +62,20 @@ def cluster(deployments, request):
     cluster = PDCluster(str(model), **request.param.pd_kwargs(**kwargs))
     with deployments.scoped(cluster):
         yield cluster
+
+
+@pytest.fixture(scope="module")
+def gateway(cluster):
+    """The Rust gateway (its defaults: retries, circuit breaker) in front of the same engines."""
+    with Gateway.fronting(cluster) as gw:
+        yield gw
+
+
+def _charged(gateway) -> tuple:
+    """(retries made, retries exhausted, failures charged to each engine's circuit) as the gateway counts them."""
+    metrics = gateway.metrics()
+    return (metric_sum(metrics, "smg_worker_retries_total"), metric_sum(metrics, "smg_worker_retries_exhausted_total"),
+            gateway.failures(metrics))
 
 
 def _state_failures(cluster) -> float:
@@ -147,3 +165,26 @@ def test_a_state_chunk_failing_on_every_attempt_answers_its_500_once(cluster):
     assert took < BUDGET_S + 10, took
     assert _state_failures(cluster) - failures == 2 * cluster.tp["prefill"]
     _after(cluster, baseline, text, calm, "calm-after-state-always")
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["non-streaming", "streaming"])
+def test_behind_the_gateway_a_recovered_request_answers_decode_s_text(cluster, gateway, stream):
+    baseline = assert_idle(cluster, PD_ROLES)
+    text = prompts(8)[5 if stream else 4]
+    calm = _calm(cluster, text)
+    before, failures, ends = _charged(gateway), _state_failures(cluster), cluster_end_causes(cluster, ("prefill",))
+    rid = f"{ONCE}gw-{'s' if stream else 'ns'}-1"
+    if stream:
+        payload = {"text": text, "rid": rid, "stream": True,
+                   "sampling_params": {"temperature": 0.0, "max_new_tokens": MAX_NEW_TOKENS}}
+        last = judge_completed_stream(*post_stream(gateway.url + "/generate", payload), calm["text"])
+        recovery = last["meta_info"]["recovery"]
+    else:
+        got = generate(gateway.url, text, max_new_tokens=MAX_NEW_TOKENS, rid=rid)
+        assert got["status"] == 200 and got["output_ids"] == calm["output_ids"], (got, calm)
+        recovery = got["meta"]["recovery"]
+    assert recovery == {"attempts": 1, "cause": "chunk_failure"}, recovery
+    assert _charged(gateway) == before, (before, _charged(gateway))  # answered by the first room's decode: no retry
+    _failed_once(cluster, failures, ends)
+    _after(cluster, baseline, text, calm, f"calm-after-state-{rid}")
+    assert _charged(gateway) == before, (before, _charged(gateway))
