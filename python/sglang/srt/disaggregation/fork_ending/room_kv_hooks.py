@@ -1,16 +1,16 @@
 """The room ledger's hooks on upstream's kv manager, sender and receiver: a manager's ledger and prefill's ABORT
-handler (`on_manager_init`, `handle_abort`), a sender claiming a cancelled room, a cleared sender, a late handshake
-for an ended room (`around_update_status`), the cause kept with each failure record (`around_record_failure`), the
-cause prefill announces before a Failed status (decode: `around_parse_kv_status_message`,
-`around_apply_prefill_status`), a retract's failed re-send, decode's early telling and drains
-(`after_ensure_abort_notified`).
+handler (`on_manager_init`, `handle_abort`), a sender claiming a cancelled room, a cleared sender or receiver
+(`after_receiver_clear`), a late handshake for an ended room (`around_update_status`), the cause kept with each
+failure record (`around_record_failure`), the cause prefill announces before a Failed status (decode:
+`around_parse_kv_status_message`, `around_apply_prefill_status`), a retract's failed re-send, decode's early telling
+and drains (`after_ensure_abort_notified`).
 
 Threads: the bootstrap thread (ABORTs, handshakes, status messages), the transfer workers (`record_failure`,
-`update_status` inside `conclude_transfer`), the scheduler (sender creation and clear, `ensure_abort_notified`), the
-re-bootstrap pool (`_fail_prefill_recompute`). Locks: the ledger's and upstream's `failure_lock` (ledger inside it),
-never ours around a call into upstream. Invariant: every end these hooks make is a named transition of the ledger
-(`RoomLedger.make`); a failure record and the cause kept with it change together, under `failure_lock` (the record an
-ABORT brings is written by the ledger, `room_ledger.write_failure`)."""
+`update_status` inside `conclude_transfer`), the scheduler (sender creation and clear, receiver clear,
+`ensure_abort_notified`), the re-bootstrap pool (`_fail_prefill_recompute`). Locks: the ledger's and upstream's
+`failure_lock` (ledger inside it), never ours around a call into upstream. Invariant: every end these hooks make is a
+named transition of the ledger (`RoomLedger.make`); a failure record and the cause kept with it change together,
+under `failure_lock` (the record an ABORT brings is written by the ledger, `room_ledger.write_failure`)."""
 
 from __future__ import annotations
 
