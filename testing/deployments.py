@@ -14,7 +14,7 @@ import json
 import os
 from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
 
-from testing.http_client import http_get, http_post_json, http_request, parse_prometheus
+from testing.http_client import http_get, http_post_json, http_request, metric_sum, parse_prometheus
 from testing.polling import ClusterError, wait_until
 from testing.ports import HOST, free_ports
 from testing.processes import DEFAULT_HEALTH_TIMEOUT, Deployment, Server, fork_python
@@ -349,6 +349,13 @@ class Gateway(Deployment):
         return {role: metrics.get(
             f'smg_worker_cb_outcomes_total{{worker="{engine.url}",outcome="failure"}}', 0.0)
             for role, engine in self.engines.items()}
+
+    def charged(self) -> tuple:
+        """(retries made, retries exhausted, failures charged to each engine's circuit) as the gateway counts them
+        now: a test compares two readings to say the gateway neither retried nor charged a circuit."""
+        metrics = self.metrics()
+        return (metric_sum(metrics, "smg_worker_retries_total"),
+                metric_sum(metrics, "smg_worker_retries_exhausted_total"), self.failures(metrics))
 
     def circuit_opens(self, metrics: Optional[Mapping[str, float]] = None) -> Dict[str, float]:
         """How often each engine's circuit opened (transitions to "open", from any state)."""

@@ -82,9 +82,8 @@ def is_complete(out_dir: Path, seed: int = 0, wide_kv: bool = False, hybrid_swa:
 
 def _generate(tmp: Path, seed: int = 0, wide_kv: bool = False, hybrid_swa: bool = False) -> None:
     os.environ["HF_HUB_OFFLINE"] = "1"
-    import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -110,9 +109,20 @@ def _generate(tmp: Path, seed: int = 0, wide_kv: bool = False, hybrid_swa: bool 
 
     if hybrid_swa:
         _save_hybrid_swa(tmp, seed)
-        meta = {"version": VERSION, "hybrid_swa": True, **({"seed": seed} if seed else {})}
-        (tmp / MARKER).write_text(json.dumps(meta))
-        return
+    else:
+        _save_llama(tmp, seed, wide_kv)
+    meta = {"version": VERSION} if seed == 0 else {"version": VERSION, "seed": seed}
+    if wide_kv:
+        meta["wide_kv"] = True
+    if hybrid_swa:
+        meta["hybrid_swa"] = True
+    (tmp / MARKER).write_text(json.dumps(meta))
+
+
+def _save_llama(tmp: Path, seed: int, wide_kv: bool) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     shape = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
              "max_position_embeddings": 1024, **(WIDE_KV if wide_kv else {})}
     cfg = LlamaConfig(
@@ -129,10 +139,6 @@ def _generate(tmp: Path, seed: int = 0, wide_kv: bool = False, hybrid_swa: bool 
     torch.manual_seed(seed)
     model = LlamaForCausalLM(cfg).to(torch.bfloat16)
     model.save_pretrained(tmp, safe_serialization=True)
-    meta = {"version": VERSION} if seed == 0 else {"version": VERSION, "seed": seed}
-    if wide_kv:
-        meta["wide_kv"] = True
-    (tmp / MARKER).write_text(json.dumps(meta))
 
 
 def _save_hybrid_swa(tmp: Path, seed: int) -> None:

@@ -129,13 +129,6 @@ def gateway(deployment):
         yield gw
 
 
-def _charged(gateway):
-    """(retries made, retries exhausted, failures charged to each engine's circuit) as the gateway counts them."""
-    metrics = gateway.metrics()
-    return (metric_sum(metrics, "smg_worker_retries_total"), metric_sum(metrics, "smg_worker_retries_exhausted_total"),
-            gateway.failures(metrics))
-
-
 def _recovered_stream(url: str, text: str, rid: str, calm: dict, cause: str) -> float:
     """Stream `text` under `rid` from `url` and check the recovered stream: 200, ended with [DONE], exactly one finish
     and it no abort, no error event, the calm control's text, `meta_info.recovery` naming `cause`; the seconds it
@@ -295,19 +288,19 @@ def test_behind_the_gateway_a_recovered_request_answers_decode_s_text_non_stream
     baseline = assert_idle(cluster, PD_ROLES)
     text = GATEWAY_PROMPTS[kind][0]
     calm = _calm(single, text)
-    before, ended, timeouts = _charged(gateway), cluster_end_causes(cluster, ("prefill",)), _timeouts(cluster)
+    before, ended, timeouts = gateway.charged(), cluster_end_causes(cluster, ("prefill",)), _timeouts(cluster)
     got, took = _through(cluster, kind, lambda: _timed(gateway, text, f"{cause.once}gw-ns-{kind}"))
     assert got["status"] == 200, got
     assert got["text"] == calm["text"] and got["output_ids"] == calm["output_ids"], (got, calm)
     assert got["meta"]["recovery"] == {"attempts": 1, "cause": cause.cause}, got["meta"]
-    assert _charged(gateway) == before, (before, _charged(gateway))  # answered by the first room's decode: no retry
+    assert gateway.charged() == before, (before, gateway.charged())  # answered by the first room's decode: no retry
     assert cause.earliest <= took < RECOVERED_WITHIN_S, took
     _deadline_fired(GATEWAY_KINDS[kind], cluster, timeouts)
     assert_idle(cluster, PD_ROLES, baseline=baseline, timeout=60)
     _prefill_ended_once(cluster, ended, kind)
     again = generate(gateway.url, text, max_new_tokens=MAX_NEW_TOKENS, rid=f"calm-after-gw-ns-{kind}")
     assert again["status"] == 200 and again["text"] == calm["text"] and "recovery" not in again["meta"], again
-    assert _charged(gateway) == before, (before, _charged(gateway))
+    assert gateway.charged() == before, (before, gateway.charged())
 
 
 @pytest.mark.parametrize("kind", list(GATEWAY_KINDS))
@@ -320,17 +313,17 @@ def test_behind_the_gateway_a_recovered_stream_has_one_finish_and_no_abort(deplo
     baseline = assert_idle(cluster, PD_ROLES)
     text = GATEWAY_PROMPTS[kind][1]
     calm = _calm(single, text)
-    before, ended, timeouts = _charged(gateway), cluster_end_causes(cluster, ("prefill",)), _timeouts(cluster)
+    before, ended, timeouts = gateway.charged(), cluster_end_causes(cluster, ("prefill",)), _timeouts(cluster)
     took = _through(cluster, kind, lambda: _recovered_stream(gateway.url, text, f"{cause.once}gw-s-{kind}", calm,
                                                              cause.cause))
-    assert _charged(gateway) == before, (before, _charged(gateway))
+    assert gateway.charged() == before, (before, gateway.charged())
     assert cause.earliest <= took < RECOVERED_WITHIN_S, took
     _deadline_fired(GATEWAY_KINDS[kind], cluster, timeouts)
     assert_idle(cluster, PD_ROLES, baseline=baseline, timeout=60)
     _prefill_ended_once(cluster, ended, kind)
     again = generate(gateway.url, text, max_new_tokens=MAX_NEW_TOKENS, rid=f"calm-after-gw-s-{kind}")
     assert again["status"] == 200 and again["text"] == calm["text"], again
-    assert _charged(gateway) == before, (before, _charged(gateway))
+    assert gateway.charged() == before, (before, gateway.charged())
 
 
 def test_behind_the_gateway_a_fault_on_every_attempt_answers_the_failure_once(deployment, gateway):
@@ -345,7 +338,7 @@ def test_behind_the_gateway_a_fault_on_every_attempt_answers_the_failure_once(de
     baseline = assert_idle(cluster, PD_ROLES)
     text = prompts(12)[9]
     calm = _calm(single, text)
-    _, exhausted, charged = _charged(gateway)
+    _, exhausted, charged = gateway.charged()
     got, took = _timed(gateway, text, "rec-always-gw-1")
     assert got["status"] == 500 and CAUSES["kv"].names in str(got["error"]), got
     assert took < 2 * BUDGET_S, took  # measured 0.6-4.6 s for the gateway's 5 attempts (TP 1, TP 2)

@@ -28,9 +28,8 @@ import time
 import pytest
 
 from testing.http_client import post_stream
-from testing.pd_checks import PD_ROLES, assert_idle, cluster_end_causes, delta, judge_completed_stream
+from testing.pd_checks import PD_ROLES, assert_idle, cluster_end_causes, judge_completed_stream, wait_end_causes
 from testing.pd_cluster import Gateway, PDCluster, generate, metric_sum, prompts
-from testing.polling import wait_until
 from testing.tiny_model import ensure_tiny_model
 
 from conftest import FP32, REPO_ROOT, TP2, topology_params
@@ -71,13 +70,6 @@ def gateway(cluster):
         yield gw
 
 
-def _charged(gateway) -> tuple:
-    """(retries made, retries exhausted, failures charged to each engine's circuit) as the gateway counts them."""
-    metrics = gateway.metrics()
-    return (metric_sum(metrics, "smg_worker_retries_total"), metric_sum(metrics, "smg_worker_retries_exhausted_total"),
-            gateway.failures(metrics))
-
-
 def _state_failures(cluster) -> float:
     return metric_sum(cluster.metrics("prefill"), CHUNK_FAILURES, kind="state")
 
@@ -92,13 +84,7 @@ def _failed_once(cluster, before_failures: float, before_ends: dict) -> None:
     """The state write was made and failed once (one attempt; each prefill rank counts its own), and prefill counted
     its room's request once."""
     assert _state_failures(cluster) - before_failures == cluster.tp["prefill"]
-    last = {}
-
-    def once():
-        last["d"] = delta(before_ends, cluster_end_causes(cluster, ("prefill",)))
-        return last["d"] == PREFILL_FAILED_ONCE
-
-    wait_until(once, 10.0, "prefill's end-cause counter to move once", on_timeout=lambda: f"delta {last.get('d')}")
+    wait_end_causes(cluster, before_ends, PREFILL_FAILED_ONCE, roles=("prefill",))
 
 
 def _after(cluster, baseline: dict, text: str, calm: dict, rid: str) -> None:
@@ -172,7 +158,7 @@ def test_behind_the_gateway_a_recovered_request_answers_decode_s_text(cluster, g
     baseline = assert_idle(cluster, PD_ROLES)
     text = prompts(8)[5 if stream else 4]
     calm = _calm(cluster, text)
-    before, failures, ends = _charged(gateway), _state_failures(cluster), cluster_end_causes(cluster, ("prefill",))
+    before, failures, ends = gateway.charged(), _state_failures(cluster), cluster_end_causes(cluster, ("prefill",))
     rid = f"{ONCE}gw-{'s' if stream else 'ns'}-1"
     if stream:
         payload = {"text": text, "rid": rid, "stream": True,
@@ -184,7 +170,7 @@ def test_behind_the_gateway_a_recovered_request_answers_decode_s_text(cluster, g
         assert got["status"] == 200 and got["output_ids"] == calm["output_ids"], (got, calm)
         recovery = got["meta"]["recovery"]
     assert recovery == {"attempts": 1, "cause": "chunk_failure"}, recovery
-    assert _charged(gateway) == before, (before, _charged(gateway))  # answered by the first room's decode: no retry
+    assert gateway.charged() == before, (before, gateway.charged())  # answered by the first room's decode: no retry
     _failed_once(cluster, failures, ends)
     _after(cluster, baseline, text, calm, f"calm-after-state-{rid}")
-    assert _charged(gateway) == before, (before, _charged(gateway))
+    assert gateway.charged() == before, (before, gateway.charged())

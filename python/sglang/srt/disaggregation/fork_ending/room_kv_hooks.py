@@ -153,17 +153,15 @@ def around_record_failure(original, mgr, bootstrap_room, failure_reason, *args, 
         failure_reason = recomputing.reason  # the re-send's failure, not a client's abort
     if ledger is None:
         result = original(mgr, bootstrap_room, failure_reason, *args, **kwargs)
-        if decode:
-            room_ledger.forget_failure_if_cleared(mgr, bootstrap_room)
-        return result
-    # upstream's record_failure takes the failure lock itself: the old record's cause goes first (a reader meanwhile
-    # finds none and reads the text), the new record's cause is kept once it is written
-    with mgr.failure_lock:
-        ledger.keep_told(bootstrap_room, None)
-    result = original(mgr, bootstrap_room, failure_reason, *args, **kwargs)
-    with mgr.failure_lock:
-        if mgr.failure_records.get(bootstrap_room) == failure_reason:
-            ledger.keep_told(bootstrap_room, attached.told, failure_reason)
+    else:
+        # upstream's record_failure takes the failure lock itself: the old record's cause goes first (a reader
+        # meanwhile finds none and reads the text), the new record's cause is kept once it is written
+        with mgr.failure_lock:
+            ledger.keep_told(bootstrap_room, None)
+        result = original(mgr, bootstrap_room, failure_reason, *args, **kwargs)
+        with mgr.failure_lock:
+            if mgr.failure_records.get(bootstrap_room) == failure_reason:
+                ledger.keep_told(bootstrap_room, attached.told, failure_reason)
     if decode:
         room_ledger.forget_failure_if_cleared(mgr, bootstrap_room)
     return result
