@@ -1,7 +1,8 @@
 """A decode scaled in behind the production Rust gateway: 1 prefill + 2 decodes, decode 1 removed the way an
 autoscaler does it (`DELETE /workers/{id}`, then SIGTERM), then a burst larger than decode 2 admits at once (its
 `--max-running-requests` is small), so requests wait in decode 2's prealloc queue for seconds before their
-handshake reaches prefill.
+handshake reaches prefill. The burst is sized to the machine (`burst_size`, at least 24) so its last requests wait
+twice the rule's timeout whatever the machine's speed.
 
 The lost-decode handshake rule (lost_handshake.before_pop_bootstrapped) ends a prefill request whose handshake has not
 come 5 s after a decode was lost; decode 2 claims each request as it enters its prealloc queue, so the rule leaves
@@ -15,7 +16,8 @@ Outcomes for the same calls:
   this test on that code: 23 of 24 after the gateway's retries, 1 answered 503 "No available prefill workers (all
   circuits open or unhealthy)", the rule fired 28 times; decode 1 stayed in prefill's lost table for good;
 - the fork: 24 of 24 with the control server's text in 16 s, prefill ended nothing, the gateway charged nothing;
-  decode 1 forgotten by prefill 21.7 s after its loss (bound 29 s); at TP 2 (make test-tp) the burst takes longer
+  decode 1 forgotten by prefill 21.7 s after its loss (bound 29 s); sized to the machine (one request alone 0.58 s):
+  58 of 58 in 17 s, decode 1 forgotten 22.0 s after its loss; at TP 2 (make test-tp) the burst takes longer
   (56 s on the loaded box) and decode 1 is forgotten at the same time (the test times it while the burst runs).
 
 The mini LB cannot be used for this: it takes its decodes on its command line and has no way to remove one (it keeps
@@ -47,7 +49,9 @@ ENV = {
     "SGLANG_FORK_DEPARTED_DECODE_AFTER": str(DEPARTED_AFTER),
 }
 DECODE2_RUNNING = 2  # decode 2's --max-running-requests: the burst waits for its preallocation
-N_BURST = 24
+MIN_BURST = 24
+WAIT_MARGIN = 2.0  # the burst is sized so its last request waits this many times HANDSHAKE_TIMEOUT + 3 s
+MAX_BURST = 160
 MAX_NEW_TOKENS = 256
 BURST_BOUND_S = 240.0  # generous for a loaded 2-core machine
 DECODES = ("decode", "decode2")
@@ -107,6 +111,15 @@ class _ForgetWatch(threading.Thread):
         self.forgotten_s = time.monotonic() - self.since
 
 
+def burst_size(one_request_s: float) -> int:
+    """Requests in the burst: enough that, decode 2 taking DECODE2_RUNNING at a time and each taking about
+    `one_request_s` (one request alone, measured on this machine), the last ones wait in decode 2's prealloc queue
+    WAIT_MARGIN times longer than the rule's timeout (+3 s of their own time). A fixed count made the rule's
+    precondition depend on the machine's speed: 24 requests at 2 running took 7.1 s on a fast runner."""
+    rounds = -(-WAIT_MARGIN * (HANDSHAKE_TIMEOUT + 3) // one_request_s) + 1
+    return int(min(MAX_BURST, max(MIN_BURST, DECODE2_RUNNING * rounds)))
+
+
 def test_a_decode_scaled_in_leaves_the_other_decode_s_requests_alone(scale_in):
     cluster, single = scale_in
     gateway = cluster.gateway
@@ -130,14 +143,21 @@ def test_a_decode_scaled_in_leaves_the_other_decode_s_requests_alone(scale_in):
     watch = _ForgetWatch(cluster, t_lost, bound + 30)
     watch.start()
 
+    # One request alone through decode 2, three times, for the burst's size (the quickest: the burst's larger).
+    alone = [generate_concurrently(cluster.url, prompts(1), max_new_tokens=MAX_NEW_TOKENS)[0] for _ in range(3)]
+    assert all(r["status"] == 200 for r in alone), [(r["status"], r["error"]) for r in alone]
+    one = min(r["latency"] for r in alone)
+    n_burst = burst_size(one)
+
     charged = gateway.failures()
     ended = end_causes(cluster.metrics("prefill"))
-    texts = prompts(N_BURST)
+    texts = prompts(n_burst)
     t0 = time.monotonic()
     results = generate_concurrently(cluster.url, texts, max_new_tokens=MAX_NEW_TOKENS, timeout=BURST_BOUND_S)
     burst_s = time.monotonic() - t0
     reference = generate_concurrently(single.url, texts, max_new_tokens=MAX_NEW_TOKENS)
-    print(f"burst of {N_BURST} through decode 2 (max running {DECODE2_RUNNING}): {burst_s:.1f}s; "
+    print(f"one request alone {one:.2f}s; burst of {n_burst} through decode 2 (max running {DECODE2_RUNNING}): "
+          f"{burst_s:.1f}s; "
           f"latencies {sorted(round(r['latency'], 1) for r in results)}")
 
     # What the client saw: every request completed, with the control server's text.
