@@ -15,10 +15,10 @@ demo: venv
 test: venv system-deps
 	$(VPY) -m pytest -ra --durations=25 --timeout=1200 test/srt
 
-# The lifecycle model's long run (test/srt/model): random examples for MODEL_SECONDS (default 1800 s),
-# printing steps and steps/s; `make test` runs its deterministic tier.
+# The models' long runs (test/srt/model): random examples for MODEL_SECONDS (default 1800 s) each, the lifecycle model
+# then the pair model, printing steps; `make test` runs their deterministic tiers.
 test-model: venv
-	MODEL_PROFILE=long $(VPY) -m pytest -ra -s --timeout=0 test/srt/model/test_lifecycle_model.py
+	MODEL_PROFILE=long $(VPY) -m pytest -ra -s --timeout=0 test/srt/model/test_lifecycle_model.py test/srt/model/test_pair_model.py
 
 # Every end-to-end scenario on every multi-rank topology (TP 2 + TP 2, prefill TP 2 +
 # decode TP 1); `make test` runs the pick of them not marked tp_matrix. docs/multi-rank.md: how long.

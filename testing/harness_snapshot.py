@@ -24,6 +24,8 @@ class Snapshot:
     metadata_held: int
     queues: Tuple[Tuple[str, int], ...]
     rooms: Tuple[int, ...]  # rooms the transfer manager still tracks
+    # the kv manager's per-room tables (pd_resource_report.room_tables: failure records, transfer infos, ...), sizes
+    room_tables: Tuple[Tuple[str, int], ...] = ()
     # the fork's per-room tables that are empty when idle (pd_resource_report.fork_tables, `fork_tables_held`)
     fork: Tuple[Tuple[str, int], ...] = ()
 
@@ -32,6 +34,7 @@ class Snapshot:
         d.pop("kv_evictable")
         d["queues"] = dict(self.queues)
         d["fork"] = dict(self.fork)
+        d["room_tables"] = dict(self.room_tables)
         return d
 
     def diff(self, other: "Snapshot") -> Dict[str, Tuple[Any, Any]]:

@@ -34,7 +34,8 @@ through `pd_resource_report.build_report`) hold nothing: queues, KV, slots, per-
 Time is the fork's `engine_clock` on a scripted monotonic source the model advances (`ScriptedTime`).
 
 What this tier does not drive: the transfer backend's own threads (the fake backend is scripted per room; thread
-interleavings such as the bootstrap thread's abort racing sender creation need the mooncake pair), the tokenizer
+interleavings such as the bootstrap thread's abort racing sender creation need the mooncake pair: the pair model,
+testing/pair_model.py, drives arrivals, passes, failed writes and aborts over it), the tokenizer
 (its pause gate, release tags; of its output path only recovery's decision), peer liveness (a peer lost / silent / back), scale in/out, weight updates, health
 probes, more than one rank.
 

@@ -387,6 +387,20 @@ class _Worker:
         """How many KV chunks prefill handed to the transfer engine for the room."""
         return self.sent_chunks.get(room, 0)
 
+    def answers(self, rooms: list) -> dict:
+        """Per room of `rooms` this side has: [final answers given, the last one's finish reason (None: none yet),
+        transferred (decode: waiting to run; prefill: False)], in one call (the pair model reads every room after
+        every step)."""
+        waiting = self.h.waiting if self.role == "decode" else ()
+        out = {}
+        for room in rooms:
+            req = self.reqs.get(room)
+            if req is None:
+                continue
+            finals = [s for s in self.h.outputs.of(req.rid) if s.finished]
+            out[room] = [len(finals), finals[-1].reason if finals else None, req in waiting]
+        return out
+
     def finals(self, room: int) -> int:
         """How many final answers the room's request got (exactly one when it ended)."""
         return sum(1 for s in self.h.outputs.of(self.reqs[room].rid) if s.finished)
@@ -429,7 +443,21 @@ class _Worker:
             mgr._transfer_data = original
             raise RuntimeError("injected transfer engine error")
 
-        mgr._transfer_data = broken
+        mgr._transfer_data = self._broken = broken
+        self._unbroken = original
+
+    def transfer_break_armed(self) -> bool:
+        """Whether `break_transfer_engine_once` still waits for a transfer to take it."""
+        broken = getattr(self, "_broken", None)
+        return broken is not None and self.h.kv_manager.__dict__.get("_transfer_data") is broken
+
+    def disarm_transfer_break(self) -> bool:
+        """Undo `break_transfer_engine_once` if no transfer took it yet; whether one had not."""
+        armed = self.transfer_break_armed()
+        if armed:
+            self.h.kv_manager._transfer_data = self._unbroken  # what it was before the break
+        self._broken = None
+        return armed
 
 
 # Test-only: "module.Class.attr" renamed to attr + "_renamed" in the child before

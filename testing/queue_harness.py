@@ -186,6 +186,8 @@ class _Harness:
                 output_streamer=self.outputs,
                 ipc_channels=SimpleNamespace(send_to_tokenizer=self.outputs),
                 disaggregation_mode=self.mode,
+                transfer_backend=self.transfer_backend,  # Scheduler.init_disaggregation's
+                idle_sleeper=None,  # Scheduler.init_idle_sleeper's when it has no sockets to wait on
                 running_batch=SimpleNamespace(reqs=[], is_empty=lambda: True),  # the harness runs no decode batch
                 metrics_collector=self.counters,
                 metrics_reporter=SimpleNamespace(
@@ -308,6 +310,7 @@ class _Harness:
                 metadata_held=metadata["total"] - metadata["free"],
                 queues=tuple(self._queue_lengths().items()),
                 rooms=tuple(sorted(self.kv_manager.request_status)),
+                room_tables=tuple(sorted(pd_resource_report.room_tables(self.kv_manager).items())),
                 fork=tuple(sorted(fork_tables_held(pd_resource_report.fork_tables(self.kv_manager)).items())),
             )
 

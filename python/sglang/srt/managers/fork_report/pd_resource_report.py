@@ -35,7 +35,9 @@ def slots(allocator) -> Optional[Dict[str, int]]:
     return {"free": int(allocator.available_size()), "total": int(total)}
 
 
-def _room_tables(kv_manager) -> Dict[str, int]:
+def room_tables(kv_manager) -> Dict[str, int]:
+    """The kv manager's per-room tables, each one's size (the report's `transfer_rooms`; the queue harness's snapshot
+    counts them too): every one is empty when the server is idle."""
     tables = pd_queues.table_sizes(kv_manager, KV_MANAGER_ROOM_TABLES)
     tables["fork_end_causes"] = request_end_cause.tagged_rooms(kv_manager)  # the fork's, until each end is counted
     rooms_by_addr = getattr(kv_manager, "addr_to_rooms_tracker", None)  # decode's only (a report: what it has)
@@ -85,7 +87,7 @@ def build_report(scheduler) -> Dict[str, Any]:
         "metadata_slots": slots(None if mode.value == "null"
                                 else fork_touch.upstream(scheduler, "req_to_metadata_buffer_idx_allocator")),
         "queues": pd_queues.lengths(scheduler),
-        "transfer_rooms": None if kv_manager is None else _room_tables(kv_manager),
+        "transfer_rooms": None if kv_manager is None else room_tables(kv_manager),
         "hooks_applied": hooks_applied(),
         # fork_plugin.SWAPS made on this scheduler's kv manager (and its transfer engine), each still in place
         "swaps_applied": fork_touch.manager_swaps_applied(kv_manager, mode.value),
