@@ -444,20 +444,11 @@ class _Worker:
             raise RuntimeError("injected transfer engine error")
 
         mgr._transfer_data = self._broken = broken
-        self._unbroken = original
 
     def transfer_break_armed(self) -> bool:
         """Whether `break_transfer_engine_once` still waits for a transfer to take it."""
         broken = getattr(self, "_broken", None)
         return broken is not None and self.h.kv_manager.__dict__.get("_transfer_data") is broken
-
-    def disarm_transfer_break(self) -> bool:
-        """Undo `break_transfer_engine_once` if no transfer took it yet; whether one had not."""
-        armed = self.transfer_break_armed()
-        if armed:
-            self.h.kv_manager._transfer_data = self._unbroken  # what it was before the break
-        self._broken = None
-        return armed
 
 
 # Test-only: "module.Class.attr" renamed to attr + "_renamed" in the child before

@@ -24,7 +24,8 @@ After every step (`check`), each copy (prefill's, decode's) that has an answer:
 Decode completes a request only with the bytes prefill sent (checked before it finishes).
 
 At quiescence (`settle`, the machine's teardown: both servers continue, every late copy arrives, both schedulers run,
-decode finishes what it received): every copy answered exactly once; a request no abort or release reached is
+decode finishes what it received; a break no write took yet is taken by one more calm request, so none outlives its
+example): every copy answered exactly once; a request no abort or release reached is
 answered the same on both sides (calm: a completion, or the worker's 500 if it was exposed to a break; a failed chunk:
 500 naming it); and both sides hold what they held before the example (queues, KV, slots, metadata, rooms, the
 kv manager's per-room tables, the fork's per-room tables: `pd_checks.pair_snapshots`).
@@ -54,7 +55,7 @@ KINDS = ("calm", "kv", "aux", "state")
 FAULTS = "kv:rid=fail-kv-,aux:rid=fail-aux-,state:rid=fail-state-"
 REASON = {"kv": "Failed to send kv chunk", "aux": "Failed to send aux data", "state": "Failed to send state components"}
 # A failed write leaves decode's pages held until prefill acks a drain or this passes (upstream's deferred release).
-RELEASE_ENV = {"SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT": "3"}
+RELEASE_ENV = {"SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT": "1"}
 SIZES = dict(kv_tokens=2048, req_slots=12, metadata_slots=12, max_context_len=64, state_component=True)
 MAX_ROOMS = 8  # requests per example (the slots above hold them all at once)
 ARRIVALS = ("prefill first", "decode first", "prefill alone", "decode alone")
@@ -231,8 +232,8 @@ class PairMachine(RuleBasedStateMachine):
             for side in r.release_pending:
                 assert r.answered(side), f"{side}'s release left {r.rid} (room {r.room}) unanswered: {r.seen}"
             r.release_pending.clear()
-        failed_workers = [r.rid for r in self.rooms.values() for side in SIDES
-                          if side == "prefill" and WORKER_ERROR in str((r.seen.get(side, [0, None])[1] or {}).get("message"))]
+        failed_workers = [r.rid for r in self.rooms.values()
+                          if WORKER_ERROR in str((r.seen.get("prefill", [0, None])[1] or {}).get("message"))]
         assert len(failed_workers) <= self.breaks, f"{failed_workers} failed by {self.breaks} worker break(s)"
 
     def _finish(self, r: Room) -> None:
@@ -246,7 +247,8 @@ class PairMachine(RuleBasedStateMachine):
     @rule(kind=st.sampled_from(KINDS), arrival=st.sampled_from(ARRIVALS), prompt_len=st.integers(4, 40))
     def arrive(self, kind: str, arrival: str, prompt_len: int) -> None:
         """A request: both copies (either first), or one now and the other later (`arrive_late`)."""
-        r = self.rooms[room] = Room(room := self.pair.new_room(), kind, prompt_len)
+        r = Room(self.pair.new_room(), kind, prompt_len)
+        self.rooms[r.room] = r
         self.step(f"arrive {r.rid}, {arrival}, prompt {prompt_len}")
         r.exposed = self.break_armed
         first = "decode" if arrival.startswith("decode") else "prefill"
@@ -312,10 +314,10 @@ class PairMachine(RuleBasedStateMachine):
 
     @rule(side=st.sampled_from(SIDES))
     def release(self, side: str) -> None:
-        """A release of a paused server's memory (`release_memory_occupation`): everything queued there ends at once
-        as the release's abort, and its peer copies are told."""
-        if not self.paused[side]:
-            return
+        """A release of one server's memory (`release_memory_occupation`, after `pause_generation` as RL frameworks
+        call them: the server is paused first if it is not): everything queued there ends at once as the release's
+        abort, and its peer copies are told."""
+        self.pause(side)
         self.step(f"{side} releases")
         self.seen[f"release on {side}"] += 1
         for r in self.rooms.values():
@@ -357,13 +359,16 @@ class PairMachine(RuleBasedStateMachine):
     def answers_hold(self) -> None:
         PairMachine.total_steps += 1
         self.read()
-        if self.break_armed and not self.call("prefill", "transfer_break_armed"):
-            self.break_armed = False
-            self.seen["transfer worker break taken"] += 1
+        self.note_break_taken()
         try:
             self.check()
         except AssertionError as e:
             raise self.failed(e) from e
+
+    def note_break_taken(self) -> None:
+        if self.break_armed and not self.call("prefill", "transfer_break_armed"):
+            self.break_armed = False
+            self.seen["transfer worker break taken"] += 1
 
     # -- quiescence --
     def settle(self) -> None:
@@ -373,9 +378,32 @@ class PairMachine(RuleBasedStateMachine):
             for side in SIDES:
                 if not r.arrived[side]:
                     self._add(r, side)
+        self.answer_all()
+        if self.break_armed:  # no write took the break yet: a calm request does (no break outlives its example)
+            r = Room(self.pair.new_room(), "calm", 12, exposed=True)
+            self.rooms[r.room] = r
+            self.step(f"arrive {r.rid}, both, to take the break")
+            for side in SIDES:
+                self._add(r, side)
+            self.answer_all()
+        assert not self.break_armed, "a transfer worker's break that no KV write took"
+        for r in self.rooms.values():
+            if r.abort_reached():
+                continue
+            answers = [answer_of(r.seen[s][1]) for s in SIDES]
+            expected = [[200, 200]] if r.kind == "calm" else [[500, 500]]
+            if r.exposed and r.kind == "calm":
+                expected.append([500, 500])
+            assert answers in expected, f"{r.rid} (room {r.room}) met no abort, yet answered {answers}: {r.seen}"
+        self.pair.run_until(lambda: pair_is_idle(self.pair), timeout=SETTLE_S)
+        assert pair_snapshots(self.pair) == self.pair.idle
+
+    def answer_all(self) -> None:
+        """Both schedulers run, decode finishing what it received, until every copy is answered (bounded)."""
         deadline = time.monotonic() + SETTLE_S
         while True:
             self.read()
+            self.note_break_taken()
             self.check()
             for r in self.finishable():
                 self._finish(r)
@@ -387,18 +415,6 @@ class PairMachine(RuleBasedStateMachine):
                 f"{self.call('prefill', 'snapshot')}, decode {self.call('decode', 'snapshot')}")
             for side in SIDES:
                 self.call(side, "tick")
-        self.call("prefill", "disarm_transfer_break")  # an unused break goes with its example
-        self.break_armed = False
-        for r in self.rooms.values():
-            if r.abort_reached():
-                continue
-            answers = [answer_of(r.seen[s][1]) for s in SIDES]
-            expected = [[200, 200]] if r.kind == "calm" else [[500, 500]]
-            if r.exposed and r.kind == "calm":
-                expected.append([500, 500])
-            assert answers in expected, f"{r.rid} (room {r.room}) met no abort, yet answered {answers}: {r.seen}"
-        self.pair.run_until(lambda: pair_is_idle(self.pair), timeout=SETTLE_S)
-        assert pair_snapshots(self.pair) == self.pair.idle
 
     def teardown(self) -> None:
         try:
