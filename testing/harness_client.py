@@ -55,12 +55,16 @@ class Outputs:
         """Status an abort carries (None if it carries none); 200 for a normal finish;
         None while unfinished."""
         final = self.final(rid)
-        if final is None:
-            return None
-        if final.reason and final.reason.get("type") == "abort":
-            code = final.reason.get("status_code")
-            return None if code is None else int(code)
-        return 200
+        return None if final is None else reason_status(final.reason)
+
+
+def reason_status(reason: Optional[dict]) -> Optional[int]:
+    """The status a final finish reason answers with: 200 for a normal finish, the status an abort carries, None for
+    an abort that carries none (upstream's client abort)."""
+    if reason and reason.get("type") == "abort":
+        code = reason.get("status_code")
+        return None if code is None else int(code)
+    return 200
 
 
 class Counters:

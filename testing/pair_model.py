@@ -48,7 +48,8 @@ from typing import Any, Dict, List, Optional
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from testing.pd_checks import pair_is_idle, pair_snapshots
+from testing.harness_client import reason_status
+from testing.pd_checks import assert_pair_serves, pair_is_idle, pair_snapshots
 
 SIDES = ("prefill", "decode")
 KINDS = ("calm", "kv", "aux", "state")
@@ -68,10 +69,8 @@ ABORT = "abort"  # upstream's client-abort answer: finish_reason abort, no statu
 
 def answer_of(reason: Optional[dict]) -> Any:
     """A final finish reason as the model judges it: 200 (a completion), ABORT, or the status an abort carries."""
-    if reason is None or reason.get("type") != "abort":
-        return 200
-    code = reason.get("status_code")
-    return ABORT if code is None else int(code)
+    code = reason_status(reason)
+    return ABORT if code is None else code
 
 
 @dataclasses.dataclass
@@ -97,8 +96,9 @@ class Room:
     def answered(self, side: str) -> bool:
         return bool(self.seen.get(side, [0])[0])
 
-    def transferred(self, side: str = "decode") -> bool:
-        return bool(self.seen.get(side, [0, None, False])[2])
+    def transferred(self) -> bool:
+        """Decode received its KV and waits to run it."""
+        return bool(self.seen.get("decode", [0, None, False])[2])
 
     def abort_reached(self) -> bool:
         """A client abort or a release reached it: upstream's abort answer is allowed (on both sides: the peer is
@@ -131,10 +131,7 @@ class Pairs:
                                      decode_env=RELEASE_ENV, **SIZES)
             self.pair.idle = pair_snapshots(self.pair)
             # one request first: decode learns prefill's info, as in a serving deployment
-            room = self.pair.submit(prompt_len=12)
-            self.pair.run_until(lambda: self.pair.decode.call("transferred", room)
-                                and self.pair.prefill.call("final_reason", room) is not None, timeout=60)
-            self.pair.decode.call("finish", room)
+            assert_pair_serves(self.pair, [self.pair.submit(prompt_len=12)])
         self.dirty = True  # until the example's teardown reaches quiescence
         return self.pair
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, Mapping, Optional, Tuple
 
 from testing.harness_snapshot import fork_tables_held
-from testing.http_client import stream_events
+from testing.http_client import post_stream, stream_events
 from testing.pd_cluster import HOST, PD_ROLES, generate, http_get, http_post_json, metric_sum, prompts, wait_until
 
 IDLE_TIMEOUT = 60.0
@@ -352,6 +352,20 @@ def judge_completed_stream(status: int, body: str, text: Optional[str] = None) -
     if text is not None:
         assert events[-1]["text"] == text, (events[-1], text)
     return events[-1]
+
+
+def recovered_stream(url: str, text: str, rid: str, calm_text: str, cause: str, max_new_tokens: int) -> float:
+    """Stream `text` greedily under `rid` from `url` and check the recovered stream: a completed stream
+    (`judge_completed_stream`) of the calm control's text, its `meta_info.recovery` one attempt for `cause`; the seconds
+    it took."""
+    payload = {"text": text, "rid": rid, "stream": True,
+               "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens}}
+    t0 = time.monotonic()
+    status, body = post_stream(url + "/generate", payload)
+    took = time.monotonic() - t0
+    last = judge_completed_stream(status, body, calm_text)
+    assert last["meta_info"]["recovery"] == {"attempts": 1, "cause": cause}, last["meta_info"]
+    return took
 
 
 # The test-hosts partition tests' deployment and bounds (each bound is what its mechanism allows plus MARGIN).

@@ -35,8 +35,7 @@ from dataclasses import dataclass
 import pytest
 
 from conftest import FP32, TP2, topology_params
-from testing.http_client import post_stream
-from testing.pd_checks import (PD_ROLES, assert_idle, cluster_end_causes, delta, judge_completed_stream,
+from testing.pd_checks import (PD_ROLES, assert_idle, cluster_end_causes, delta, recovered_stream,
                                wait_end_causes)
 from testing.polling import wait_until
 from testing.pd_cluster import Gateway, PDCluster, SingleServer, generate, metric_sum, prompts
@@ -127,20 +126,6 @@ def gateway(deployment):
     POST /workers."""
     with Gateway.fronting(deployment[0]) as gw:
         yield gw
-
-
-def _recovered_stream(url: str, text: str, rid: str, calm: dict, cause: str) -> float:
-    """Stream `text` under `rid` from `url` and check the recovered stream: 200, ended with [DONE], exactly one finish
-    and it no abort, no error event, the calm control's text, `meta_info.recovery` naming `cause`; the seconds it
-    took."""
-    payload = {"text": text, "rid": rid, "stream": True,
-               "sampling_params": {"temperature": 0.0, "max_new_tokens": MAX_NEW_TOKENS}}
-    t0 = time.monotonic()
-    status, body = post_stream(url + "/generate", payload)
-    took = time.monotonic() - t0
-    last = judge_completed_stream(status, body, calm["text"])
-    assert last["meta_info"]["recovery"] == {"attempts": 1, "cause": cause}
-    return took
 
 
 def _calm(single, text):
@@ -235,7 +220,7 @@ def test_a_transfer_failed_before_the_first_token_is_recovered_streaming(deploym
     text = prompts(12)[PROMPT[kind] + 1]
     calm = _calm(single, text)
     timeouts = _timeouts(cluster)
-    took = _recovered_stream(cluster.url, text, f"{cause.once}s-1", calm, cause.cause)
+    took = recovered_stream(cluster.url, text, f"{cause.once}s-1", calm["text"], cause.cause, MAX_NEW_TOKENS)
     assert cause.earliest <= took < RECOVERED_WITHIN_S, took
     _deadline_fired(kind, cluster, timeouts)
     assert_idle(cluster, PD_ROLES, baseline=baseline, timeout=60)
@@ -314,8 +299,8 @@ def test_behind_the_gateway_a_recovered_stream_has_one_finish_and_no_abort(deplo
     text = GATEWAY_PROMPTS[kind][1]
     calm = _calm(single, text)
     before, ended, timeouts = gateway.charged(), cluster_end_causes(cluster, ("prefill",)), _timeouts(cluster)
-    took = _through(cluster, kind, lambda: _recovered_stream(gateway.url, text, f"{cause.once}gw-s-{kind}", calm,
-                                                             cause.cause))
+    took = _through(cluster, kind, lambda: recovered_stream(gateway.url, text, f"{cause.once}gw-s-{kind}", calm["text"],
+                                                            cause.cause, MAX_NEW_TOKENS))
     assert gateway.charged() == before, (before, gateway.charged())
     assert cause.earliest <= took < RECOVERED_WITHIN_S, took
     _deadline_fired(GATEWAY_KINDS[kind], cluster, timeouts)

@@ -27,8 +27,7 @@ import time
 
 import pytest
 
-from testing.http_client import post_stream
-from testing.pd_checks import PD_ROLES, assert_idle, cluster_end_causes, judge_completed_stream, wait_end_causes
+from testing.pd_checks import PD_ROLES, assert_idle, cluster_end_causes, recovered_stream, wait_end_causes
 from testing.pd_cluster import Gateway, PDCluster, generate, metric_sum, prompts
 from testing.tiny_model import ensure_tiny_model
 
@@ -48,6 +47,7 @@ SWA_ARGS = (*FP32, "--swa-full-tokens-ratio", "1.0")
 # a recovered request: its failed attempt (a scheduler tick or two on each side) plus a calm one
 RECOVERED_WITHIN_S = 30.0
 CHUNK_FAILURES = "sglang:pd_transfer_chunk_failures_total"
+CAUSE = "chunk_failure"  # recovery's cause for a failed chunk write (meta_info.recovery)
 SWA_POOL_LOGGED = "SWA KV Cache is allocated"  # upstream's start-up line for a sliding-window pool
 PREFILL_FAILED_ONCE = {("prefill", "transport", "prefill_inflight"): 1}
 
@@ -113,7 +113,7 @@ def test_a_failed_state_chunk_is_recovered_non_streaming(cluster):
     took = time.monotonic() - t0
     assert got["status"] == 200, got
     assert got["text"] == calm["text"] and got["output_ids"] == calm["output_ids"], (got, calm)
-    assert got["meta"]["recovery"] == {"attempts": 1, "cause": "chunk_failure"}, got["meta"]
+    assert got["meta"]["recovery"] == {"attempts": 1, "cause": CAUSE}, got["meta"]
     assert took < RECOVERED_WITHIN_S, took
     _failed_once(cluster, failures, ends)
     _after(cluster, baseline, text, calm, "calm-after-state-ns")
@@ -124,13 +124,7 @@ def test_a_failed_state_chunk_is_recovered_streaming(cluster):
     text = prompts(8)[2]
     calm = _calm(cluster, text)
     failures, ends = _state_failures(cluster), cluster_end_causes(cluster, ("prefill",))
-    payload = {"text": text, "rid": f"{ONCE}s-1", "stream": True,
-               "sampling_params": {"temperature": 0.0, "max_new_tokens": MAX_NEW_TOKENS}}
-    t0 = time.monotonic()
-    status, body = post_stream(cluster.url + "/generate", payload)
-    took = time.monotonic() - t0
-    last = judge_completed_stream(status, body, calm["text"])
-    assert last["meta_info"]["recovery"] == {"attempts": 1, "cause": "chunk_failure"}, last["meta_info"]
+    took = recovered_stream(cluster.url, text, f"{ONCE}s-1", calm["text"], CAUSE, MAX_NEW_TOKENS)
     assert took < RECOVERED_WITHIN_S, took
     _failed_once(cluster, failures, ends)
     _after(cluster, baseline, text, calm, "calm-after-state-s")
@@ -161,15 +155,11 @@ def test_behind_the_gateway_a_recovered_request_answers_decode_s_text(cluster, g
     before, failures, ends = gateway.charged(), _state_failures(cluster), cluster_end_causes(cluster, ("prefill",))
     rid = f"{ONCE}gw-{'s' if stream else 'ns'}-1"
     if stream:
-        payload = {"text": text, "rid": rid, "stream": True,
-                   "sampling_params": {"temperature": 0.0, "max_new_tokens": MAX_NEW_TOKENS}}
-        last = judge_completed_stream(*post_stream(gateway.url + "/generate", payload), calm["text"])
-        recovery = last["meta_info"]["recovery"]
+        recovered_stream(gateway.url, text, rid, calm["text"], CAUSE, MAX_NEW_TOKENS)
     else:
         got = generate(gateway.url, text, max_new_tokens=MAX_NEW_TOKENS, rid=rid)
         assert got["status"] == 200 and got["output_ids"] == calm["output_ids"], (got, calm)
-        recovery = got["meta"]["recovery"]
-    assert recovery == {"attempts": 1, "cause": "chunk_failure"}, recovery
+        assert got["meta"]["recovery"] == {"attempts": 1, "cause": CAUSE}, got["meta"]
     assert gateway.charged() == before, (before, gateway.charged())  # answered by the first room's decode: no retry
     _failed_once(cluster, failures, ends)
     _after(cluster, baseline, text, calm, f"calm-after-state-{rid}")
